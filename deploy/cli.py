@@ -1,0 +1,149 @@
+"""The ``switchyard`` command: ``up``, ``gateway``, ``worker``, ``migrate``, ``models``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from shared.config import SwitchyardConfig
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, help="state directory (JetStream store, Postgres data, model cache)")
+    p.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
+    p.add_argument("--database-url", help="use this Postgres instead of an embedded one")
+    p.add_argument("--log-level", default=os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO"))
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="registry name (smollm2) or a local Hugging Face model directory")
+    p.add_argument("--served-model-name", help="the name clients use in the `model` field")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu or cuda")
+    p.add_argument("--max-num-seqs", type=int, help="requests a worker runs at once")
+
+
+def _add_http(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+
+
+def load_config(args: argparse.Namespace) -> SwitchyardConfig:
+    """Environment first, then flags: a flag given on the command line always wins."""
+    config = SwitchyardConfig()
+    for flag, attr in (("data_dir", "data_dir"), ("nats_url", "nats_url"), ("database_url", "database_url")):
+        if getattr(args, flag, None) is not None:
+            setattr(config, attr, getattr(args, flag))
+    worker_fields = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype",
+                     "device": "device", "max_num_seqs": "max_num_seqs"}
+    worker = {f: getattr(args, a) for a, f in worker_fields.items() if getattr(args, a, None) is not None}
+    gateway = {f: getattr(args, f) for f in ("host", "port") if getattr(args, f, None) is not None}
+    return config.model_copy(update={
+        "worker": config.worker.model_copy(update=worker),
+        "gateway": config.gateway.model_copy(update=gateway),
+    })
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    config = load_config(args)
+    app = create_app(config)
+    uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from workers.main import serve_worker
+
+    config = load_config(args)
+    if not config.nats_url:
+        print("switchyard worker needs --nats-url (or SWITCHYARD_NATS_URL); `switchyard up` starts one.",
+              file=sys.stderr)
+        return 2
+    return serve_worker(config)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from migrations import apply_migrations
+
+    config = load_config(args)
+    if not config.database_url:
+        print("switchyard migrate needs --database-url (or SWITCHYARD_DATABASE_URL).", file=sys.stderr)
+        return 2
+    applied = asyncio.run(apply_migrations(config.database_url))
+    print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from workers import model_store
+
+    config = load_config(args)
+    if args.models_cmd == "pull":
+        path = model_store.pull(args.name, config.model_cache_dir)
+        print(path)
+    else:
+        for name in model_store.REGISTRY:
+            state = "pulled" if model_store.is_pulled(name, config.model_cache_dir) else "not pulled"
+            print(f"{name}\t{state}")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from deploy.up import run_up
+
+    return run_up(load_config(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchyard", description="Self-hosted LLM serving.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("up", help="start everything: NATS, Postgres, migrations, a worker and the gateway")
+    _add_common(p), _add_model(p), _add_http(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("gateway", help="run the HTTP gateway")
+    _add_common(p), _add_http(p)
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("worker", help="run a worker for one model")
+    _add_common(p), _add_model(p)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("migrate", help="apply database migrations")
+    _add_common(p)
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("models", help="list or pull models into the cache")
+    _add_common(p)
+    msub = p.add_subparsers(dest="models_cmd")
+    pull = msub.add_parser("pull", help="download and convert a model once")
+    pull.add_argument("name")
+    msub.add_parser("list", help="known models and whether they are pulled")
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM behaves like Ctrl-C, so every command shuts down through the same cleanup path.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

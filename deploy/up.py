@@ -1,0 +1,82 @@
+"""``switchyard up``: the whole system on one machine.
+
+Order: NATS (embedded unless --nats-url) → Postgres (embedded unless --database-url) → migrations → model pull
+→ worker → gateway → ready banner. Ctrl-C (or SIGTERM) stops everything in reverse order, by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from deploy.launcher import NatsServer, PostgresServer
+from deploy.services import ServiceProcess, wait_until_ready
+from migrations import apply_migrations
+from shared.config import SwitchyardConfig
+from workers import model_store
+from workers.main import served_name
+
+
+def _banner(base_url: str, model: str) -> str:
+    return f"""
+Switchyard is up: {base_url}  (model: {model})
+
+  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "stream": true}}'
+
+  python -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}/v1", api_key="none"); \\
+print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hi!"}}]).choices[0].message.content)'
+
+Press Ctrl-C to stop.
+"""
+
+
+def run_up(config: SwitchyardConfig) -> int:
+    t0 = time.monotonic()
+    data = config.data_dir
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "logs").mkdir(exist_ok=True)
+    stack: list = []  # things to stop, in start order
+    try:
+        if not config.nats_url:
+            nats_server = NatsServer(data / "nats").start()
+            stack.append(nats_server)
+            config.nats_url = nats_server.url
+            print(f"nats      {nats_server.url} (pid {nats_server.pid})", file=sys.stderr)
+        if not config.database_url:
+            pg = PostgresServer(data / "postgres").start()
+            stack.append(pg)
+            config.database_url = pg.url
+            print(f"postgres  {pg.url} (pid {pg.pid})", file=sys.stderr)
+        applied = asyncio.run(apply_migrations(config.database_url))
+        print(f"migrate   {', '.join(applied) if applied else 'up to date'}", file=sys.stderr)
+        model_path = model_store.resolve(config.worker.model, config.model_cache_dir)
+        model = served_name(config)
+        common = ["--data-dir", str(data), "--nats-url", config.nats_url, "--database-url", config.database_url]
+        worker_args = ["worker", *common, "--model", str(model_path), "--served-model-name", model]
+        for flag, value in (("--dtype", config.worker.dtype), ("--device", config.worker.device),
+                            ("--max-num-seqs", config.worker.max_num_seqs)):
+            worker_args += [flag, str(value)]
+        worker = ServiceProcess("worker", worker_args).start()
+        stack.append(worker)
+        gateway = ServiceProcess("gateway", ["gateway", *common, "--host", config.gateway.host,
+                                             "--port", str(config.gateway.port)]).start()
+        stack.append(gateway)
+        base_url = f"http://{config.gateway.host}:{config.gateway.port}"
+        wait_until_ready(base_url, model, timeout_s=300, watch=[worker, gateway])
+        print(_banner(base_url, model))
+        print(f"(started in {time.monotonic() - t0:.1f} s; data in {data})", file=sys.stderr)
+        while all(svc.is_running() for svc in (worker, gateway)):
+            time.sleep(0.5)
+        print("a service exited; stopping everything", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping...", file=sys.stderr)
+        return 0
+    finally:
+        for item in reversed(stack):
+            try:
+                item.stop()
+            except Exception as exc:  # keep stopping the rest: leaving a server behind is worse
+                print(f"could not stop {item}: {exc}", file=sys.stderr)

@@ -1,0 +1,105 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+Handlers turn request validation failures into 400 (never a 422 with a pydantic dump), pass our own
+``OpenAIError`` through, and log anything else with the request path before answering a generic 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.messages import ErrorInfo
+
+log = logging.getLogger("switchyard.gateway")
+
+
+class OpenAIError(Exception):
+    """An error the client should see as-is."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    @classmethod
+    def from_info(cls, info: ErrorInfo, headers: dict[str, str] | None = None) -> "OpenAIError":
+        return cls(info.status, info.message, type=info.type, code=info.code, param=info.param, headers=headers)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist or no worker serves it.",
+        code="model_not_found",
+        param="model",
+    )
+
+
+def service_unavailable(message: str, retry_after_s: int, code: str = "service_unavailable") -> OpenAIError:
+    return OpenAIError(
+        503, message, type="service_unavailable", code=code, headers={"Retry-After": str(retry_after_s)}
+    )
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence and the offending parameter, from pydantic's first error."""
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request body.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "We could not parse the JSON body of your request.", None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    return f"Invalid value for '{param}': {msg}." if param else f"Invalid request body: {msg}.", param
+
+
+_STATUS_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(exc)
+        return OpenAIError(400, message, param=param, code="invalid_request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _STATUS_CODES.get(exc.status_code)
+        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return OpenAIError(500, "The server had an error processing your request.", type="server_error").response()

@@ -1,0 +1,63 @@
+"""Which models are served right now, read from the workers' heartbeats in the ``workers`` KV bucket.
+
+Entries expire with the bucket's TTL, so a dead worker disappears on its own. Reads are cached briefly: a
+request path must not pay a KV scan, and a second of staleness only delays a 404 or its end.
+"""
+
+from __future__ import annotations
+
+import time
+
+from nats.js import JetStreamContext
+from nats.js.errors import BucketNotFoundError, NoKeysError
+from nats.js.api import KeyValueConfig, StorageType
+
+from shared import subjects
+from shared.messages import WorkerInfo, decode
+
+WORKER_TTL_S = 10.0
+_CACHE_S = 1.0
+
+
+async def workers_bucket(js: JetStreamContext):
+    """Open (creating if needed) the KV bucket of worker heartbeats."""
+    try:
+        return await js.key_value(subjects.WORKERS_BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=subjects.WORKERS_BUCKET, ttl=WORKER_TTL_S, storage=StorageType.MEMORY, history=1)
+        )
+
+
+class ModelRegistry:
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self._kv = None
+        self._cached: dict[str, list[WorkerInfo]] = {}
+        self._cached_at = 0.0
+
+    async def models(self, fresh: bool = False) -> dict[str, list[WorkerInfo]]:
+        """Served model name → the live workers serving it."""
+        if not fresh and time.monotonic() - self._cached_at < _CACHE_S:
+            return self._cached
+        if self._kv is None:
+            self._kv = await workers_bucket(self._js)
+        found: dict[str, list[WorkerInfo]] = {}
+        try:
+            keys = await self._kv.keys()
+        except NoKeysError:
+            keys = []
+        for key in keys:
+            entry = await self._kv.get(key)
+            if entry is None or not entry.value:
+                continue
+            info = decode(entry.value, WorkerInfo)
+            found.setdefault(info.model, []).append(info)
+        self._cached, self._cached_at = found, time.monotonic()
+        return found
+
+    async def is_served(self, model: str) -> bool:
+        if model in await self.models():
+            return True
+        # A worker may have started within the cache window: look again before answering 404.
+        return model in await self.models(fresh=True)

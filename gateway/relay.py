@@ -1,0 +1,136 @@
+"""Publish a request to JetStream and relay the worker's token deltas back.
+
+    gateway                      NATS                               worker
+      │ subscribe llm.tok.<id>     │                                   │
+      │ publish llm.req.<m>.<tier> │──── JetStream REQUESTS ──────────▶│ (pull when it can admit)
+      │◀──── llm.tok.<id>: first delta (taken), then one per step ─────│
+      │ llm.cancel.<id> on disconnect ───────────────────────────────▶│
+
+Subscribing before publishing means no delta can be missed, however fast the worker is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from gateway.errors import OpenAIError, service_unavailable
+from shared import subjects
+from shared.jetstream import QUEUE_FULL_CODES
+from shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
+
+# The worker must start a request before its deadline; this margin covers its reply's trip back.
+DEADLINE_GRACE_S = 2.0
+
+
+class RelayedRequest:
+    """One published request: await ``first()``, then iterate the remaining deltas until the final one."""
+
+    def __init__(self, nc: NATS, request: GenerateRequest, sub, stall_timeout_s: float, retry_after_s: int) -> None:
+        self._nc = nc
+        self.request = request
+        self._sub = sub
+        self._stall_timeout_s = stall_timeout_s
+        self._retry_after_s = retry_after_s
+        self._num_finished = 0
+        self.is_finished = False
+
+    async def _next(self, timeout: float) -> TokenDelta:
+        msg = await self._sub.next_msg(timeout=timeout)
+        delta = decode(msg.data, TokenDelta)
+        if delta.finish_reason is not None or delta.error is not None:
+            self._num_finished += 1
+            if self._num_finished >= self.request.sampling.n or delta.error is not None:
+                self.is_finished = True
+        return delta
+
+    async def first(self) -> TokenDelta:
+        """The worker's first message; raises OpenAIError (503) if no worker takes it before the deadline."""
+        timeout = max(0.1, self.request.deadline_at + DEADLINE_GRACE_S - time.time())
+        try:
+            delta = await self._next(timeout)
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            await self.cancel()
+            raise service_unavailable(
+                "No worker took the request before its queue deadline; please retry.",
+                self._retry_after_s,
+                code="queue_timeout",
+            ) from None
+        if delta.error is not None:
+            raise OpenAIError.from_info(delta.error, self._error_headers(delta.error.status))
+        return delta
+
+    def _error_headers(self, status: int) -> dict[str, str]:
+        return {"Retry-After": str(self._retry_after_s)} if status in (429, 503) else {}
+
+    async def deltas(self) -> AsyncIterator[TokenDelta]:
+        """Deltas after the first, ending with the final one(s); a silent worker ends it with an error delta."""
+        while not self.is_finished:
+            try:
+                yield await self._next(self._stall_timeout_s)
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                await self.cancel()
+                self.is_finished = True
+                yield TokenDelta(
+                    request_id=self.request.request_id,
+                    error=ErrorInfo(
+                        "The worker stopped answering; the request was abandoned.",
+                        code="worker_timeout",
+                        type="server_error",
+                        status=503,
+                    ),
+                )
+
+    async def cancel(self) -> None:
+        """Tell the worker to stop (client went away, or we gave up); safe to call more than once."""
+        if self._nc.is_connected:
+            await self._nc.publish(subjects.cancel_subject(self.request.request_id), b"")
+
+    async def close(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except Exception:  # the connection may already be closing; nothing left to release then
+            pass
+
+
+class Relay:
+    """Submits requests; one per gateway process, shared by all handlers."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, stall_timeout_s: float, retry_after_s: int) -> None:
+        self._nc = nc
+        self._js = js
+        self._stall_timeout_s = stall_timeout_s
+        self._retry_after_s = retry_after_s
+
+    async def submit(self, request: GenerateRequest) -> RelayedRequest:
+        """Publish ``request``; raises OpenAIError 429 ``queue_full`` when JetStream refuses it."""
+        sub = await self._nc.subscribe(subjects.token_subject(request.request_id))
+        relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s)
+        try:
+            await self._js.publish(
+                subjects.request_subject(request.model, request.tier),
+                encode(request),
+                headers={"Nats-Msg-Id": request.request_id},
+            )
+        except APIError as exc:
+            await relayed.close()
+            if exc.err_code in QUEUE_FULL_CODES:
+                raise OpenAIError(
+                    429,
+                    f"The {request.tier} tier queue for model `{request.model}` is full; please retry later.",
+                    type="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": str(self._retry_after_s)},
+                ) from None
+            raise
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            await relayed.close()
+            raise service_unavailable("The request queue did not answer; please retry.", self._retry_after_s)
+        return relayed
+

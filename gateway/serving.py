@@ -1,0 +1,187 @@
+"""Chat and text completions: validated body → wire request → relay → OpenAI response or SSE stream.
+
+The request path reads top to bottom: check the model → build the wire request → publish → await the worker's
+first message (so errors such as context_length_exceeded still get their HTTP status) → answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.errors import OpenAIError, model_not_found
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.registry import ModelRegistry
+from gateway.relay import Relay, RelayedRequest
+from shared.config import GatewayConfig
+from shared.messages import GenerateRequest, TokenDelta, Usage
+
+
+@dataclass(slots=True)
+class _Kind:
+    """What differs between chat and text completions in the response shapes."""
+
+    id_prefix: str
+    object_full: str
+    object_chunk: str
+    is_chat: bool
+
+
+CHAT = _Kind("chatcmpl-", "chat.completion", "chat.completion.chunk", True)
+TEXT = _Kind("cmpl-", "text_completion", "text_completion", False)
+
+
+def _usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class CompletionService:
+    def __init__(self, relay: Relay, registry: ModelRegistry, config: GatewayConfig) -> None:
+        self._relay = relay
+        self._registry = registry
+        self._config = config
+
+    async def chat(self, body: ChatCompletionRequest, tier: str | None = None):
+        request = self._wire_request(body, tier, messages=body.wire_messages(), sampling=body.sampling())
+        return await self._serve(request, body.stream, body.include_usage, CHAT)
+
+    async def completion(self, body: CompletionRequest, tier: str | None = None):
+        request = self._wire_request(body, tier, prompt=body.prompt_text, sampling=body.sampling())
+        return await self._serve(request, body.stream, body.include_usage, TEXT)
+
+    def _wire_request(self, body, tier: str | None, **fields) -> GenerateRequest:
+        now = time.time()
+        return GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            model=body.model,
+            tier=tier or self._config.default_tier,
+            created_at=now,
+            deadline_at=now + self._config.queue_timeout_s,
+            **fields,
+        )
+
+    async def _serve(self, request: GenerateRequest, stream: bool, include_usage: bool, kind: _Kind):
+        if not await self._registry.is_served(request.model):
+            raise model_not_found(request.model)
+        relayed = await self._relay.submit(request)
+        try:
+            first = await relayed.first()
+        except BaseException:
+            await relayed.close()
+            raise
+        if stream:
+            return StreamingResponse(
+                self._stream(relayed, first, include_usage, kind),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": request.request_id},
+            )
+        try:
+            return await self._collect(relayed, first, kind)
+        finally:
+            if not relayed.is_finished:
+                await relayed.cancel()
+            await relayed.close()
+
+    async def _all_deltas(self, relayed: RelayedRequest, first: TokenDelta) -> AsyncIterator[TokenDelta]:
+        yield first
+        async for delta in relayed.deltas():
+            yield delta
+
+    async def _collect(self, relayed: RelayedRequest, first: TokenDelta, kind: _Kind) -> JSONResponse:
+        n = relayed.request.sampling.n
+        texts = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        usage = Usage()
+        async for delta in self._all_deltas(relayed, first):
+            if delta.error is not None:
+                raise OpenAIError.from_info(delta.error)
+            texts[delta.index].append(delta.text)
+            if delta.finish_reason is not None:
+                finish[delta.index] = delta.finish_reason
+            if delta.usage is not None:
+                usage = delta.usage
+        choices = []
+        for i in range(n):
+            text = "".join(texts[i])
+            if kind.is_chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            else:
+                choice = {"index": i, "text": text, "logprobs": None}
+            choice["finish_reason"] = finish[i]
+            choices.append(choice)
+        req = relayed.request
+        return JSONResponse(
+            {
+                "id": kind.id_prefix + req.request_id,
+                "object": kind.object_full,
+                "created": int(req.created_at),
+                "model": req.model,
+                "choices": choices,
+                "usage": _usage_json(usage),
+            },
+            headers={"X-Request-Id": req.request_id},
+        )
+
+    async def _stream(
+        self, relayed: RelayedRequest, first: TokenDelta, include_usage: bool, kind: _Kind
+    ) -> AsyncIterator[bytes]:
+        req = relayed.request
+        base = {"id": kind.id_prefix + req.request_id, "object": kind.object_chunk, "created": int(req.created_at),
+                "model": req.model}
+
+        def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+            if kind.is_chat:
+                delta: dict = {"role": "assistant", "content": ""} if role else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            payload = {**base, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            return _sse(payload)
+
+        usage: Usage | None = None
+        try:
+            if kind.is_chat:
+                for i in range(req.sampling.n):
+                    yield chunk(i, None, None, role=True)
+            async for delta in self._all_deltas(relayed, first):
+                if delta.error is not None:
+                    err = OpenAIError.from_info(delta.error)
+                    yield _sse(err.body())
+                    break
+                if delta.text or delta.finish_reason is not None:
+                    # The final delta may carry text too: send it, then the finish on its own chunk like OpenAI.
+                    if delta.text:
+                        yield chunk(delta.index, delta.text, None)
+                    if delta.finish_reason is not None:
+                        yield chunk(delta.index, None, delta.finish_reason)
+                if delta.usage is not None:
+                    usage = delta.usage
+            if include_usage and usage is not None:
+                yield _sse({**base, "choices": [], "usage": _usage_json(usage)})
+            yield _sse("[DONE]")
+        finally:
+            # Reached on normal end, and on client disconnect (the response task is cancelled): a worker still
+            # generating for a gone client must free its slot now.
+            if not relayed.is_finished:
+                await asyncio.shield(relayed.cancel())
+            await relayed.close()

@@ -1,0 +1,72 @@
+"""Moves usage records from the durable USAGE stream into Postgres, exactly once per request id.
+
+A record is acked only after its row is committed, and the insert ignores a request id already present, so a
+redelivery (writer crash, Postgres outage, a second gateway replica) never writes twice and never loses a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+
+import asyncpg
+import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+
+from shared import subjects
+from shared.jetstream import ensure_usage_consumer
+from shared.messages import UsageRecord, decode
+
+log = logging.getLogger("switchyard.usage")
+
+INSERT_SQL = """
+INSERT INTO requests (request_id, model, tier, tenant_id, api_key_id, prompt_tokens, completion_tokens,
+                      cached_tokens, finish_reason, queue_ms, first_token_ms, total_ms, worker_id, created_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+ON CONFLICT (request_id) DO NOTHING
+"""
+
+
+def _row(r: UsageRecord) -> tuple:
+    created = dt.datetime.fromtimestamp(r.created_at, tz=dt.timezone.utc)
+    return (
+        r.request_id, r.model, r.tier, r.tenant_id, r.api_key_id, r.prompt_tokens, r.completion_tokens,
+        r.cached_tokens, r.finish_reason, r.queue_ms, r.first_token_ms, r.total_ms, r.worker_id, created,
+    )
+
+
+async def run_usage_writer(js: JetStreamContext, pool: asyncpg.Pool, stop: asyncio.Event, batch: int = 64) -> None:
+    """Consume until ``stop`` is set. Postgres errors delay records (redelivered later), never drop them."""
+    await ensure_usage_consumer(js)
+    sub = await js.pull_subscribe_bind(subjects.USAGE_CONSUMER, stream=subjects.USAGE_STREAM)
+    try:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(batch=batch, timeout=1.0)
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                continue
+            rows, good = [], []
+            for msg in msgs:
+                try:
+                    rows.append(_row(decode(msg.data, UsageRecord)))
+                    good.append(msg)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    log.error("dropping malformed usage record at seq %s", msg.metadata.sequence.stream)
+                    await msg.term()
+            try:
+                async with pool.acquire() as conn:
+                    await conn.executemany(INSERT_SQL, rows)
+            except (OSError, asyncpg.PostgresError) as exc:
+                log.warning("usage insert failed (%s); %d records will be redelivered", exc, len(good))
+                for msg in good:
+                    await msg.nak(delay=2.0)
+                continue
+            for msg in good:
+                await msg.ack()
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # connection already closing
+            pass

@@ -1,0 +1,1 @@
+"""Wire schemas, subject names, tiers and configuration shared by every Switchyard component."""

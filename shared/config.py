@@ -1,0 +1,72 @@
+"""One validated configuration, split per component.
+
+Values come from defaults, then ``SWITCHYARD_*`` environment variables (nested with ``__``, e.g.
+``SWITCHYARD_GATEWAY__PORT=8080``), then command-line flags applied by the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.tiers import TIER_NAMES
+
+
+def default_data_dir() -> Path:
+    """Where state lives: JetStream store, Postgres data, model cache.
+
+    As root the default is /var/lib/switchyard, because Postgres must run as an unprivileged user that cannot
+    enter root's home directory.
+    """
+    if env := os.environ.get("SWITCHYARD_DATA_DIR"):
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/switchyard")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "switchyard"
+
+
+class GatewayConfig(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    default_tier: str = "pro"
+    # How long a request may wait for a worker to take it before the client gets 503 + Retry-After.
+    queue_timeout_s: float = Field(30.0, gt=0)
+    # How long the gateway waits between two messages of a running request before giving up on the worker.
+    stall_timeout_s: float = Field(60.0, gt=0)
+    retry_after_s: int = Field(5, ge=1)
+    max_request_bytes: int = Field(4 * 1024 * 1024, gt=0)
+
+    @field_validator("default_tier")
+    @classmethod
+    def _known_tier(cls, v: str) -> str:
+        if v not in TIER_NAMES:
+            raise ValueError(f"unknown tier {v!r}; known: {', '.join(TIER_NAMES)}")
+        return v
+
+
+class WorkerConfig(BaseModel):
+    model: str = "smollm2"  # a registry name (see workers.model_store) or a local HF model directory
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 where supported, else float32
+    device: str = "auto"  # auto: cuda when available
+    max_num_seqs: int = Field(16, ge=1)  # requests running at once
+    heartbeat_s: float = Field(3.0, gt=0)
+    torch_threads: int | None = None
+
+
+class SwitchyardConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="ignore")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    nats_url: str | None = None  # None: start an embedded nats-server
+    database_url: str | None = None  # None: start an embedded Postgres
+    gateway: GatewayConfig = GatewayConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+    @property
+    def model_cache_dir(self) -> Path:
+        return self.data_dir / "models"

@@ -1,0 +1,128 @@
+"""Wire messages, encoded as msgpack through msgspec structs.
+
+Every message that crosses a process boundary is defined here and nowhere else. Fields have defaults so that an
+older reader tolerates a newer writer (msgspec ignores unknown fields).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct):
+    """OpenAI sampling semantics; ``temperature == 0`` means greedy."""
+
+    max_tokens: int | None = None  # None: up to the model's context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+
+class GenerateRequest(msgspec.Struct):
+    """Published by the gateway on ``llm.req.<model>.<tier>``.
+
+    Exactly one of ``prompt`` (completions) and ``messages`` (chat; the worker applies the chat template) is set.
+    A worker that takes the request after ``deadline_at`` does not run it and answers ``queue_timeout``.
+    """
+
+    request_id: str
+    model: str
+    tier: str
+    sampling: SamplingParams
+    created_at: float  # unix seconds, when the gateway accepted it
+    deadline_at: float  # unix seconds: start it before this or not at all
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tenant_id: str | None = None
+    api_key_id: str | None = None
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class ErrorInfo(msgspec.Struct):
+    """An OpenAI-shaped error the gateway turns into ``{"error": {...}}`` with ``status``."""
+
+    message: str
+    code: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    status: int = 400
+
+
+class TokenDelta(msgspec.Struct):
+    """Published by the worker on ``llm.tok.<request_id>``: one message per request per engine step.
+
+    The first message (``text == ""``, ``num_tokens == 0``) says the worker took the request. The last one has
+    ``finish_reason`` (stop, length, cancelled, error) and ``usage``; an ``error`` may come instead of any text.
+    """
+
+    request_id: str
+    text: str = ""
+    num_tokens: int = 0
+    index: int = 0  # choice index, for n > 1
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+
+
+class UsageRecord(msgspec.Struct):
+    """Published by the worker on ``llm.usage`` (durable): exactly one row per request id in Postgres."""
+
+    request_id: str
+    model: str
+    tier: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    created_at: float
+    queue_ms: float
+    first_token_ms: float | None
+    total_ms: float
+    cached_tokens: int = 0
+    tenant_id: str | None = None
+    api_key_id: str | None = None
+    worker_id: str | None = None
+
+
+class WorkerInfo(msgspec.Struct):
+    """A worker's heartbeat in the ``workers`` KV bucket: which model it serves and its limits."""
+
+    worker_id: str
+    model: str
+    max_context: int
+    started_at: float
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, type_: type[msgspec.Struct]):
+    """Decode ``data`` as ``type_``; raises ``msgspec.ValidationError``/``DecodeError`` on bad input."""
+    return msgspec.msgpack.decode(data, type=type_)

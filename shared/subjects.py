@@ -1,0 +1,51 @@
+"""Every NATS subject, stream and bucket name, defined once.
+
+| name                       | kind                         | carries                                   |
+|----------------------------|------------------------------|-------------------------------------------|
+| llm.req.<model>.<tier>     | JetStream REQUESTS, workqueue| GenerateRequest                           |
+| llm.tok.<request_id>       | core NATS                    | TokenDelta (one per request per step)     |
+| llm.cancel.<request_id>    | core NATS                    | empty body: stop this request             |
+| llm.usage                  | JetStream USAGE, limits      | UsageRecord (one per finished request)    |
+| KV bucket `workers`        | JetStream KV, TTL            | WorkerInfo, key <model>.<worker_id>       |
+"""
+
+from __future__ import annotations
+
+import re
+
+REQUEST_STREAM = "REQUESTS"
+REQUEST_PREFIX = "llm.req"
+TOKEN_PREFIX = "llm.tok"
+CANCEL_PREFIX = "llm.cancel"
+USAGE_STREAM = "USAGE"
+USAGE_SUBJECT = "llm.usage"
+USAGE_CONSUMER = "usage-writer"
+WORKERS_BUCKET = "workers"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def model_token(model: str) -> str:
+    """Map a served model name to one NATS subject token ('.', '*', '>' and spaces are not allowed)."""
+    return _UNSAFE.sub("_", model)
+
+
+def request_subject(model: str, tier: str) -> str:
+    return f"{REQUEST_PREFIX}.{model_token(model)}.{tier}"
+
+
+def request_consumer(model: str, tier: str) -> str:
+    """Durable pull consumer shared by every worker of ``model`` for one tier."""
+    return f"req-{model_token(model)}-{tier}"
+
+
+def token_subject(request_id: str) -> str:
+    return f"{TOKEN_PREFIX}.{request_id}"
+
+
+def cancel_subject(request_id: str) -> str:
+    return f"{CANCEL_PREFIX}.{request_id}"
+
+
+def worker_key(model: str, worker_id: str) -> str:
+    return f"{model_token(model)}.{worker_id}"

@@ -1,0 +1,53 @@
+"""Worker process entry: resolve and load the model, build the engine, serve until SIGTERM/SIGINT.
+
+On a signal the worker stops pulling new requests, finishes the ones it runs, deregisters and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from shared.config import SwitchyardConfig
+from workers import model_store
+from workers.simple_engine import SimpleEngine
+from workers.worker import Worker
+
+log = logging.getLogger("switchyard.worker")
+
+
+def served_name(config: SwitchyardConfig) -> str:
+    if config.worker.served_model_name:
+        return config.worker.served_model_name
+    spec = config.worker.model
+    return Path(spec).name if Path(spec).is_dir() else spec
+
+
+def build_engine(config: SwitchyardConfig):
+    if config.worker.torch_threads:
+        torch.set_num_threads(config.worker.torch_threads)
+    t0 = time.monotonic()
+    path = model_store.resolve(config.worker.model, config.model_cache_dir)
+    model, tokenizer = model_store.load(path, config.worker.dtype, config.worker.device)
+    log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
+    return SimpleEngine(model, tokenizer, max_num_seqs=config.worker.max_num_seqs)
+
+
+async def _serve(engine, config: SwitchyardConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker = Worker(engine, served_name(config), config.nats_url, heartbeat_s=config.worker.heartbeat_s)
+    await worker.run(stop)
+
+
+def serve_worker(config: SwitchyardConfig) -> int:
+    engine = build_engine(config)
+    asyncio.run(_serve(engine, config))
+    return 0

@@ -1,0 +1,293 @@
+"""The worker process's async loop: NATS in, ``Engine.step()`` in a thread, NATS out.
+
+    intake task ── fetch (higher tiers first, only as many as the engine can admit) ──┐
+    doorbell sub  llm.req.<model>.>  (core NATS: wakes intake when work arrives)       │ pending adds
+    cancel sub    llm.cancel.>       ──────────────────────────────────────────────────┤ pending aborts
+    step loop ── to_thread(admit + engine.step()) ── publish llm.tok.<id>, llm.usage ◀─┘
+    heartbeat task ── KV workers/<model>.<worker_id>
+
+Model work runs off the event loop, so heartbeats, cancels and intake go on while a step runs. The engine is
+touched only from inside that one thread call, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+import nats
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from gateway.registry import workers_bucket
+from shared import subjects
+from shared.jetstream import ensure_request_consumer, ensure_streams
+from shared.messages import ErrorInfo, GenerateRequest, TokenDelta, UsageRecord, WorkerInfo, decode, encode
+from shared.tiers import tiers_by_priority
+from workers.simple_engine import RequestRejected
+
+log = logging.getLogger("switchyard.worker")
+
+_FETCH_TIMEOUT_S = 0.05  # per tier, only after the doorbell rang or as a periodic sweep
+_IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: GenerateRequest
+    received_at: float
+    admitted_at: float = 0.0
+    first_token_at: float | None = None
+    num_finished: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _StepResult:
+    admitted: list[tuple[_Tracked, object]] = field(default_factory=list)  # (tracked, jetstream msg)
+    rejected: list[tuple[_Tracked, object, ErrorInfo]] = field(default_factory=list)
+    deltas: list[TokenDelta] = field(default_factory=list)
+
+
+class Worker:
+    """Serves one model from the REQUESTS stream until ``stop`` is set, then drains running requests."""
+
+    def __init__(self, engine, model_name: str, nats_url: str, heartbeat_s: float = 3.0) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.worker_id = uuid.uuid4().hex[:12]
+        self._nats_url = nats_url
+        self._heartbeat_s = heartbeat_s
+        self._active: dict[str, _Tracked] = {}
+        self._pending_adds: list[tuple[_Tracked, object]] = []
+        self._pending_aborts: set[str] = set()
+        self._work = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._capacity = asyncio.Event()
+
+    # -- capacity ---------------------------------------------------------------------------------------
+    def _num_admittable(self) -> int:
+        return self.engine.num_free_slots - len(self._pending_adds)
+
+    # -- main ---------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        nc = await nats.connect(self._nats_url, name=f"switchyard-worker-{self.worker_id}", max_reconnect_attempts=-1)
+        self._nc, self._js = nc, nc.jetstream()
+        try:
+            await ensure_streams(self._js)
+            subs = []
+            for tier in tiers_by_priority():
+                name = await ensure_request_consumer(self._js, self.model_name, tier.name)
+                subs.append(await self._js.pull_subscribe_bind(name, stream=subjects.REQUEST_STREAM))
+            doorbell = await nc.subscribe(
+                f"{subjects.REQUEST_PREFIX}.{subjects.model_token(self.model_name)}.>", cb=self._on_doorbell
+            )
+            cancels = await nc.subscribe(f"{subjects.CANCEL_PREFIX}.*", cb=self._on_cancel)
+            kv = await workers_bucket(self._js)
+            await self._beat(kv)
+            heartbeat = asyncio.create_task(self._heartbeat_loop(kv, stop))
+            intake = asyncio.create_task(self._intake_loop(subs, stop))
+            log.info("worker %s serving %s (context %d)", self.worker_id, self.model_name, self.engine.max_context)
+            if ready is not None:
+                ready.set()
+            await self._step_loop(stop)
+            intake.cancel()
+            heartbeat.cancel()
+            for task in (intake, heartbeat):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            with contextlib.suppress(Exception):
+                await kv.delete(subjects.worker_key(self.model_name, self.worker_id))
+            for sub in [doorbell, cancels, *subs]:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        finally:
+            await nc.close()
+
+    async def _on_doorbell(self, _msg) -> None:
+        self._wake.set()
+
+    async def _on_cancel(self, msg) -> None:
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        if request_id in self._active or any(t.request.request_id == request_id for t, _ in self._pending_adds):
+            self._pending_aborts.add(request_id)
+            self._work.set()
+
+    async def _beat(self, kv) -> None:
+        info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, time.time())
+        await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
+
+    async def _heartbeat_loop(self, kv, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self._heartbeat_s)
+            if stop.is_set():
+                return
+            try:
+                await self._beat(kv)
+            except Exception as exc:  # NATS reconnecting: the next beat retries, the TTL tolerates a few misses
+                log.warning("heartbeat failed: %s", exc)
+
+    # -- intake ---------------------------------------------------------------------------------------------
+    async def _intake_loop(self, subs, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self._num_admittable() <= 0:
+                self._capacity.clear()
+                await self._capacity.wait()
+                continue
+            self._wake.clear()
+            took = 0
+            for sub in subs:  # most important tier first
+                free = self._num_admittable()
+                if free <= 0:
+                    break
+                try:
+                    msgs = await sub.fetch(batch=free, timeout=_FETCH_TIMEOUT_S)
+                except (NatsTimeoutError, asyncio.TimeoutError):
+                    continue
+                except Exception as exc:  # disconnected: nats-py reconnects on its own; try again shortly
+                    log.warning("fetch failed: %s", exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    took += await self._receive(msg)
+                if took:
+                    break  # start over from the top tier: it may have new work by now
+            if not took:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=_IDLE_SWEEP_S)
+
+    async def _receive(self, msg) -> int:
+        try:
+            request = decode(msg.data, GenerateRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.error("terminating malformed request message on %s", msg.subject)
+            await msg.term()
+            return 0
+        now = time.time()
+        tracked = _Tracked(request, received_at=now)
+        if now > request.deadline_at:
+            await self._publish(TokenDelta(request.request_id, error=ErrorInfo(
+                f"The request waited in the {request.tier} queue past its deadline and was not run.",
+                code="queue_timeout", type="rate_limit_error", status=503)))
+            await msg.ack()
+            return 0
+        self._pending_adds.append((tracked, msg))
+        self._work.set()
+        return 1
+
+    # -- steps ----------------------------------------------------------------------------------------------
+    def _step_sync(self, adds, aborts: set[str]) -> _StepResult:
+        """Runs in a worker thread: the only place the engine is touched."""
+        result = _StepResult()
+        for tracked, msg in adds:
+            if tracked.request.request_id in aborts:
+                result.rejected.append((tracked, msg, ErrorInfo("cancelled", code="cancelled", status=499)))
+                continue
+            try:
+                tracked.prompt_tokens = self.engine.add_request(tracked.request)
+            except RequestRejected as exc:
+                result.rejected.append((tracked, msg, exc.error))
+                continue
+            tracked.admitted_at = time.time()
+            result.admitted.append((tracked, msg))
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+        if self.engine.has_unfinished_requests():
+            result.deltas = self.engine.step()
+        return result
+
+    async def _step_loop(self, stop: asyncio.Event) -> None:
+        while True:
+            has_work = self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests()
+            if not has_work:
+                if stop.is_set():
+                    return
+                self._work.clear()
+                stop_wait = asyncio.ensure_future(stop.wait())
+                work_wait = asyncio.ensure_future(self._work.wait())
+                await asyncio.wait({stop_wait, work_wait}, return_when=asyncio.FIRST_COMPLETED)
+                stop_wait.cancel()
+                work_wait.cancel()
+                continue
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, set()
+            for tracked, _ in adds:
+                self._active[tracked.request.request_id] = tracked
+            try:
+                result = await asyncio.to_thread(self._step_sync, adds, aborts)
+            except Exception:
+                log.exception("engine step failed; failing %d running requests", len(self._active))
+                await self._fail_all()
+                continue
+            await self._publish_result(result)
+
+    async def _publish_result(self, result: _StepResult) -> None:
+        for tracked, msg, error in result.rejected:
+            self._active.pop(tracked.request.request_id, None)
+            await self._publish(TokenDelta(tracked.request.request_id, error=error))
+            await msg.ack()
+        for tracked, msg in result.admitted:
+            await msg.ack()
+            await self._publish(TokenDelta(tracked.request.request_id))
+        now = time.time()
+        for delta in result.deltas:
+            tracked = self._active.get(delta.request_id)
+            if tracked is None:
+                continue
+            if delta.num_tokens and tracked.first_token_at is None:
+                tracked.first_token_at = now
+            await self._publish(delta)
+            if delta.finish_reason is not None:
+                tracked.num_finished += 1
+                if delta.usage is not None:
+                    tracked.completion_tokens = delta.usage.completion_tokens
+                    tracked.cached_tokens = delta.usage.cached_tokens
+                if tracked.num_finished >= tracked.request.sampling.n:
+                    await self._finish(tracked, delta.finish_reason, now)
+        if result.rejected or any(d.finish_reason for d in result.deltas):
+            self._capacity.set()
+
+    async def _finish(self, tracked: _Tracked, finish_reason: str, now: float) -> None:
+        req = tracked.request
+        self._active.pop(req.request_id, None)
+        record = UsageRecord(
+            request_id=req.request_id,
+            model=req.model,
+            tier=req.tier,
+            prompt_tokens=tracked.prompt_tokens,
+            completion_tokens=tracked.completion_tokens,
+            cached_tokens=tracked.cached_tokens,
+            finish_reason=finish_reason,
+            created_at=req.created_at,
+            queue_ms=(tracked.admitted_at - req.created_at) * 1000,
+            first_token_ms=None if tracked.first_token_at is None else (tracked.first_token_at - req.created_at) * 1000,
+            total_ms=(now - req.created_at) * 1000,
+            tenant_id=req.tenant_id,
+            api_key_id=req.api_key_id,
+            worker_id=self.worker_id,
+        )
+        try:
+            # The message id makes JetStream drop a duplicate if this publish is retried.
+            await self._js.publish(subjects.USAGE_SUBJECT, encode(record), headers={"Nats-Msg-Id": req.request_id})
+        except Exception:
+            log.exception("could not record usage of %s", req.request_id)
+
+    async def _fail_all(self) -> None:
+        for request_id in list(self._active):
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(request_id)
+            await self._publish(TokenDelta(request_id, error=ErrorInfo(
+                "The worker had an error processing your request.", code="internal_error", type="server_error",
+                status=500)))
+            self._active.pop(request_id, None)
+        self._capacity.set()
+
+    async def _publish(self, delta: TokenDelta) -> None:
+        await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
