@@ -1,0 +1,176 @@
+"""Per-sequence block tables over a ``BlockPool``, with prefix caching by a hash chain over full blocks.
+
+A sequence's block ``i`` holds the KV of tokens ``[i * block_size, (i + 1) * block_size)``. Once full, it is
+registered under a hash of its tokens *and its parent block's hash*, so equal hashes mean equal prefixes::
+
+    tokens   [ 0..15 ][ 16..31 ][ 32..47 ][ 48..52 ]
+    hashes     h0 ──▶   h1 ──▶    h2        (not full: never cached)
+               h0 = H(None, t0..15)   h1 = H(h0, t16..31)   h2 = H(h1, t32..47)
+
+Allocation never raises for lack of memory: ``allocate_slots`` returns None ("does not fit") and changes
+nothing, and the scheduler decides whom to preempt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence as Seq
+
+from scheduler.block_pool import Block, BlockPool
+from scheduler.request import Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash (None for the first block).
+
+    blake2b-128 rather than ``hash()``: it is stable across processes, and a collision would let one
+    request read another's KV, so it must be infeasible to craft one, not just unlikely by chance.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    # The tag byte keeps "no parent" and "some parent" encodings from ever producing the same bytes.
+    h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class KVCacheManager:
+    """Owns the ``BlockPool`` and each sequence's block table; knows blocks, not scheduling."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[Block]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # mirrors _tables, so a step copies ids instead of mapping
+        self._hashes: dict[str, list[int]] = {}  # hash chain of the sequence's full blocks, extended lazily
+        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
+        # Metrics: prefix-cache hit rate = hit / query, counted once per admission.
+        self.num_prefix_hit_tokens = 0
+        self.num_prefix_query_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
+        """The longest run of cached blocks matching ``seq`` from its first token, and their token count.
+
+        At most ``(num_tokens - 1) // block_size`` blocks: at least one token must still be computed so the
+        model produces logits to sample from. The blocks are not referenced until ``allocate_slots``.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        blocks: list[Block] = []
+        for i in range(max_blocks):
+            token_ids = self._block_tokens(seq, i)
+            if i == len(hashes):
+                hashes.append(hash_block(hashes[i - 1] if i else None, token_ids))
+            block = self.pool.get_cached_block(hashes[i], token_ids)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block] = ()) -> bool:
+        """Whether ``allocate_slots`` with the same arguments would succeed."""
+        return self._num_blocks_short(seq, num_new_tokens, computed_blocks) <= 0
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block] = ()
+    ) -> list[int] | None:
+        """Make ``seq`` own blocks for ``num_computed_tokens + hit tokens + num_new_tokens`` tokens.
+
+        ``computed_blocks`` are the hits from ``get_computed_blocks``, passed on the sequence's first
+        allocation only; they get a reference here. Returns a copy of the full block table (block ids), or
+        None when the blocks do not fit, in which case nothing changed.
+        """
+        if computed_blocks and seq.seq_id in self._tables:
+            raise ValueError(f"sequence {seq.seq_id!r} already has blocks; hits apply to the first allocation")
+        if self._num_blocks_short(seq, num_new_tokens, computed_blocks) > 0:
+            return None
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            table = self._tables[seq.seq_id] = []
+            self._block_ids[seq.seq_id] = []
+            self._num_registered[seq.seq_id] = len(computed_blocks)  # hits are cached already
+            if self.enable_prefix_caching:
+                self.num_prefix_query_tokens += seq.num_tokens
+                self.num_prefix_hit_tokens += len(computed_blocks) * self.block_size
+        block_ids = self._block_ids[seq.seq_id]
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            block_ids.extend(b.block_id for b in computed_blocks)
+        num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.num_blocks_for(num_tokens) - len(table)
+        if num_new_blocks > 0:
+            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            table.extend(new_blocks)
+            block_ids.extend(b.block_id for b in new_blocks)
+        return list(block_ids)
+
+    def cache_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Register the blocks of ``seq`` that ``num_computed_tokens`` has filled in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered[seq.seq_id]
+        if num_full <= start:
+            return
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        for i in range(start, num_full):
+            token_ids = self._block_tokens(seq, i)
+            if i == len(hashes):
+                hashes.append(hash_block(hashes[i - 1] if i else None, token_ids))
+            self.pool.cache_full_block(table[i], hashes[i], token_ids)
+        self._num_registered[seq.seq_id] = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s blocks, tail first so its tail is evicted before its shared head."""
+        table = self._tables.pop(seq.seq_id, None)
+        self._block_ids.pop(seq.seq_id, None)
+        self._hashes.pop(seq.seq_id, None)
+        self._num_registered.pop(seq.seq_id, None)
+        if table:
+            self.pool.free_blocks(reversed(table))
+
+    def get_block_table(self, seq_id: str) -> list[int]:
+        """A copy of the sequence's block ids (empty when it holds none)."""
+        return list(self._block_ids.get(seq_id, ()))
+
+    def get_num_blocks(self, seq_id: str) -> int:
+        return len(self._tables.get(seq_id, ()))
+
+    def _num_blocks_short(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block]) -> int:
+        """How many more free blocks the allocation needs than are available (<= 0: it fits)."""
+        num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_owned = len(self._tables.get(seq.seq_id, ())) + len(computed_blocks)
+        num_new_blocks = self.num_blocks_for(num_tokens) - num_owned
+        # Hits on free blocks leave the free queue when touched, so they cannot also serve as new blocks.
+        num_revived = sum(1 for b in computed_blocks if b.ref_count == 0)
+        return num_new_blocks - (self.pool.num_free_blocks - num_revived)
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(seq.token_ids[start : start + self.block_size])

@@ -1,0 +1,124 @@
+"""A request as the scheduler sees it: its tokens, how many of them have KV in the cache, and its status.
+
+The scheduler has no prefill or decode phase. Every sequence only moves ``num_computed_tokens`` toward
+``num_tokens``; a prompt is "prefilled" when that gap closes, and each sampled token reopens it by one::
+
+    token_ids:  p0 p1 p2 p3 p4 p5 | o0 o1 o2
+                └──── prompt ────┘ └─ outputs ─┘
+                ├────── computed (KV written) ──────┤   o2 was just sampled: its KV is written next step
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a sequence; ordered so that every finished state compares greater than ``PREEMPTED``."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Finished states: keep them after PREEMPTED, is_finished() relies on the order.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        """True for every ``FINISHED_*`` state."""
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        """The OpenAI ``finish_reason`` for a finished status; None while the sequence is still live."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "cancelled",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def finish_reason(status: RequestStatus) -> str | None:
+    """Module-level alias of ``RequestStatus.finish_reason``."""
+    return _FINISH_REASONS.get(status)
+
+
+@dataclass(slots=True, eq=False)  # eq=False: identity equality and hashable, two requests are never "equal"
+class Sequence:
+    """One request's token state.
+
+    ``prompt_token_ids`` is copied once into ``token_ids`` (prompt followed by outputs), so appending a
+    token is O(1) and the model runner can slice one list without concatenating prompt and outputs.
+    ``data`` is an opaque slot for the engine's own per-request state (sampling params, detokenizer, ...);
+    the scheduler never reads it.
+    """
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int  # max new tokens
+    priority: int = 0  # lower = more important
+    arrival: float = 0.0
+    data: object = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (hits included)
+    num_cached_tokens: int = 0  # prefix-cache hit on first admission, for usage reporting
+    num_preemptions: int = 0
+    token_ids: list[int] = field(init=False, repr=False)
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            # With no token there are no logits to sample the first output from.
+            raise ValueError(f"sequence {self.seq_id!r} has an empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"sequence {self.seq_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the generated tokens (O(outputs): prefer ``last_token_id`` in per-step code)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The live prompt + output list, not a copy: read it, never mutate it."""
+        return self.token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still without KV: the rest of the prompt, or 1 for a decoding sequence."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def sort_key(self) -> tuple[int, float, str]:
+        """Scheduling order: priority first, then arrival; the id breaks ties deterministically."""
+        return (self.priority, self.arrival, self.seq_id)
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token; its KV is written when the next step computes it."""
+        self.token_ids.append(token_id)

@@ -1,0 +1,291 @@
+"""Continuous batching by token budget: each step, decide which sequences advance by how many tokens.
+
+There are no prefill and decode phases. A step has ``max_num_batched_tokens`` to share; running sequences
+take theirs first (a decode is 1 token, a partly prefilled prompt continues with a chunk), then waiting
+sequences are admitted with whatever is left. Prefix-cache hits simply start a sequence with
+``num_computed_tokens > 0``::
+
+    schedule()            -> SchedulerOutput  (who runs, from which position, with which blocks)
+    <engine runs the model, samples for entries with needs_sample>
+    update_from_output()  -> sequences that got a token (the engine checks EOS / stop strings)
+"""
+
+from __future__ import annotations
+
+import sys
+from bisect import insort
+from dataclasses import dataclass, field
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import RequestStatus, Sequence
+from scheduler.request_queue import WaitingQueue
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Batch and cache limits; validated on construction so a bad config fails at startup."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # 0 = off; else the most tokens one sequence gets per step
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be >= 0 (0 = off)")
+        # One sequence of max_model_len tokens must fit alone once all others are preempted, or it never runs.
+        if self.num_blocks * self.block_size < self.max_model_len:
+            need = -(-self.max_model_len // self.block_size)
+            raise ValueError(
+                f"KV cache holds {self.num_blocks * self.block_size} tokens, less than max_model_len="
+                f"{self.max_model_len}: set num_blocks >= {need} or lower max_model_len"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute tokens ``[start_pos, start_pos + num_new_tokens)``."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start_pos: int  # seq.num_computed_tokens before the step
+    block_table: list[int]  # the sequence's block ids, a copy the engine may keep
+    needs_sample: bool  # this chunk reaches the last token, so its logits give the next token
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes (a slice of the sequence's tokens)."""
+        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs: running sequences first, then newly admitted ones."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _sort_key(seq: Sequence) -> tuple[int, float, str]:
+    return seq.sort_key
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._requests: dict[str, Sequence] = {}  # every unfinished sequence, by id
+        self._waiting = WaitingQueue()
+        self._running: list[Sequence] = []  # kept sorted by sort_key: the tail is the first to preempt
+        self._finished_by_length: dict[str, Sequence] = {}  # from the last update, see finish_request
+        self._chunk_cap = config.long_prefill_token_threshold or sys.maxsize
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises ValueError for a duplicate id or a prompt with no room for output."""
+        if seq.seq_id in self._requests:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        if seq.status != RequestStatus.WAITING or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id!r} is not new (status {seq.status.name})")
+        if seq.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"sequence {seq.seq_id!r} has {seq.num_prompt_tokens} prompt tokens, "
+                f"max_model_len={self.config.max_model_len} leaves no room for output"
+            )
+        self._requests[seq.seq_id] = seq
+        self._waiting.push(seq)
+
+    def abort_request(self, seq_id: str) -> Sequence | None:
+        """Stop a sequence now (client gone): frees its blocks. Returns it, or None if it was not live."""
+        seq = self._requests.get(seq_id)
+        if seq is not None:
+            self._finish(seq, RequestStatus.FINISHED_ABORTED)
+        return seq
+
+    def finish_request(self, seq_id: str, status: RequestStatus) -> Sequence | None:
+        """Finish a sequence the engine decided is done (EOS, stop string, error) and free its blocks.
+
+        A sequence that ``update_from_output`` just finished by length can still be relabelled here, so a
+        stop token that happens to be the last allowed one reports "stop". Returns None for unknown ids.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"{status.name} is not a finished status")
+        seq = self._requests.get(seq_id)
+        if seq is not None:
+            self._finish(seq, status)
+        elif (seq := self._finished_by_length.get(seq_id)) is not None:
+            seq.status = status
+        return seq
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._requests.get(seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # --- admission control (for the worker) -----------------------------------------------------------
+
+    @property
+    def num_free_slots(self) -> int:
+        """How many more sequences may be added now without exceeding ``max_num_seqs``."""
+        return max(0, self.config.max_num_seqs - len(self._running) - len(self._waiting))
+
+    def can_admit(self, num_prompt_tokens: int) -> bool:
+        """Whether a new prompt fits in free blocks next to what is already queued.
+
+        Counts the prompt, every waiting sequence in full, and for each running sequence the rest of its
+        prompt or at least one block of decode headroom. Prefix-cache hits are ignored: conservative.
+        """
+        kv = self.kv_cache
+        needed = kv.num_blocks_for(num_prompt_tokens)
+        needed += sum(kv.num_blocks_for(seq.num_tokens) for seq in self._waiting)
+        for seq in self._running:
+            needed += max(1, kv.num_blocks_for(seq.num_tokens) - kv.get_num_blocks(seq.seq_id))
+        return needed <= kv.num_free_blocks
+
+    # --- the step -------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and token counts within the token budget, preempting on low memory."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+        preempted: list[Sequence] = []
+
+        # Running sequences first, most important first. Victims are taken from the tail of the sorted
+        # list, so a sequence already scheduled this step (ahead of index i) is never preempted.
+        i = 0
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget, self._chunk_cap)
+            block_table = self.kv_cache.allocate_slots(seq, num_new)
+            while block_table is None:
+                victim = self._running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+                block_table = self.kv_cache.allocate_slots(seq, num_new)
+            if block_table is None:
+                break  # seq preempted itself: it was the last one
+            scheduled[seq.seq_id] = self._scheduled(seq, num_new, block_table)
+            budget -= num_new
+            i += 1
+
+        # Memory is short if anything was preempted: admitting now would only thrash it back in.
+        if not preempted:
+            self._admit_waiting(budget, scheduled, preempted)
+        entries = list(scheduled.values())
+        return SchedulerOutput(
+            scheduled=entries,
+            preempted_ids=[seq.seq_id for seq in preempted],
+            num_batched_tokens=sum(e.num_new_tokens for e in entries),
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Apply a finished step: advance computed tokens, cache full blocks, append sampled tokens.
+
+        ``sampled`` maps seq_id to the token sampled for each entry with ``needs_sample``. Sequences that
+        reach ``max_tokens`` or ``max_model_len`` finish here with FINISHED_LENGTH (blocks freed). Returns
+        the sequences that got a token, finished ones included; the engine checks EOS / stop strings and
+        calls ``finish_request``. Entries finished or aborted while the step ran are skipped.
+        """
+        self._finished_by_length.clear()
+        max_model_len = self.config.max_model_len
+        got_token: list[Sequence] = []
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status != RequestStatus.RUNNING:
+                continue
+            if seq.num_computed_tokens != entry.start_pos:
+                raise RuntimeError(f"stale output for {seq.seq_id!r}: was update_from_output applied twice?")
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.kv_cache.cache_blocks(seq, seq.num_computed_tokens)
+            if not entry.needs_sample:
+                continue
+            token_id = sampled.get(seq.seq_id)
+            if token_id is None:
+                raise KeyError(f"no sampled token for {seq.seq_id!r}, whose step needed one")
+            seq.append_token(token_id)
+            got_token.append(seq)
+            if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len:
+                self._finish(seq, RequestStatus.FINISHED_LENGTH)
+                self._finished_by_length[seq.seq_id] = seq
+        return got_token
+
+    # --- internals ------------------------------------------------------------------------------------
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> None:
+        """Admit waiting sequences in order while budget, seats and blocks last."""
+        while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
+            seq = self._waiting.peek()
+            if seq in preempted:
+                break  # just preempted for memory; everything behind it is less important anyway
+            while True:
+                computed_blocks, num_hit = self.kv_cache.get_computed_blocks(seq)
+                num_new = min(seq.num_tokens - num_hit, budget, self._chunk_cap)
+                block_table = self.kv_cache.allocate_slots(seq, num_new, computed_blocks)
+                if block_table is not None:
+                    break
+                # Only a strictly more important request may push out the least important running one.
+                victim = self._running[-1] if self._running else None
+                if victim is None or victim.priority <= seq.priority:
+                    break
+                self._running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                refund = scheduled.pop(victim.seq_id, None)
+                if refund is not None:
+                    budget += refund.num_new_tokens
+            if block_table is None:
+                break  # strict order: a smaller request behind it must not overtake it
+            self._waiting.pop()
+            if seq.status == RequestStatus.WAITING:
+                seq.num_cached_tokens = num_hit  # first admission only: what usage reports as cached
+            seq.num_computed_tokens = num_hit
+            seq.status = RequestStatus.RUNNING
+            insort(self._running, seq, key=_sort_key)
+            scheduled[seq.seq_id] = self._scheduled(seq, num_new, block_table)
+            budget -= num_new
+
+    def _scheduled(self, seq: Sequence, num_new: int, block_table: list[int]) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, num_new, start, block_table, needs_sample=start + num_new == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop a running sequence's KV and requeue it; it recomputes prompt and outputs when readmitted."""
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = RequestStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self._waiting.push(seq)
+
+    def _finish(self, seq: Sequence, status: RequestStatus) -> None:
+        del self._requests[seq.seq_id]
+        if seq.status == RequestStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq.seq_id)
+        self.kv_cache.free(seq)
+        seq.status = status

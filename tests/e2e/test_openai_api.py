@@ -1,0 +1,136 @@
+"""End to end through the official openai client: gateway → JetStream → worker (tiny model) → SSE back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import asyncpg
+import httpx
+import openai
+import pytest
+
+TINY = "tiny"  # the name the e2e worker serves the tiny model as (see conftest)
+
+PROMPT = [{"role": "user", "content": "Tell me a story about a train yard."}]
+
+
+def greedy(client, **kw):
+    return client.chat.completions.create(model=TINY, messages=PROMPT, temperature=0, **kw)
+
+
+def test_models_lists_the_served_model(client):
+    ids = [m.id for m in client.models.list().data]
+    assert TINY in ids
+
+
+def test_chat_non_streaming(client):
+    r = greedy(client, max_tokens=12, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_chat_streaming_matches_non_streaming_and_reports_usage(client):
+    full = greedy(client, max_tokens=16, extra_body={"ignore_eos": True})
+    chunks = list(greedy(client, max_tokens=16, stream=True, stream_options={"include_usage": True},
+                         extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_streaming_and_not(client):
+    r = client.completions.create(model=TINY, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=TINY, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_stop_sequence_cuts_the_output_before_it(client):
+    text = greedy(client, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].message.content
+    assert len(text) >= 6, text
+    stop = text[3:6]
+    expected = text[: text.index(stop)]
+    r = greedy(client, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == expected
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=PROMPT)
+    assert info.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json",
+    b'{"model": "tiny"}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}',
+    b'{"model": "tiny", "messages": []}',
+])
+def test_malformed_body_is_400_with_openai_error_shape(system, body):
+    r = httpx.post(f"{system}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_prompt_over_context_is_400_context_length_exceeded(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=TINY, prompt="word " * 400, max_tokens=4)
+    assert info.value.code == "context_length_exceeded"
+
+
+async def _request_row(database_url: str, request_id: str, timeout_s: float = 20.0):
+    """Poll until the usage writer has recorded ``request_id`` (it is asynchronous by design)."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            row = await conn.fetchrow("SELECT * FROM requests WHERE request_id = $1", request_id)
+            if row is not None:
+                return row
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"no usage row for {request_id} after {timeout_s} s")
+    finally:
+        await conn.close()
+
+
+async def test_finished_request_is_recorded_once_in_postgres(client, database_url):
+    r = await asyncio.to_thread(greedy, client, max_tokens=5, extra_body={"ignore_eos": True})
+    request_id = r.id.removeprefix("chatcmpl-")
+    row = await _request_row(database_url, request_id)
+    assert row["completion_tokens"] == 5 and row["prompt_tokens"] == r.usage.prompt_tokens
+    assert row["finish_reason"] == "length" and row["model"] == TINY
+    assert row["total_ms"] >= row["queue_ms"] >= 0
+
+
+async def test_closing_a_stream_cancels_generation_on_the_worker(system, database_url):
+    body = {"model": TINY, "messages": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{system}/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            request_id = resp.headers["x-request-id"]
+            seen = 0
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    seen += 1
+                if seen >= 3:
+                    break  # leaving the block closes the connection mid-stream
+    row = await _request_row(database_url, request_id)
+    assert row["finish_reason"] == "cancelled"
+    assert row["completion_tokens"] < 200

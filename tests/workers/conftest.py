@@ -1,0 +1,61 @@
+"""Fixtures for worker tests: the tiny random Llama (fast, offline) and the real SmolLM2 (``-m model``).
+
+SmolLM2 is pulled once into ``$SWITCHYARD_DATA_DIR/models`` when that is set, else into
+``~/.cache/switchyard-test/models``, and reused by later runs (the first pull takes ~30 s).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from itertools import count
+from pathlib import Path
+
+import pytest
+
+from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from workers.model_store import load, pull
+from workers.tiny_model import save_tiny_model
+
+
+def model_cache_dir() -> Path:
+    if data_dir := os.environ.get("SWITCHYARD_DATA_DIR"):
+        return Path(data_dir) / "models"
+    return Path.home() / ".cache" / "switchyard-test" / "models"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir):
+    """``(model, tokenizer)``: the tiny model in float32 on CPU, so results compare exactly with HF."""
+    return load(tiny_model_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return pull("smollm2", model_cache_dir())
+
+
+@pytest.fixture
+def make_request() -> Callable[..., GenerateRequest]:
+    """``make_request(prompt=... | messages=[(role, content), ...], request_id=None, **sampling)``."""
+    ids = count()
+
+    def make(prompt: str | None = None, messages: list[tuple[str, str]] | None = None,
+             request_id: str | None = None, **sampling) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=request_id or f"req-{next(ids)}",
+            model="test",
+            tier="pro",
+            sampling=SamplingParams(**sampling),
+            created_at=0.0,
+            deadline_at=0.0,
+            prompt=prompt,
+            messages=[ChatMessage(role, content) for role, content in messages] if messages is not None else None,
+        )
+
+    return make

@@ -1,0 +1,261 @@
+"""Attention over the paged KV cache: write a step's new K/V into their slots, then attend.
+
+The cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``. A sequence owns
+a list of blocks (its block table); position ``p`` lives in block ``table[p // block_size]`` at offset
+``p % block_size``, i.e. at flat slot ``table[p // block_size] * block_size + p % block_size`` of the cache viewed
+as ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+
+A step is one flat batch of T new tokens, multi-token chunks (prefills) first, then the one-token chunks (decodes):
+
+    rows:  | prefill 0 (n0) | prefill 1 (n1) | ... | decode 0 | decode 1 | ... | decode B-1 |
+           <--------- num_prefill_tokens ---------> <------------ B rows, 1 each ----------->
+
+Everything that depends only on the step's shape (slots, positions, padded block tables, masks) is built once per
+step by ``prepare()``; ``forward()`` runs once per layer and only does tensor work.
+
+Backends, picked by ``make_attention()``:
+
+* ``SdpaAttention`` (default, CPU and CUDA): torch ``scaled_dot_product_attention``. All decodes share one call per
+  layer: their KV blocks are gathered whole (one ``index_select`` of ``block_size``-token rows) into a padded
+  ``[B, L, kv_heads, head_dim]`` tensor, and the query heads that share a KV head are folded into the query-length
+  axis (``[B, kv_heads, group, head_dim]``), which is plain multi-query attention with no KV repetition and about 4x
+  faster on CPU than ``enable_gqa=True``. Prefill chunks get one call each, with a causal mask offset by the
+  chunk's start position (query ``i`` sees positions ``<= start_pos + i``).
+* ``FlashAttention`` (CUDA, only when ``flash_attn`` imports): a single ``flash_attn_varlen_func`` call per layer
+  over the whole mixed batch, reading the paged cache through ``block_table``. flash-attn 2 only accepts paged
+  caches whose block size is a multiple of 256, so with smaller blocks the SDPA backend is used instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+# (start_pos, num_tokens, block_table) of one chunk, in the step's row order (prefills first).
+ChunkShape = tuple[int, int, Sequence[int]]
+
+FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2 paged KV: "Paged KV cache block size must be divisible by 256"
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One multi-token chunk of the step."""
+
+    row: int  # first row of the chunk in the step's flat batch
+    num_tokens: int
+    blocks: torch.Tensor | None  # block ids covering [0, start_pos + num_tokens); None when start_pos == 0
+    mask: torch.Tensor | None  # [num_tokens, context] bool, True = attend; None when start_pos == 0 (plain causal)
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """Per-step tensors shared by every layer."""
+
+    positions: torch.Tensor  # [T] long, position of each new token (for rotary embeddings)
+    slot_mapping: torch.Tensor  # [T] long, flat cache slot each new token's K/V is written to
+    num_prefill_tokens: int
+    prefills: list[PrefillSpan]
+    decode_blocks: torch.Tensor | None  # [B, max_blocks] long, padded block tables of the decodes
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    # flash-attn only
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    block_table: torch.Tensor | None = None  # [C, max_blocks] int32
+
+
+class PagedAttention(Protocol):
+    def prepare(self, chunks: Sequence[ChunkShape]) -> StepMetadata: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: StepMetadata,
+    ) -> torch.Tensor: ...
+
+
+def _plan(chunks: Sequence[ChunkShape], block_size: int, device: torch.device):
+    """Positions, slots and the padded block table ``[C, max_blocks]`` (only the blocks the step touches)."""
+    num_blocks = [(start + n + block_size - 1) // block_size for start, n, _ in chunks]
+    max_blocks = max(num_blocks)
+    rows = []
+    for (start, n, table), nb in zip(chunks, num_blocks):
+        if len(table) < nb:
+            raise ValueError(f"block table has {len(table)} blocks, positions up to {start + n - 1} need {nb}")
+        rows.append(itertools.chain(table[:nb], itertools.repeat(0, max_blocks - nb)))
+    table = torch.tensor([list(r) for r in rows], dtype=torch.long).to(device)
+
+    starts = torch.tensor([c[0] for c in chunks], dtype=torch.long)
+    lens = torch.tensor([c[1] for c in chunks], dtype=torch.long)
+    if all(c[1] == 1 for c in chunks):  # all decodes: one token per chunk
+        chunk_of_row = torch.arange(len(chunks), device=device)
+        positions = starts.to(device)
+    else:
+        chunk_of_row = torch.repeat_interleave(torch.arange(len(chunks)), lens)
+        first_row = torch.cumsum(lens, 0) - lens
+        positions = (torch.arange(int(lens.sum())) - first_row[chunk_of_row] + starts[chunk_of_row]).to(device)
+        chunk_of_row = chunk_of_row.to(device)
+    slots = table[chunk_of_row, positions // block_size] * block_size + positions % block_size
+    return positions, slots, table, num_blocks
+
+
+class SdpaAttention:
+    """Paged attention with torch SDPA; works on any device (see the module docstring)."""
+
+    name = "sdpa"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.device = device
+        self.scale = head_dim**-0.5
+
+    def prepare(self, chunks: Sequence[ChunkShape]) -> StepMetadata:
+        positions, slots, table, num_blocks = _plan(chunks, self.block_size, self.device)
+        bs = self.block_size
+        num_prefills = sum(1 for c in chunks if c[1] > 1)
+        prefills = []
+        row = 0
+        for i in range(num_prefills):
+            start, n, _ = chunks[i]
+            blocks = mask = None
+            if start > 0:
+                context = start + n
+                blocks = table[i, : num_blocks[i]]
+                key_pos = torch.arange(context, device=self.device)
+                query_pos = torch.arange(start, context, device=self.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+            prefills.append(PrefillSpan(row, n, blocks, mask))
+            row += n
+
+        decode_blocks = decode_mask = None
+        if num_prefills < len(chunks):
+            max_blocks = max(num_blocks[num_prefills:])
+            decode_blocks = table[num_prefills:, :max_blocks]
+            context = positions[row:] + 1  # decodes have one row each
+            key_pos = torch.arange(max_blocks * bs, device=self.device)
+            decode_mask = (key_pos[None, :] < context[:, None])[:, None, None, :]
+        return StepMetadata(positions, slots, row, prefills, decode_blocks, decode_mask)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
+        """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (rotary applied) -> attention output ``[T, heads * d]``."""
+        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        k_slots = k_cache.view(-1, kvh, d)
+        v_slots = v_cache.view(-1, kvh, d)
+        k_slots.index_copy_(0, meta.slot_mapping, k)
+        v_slots.index_copy_(0, meta.slot_mapping, v)
+
+        outs = []
+        for span in meta.prefills:
+            rows = slice(span.row, span.row + span.num_tokens)
+            qs = q[rows].transpose(0, 1)  # [heads, n, d]
+            if span.blocks is None:  # fresh sequence: its keys are exactly this chunk's
+                o = F.scaled_dot_product_attention(
+                    qs, k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+                    is_causal=True, scale=self.scale, enable_gqa=True,
+                )
+            else:
+                context = span.mask.shape[1]
+                ks = k_cache.index_select(0, span.blocks).view(-1, kvh, d)[:context].transpose(0, 1)
+                vs = v_cache.index_select(0, span.blocks).view(-1, kvh, d)[:context].transpose(0, 1)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=span.mask, scale=self.scale, enable_gqa=True
+                )
+            outs.append(o.transpose(0, 1).reshape(span.num_tokens, -1))
+
+        if meta.decode_blocks is not None:
+            batch, max_blocks = meta.decode_blocks.shape
+            flat = meta.decode_blocks.reshape(-1)
+            # Whole blocks are contiguous rows of block_size*kvh*d elements: far cheaper to gather than slots.
+            kd = k_cache.index_select(0, flat).view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
+            vd = v_cache.index_select(0, flat).view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
+            # The `group` query heads sharing a KV head become `group` query rows of that head (heads are laid
+            # out so that head h reads KV head h // group, as in HF's repeat_kv).
+            qd = q[meta.num_prefill_tokens :].view(batch, kvh, self.group, d)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
+            outs.append(o.reshape(batch, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built against another torch/CUDA
+        return None
+    return flash_attn_varlen_func
+
+
+class FlashAttention:
+    """One ``flash_attn_varlen_func`` call per layer over the mixed batch, reading the paged cache directly.
+
+    flash-attn applies the causal mask aligned to the bottom right when a sequence has fewer queries than keys,
+    which is exactly "query i sees positions <= start_pos + i".
+    """
+
+    name = "flash"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device):
+        if block_size % FLASH_BLOCK_MULTIPLE:
+            raise ValueError(f"flash-attn paged KV needs block_size % {FLASH_BLOCK_MULTIPLE} == 0, got {block_size}")
+        self.varlen = _flash_attn_varlen()
+        if self.varlen is None:
+            raise RuntimeError("flash_attn is not importable")
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.device = device
+        self.scale = head_dim**-0.5
+
+    def prepare(self, chunks: Sequence[ChunkShape]) -> StepMetadata:
+        positions, slots, table, _ = _plan(chunks, self.block_size, self.device)
+        q_lens = [n for _, n, _ in chunks]
+        k_lens = [start + n for start, n, _ in chunks]
+        cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32).to(self.device)
+        cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32).to(self.device)
+        num_prefill_tokens = sum(n for n in q_lens if n > 1)
+        return StepMetadata(
+            positions, slots, num_prefill_tokens, [], None, None,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+            block_table=table.to(torch.int32),
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
+        kvh, d = self.num_kv_heads, self.head_dim
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        o = self.varlen(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+            softmax_scale=self.scale, causal=True, block_table=meta.block_table,
+        )
+        return o.reshape(q.shape[0], -1)
+
+
+def make_attention(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device,
+    backend: str | None = None,
+) -> PagedAttention:
+    """``backend`` None picks flash-attn on CUDA when it is importable and the block size allows, else SDPA."""
+    if backend is None:
+        usable = device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0 and _flash_attn_varlen()
+        backend = "flash" if usable else "sdpa"
+    if backend == "flash":
+        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, device)
+    if backend == "sdpa":
+        return SdpaAttention(num_heads, num_kv_heads, head_dim, block_size, device)
+    raise ValueError(f"unknown attention backend {backend!r} (expected 'sdpa' or 'flash')")

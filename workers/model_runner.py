@@ -1,0 +1,278 @@
+"""Run one mixed step (prefill chunks + single-token decodes) of a Llama-family decoder over a paged KV cache.
+
+The runner borrows the weights of a loaded HF ``LlamaForCausalLM`` (also Mistral and Qwen2, which share its
+layout) and runs its own forward: the whole step is one flat batch of tokens, so every projection, norm and MLP is
+one matmul per layer whatever the mix of sequences; only attention (``workers.attention``) looks at sequences.
+
+It turns chunks into tensors and never touches the block manager: the caller owns the block tables.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention import PagedAttention, make_attention
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """The part of one sequence computed in a step."""
+
+    token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or 1 token for a decode)
+    start_pos: int  # position of token_ids[0] == tokens already in the KV cache for this sequence
+    block_table: list[int]  # KV block ids owning positions 0.. (block i holds positions i*bs .. i*bs+bs-1)
+    needs_logits: bool  # return logits of the chunk's last token
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor  # q, k and v projections stacked: one matmul
+    qkv_bias: torch.Tensor | None  # Qwen2
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # gate and up projections stacked
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _rope_parameters(config) -> dict:
+    """transformers 5 keeps everything in ``rope_parameters``; 4.x had ``rope_theta`` + ``rope_scaling``."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params.update(getattr(config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` (fp32) and the cos/sin scale, as HF computes them."""
+    params = _rope_parameters(config)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial rotary embeddings are not supported")
+    dim = _head_dim(config)
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones, blend in between
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type in ("linear", "yarn"):  # static, position-independent: HF's own formula is fine
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        return inv_freq.float().cpu(), float(scale)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF's rounding order (normalise in fp32, round, then scale by the weight), so bf16 greedy matches HF's.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` (halves, not interleaved pairs); cos/sin are ``[T, 1, d/2]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _stack_linears(linears, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input.
+
+    When no conversion is needed the HF modules are re-pointed at views of the stacked tensor, so stacking costs
+    no memory and the HF model keeps working.
+    """
+    weight = torch.cat([m.weight.detach() for m in linears]).to(device=device, dtype=dtype)
+    if all(m.weight.device == weight.device and m.weight.dtype == weight.dtype for m in linears):
+        offset = 0
+        for m in linears:
+            rows = m.weight.shape[0]
+            m.weight.data = weight[offset : offset + rows]
+            offset += rows
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat(
+            [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears]
+        ).to(device=device, dtype=dtype)
+    return weight, bias
+
+
+def _param(t: torch.Tensor | None, device, dtype) -> torch.Tensor | None:
+    return None if t is None else t.detach().to(device=device, dtype=dtype)
+
+
+class ModelRunner:
+    """Executes mixed prefill/decode steps of a Llama-family model with its own paged KV cache.
+
+    The cache is, per layer, K and V of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``; block ids in
+    ``SeqChunk.block_table`` index its first axis.
+    """
+
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        attention_backend: str | None = None,
+    ):
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} is not supported ({sorted(SUPPORTED_MODEL_TYPES)})")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        self.max_context = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True):
+            # Within the window sliding-window attention is full attention; beyond it we would be wrong.
+            self.max_context = min(self.max_context, window)
+
+        dev, dt = self.device, self.dtype
+        inv_freq, self.rope_scale = rope_inv_freq(config)
+        self.inv_freq = inv_freq.to(dev)
+        embed = model.get_input_embeddings().weight
+        lm_head = model.get_output_embeddings().weight
+        self.embed = _param(embed, dev, dt)
+        self.lm_head = self.embed if lm_head is embed else _param(lm_head, dev, dt)
+        self.final_norm = _param(model.model.norm.weight, dev, dt)
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if getattr(attn, "q_norm", None) is not None:
+                raise NotImplementedError("per-head q/k norms (Qwen3) are not supported")
+            qkv_w, qkv_b = _stack_linears([attn.q_proj, attn.k_proj, attn.v_proj], dev, dt)
+            gate_up_w, gate_up_b = _stack_linears([mlp.gate_proj, mlp.up_proj], dev, dt)
+            self.layers.append(
+                _Layer(
+                    input_norm=_param(layer.input_layernorm.weight, dev, dt),
+                    qkv_weight=qkv_w,
+                    qkv_bias=qkv_b,
+                    o_weight=_param(attn.o_proj.weight, dev, dt),
+                    o_bias=_param(attn.o_proj.bias, dev, dt),
+                    post_norm=_param(layer.post_attention_layernorm.weight, dev, dt),
+                    gate_up_weight=gate_up_w,
+                    gate_up_bias=gate_up_b,
+                    down_weight=_param(mlp.down_proj.weight, dev, dt),
+                    down_bias=_param(mlp.down_proj.bias, dev, dt),
+                )
+            )
+        self.act = model.model.layers[0].mlp.act_fn  # silu for all supported models; HF's module, stateless
+
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # Zeroed, not empty: padded gather rows are masked out, but 0 * NaN from garbage memory would still be NaN.
+        self.k_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
+        self.attention: PagedAttention = make_attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, block_size, dev, attention_backend
+        )
+
+    @staticmethod
+    def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+        """K and V of one token across all layers."""
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        return 2 * hf_config.num_hidden_layers * num_kv_heads * _head_dim(hf_config) * dtype.itemsize
+
+    @staticmethod
+    def num_blocks_for_budget(hf_config, dtype: torch.dtype, block_size: int, kv_bytes_budget: int) -> int:
+        return kv_bytes_budget // (ModelRunner.kv_bytes_per_token(hf_config, dtype) * block_size)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[number of chunks with needs_logits, vocab]`` in chunk order.
+
+        Each chunk's tokens are appended to its sequence's cache at ``start_pos..``; chunks of one step must
+        belong to different sequences.
+        """
+        for c in chunks:
+            if not c.token_ids:
+                raise ValueError("a chunk must have at least one token")
+            if c.start_pos + len(c.token_ids) > self.max_context:
+                raise ValueError(f"position {c.start_pos + len(c.token_ids) - 1} is past max_context {self.max_context}")
+        # Multi-token chunks first, then the decodes, which attention handles as one batch.
+        order = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+        order += [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+        ordered = [chunks[i] for i in order]
+        row_end = list(itertools.accumulate(len(c.token_ids) for c in ordered))
+        last_row = dict(zip(order, (end - 1 for end in row_end)))
+        logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
+
+        if not chunks:
+            return torch.empty(0, self.vocab_size)
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in ordered))).to(self.device)
+        meta = self.attention.prepare([(c.start_pos, len(c.token_ids), c.block_table) for c in ordered])
+        hidden = self._forward(input_ids, meta)
+        if not logit_rows:
+            return torch.empty(0, self.vocab_size)
+        rows = torch.tensor(logit_rows).to(self.device)
+        hidden = _rms_norm(hidden.index_select(0, rows), self.final_norm, self.eps)
+        return F.linear(hidden, self.lm_head).float()
+
+    def _forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
+        """Decoder layers over the step's flat batch; returns the last hidden state, before the final norm."""
+        num_tokens = input_ids.shape[0]
+        heads, kv_heads, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        q_size, kv_size = heads * d, kv_heads * d
+
+        # cos/sin exactly as HF: fp32 angles, then rounded to the model dtype.
+        freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
+        cos = (freqs.cos() * self.rope_scale).to(self.dtype)[:, None, :]
+        sin = (freqs.sin() * self.rope_scale).to(self.dtype)[:, None, :]
+
+        h = F.embedding(input_ids, self.embed)
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+            x = _rms_norm(h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            # q and k rotate together: one rotary pass over [T, heads + kv_heads, d].
+            qk = _rotate(qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, d), cos, sin)
+            q, k = qk.split((heads, kv_heads), dim=1)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, d)
+            o = self.attention.forward(q, k, v, k_cache, v_cache, meta)
+            h = h + F.linear(o, layer.o_weight, layer.o_bias)
+
+            x = _rms_norm(h, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(self.act(gate) * up, layer.down_weight, layer.down_bias)
+        return h
+
+    def warmup(self) -> None:
+        """Run a tiny prefill and a decode so first-request latency excludes lazy init (kernels, allocator).
+
+        Writes garbage into block 0 only; call it before serving, when no sequence owns any block.
+        """
+        n = min(4, self.block_size)
+        table = [0] * ((n + self.block_size) // self.block_size)
+        self.execute([SeqChunk(list(range(n)), 0, table, True)])
+        self.execute([SeqChunk([0], n, table, True)])
