@@ -25,7 +25,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the name clients use in the `model` field")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
-    p.add_argument("--max-num-seqs", type=int, help="requests a worker runs at once")
+    p.add_argument("--max-num-seqs", type=int, help="sequences a worker runs at once")
+    p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (prefill chunks + decodes)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default: 2 GiB on CPU, 80%% of free GPU memory)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
 
 
 def _add_http(p: argparse.ArgumentParser) -> None:
@@ -40,7 +43,9 @@ def load_config(args: argparse.Namespace) -> SwitchyardConfig:
         if getattr(args, flag, None) is not None:
             setattr(config, attr, getattr(args, flag))
     worker_fields = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype",
-                     "device": "device", "max_num_seqs": "max_num_seqs"}
+                     "device": "device", "max_num_seqs": "max_num_seqs",
+                     "max_num_batched_tokens": "max_num_batched_tokens", "kv_cache_gib": "kv_cache_gib",
+                     "enable_prefix_caching": "enable_prefix_caching"}
     worker = {f: getattr(args, a) for a, f in worker_fields.items() if getattr(args, a, None) is not None}
     gateway = {f: getattr(args, f) for f in ("host", "port") if getattr(args, f, None) is not None}
     return config.model_copy(update={
@@ -137,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polling is not news
     # SIGTERM behaves like Ctrl-C, so every command shuts down through the same cleanup path.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

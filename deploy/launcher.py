@@ -50,7 +50,7 @@ def docker_available() -> bool:
         return False
 
 
-def _die_with_parent(sig: int):
+def die_with_parent(sig: int):
     """A preexec_fn that makes the child receive ``sig`` when the forking thread exits.
 
     Resolved here, before fork, because the child must not load libraries. It runs after
@@ -120,7 +120,7 @@ class _Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(self._stop_signal),
+                preexec_fn=die_with_parent(self._stop_signal),
                 **kwargs,
             )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from deploy.launcher import _die_with_parent
+from deploy.launcher import die_with_parent
 
 
 class ServiceProcess:
@@ -43,7 +43,7 @@ class ServiceProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(signal.SIGTERM),
+                preexec_fn=die_with_parent(signal.SIGTERM),
                 env={**os.environ, **(self.env or {})},
             )
         finally:

@@ -56,8 +56,13 @@ def run_up(config: SwitchyardConfig) -> int:
         common = ["--data-dir", str(data), "--nats-url", config.nats_url, "--database-url", config.database_url]
         worker_args = ["worker", *common, "--model", str(model_path), "--served-model-name", model]
         for flag, value in (("--dtype", config.worker.dtype), ("--device", config.worker.device),
-                            ("--max-num-seqs", config.worker.max_num_seqs)):
-            worker_args += [flag, str(value)]
+                            ("--max-num-seqs", config.worker.max_num_seqs),
+                            ("--max-num-batched-tokens", config.worker.max_num_batched_tokens),
+                            ("--kv-cache-gib", config.worker.kv_cache_gib)):
+            if value is not None:
+                worker_args += [flag, str(value)]
+        if not config.worker.enable_prefix_caching:
+            worker_args.append("--no-prefix-caching")
         worker = ServiceProcess("worker", worker_args).start()
         stack.append(worker)
         gateway = ServiceProcess("gateway", ["gateway", *common, "--host", config.gateway.host,

@@ -91,7 +91,7 @@ class KVCacheManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block] = ()) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed."""
-        return self._num_blocks_short(seq, num_new_tokens, computed_blocks) <= 0
+        return self._fits(self._num_new_blocks(seq, num_new_tokens, computed_blocks), computed_blocks)
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block] = ()
@@ -102,11 +102,14 @@ class KVCacheManager:
         allocation only; they get a reference here. Returns a copy of the full block table (block ids), or
         None when the blocks do not fit, in which case nothing changed.
         """
-        if computed_blocks and seq.seq_id in self._tables:
-            raise ValueError(f"sequence {seq.seq_id!r} already has blocks; hits apply to the first allocation")
-        if self._num_blocks_short(seq, num_new_tokens, computed_blocks) > 0:
-            return None
         table = self._tables.get(seq.seq_id)
+        if computed_blocks and table is not None:
+            raise ValueError(f"sequence {seq.seq_id!r} already has blocks; hits apply to the first allocation")
+        num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed_blocks)
+        if table is not None and num_new_blocks <= 0:
+            return list(self._block_ids[seq.seq_id])  # the common decode step: room left in the last block
+        if not self._fits(num_new_blocks, computed_blocks):
+            return None
         if table is None:
             table = self._tables[seq.seq_id] = []
             self._block_ids[seq.seq_id] = []
@@ -119,8 +122,6 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             table.extend(computed_blocks)
             block_ids.extend(b.block_id for b in computed_blocks)
-        num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_new_blocks = self.num_blocks_for(num_tokens) - len(table)
         if num_new_blocks > 0:
             new_blocks = self.pool.get_new_blocks(num_new_blocks)
             table.extend(new_blocks)
@@ -162,14 +163,16 @@ class KVCacheManager:
     def get_num_blocks(self, seq_id: str) -> int:
         return len(self._tables.get(seq_id, ()))
 
-    def _num_blocks_short(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block]) -> int:
-        """How many more free blocks the allocation needs than are available (<= 0: it fits)."""
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block]) -> int:
+        """Blocks to take from the free queue (<= 0: the sequence already owns enough)."""
         num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_owned = len(self._tables.get(seq.seq_id, ())) + len(computed_blocks)
-        num_new_blocks = self.num_blocks_for(num_tokens) - num_owned
+        return -(-num_tokens // self.block_size) - num_owned
+
+    def _fits(self, num_new_blocks: int, computed_blocks: Seq[Block]) -> bool:
         # Hits on free blocks leave the free queue when touched, so they cannot also serve as new blocks.
-        num_revived = sum(1 for b in computed_blocks if b.ref_count == 0)
-        return num_new_blocks - (self.pool.num_free_blocks - num_revived)
+        num_revived = sum(1 for b in computed_blocks if b.ref_count == 0) if computed_blocks else 0
+        return num_new_blocks <= self.pool.num_free_blocks - num_revived
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         start = index * self.block_size

@@ -3,9 +3,10 @@
 The scheduler has no prefill or decode phase. Every sequence only moves ``num_computed_tokens`` toward
 ``num_tokens``; a prompt is "prefilled" when that gap closes, and each sampled token reopens it by one::
 
-    token_ids:  p0 p1 p2 p3 p4 p5 | o0 o1 o2
-                └──── prompt ────┘ └─ outputs ─┘
-                ├────── computed (KV written) ──────┤   o2 was just sampled: its KV is written next step
+    token_ids   p0 p1 p2 p3 p4 p5 o0 o1 o2
+    prompt      └───────────────┘
+    outputs                       └──────┘
+    computed    └─────────────────────┘    o2 was just sampled: the next step writes its KV
 """
 
 from __future__ import annotations

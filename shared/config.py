@@ -53,7 +53,12 @@ class WorkerConfig(BaseModel):
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: bfloat16 where supported, else float32
     device: str = "auto"  # auto: cuda when available
-    max_num_seqs: int = Field(16, ge=1)  # requests running at once
+    max_num_seqs: int = Field(32, ge=1)  # sequences running at once
+    max_num_batched_tokens: int = Field(512, ge=16)  # per-step token budget (prefill chunks + decodes)
+    block_size: int = Field(16, ge=1)  # tokens per KV block
+    kv_cache_gib: float | None = Field(None, gt=0)  # None: 2 GiB on CPU, gpu_memory_fraction of free GPU memory
+    gpu_memory_fraction: float = Field(0.8, gt=0, le=1)
+    enable_prefix_caching: bool = True
     heartbeat_s: float = Field(3.0, gt=0)
     torch_threads: int | None = None
 

@@ -15,7 +15,7 @@ import torch
 
 from shared.config import SwitchyardConfig
 from workers import model_store
-from workers.simple_engine import SimpleEngine
+from workers.engine import Engine, EngineConfig
 from workers.worker import Worker
 
 log = logging.getLogger("switchyard.worker")
@@ -35,7 +35,15 @@ def build_engine(config: SwitchyardConfig):
     path = model_store.resolve(config.worker.model, config.model_cache_dir)
     model, tokenizer = model_store.load(path, config.worker.dtype, config.worker.device)
     log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
-    return SimpleEngine(model, tokenizer, max_num_seqs=config.worker.max_num_seqs)
+    w = config.worker
+    return Engine(model, tokenizer, EngineConfig(
+        max_num_seqs=w.max_num_seqs,
+        max_num_batched_tokens=w.max_num_batched_tokens,
+        block_size=w.block_size,
+        kv_cache_bytes=None if w.kv_cache_gib is None else int(w.kv_cache_gib * 2**30),
+        gpu_memory_fraction=w.gpu_memory_fraction,
+        enable_prefix_caching=w.enable_prefix_caching,
+    ))
 
 
 async def _serve(engine, config: SwitchyardConfig) -> None:

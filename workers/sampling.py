@@ -110,7 +110,7 @@ def sample(
     batch = logits.shape[0]
     if not (len(params) == len(generators) == batch):
         raise ValueError(f"{batch} logit rows but {len(params)} params and {len(generators)} generators")
-    logits = logits.float()  # copies: the caller's logits stay untouched
+    logits = logits.to(torch.float32, copy=True)  # penalties work in place; the caller's logits stay untouched
     if prompt_token_ids is not None or output_token_ids is not None:
         empty: list[list[int]] = [[] for _ in range(batch)]
         logits = apply_penalties(logits, params, prompt_token_ids or empty, output_token_ids or empty)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
 from workers.detokenizer import IncrementalDetokenizer
@@ -118,7 +119,11 @@ class SimpleEngine:
         return True
 
     def step(self) -> list[TokenDelta]:
-        """Advance every running request by one token; returns their coalesced deltas (finished ones last)."""
+        """Advance every running request by one token; returns at most one delta per request.
+
+        Aborted requests finish first (``cancelled``, no compute); a request whose new text is all held back
+        (split character, possible stop string) gets no delta this step, and its token is counted in the next.
+        """
         outputs: list[TokenDelta] = []
         active: list[_Sequence] = []
         for seq in list(self._running.values()):
@@ -170,8 +175,6 @@ class SimpleEngine:
     def _forward(self, seq: _Sequence) -> torch.Tensor:
         """Last-position logits ``[1, V]``: the whole prompt on the first step, then the last sampled token."""
         if seq.cache is None:
-            from transformers import DynamicCache
-
             seq.cache = DynamicCache(config=self.model.config)
             input_ids = seq.prompt_token_ids
         else:

@@ -28,7 +28,7 @@ from shared import subjects
 from shared.jetstream import ensure_request_consumer, ensure_streams
 from shared.messages import ErrorInfo, GenerateRequest, TokenDelta, UsageRecord, WorkerInfo, decode, encode
 from shared.tiers import tiers_by_priority
-from workers.simple_engine import RequestRejected
+from workers.prompts import RequestRejected
 
 log = logging.getLogger("switchyard.worker")
 

@@ -46,3 +46,16 @@ def make_seq() -> Callable[..., Sequence]:
 @pytest.fixture
 def step() -> Callable[..., tuple[SchedulerOutput, list[Sequence]]]:
     return run_step
+
+
+def expected_outputs(prompt: list[int], num_outputs: int) -> list[int]:
+    """What toy_next_token yields when a sequence is decoded without interruption."""
+    seq = Sequence("ref", prompt, max_tokens=num_outputs)
+    for _ in range(num_outputs):
+        seq.append_token(toy_next_token(seq))
+    return seq.output_token_ids
+
+
+@pytest.fixture
+def reference_outputs() -> Callable[[list[int], int], list[int]]:
+    return expected_outputs

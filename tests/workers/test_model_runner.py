@@ -1,0 +1,232 @@
+"""ModelRunner against HF transformers on tiny random models: same logits, same greedy tokens.
+
+Block size 4 with shuffled block tables, so every sequence crosses many non-contiguous blocks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from workers.model_runner import ModelRunner, SeqChunk
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 128
+DIMS = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,  # small, so all three bands are exercised
+}
+
+
+def build(kind: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "qwen2":  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**DIMS))
+    elif kind == "llama3-rope":
+        model = LlamaForCausalLM(LlamaConfig(**DIMS, rope_parameters=LLAMA3_ROPE))
+    elif kind == "llama-tied-bias":
+        model = LlamaForCausalLM(LlamaConfig(**DIMS, attention_bias=True, tie_word_embeddings=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**DIMS))
+    if kind == "qwen2":  # random init leaves biases at zero: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(std=0.5)
+    return model.to(dtype).eval()
+
+
+class BlockPool:
+    """Hands out shuffled, non-contiguous block ids."""
+
+    def __init__(self, seed: int = 1):
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+
+    def table(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // BLOCK_SIZE)
+        table, self.free = self.free[:n], self.free[n:]
+        return table
+
+
+def prompts(*lengths: int, seed: int = 2) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, DIMS["vocab_size"]) for _ in range(n)] for n in lengths]
+
+
+@torch.no_grad()
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+        max_new_tokens=num_tokens, eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3-rope", "llama-tied-bias"])
+def test_full_prefill_matches_hf(kind):
+    model = build(kind)
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    pool = BlockPool()
+    seqs = prompts(5, 17, 30)
+    chunks = [SeqChunk(p, 0, pool.table(len(p)), needs_logits=True) for p in seqs]
+
+    logits = runner.execute(chunks)
+
+    assert logits.dtype == torch.float32 and logits.shape == (3, DIMS["vocab_size"])
+    for p, row in zip(seqs, logits):
+        torch.testing.assert_close(row, hf_last_logits(model, p), atol=1e-4, rtol=1e-4)
+
+
+def test_logits_only_where_asked_in_chunk_order():
+    model = build()
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    pool = BlockPool()
+    long, short, single = prompts(9, 3, 1)
+    chunks = [
+        SeqChunk(single, 0, pool.table(1), needs_logits=True),  # a one-token prompt runs with the decodes
+        SeqChunk(long, 0, pool.table(9), needs_logits=False),
+        SeqChunk(short, 0, pool.table(3), needs_logits=True),
+    ]
+    logits = runner.execute(chunks)
+    assert logits.shape[0] == 2
+    torch.testing.assert_close(logits[0], hf_last_logits(model, single), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1], hf_last_logits(model, short), atol=1e-4, rtol=1e-4)
+    assert runner.execute([SeqChunk([7], 9, chunks[1].block_table, needs_logits=False)]).shape == (0, 512)
+
+
+def test_chunked_prefill_matches_full_prefill():
+    model = build()
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    pool = BlockPool()
+    seqs = prompts(5, 17, 30)
+    tables = [pool.table(len(p)) for p in seqs]
+    final: dict[int, torch.Tensor] = {}
+    done = [0] * len(seqs)
+    while len(final) < len(seqs):
+        step = [i for i in range(len(seqs)) if done[i] < len(seqs[i])]
+        chunks = []
+        for i in step:
+            part = seqs[i][done[i] : done[i] + 5]
+            chunks.append(SeqChunk(part, done[i], tables[i], needs_logits=done[i] + len(part) == len(seqs[i])))
+            done[i] += len(part)
+        logits = runner.execute(chunks)
+        for i, row in zip([i for i, c in zip(step, chunks) if c.needs_logits], logits):
+            final[i] = row
+
+    for i, p in enumerate(seqs):
+        torch.testing.assert_close(final[i], hf_last_logits(model, p), atol=1e-4, rtol=1e-4)
+
+
+def test_prefix_shared_through_block_table():
+    """A second sequence reuses the first one's full blocks (prefix caching) and computes only its suffix."""
+    model = build()
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    pool = BlockPool()
+    first, suffix = prompts(10, 7)
+    first_table = pool.table(10)
+    runner.execute([SeqChunk(first, 0, first_table, needs_logits=False)])
+    shared = 8  # two full blocks
+    second = first[:shared] + suffix
+    second_table = first_table[:2] + pool.table(len(suffix) + 1)
+
+    logits = runner.execute([SeqChunk(suffix, shared, second_table, needs_logits=True)])
+
+    torch.testing.assert_close(logits[0], hf_last_logits(model, second), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_decode_mixed_with_prefill_matches_hf_generate(kind):
+    model = build(kind)
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    pool = BlockPool()
+    num_new = 10
+    seqs = prompts(6, 11, 23)
+    tables = [pool.table(len(p) + num_new) for p in seqs]
+    tokens = [list(p) for p in seqs]
+    computed = [0] * len(seqs)  # tokens already in the cache
+    # The first two prefill at once; the third starts later and prefills in chunks of 5 while the others decode.
+    active = [0, 1]
+    steps = 0
+    while any(len(tokens[i]) < len(seqs[i]) + num_new for i in range(len(seqs))):
+        if steps == 2:
+            active.append(2)
+        chunks, owners = [], []
+        for i in active:
+            if len(tokens[i]) == len(seqs[i]) + num_new:
+                continue
+            todo = tokens[i][computed[i] :]
+            if computed[i] < len(seqs[i]) and i == 2:
+                todo = todo[:5]
+            last = computed[i] + len(todo) == len(tokens[i])
+            chunks.append(SeqChunk(todo, computed[i], tables[i], needs_logits=last))
+            owners.append(i)
+        logits = runner.execute(chunks)
+        rows = iter(logits)
+        for i, chunk in zip(owners, chunks):
+            computed[i] += len(chunk.token_ids)
+            if chunk.needs_logits:
+                tokens[i].append(int(next(rows).argmax()))
+        steps += 1
+
+    for p, out in zip(seqs, tokens):
+        assert out[len(p) :] == hf_greedy(model, p, num_new)
+
+
+def test_bf16_greedy_matches_hf_bf16():
+    model = build(dtype=torch.bfloat16)
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    assert runner.k_cache[0].dtype == torch.bfloat16
+    pool = BlockPool()
+    num_new = 5
+    for p in prompts(9, 20):
+        table = pool.table(len(p) + num_new)
+        out, todo, start = [], list(p), 0
+        for _ in range(num_new):
+            logits = runner.execute([SeqChunk(todo, start, table, needs_logits=True)])
+            assert logits.dtype == torch.float32
+            start += len(todo)
+            todo = [int(logits[0].argmax())]
+            out.append(todo[0])
+        assert out == hf_greedy(model, p, num_new)
+
+
+def test_bf16_runner_over_fp32_model_casts_weights():
+    model = build()
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, dtype=torch.bfloat16)
+    p = prompts(12)[0]
+    logits = runner.execute([SeqChunk(p, 0, BlockPool().table(12), needs_logits=True)])
+    assert int(logits[0].argmax()) == int(hf_last_logits(model, p).argmax())
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # the HF model is untouched
+
+
+def test_cache_sizing():
+    config = LlamaConfig(**DIMS)
+    per_token = ModelRunner.kv_bytes_per_token(config, torch.bfloat16)
+    assert per_token == 2 * 2 * 2 * 16 * 2  # K+V, layers, kv heads, head_dim, bytes
+    assert ModelRunner.num_blocks_for_budget(config, torch.bfloat16, 16, per_token * 16 * 10 + 5) == 10
+    runner = ModelRunner(build(), 10, 16)
+    assert runner.k_cache[0].shape == (10, 16, 2, 16)
+    assert runner.max_context == 512 and runner.vocab_size == 512
+    runner.warmup()
+
+
+def test_programmer_errors_raise():
+    runner = ModelRunner(build(), NUM_BLOCKS, BLOCK_SIZE)
+    with pytest.raises(ValueError, match="block table"):
+        runner.execute([SeqChunk([1, 2, 3, 4, 5], 0, [0], needs_logits=True)])
+    with pytest.raises(ValueError, match="max_context"):
+        runner.execute([SeqChunk([1], 512, list(range(NUM_BLOCKS)), needs_logits=True)])
+    assert runner.execute([]).shape == (0, 512)

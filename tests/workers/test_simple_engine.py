@@ -1,0 +1,267 @@
+"""SimpleEngine on the tiny random Llama: the real HF model code path, checked token for token against generate."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from shared.messages import TokenDelta
+from workers.simple_engine import RequestRejected, SimpleEngine
+
+
+class RecordingEngine(SimpleEngine):
+    """Remembers every sampled token id per request, to compare with HF token for token."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.token_ids: dict[str, list[int]] = defaultdict(list)
+
+    def _append_token(self, seq, token_id):
+        self.token_ids[seq.request_id].append(token_id)
+        return super()._append_token(seq, token_id)
+
+
+@dataclass
+class Result:
+    deltas: list[TokenDelta] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+    @property
+    def final(self) -> TokenDelta:
+        return self.deltas[-1]
+
+
+def run(engine: SimpleEngine, results: dict[str, Result] | None = None, max_steps: int = 1000,
+        ) -> dict[str, Result]:
+    """Step until every request finishes (or ``max_steps``), collecting deltas into ``results``."""
+    results = defaultdict(Result, results or {})
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        collect(results, engine.step())
+    assert not engine.has_unfinished_requests()
+    for res in results.values():
+        assert [d.finish_reason is not None for d in res.deltas].count(True) == 1
+        assert res.final.finish_reason is not None and res.final.usage is not None
+        assert sum(d.num_tokens for d in res.deltas) == res.final.usage.completion_tokens
+    return dict(results)
+
+
+def collect(results: dict[str, Result], step: list[TokenDelta]) -> None:
+    assert len({d.request_id for d in step}) == len(step), "at most one delta per request per step"
+    for delta in step:
+        results[delta.request_id].deltas.append(delta)
+
+
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog.",
+    "In the beginning the universe was created. This has made a lot of people very angry and been widely "
+    "regarded as a bad move.",
+]
+
+
+def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([tokenizer.encode(prompt)])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=2, pad_token_id=2)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+def test_greedy_matches_hf_generate_with_concurrent_requests(tiny, make_request):
+    model, tokenizer = tiny
+    engine = RecordingEngine(model, tokenizer)
+    max_new = [30, 20, 25]
+    reqs = [make_request(prompt=p, temperature=0.0, max_tokens=n) for p, n in zip(PROMPTS, max_new)]
+    engine.add_request(reqs[0])
+    results: dict[str, Result] = defaultdict(Result)
+    collect(results, engine.step())
+    collect(results, engine.step())
+    for req in reqs[1:]:  # the others join mid-flight: one request decodes while two prefill
+        engine.add_request(req)
+    results = run(engine, results)
+
+    for req, prompt, n in zip(reqs, PROMPTS, max_new):
+        expected = hf_greedy(model, tokenizer, prompt, n)
+        assert len(expected) >= 5, "the tiny model should not end every prompt at once"
+        assert engine.token_ids[req.request_id] == expected
+        res = results[req.request_id]
+        assert res.final.usage.completion_tokens == len(expected)
+        assert res.final.usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert res.final.finish_reason == ("stop" if expected[-1] == 2 else "length")
+
+
+def test_chat_request_uses_chat_template(tiny, make_request):
+    model, tokenizer = tiny
+    engine = SimpleEngine(model, tokenizer)
+    messages = [("system", "Be brief."), ("user", "Hello there")]
+    num_prompt = engine.add_request(make_request(messages=messages, temperature=0, max_tokens=3))
+    expected = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                             add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert num_prompt == len(expected)
+    assert run(engine)  # and it runs
+
+
+def test_stop_string_spanning_tokens_is_not_emitted(tiny, make_request):
+    model, tokenizer = tiny
+    engine = RecordingEngine(model, tokenizer)
+    ref = make_request(prompt=PROMPTS[1], temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request(ref)
+    full_text = run(engine)[ref.request_id].text
+    ids = engine.token_ids[ref.request_id]
+
+    # A stop string made of the end of one token and the start of the next, both plain ASCII.
+    pieces = [tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+    k = next(k for k in range(len(pieces) - 1)
+             if pieces[k].strip() and pieces[k + 1].strip() and (pieces[k] + pieces[k + 1]).isascii())
+    stop = pieces[k][-1] + pieces[k + 1][0]
+    text_before = "".join(pieces[:k]) + pieces[k][:-1]
+    assert stop not in text_before  # the first occurrence is the one across the boundary
+    assert full_text.startswith(text_before + stop)
+
+    engine = SimpleEngine(model, tokenizer)
+    req = make_request(prompt=PROMPTS[1], temperature=0, max_tokens=40, ignore_eos=True, stop=["zzz", stop])
+    engine.add_request(req)
+    res = run(engine)[req.request_id]
+    assert res.text == text_before
+    assert res.final.finish_reason == "stop"
+    assert res.final.usage.completion_tokens == k + 2  # generation ends with the token that completes the stop
+
+
+def test_max_tokens_finishes_with_length(tiny, make_request):
+    engine = SimpleEngine(*tiny)
+    req = make_request(prompt="Count: one two", temperature=0.8, seed=3, max_tokens=17, ignore_eos=True)
+    engine.add_request(req)
+    res = run(engine)[req.request_id]
+    assert res.final.finish_reason == "length"
+    assert res.final.usage.completion_tokens == 17
+    assert res.final.usage.prompt_tokens == len(tiny[1].encode("Count: one two"))
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context(tiny, make_request):
+    engine = SimpleEngine(*tiny)
+    prompt = "abcdefghij" * 24  # letters merge in pairs: ~120 tokens of the 256 context
+    req = make_request(prompt=prompt, temperature=0, max_tokens=None, ignore_eos=True)
+    num_prompt = engine.add_request(req)
+    res = run(engine)[req.request_id]
+    assert res.final.finish_reason == "length"
+    assert num_prompt + res.final.usage.completion_tokens == engine.max_context == 256
+
+
+@pytest.mark.parametrize("max_tokens", [100, None])
+def test_context_length_exceeded_is_rejected_before_compute(tiny, make_request, max_tokens):
+    model, tokenizer = tiny
+    engine = SimpleEngine(model, tokenizer)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    try:
+        prompt = "x " * (200 if max_tokens else 300)
+        with pytest.raises(RequestRejected) as exc:
+            engine.add_request(make_request(prompt=prompt, max_tokens=max_tokens))
+        with pytest.raises(RequestRejected) as chat_exc:
+            engine.add_request(make_request(messages=[("user", prompt)], max_tokens=max_tokens))
+    finally:
+        hook.remove()
+    assert not forwards and not engine.has_unfinished_requests()
+    err = exc.value.error
+    assert (err.code, err.param, err.status, err.type) == (
+        "context_length_exceeded", "prompt", 400, "invalid_request_error")
+    assert "maximum context length is 256 tokens" in err.message
+    n = len(tokenizer.encode(prompt))
+    if max_tokens:
+        assert f"you requested {n + max_tokens} tokens ({n} in the prompt, 100 in the completion)" in err.message
+    else:
+        assert f"your prompt resulted in {n} tokens" in err.message
+    assert chat_exc.value.error.param == "messages"
+
+
+def test_n_greater_than_one_is_rejected(tiny, make_request):
+    engine = SimpleEngine(*tiny)
+    with pytest.raises(RequestRejected) as exc:
+        engine.add_request(make_request(prompt="hi", n=2))
+    assert exc.value.error.param == "n" and exc.value.error.status == 400
+    assert engine.num_free_slots == engine.max_num_seqs
+
+
+def test_abort_finishes_with_cancelled(tiny, make_request):
+    engine = SimpleEngine(*tiny, max_num_seqs=2)
+    keep = make_request(prompt="keep going", temperature=0, max_tokens=6, ignore_eos=True)
+    doomed = make_request(prompt="abort me", temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request(keep)
+    engine.add_request(doomed)
+    assert engine.num_free_slots == 0
+    results: dict[str, Result] = defaultdict(Result)
+    collect(results, engine.step())
+    collect(results, engine.step())
+    assert engine.abort_request(doomed.request_id)
+    assert not engine.abort_request("no-such-request")
+    step = engine.step()
+    collect(results, step)
+    cancelled = next(d for d in step if d.request_id == doomed.request_id)
+    assert cancelled.finish_reason == "cancelled" and cancelled.text == ""
+    assert cancelled.usage.completion_tokens == 2
+    assert cancelled.usage.prompt_tokens == len(tiny[1].encode("abort me"))
+    assert engine.num_free_slots == 1
+    res = run(engine, results)
+    assert res[keep.request_id].final.finish_reason == "length"
+    assert res[keep.request_id].final.usage.completion_tokens == 6
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny, make_request):
+    def sample_alone():
+        engine = RecordingEngine(*tiny)
+        req = make_request(prompt=PROMPTS[1], request_id="seeded", temperature=1.0, top_p=0.9, seed=1234,
+                           max_tokens=24, ignore_eos=True)
+        engine.add_request(req)
+        return run(engine)["seeded"].text, engine.token_ids["seeded"]
+
+    alone_text, alone_ids = sample_alone()
+    assert sample_alone() == (alone_text, alone_ids)
+
+    engine = RecordingEngine(*tiny)
+    engine.add_request(make_request(prompt="a companion", temperature=1.0, max_tokens=30, ignore_eos=True))
+    engine.add_request(make_request(prompt="another", temperature=0.7, seed=99, max_tokens=5, ignore_eos=True))
+    results: dict[str, Result] = defaultdict(Result)
+    collect(results, engine.step())
+    engine.add_request(make_request(prompt=PROMPTS[1], request_id="seeded", temperature=1.0, top_p=0.9, seed=1234,
+                                    max_tokens=24, ignore_eos=True))
+    engine.add_request(make_request(prompt=PROMPTS[2], temperature=0, max_tokens=3))
+    res = run(engine, results)
+    assert engine.token_ids["seeded"] == alone_ids
+    assert res["seeded"].text == alone_text
+
+    other_seed = RecordingEngine(*tiny)
+    other_seed.add_request(make_request(prompt=PROMPTS[1], request_id="seeded", temperature=1.0, top_p=0.9,
+                                        seed=4321, max_tokens=24, ignore_eos=True))
+    run(other_seed)
+    assert other_seed.token_ids["seeded"] != alone_ids
+
+
+def test_eos_finishes_with_stop_unless_ignored(tiny, make_request):
+    model, tokenizer = tiny
+    engine = SimpleEngine(model, tokenizer)
+
+    def force_eos(module, args, output):
+        output.logits[..., 2] = 1e4  # the model now always prefers EOS
+        return output
+
+    hook = model.register_forward_hook(force_eos)
+    try:
+        engine.add_request(make_request(prompt="hello", temperature=0, max_tokens=20, request_id="eos"))
+        engine.add_request(make_request(prompt="hello", temperature=0, max_tokens=20, request_id="ignore",
+                                        ignore_eos=True))
+        res = run(engine)
+    finally:
+        hook.remove()
+    assert res["eos"].final.finish_reason == "stop"
+    assert res["eos"].final.usage.completion_tokens == 1  # EOS counts as a completion token, as in vLLM
+    assert res["eos"].text == ""
+    assert res["ignore"].final.finish_reason == "length"
+    assert res["ignore"].final.usage.completion_tokens == 20
+    assert "<|im_end|>" not in res["ignore"].text  # special tokens are skipped in the text

@@ -1,0 +1,237 @@
+"""The serving engine: continuous batching over a paged KV cache.
+
+    add_request ──▶ Scheduler (pure Python: queues, KV blocks, prefix cache, chunked prefill, preemption)
+                        │ schedule(): which tokens of which sequences run this step, under a token budget
+                        ▼
+                    ModelRunner.execute(): one mixed forward (prefill chunks + decodes) over the paged cache
+                        │ logits of sequences whose chunk reached their end
+                        ▼
+                    sample() ──▶ Scheduler.update_from_output() ──▶ eos / stop strings / detokenize ──▶ TokenDelta
+
+``Engine.step()`` is schedule → run → update and does no I/O; the worker's async loop calls it from a thread.
+A request with ``n > 1`` becomes n sequences over the same prompt; after the first one's prefill, the others
+share its prompt blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence, finish_reason
+from shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
+from shared.tiers import TIER_NAMES, get_tier
+from workers.detokenizer import IncrementalDetokenizer
+from workers.model_runner import ModelRunner, SeqChunk
+from workers.prompts import RequestRejected, eos_token_ids, resolve_max_tokens, tokenize_prompt
+from workers.sampling import make_generator, sample
+
+log = logging.getLogger("switchyard.engine")
+
+MAX_N = 16
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # per-step token budget shared by prefill chunks and decodes
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # CPU: this many bytes; None: 2 GiB on CPU, 80% of free memory on GPU
+    gpu_memory_fraction: float = 0.8
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's own context
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Per-sequence engine state (``Sequence.data``)."""
+
+    request: "_Request"
+    index: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    num_unreported_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    seq_ids: list[str]
+    num_finished: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Engine:
+    """Runs many requests at once on a Llama-family model; see the module docstring."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        hf_config = model.config
+        self.max_context = min(int(hf_config.max_position_embeddings), config.max_model_len or 1 << 30)
+        budget = config.kv_cache_bytes or _default_kv_budget(device, config.gpu_memory_fraction)
+        num_blocks = ModelRunner.num_blocks_for_budget(hf_config, dtype, config.block_size, budget)
+        blocks_per_seq = -(-self.max_context // config.block_size)
+        # Never more than every slot at full context twice over (the rest would only hold stale prefixes), and
+        # never fewer than one full-context sequence needs, or that sequence could never run.
+        num_blocks = min(num_blocks, 2 * config.max_num_seqs * blocks_per_seq)
+        num_blocks = max(num_blocks, blocks_per_seq + 1)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device=device, dtype=dtype)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_model_len=self.max_context,
+        ))
+        self._eos = eos_token_ids(model, tokenizer)
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
+        bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
+        log.info(
+            "KV cache: %d bytes/token, %d blocks of %d tokens (%.1f MiB), %d tokens, max %d sequences at full "
+            "context %d", bytes_per_token, num_blocks, config.block_size,
+            num_blocks * config.block_size * bytes_per_token / 2**20, num_blocks * config.block_size,
+            num_blocks * config.block_size // self.max_context, self.max_context)
+
+    # -- admission ----------------------------------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        """How many more requests the worker may pull now (the backlog stays in JetStream)."""
+        if self.scheduler.kv_cache.usage > 0.95:
+            return 0
+        return self.scheduler.num_free_slots
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def add_request(self, req: GenerateRequest) -> int:
+        """Tokenize and queue ``req``; returns its prompt token count. Raises ``RequestRejected`` before compute
+        for what can never run here (over the context, bad n)."""
+        params = req.sampling
+        if not 1 <= params.n <= MAX_N:
+            raise RequestRejected(ErrorInfo(f"n must be between 1 and {MAX_N}, got {params.n}.",
+                                            code="invalid_value", param="n"))
+        if req.request_id in self._requests:
+            raise ValueError(f"request {req.request_id!r} is already running")
+        prompt_ids, param = tokenize_prompt(self.tokenizer, req)
+        max_tokens = resolve_max_tokens(req, len(prompt_ids), self.max_context, param)
+        priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
+        state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[])
+        arrival = time.monotonic()
+        for index in range(params.n):
+            seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"
+            seed = None if params.seed is None else params.seed + index
+            choice = _Choice(state, index,
+                             IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
+                             make_generator(seed, self.runner.device))
+            self.scheduler.add_request(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority,
+                                                arrival=arrival, data=choice))
+            state.seq_ids.append(seq_id)
+        self._requests[req.request_id] = state
+        return len(prompt_ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Free the request's KV blocks now; its final ``cancelled`` delta comes with the next step."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq_id in state.seq_ids:
+            seq = self.scheduler.abort_request(seq_id)
+            if seq is not None:
+                state.completion_tokens += seq.num_output_tokens
+                state.cached_tokens = max(state.cached_tokens, seq.num_cached_tokens)
+        self._pending.append(TokenDelta(request_id, finish_reason="cancelled", usage=self._usage(state)))
+        return True
+
+    # -- the step -----------------------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        """Schedule → run the model → update; returns at most one delta per choice that made progress."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample) for s in plan.scheduled]
+        logits = self.runner.execute(chunks)
+        to_sample = [s.seq for s in plan.scheduled if s.needs_sample]
+        sampled: dict[str, int] = {}
+        if to_sample:
+            choices = [seq.data for seq in to_sample]
+            token_ids = sample(
+                logits,
+                [c.request.params for c in choices],
+                [c.generator for c in choices],
+                prompt_token_ids=[seq.prompt_token_ids for seq in to_sample],
+                output_token_ids=[seq.output_token_ids for seq in to_sample],
+            ).tolist()
+            sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
+        for seq in self.scheduler.update_from_output(plan, sampled):
+            delta = self._on_token(seq)
+            if delta is not None:
+                outputs.append(delta)
+        return outputs
+
+    def _on_token(self, seq: Sequence) -> TokenDelta | None:
+        choice: _Choice = seq.data
+        choice.num_unreported_tokens += 1
+        token_id = seq.last_token_id
+        params = choice.request.params
+        if token_id in self._eos and not params.ignore_eos:
+            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
+            return self._finish(seq, "stop", choice.detokenizer.flush())
+        text = choice.detokenizer.add_token(token_id)
+        if choice.detokenizer.is_stopped:
+            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
+            return self._finish(seq, "stop", text)
+        if seq.is_finished:  # the scheduler ended it: max_tokens or the model's context
+            return self._finish(seq, finish_reason(seq.status) or "length", text + choice.detokenizer.flush())
+        if not text:
+            return None  # held back (split character or possible stop string): nothing worth a message
+        return self._delta(choice, text)
+
+    def _delta(self, choice: _Choice, text: str, reason: str | None = None, usage: Usage | None = None) -> TokenDelta:
+        delta = TokenDelta(choice.request.request_id, text=text, num_tokens=choice.num_unreported_tokens,
+                           index=choice.index, finish_reason=reason, usage=usage)
+        choice.num_unreported_tokens = 0
+        return delta
+
+    def _finish(self, seq: Sequence, reason: str, text: str) -> TokenDelta:
+        choice: _Choice = seq.data
+        state = choice.request
+        state.num_finished += 1
+        state.completion_tokens += seq.num_output_tokens
+        state.cached_tokens = max(state.cached_tokens, seq.num_cached_tokens)
+        if state.num_finished == len(state.seq_ids):
+            self._requests.pop(state.request_id, None)
+        # Usage so far on every choice's final: the last one carries the request's total.
+        return self._delta(choice, text, reason, self._usage(state))
+
+    @staticmethod
+    def _usage(state: _Request) -> Usage:
+        return Usage(prompt_tokens=state.num_prompt_tokens, completion_tokens=state.completion_tokens,
+                     cached_tokens=state.cached_tokens)
+
+    # -- metrics ------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.kv_cache.num_blocks
+
+
+def _default_kv_budget(device: torch.device, fraction: float) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    return 2 * 2**30

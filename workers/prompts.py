@@ -1,0 +1,66 @@
+"""Turning a wire request into prompt token ids, and the checks that reject it before any compute.
+
+The chat template is applied here, on the worker: the gateway stays model-agnostic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.messages import ErrorInfo, GenerateRequest
+
+
+class RequestRejected(Exception):
+    """The request cannot run on this engine; ``error`` is what the client gets."""
+
+    def __init__(self, error: ErrorInfo) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def tokenize_prompt(tokenizer, req: GenerateRequest) -> tuple[list[int], str]:
+    """Prompt token ids, and the request parameter they came from (for error messages)."""
+    if req.messages is not None:
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template already wrote every special token it wants (BOS included, if any).
+        return tokenizer.encode(text, add_special_tokens=False), "messages"
+    if req.prompt is not None:
+        return tokenizer.encode(req.prompt), "prompt"
+    raise RequestRejected(ErrorInfo(message="Either prompt or messages is required.", code="invalid_request",
+                                    param="prompt"))
+
+
+def resolve_max_tokens(req: GenerateRequest, num_prompt: int, max_context: int, param: str) -> int:
+    """The number of new tokens the request may produce; raises ``context_length_exceeded`` before compute."""
+    max_tokens = req.sampling.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestRejected(ErrorInfo(message=f"max_tokens must be at least 1, got {max_tokens}.",
+                                        code="invalid_value", param="max_tokens"))
+    # max_tokens None means "up to the context", which still needs room for one token.
+    if num_prompt + (max_tokens or 0) > max_context or num_prompt >= max_context:
+        raise RequestRejected(ErrorInfo(message=_context_message(max_context, num_prompt, max_tokens, param),
+                                        code="context_length_exceeded", param=param))
+    return max_context - num_prompt if max_tokens is None else max_tokens
+
+
+def _context_message(max_context: int, num_prompt: int, max_tokens: int | None, param: str) -> str:
+    # OpenAI's wording, so clients that parse it keep working.
+    head = f"This model's maximum context length is {max_context} tokens. However, "
+    if max_tokens is None:
+        return (head + f"your {param} resulted in {num_prompt} tokens, which leaves no room for the completion. "
+                f"Please reduce the length of the {param}.")
+    return (head + f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the {param}, {max_tokens} "
+            f"in the completion). Please reduce the length of the {param} or completion.")
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the generation config's (may be a list) and the tokenizer's."""
+    ids: set[int] = set()
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (generation_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, Sequence):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
