@@ -9,15 +9,16 @@
                     sample() ──▶ Scheduler.update_from_output() ──▶ eos / stop strings / detokenize ──▶ TokenDelta
 
 ``Engine.step()`` is schedule → run → update and does no I/O; the worker's async loop calls it from a thread.
-A request with ``n > 1`` becomes n sequences over the same prompt; after the first one's prefill, the others
-share its prompt blocks through the prefix cache.
+A request with ``n > 1`` becomes n sequences over the same prompt. Only the first is scheduled at once; the
+others join when its prefill has produced a token, so they find the prompt's full blocks in the prefix cache
+instead of computing them n times.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,6 +63,7 @@ class _Request:
     params: SamplingParams
     num_prompt_tokens: int
     seq_ids: list[str]
+    held: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for choice 0's prefill
     num_finished: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -134,23 +136,24 @@ class Engine:
             choice = _Choice(state, index,
                              IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
                              make_generator(seed, self.runner.device))
-            self.scheduler.add_request(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority,
-                                                arrival=arrival, data=choice))
+            seq = Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice)
+            if index == 0:
+                self.scheduler.add_request(seq)
+            else:
+                state.held.append(seq)
             state.seq_ids.append(seq_id)
         self._requests[req.request_id] = state
         return len(prompt_ids)
 
     def abort_request(self, request_id: str) -> bool:
-        """Free the request's KV blocks now; its final ``cancelled`` delta comes with the next step."""
-        state = self._requests.pop(request_id, None)
+        """Free the request's KV blocks now; its final ``cancelled`` deltas come with the next step."""
+        state = self._requests.get(request_id)
         if state is None:
             return False
-        for seq_id in state.seq_ids:
-            seq = self.scheduler.abort_request(seq_id)
-            if seq is not None:
-                state.completion_tokens += seq.num_output_tokens
-                state.cached_tokens = max(state.cached_tokens, seq.num_cached_tokens)
-        self._pending.append(TokenDelta(request_id, finish_reason="cancelled", usage=self._usage(state)))
+        held, state.held = state.held, []
+        live = held + [seq for seq_id in state.seq_ids if (seq := self.scheduler.abort_request(seq_id)) is not None]
+        for seq in sorted(live, key=lambda s: s.data.index):
+            self._pending.append(self._finish(seq, "cancelled", ""))
         return True
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -183,6 +186,10 @@ class Engine:
     def _on_token(self, seq: Sequence) -> TokenDelta | None:
         choice: _Choice = seq.data
         choice.num_unreported_tokens += 1
+        if choice.request.held:  # choice 0's prompt is in the cache now: the other choices can share it
+            for held in choice.request.held:
+                self.scheduler.add_request(held)
+            choice.request.held.clear()
         token_id = seq.last_token_id
         params = choice.request.params
         if token_id in self._eos and not params.ignore_eos:

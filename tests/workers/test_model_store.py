@@ -9,7 +9,7 @@ import torch
 
 from shared.messages import SamplingParams
 from workers.model_store import MARKER, ModelNotFound, is_pulled, load, resolve
-from workers.simple_engine import SimpleEngine
+from workers.engine import Engine
 
 
 def test_resolve_accepts_an_existing_model_directory(tiny_model_dir, tmp_path):
@@ -61,7 +61,7 @@ def test_smollm2_pull_load_and_answer(smollm2_dir, make_request):
     assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert rendered.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
-    engine = SimpleEngine(model, tokenizer)
+    engine = Engine(model, tokenizer)
     req = make_request(messages=[("user", "What is the capital of France?")], temperature=0, max_tokens=30)
     engine.add_request(req)
     text, final = "", None

@@ -1,4 +1,5 @@
-"""SimpleEngine on the tiny random Llama: the real HF model code path, checked token for token against generate."""
+"""The paged engine on the tiny random Llama, checked token for token against HF ``generate``: batched, with
+prefix caching on and off, chunked prefill and forced preemption."""
 
 from __future__ import annotations
 
@@ -9,19 +10,31 @@ import pytest
 import torch
 
 from shared.messages import TokenDelta
-from workers.simple_engine import RequestRejected, SimpleEngine
+from workers.engine import Engine, EngineConfig
+from workers.prompts import RequestRejected
 
 
-class RecordingEngine(SimpleEngine):
-    """Remembers every sampled token id per request, to compare with HF token for token."""
+class RecordingEngine(Engine):
+    """Remembers every sampled token id per request (and whether any was preempted), to compare with HF."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.token_ids: dict[str, list[int]] = defaultdict(list)
+        self.num_preemptions = 0
 
-    def _append_token(self, seq, token_id):
-        self.token_ids[seq.request_id].append(token_id)
-        return super()._append_token(seq, token_id)
+    def _on_token(self, seq):
+        self.token_ids[seq.data.request.request_id].append(seq.last_token_id)
+        self.num_preemptions = max(self.num_preemptions, seq.num_preemptions)
+        return super()._on_token(seq)
+
+
+CONFIGS = {
+    "default": EngineConfig(max_num_seqs=8),
+    "no-prefix-cache": EngineConfig(max_num_seqs=8, enable_prefix_caching=False),
+    "chunked-prefill": EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, block_size=4),
+    # A pool of 9 blocks of 16 tokens cannot hold the three requests at once: someone must be preempted.
+    "preemption": EngineConfig(max_num_seqs=4, kv_cache_bytes=1, max_model_len=128),
+}
 
 
 @dataclass
@@ -37,7 +50,7 @@ class Result:
         return self.deltas[-1]
 
 
-def run(engine: SimpleEngine, results: dict[str, Result] | None = None, max_steps: int = 1000,
+def run(engine: Engine, results: dict[str, Result] | None = None, max_steps: int = 1000,
         ) -> dict[str, Result]:
     """Step until every request finishes (or ``max_steps``), collecting deltas into ``results``."""
     results = defaultdict(Result, results or {})
@@ -74,9 +87,10 @@ def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
     return out[0, input_ids.shape[1]:].tolist()
 
 
-def test_greedy_matches_hf_generate_with_concurrent_requests(tiny, make_request):
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_greedy_matches_hf_generate_with_concurrent_requests(tiny, make_request, config):
     model, tokenizer = tiny
-    engine = RecordingEngine(model, tokenizer)
+    engine = RecordingEngine(model, tokenizer, config)
     max_new = [30, 20, 25]
     reqs = [make_request(prompt=p, temperature=0.0, max_tokens=n) for p, n in zip(PROMPTS, max_new)]
     engine.add_request(reqs[0])
@@ -95,11 +109,14 @@ def test_greedy_matches_hf_generate_with_concurrent_requests(tiny, make_request)
         assert res.final.usage.completion_tokens == len(expected)
         assert res.final.usage.prompt_tokens == len(tokenizer.encode(prompt))
         assert res.final.finish_reason == ("stop" if expected[-1] == 2 else "length")
+    if config is CONFIGS["preemption"]:
+        assert engine.num_preemptions > 0
+    assert engine.num_free_blocks == engine.num_blocks, "every block is free once all requests ended"
 
 
 def test_chat_request_uses_chat_template(tiny, make_request):
     model, tokenizer = tiny
-    engine = SimpleEngine(model, tokenizer)
+    engine = Engine(model, tokenizer)
     messages = [("system", "Be brief."), ("user", "Hello there")]
     num_prompt = engine.add_request(make_request(messages=messages, temperature=0, max_tokens=3))
     expected = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
@@ -125,7 +142,7 @@ def test_stop_string_spanning_tokens_is_not_emitted(tiny, make_request):
     assert stop not in text_before  # the first occurrence is the one across the boundary
     assert full_text.startswith(text_before + stop)
 
-    engine = SimpleEngine(model, tokenizer)
+    engine = Engine(model, tokenizer)
     req = make_request(prompt=PROMPTS[1], temperature=0, max_tokens=40, ignore_eos=True, stop=["zzz", stop])
     engine.add_request(req)
     res = run(engine)[req.request_id]
@@ -135,7 +152,7 @@ def test_stop_string_spanning_tokens_is_not_emitted(tiny, make_request):
 
 
 def test_max_tokens_finishes_with_length(tiny, make_request):
-    engine = SimpleEngine(*tiny)
+    engine = Engine(*tiny)
     req = make_request(prompt="Count: one two", temperature=0.8, seed=3, max_tokens=17, ignore_eos=True)
     engine.add_request(req)
     res = run(engine)[req.request_id]
@@ -145,7 +162,7 @@ def test_max_tokens_finishes_with_length(tiny, make_request):
 
 
 def test_max_tokens_none_runs_to_the_end_of_the_context(tiny, make_request):
-    engine = SimpleEngine(*tiny)
+    engine = Engine(*tiny)
     prompt = "abcdefghij" * 24  # letters merge in pairs: ~120 tokens of the 256 context
     req = make_request(prompt=prompt, temperature=0, max_tokens=None, ignore_eos=True)
     num_prompt = engine.add_request(req)
@@ -157,17 +174,15 @@ def test_max_tokens_none_runs_to_the_end_of_the_context(tiny, make_request):
 @pytest.mark.parametrize("max_tokens", [100, None])
 def test_context_length_exceeded_is_rejected_before_compute(tiny, make_request, max_tokens):
     model, tokenizer = tiny
-    engine = SimpleEngine(model, tokenizer)
+    engine = Engine(model, tokenizer)
     forwards = []
-    hook = model.register_forward_pre_hook(lambda *args: forwards.append(1))
-    try:
-        prompt = "x " * (200 if max_tokens else 300)
-        with pytest.raises(RequestRejected) as exc:
-            engine.add_request(make_request(prompt=prompt, max_tokens=max_tokens))
-        with pytest.raises(RequestRejected) as chat_exc:
-            engine.add_request(make_request(messages=[("user", prompt)], max_tokens=max_tokens))
-    finally:
-        hook.remove()
+    execute = engine.runner.execute
+    engine.runner.execute = lambda chunks: forwards.append(chunks) or execute(chunks)
+    prompt = "x " * (200 if max_tokens else 300)
+    with pytest.raises(RequestRejected) as exc:
+        engine.add_request(make_request(prompt=prompt, max_tokens=max_tokens))
+    with pytest.raises(RequestRejected) as chat_exc:
+        engine.add_request(make_request(messages=[("user", prompt)], max_tokens=max_tokens))
     assert not forwards and not engine.has_unfinished_requests()
     err = exc.value.error
     assert (err.code, err.param, err.status, err.type) == (
@@ -181,16 +196,31 @@ def test_context_length_exceeded_is_rejected_before_compute(tiny, make_request, 
     assert chat_exc.value.error.param == "messages"
 
 
-def test_n_greater_than_one_is_rejected(tiny, make_request):
-    engine = SimpleEngine(*tiny)
+def test_n_choices_share_the_prompt_and_sample_independently(tiny, make_request):
+    engine = Engine(*tiny)
+    req = make_request(prompt=PROMPTS[2], n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    num_prompt = engine.add_request(req)
+    deltas = [d for _ in range(100) if engine.has_unfinished_requests() for d in engine.step()]
+    texts = ["".join(d.text for d in deltas if d.index == i) for i in range(3)]
+    finals = [d for d in deltas if d.finish_reason]
+    assert sorted(d.index for d in finals) == [0, 1, 2]
+    assert len(set(texts)) == 3, "each choice samples with its own generator"
+    assert finals[-1].usage.completion_tokens == 36 and finals[-1].usage.prompt_tokens == num_prompt
+    # The choices after the first found the prompt's full blocks in the prefix cache.
+    assert finals[-1].usage.cached_tokens >= (num_prompt - 1) // 16 * 16 > 0
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_n_out_of_range_is_rejected(tiny, make_request):
+    engine = Engine(*tiny)
     with pytest.raises(RequestRejected) as exc:
-        engine.add_request(make_request(prompt="hi", n=2))
+        engine.add_request(make_request(prompt="hi", n=17))
     assert exc.value.error.param == "n" and exc.value.error.status == 400
-    assert engine.num_free_slots == engine.max_num_seqs
+    assert not engine.has_unfinished_requests()
 
 
 def test_abort_finishes_with_cancelled(tiny, make_request):
-    engine = SimpleEngine(*tiny, max_num_seqs=2)
+    engine = Engine(*tiny, EngineConfig(max_num_seqs=2))
     keep = make_request(prompt="keep going", temperature=0, max_tokens=6, ignore_eos=True)
     doomed = make_request(prompt="abort me", temperature=0, max_tokens=50, ignore_eos=True)
     engine.add_request(keep)
@@ -199,6 +229,7 @@ def test_abort_finishes_with_cancelled(tiny, make_request):
     results: dict[str, Result] = defaultdict(Result)
     collect(results, engine.step())
     collect(results, engine.step())
+    blocks_before = engine.num_free_blocks
     assert engine.abort_request(doomed.request_id)
     assert not engine.abort_request("no-such-request")
     step = engine.step()
@@ -208,6 +239,7 @@ def test_abort_finishes_with_cancelled(tiny, make_request):
     assert cancelled.usage.completion_tokens == 2
     assert cancelled.usage.prompt_tokens == len(tiny[1].encode("abort me"))
     assert engine.num_free_slots == 1
+    assert engine.num_free_blocks > blocks_before, "the cancelled request's blocks are free at once"
     res = run(engine, results)
     assert res[keep.request_id].final.finish_reason == "length"
     assert res[keep.request_id].final.usage.completion_tokens == 6
@@ -245,20 +277,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny, make_request):
 
 def test_eos_finishes_with_stop_unless_ignored(tiny, make_request):
     model, tokenizer = tiny
-    engine = SimpleEngine(model, tokenizer)
+    engine = Engine(model, tokenizer)
+    execute = engine.runner.execute
 
-    def force_eos(module, args, output):
-        output.logits[..., 2] = 1e4  # the model now always prefers EOS
-        return output
+    def force_eos(chunks):
+        logits = execute(chunks).clone()
+        logits[..., 2] = 1e4  # the model now always prefers EOS
+        return logits
 
-    hook = model.register_forward_hook(force_eos)
-    try:
-        engine.add_request(make_request(prompt="hello", temperature=0, max_tokens=20, request_id="eos"))
-        engine.add_request(make_request(prompt="hello", temperature=0, max_tokens=20, request_id="ignore",
-                                        ignore_eos=True))
-        res = run(engine)
-    finally:
-        hook.remove()
+    engine.runner.execute = force_eos
+    engine.add_request(make_request(prompt="hello", temperature=0, max_tokens=20, request_id="eos"))
+    engine.add_request(make_request(prompt="hello", temperature=0, max_tokens=20, request_id="ignore",
+                                    ignore_eos=True))
+    res = run(engine)
     assert res["eos"].final.finish_reason == "stop"
     assert res["eos"].final.usage.completion_tokens == 1  # EOS counts as a completion token, as in vLLM
     assert res["eos"].text == ""
