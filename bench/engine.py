@@ -100,9 +100,12 @@ def _timed(timers, key, fn):
 
 
 def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True):
+    import gc
+
     import workers.engine as we
     from shared.messages import GenerateRequest, SamplingParams
 
+    gc.collect()  # drop the previous run's engine (and its KV cache) first
     engine = we.Engine(model, tok, we.EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_bytes=int(args.kv_gib * 2**30),

@@ -1,11 +1,15 @@
-"""Priority tiers: one number end to end (subject, pull order, engine priority).
+"""Priority tiers: one number end to end (subject, pull order and share, engine priority and preemption).
 
-Lower ``priority`` is more important, matching the engine's (priority, arrival) ordering.
+Lower ``priority`` is more important, matching the engine's (priority, arrival) ordering. Each tier has a policy
+that ops change live (``switchyard tiers set``): the queue cap is enforced by JetStream itself, the wait limit by
+the gateway's deadline and the worker's check, the weight by every worker's pull.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import msgspec
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +26,8 @@ TIERS: tuple[Tier, ...] = (
 )
 
 TIER_NAMES: tuple[str, ...] = tuple(t.name for t in TIERS)
+INTERACTIVE_TIERS: tuple[str, ...] = ("enterprise", "pro", "free")
+BATCH_TIER = "batch"
 _BY_NAME = {t.name: t for t in TIERS}
 
 
@@ -31,5 +37,24 @@ def get_tier(name: str) -> Tier:
 
 
 def tiers_by_priority() -> list[Tier]:
-    """Tiers from most to least important: the order a worker pulls in."""
+    """Tiers from most to least important."""
     return sorted(TIERS, key=lambda t: t.priority)
+
+
+class TierPolicy(msgspec.Struct, frozen=True):
+    """What ops set per tier; stored in the ``tiers`` KV bucket (the live value) and mirrored in Postgres."""
+
+    max_queued: int  # queued requests per model; more are refused with 429 queue_full
+    max_wait_s: float  # a request not started within this is answered queue_timeout, never run late
+    weight: float  # share of a worker's pulls when several tiers have work
+    rpm: int = 0  # default requests per minute per API key (0: unlimited)
+    tpm: int = 0  # default tokens per minute per API key (0: unlimited)
+
+
+DEFAULT_POLICIES: dict[str, TierPolicy] = {
+    "enterprise": TierPolicy(max_queued=1000, max_wait_s=60.0, weight=8.0, rpm=6000, tpm=2_000_000),
+    "pro": TierPolicy(max_queued=500, max_wait_s=30.0, weight=4.0, rpm=600, tpm=400_000),
+    "free": TierPolicy(max_queued=200, max_wait_s=20.0, weight=1.0, rpm=60, tpm=40_000),
+    # Batch takes what the interactive tiers leave idle, plus a small guaranteed share (see BatchShare).
+    "batch": TierPolicy(max_queued=100_000, max_wait_s=24 * 3600.0, weight=0.05, rpm=0, tpm=0),
+}

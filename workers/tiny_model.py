@@ -66,7 +66,7 @@ def build_tokenizer():
     )
 
 
-def build_model(seed: int = 0):
+def build_model(seed: int = 0, max_context: int = MAX_CONTEXT):
     """A 2-layer random ``LlamaForCausalLM`` (float32), the same weights for the same seed."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -78,7 +78,7 @@ def build_model(seed: int = 0):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=MAX_CONTEXT,
+        max_position_embeddings=max_context,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
@@ -94,10 +94,10 @@ def build_model(seed: int = 0):
     return model
 
 
-def save_tiny_model(path: str | os.PathLike, seed: int = 0) -> Path:
+def save_tiny_model(path: str | os.PathLike, seed: int = 0, max_context: int = MAX_CONTEXT) -> Path:
     """Build the tiny model and tokenizer and ``save_pretrained`` both into ``path``; returns ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_model(seed).save_pretrained(path)
+    build_model(seed, max_context).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path

@@ -14,6 +14,7 @@ from deploy.services import ServiceProcess, wait_until_ready
 from workers.tiny_model import save_tiny_model
 
 TINY = "tiny"
+TINY_CONTEXT = 4096
 
 
 def _free_port() -> int:
@@ -28,7 +29,8 @@ def system(nats_url: str, database_url: str):
     work = Path(tempfile.mkdtemp(prefix="switchyard-e2e-"))
     services: list[ServiceProcess] = []
     try:
-        model_dir = save_tiny_model(work / "tiny-model")
+        # A long context, so a stream can be cancelled long before it could finish on its own.
+        model_dir = save_tiny_model(work / "tiny-model", max_context=TINY_CONTEXT)
         common = ["--data-dir", str(work), "--nats-url", nats_url, "--database-url", database_url,
                   "--log-level", "WARNING"]
         services.append(ServiceProcess(

@@ -90,7 +90,7 @@ def test_malformed_body_is_400_with_openai_error_shape(system, body):
 
 def test_prompt_over_context_is_400_context_length_exceeded(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=TINY, prompt="word " * 400, max_tokens=4)
+        client.completions.create(model=TINY, prompt="word " * 4000, max_tokens=4)
     assert info.value.code == "context_length_exceeded"
 
 
@@ -119,7 +119,7 @@ async def test_finished_request_is_recorded_once_in_postgres(client, database_ur
 
 
 async def test_closing_a_stream_cancels_generation_on_the_worker(system, database_url):
-    body = {"model": TINY, "messages": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True,
+    body = {"model": TINY, "messages": PROMPT, "max_tokens": 3000, "stream": True, "ignore_eos": True,
             "temperature": 0}
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream("POST", f"{system}/v1/chat/completions", json=body) as resp:
@@ -133,4 +133,4 @@ async def test_closing_a_stream_cancels_generation_on_the_worker(system, databas
                     break  # leaving the block closes the connection mid-stream
     row = await _request_row(database_url, request_id)
     assert row["finish_reason"] == "cancelled"
-    assert row["completion_tokens"] < 200
+    assert row["completion_tokens"] < 3000
