@@ -103,6 +103,56 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ops_config(args: argparse.Namespace) -> SwitchyardConfig:
+    """Config for ops commands: flags or env first, else the servers of a running `switchyard up`."""
+    from deploy.up import read_run_file
+
+    config = load_config(args)
+    running = read_run_file(config.data_dir)
+    config.nats_url = config.nats_url or running.get("nats_url")
+    config.database_url = config.database_url or running.get("database_url")
+    if not config.nats_url or not config.database_url:
+        raise SystemExit("no running system found: start `switchyard up`, or pass --nats-url and --database-url")
+    return config
+
+
+def cmd_tiers(args: argparse.Namespace) -> int:
+    import getpass
+
+    import asyncpg
+    import nats
+
+    from gateway.registry import ModelRegistry
+    from gateway.tier_admin import TierChangeError, change_tier, format_status, tier_status
+
+    config = _ops_config(args)
+
+    async def run() -> int:
+        nc = await nats.connect(config.nats_url, max_reconnect_attempts=1)
+        js = nc.jetstream()
+        try:
+            if args.tiers_cmd == "set":
+                pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=1)
+                try:
+                    old, new = await change_tier(js, pool, args.tier, getpass.getuser(), max_queued=args.max_queued,
+                                                 max_wait_s=args.max_wait, weight=args.weight)
+                except TierChangeError as exc:
+                    print(f"error: {exc}", file=sys.stderr)
+                    return 2
+                finally:
+                    await pool.close()
+                print(f"{args.tier}: max_queued {old.max_queued} -> {new.max_queued}, "
+                      f"max_wait_s {old.max_wait_s:g} -> {new.max_wait_s:g}, weight {old.weight:g} -> {new.weight:g}")
+            else:
+                served = await ModelRegistry(js).models(fresh=True)
+                print(format_status(await tier_status(js, served)))
+            return 0
+        finally:
+            await nc.close()
+
+    return asyncio.run(run())
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy.up import run_up
 
@@ -128,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("migrate", help="apply database migrations")
     _add_common(p)
     p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("tiers", help="show tier queues, or change a tier's limits live")
+    _add_common(p)
+    tsub = p.add_subparsers(dest="tiers_cmd")
+    tsub.add_parser("show", help="per model and tier: queued, oldest wait, running, limits, 429s")
+    tset = tsub.add_parser("set", help="change a tier's policy live (recorded in Postgres)")
+    tset.add_argument("tier")
+    tset.add_argument("--max-queued", type=int, help="queued requests per model before 429 queue_full")
+    tset.add_argument("--max-wait", type=float, help="seconds a request may wait before queue_timeout")
+    tset.add_argument("--weight", type=float, help="share of worker pulls when several tiers have work")
+    p.set_defaults(func=cmd_tiers)
 
     p = sub.add_parser("models", help="list or pull models into the cache")
     _add_common(p)

@@ -7,8 +7,10 @@ Order: NATS (embedded unless --nats-url) → Postgres (embedded unless --databas
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
+from pathlib import Path
 
 from deploy.launcher import NatsServer, PostgresServer
 from deploy.services import ServiceProcess, wait_until_ready
@@ -16,6 +18,21 @@ from migrations import apply_migrations
 from shared.config import SwitchyardConfig
 from workers import model_store
 from workers.main import served_name
+
+
+RUN_FILE = "run.json"
+
+
+def write_run_file(data_dir: Path, nats_url: str, database_url: str) -> None:
+    """Where the running system's servers are, so ops commands (`switchyard tiers ...`) find them."""
+    (data_dir / RUN_FILE).write_text(json.dumps({"nats_url": nats_url, "database_url": database_url}))
+
+
+def read_run_file(data_dir: Path) -> dict:
+    try:
+        return json.loads((data_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _banner(base_url: str, model: str) -> str:
@@ -49,6 +66,7 @@ def run_up(config: SwitchyardConfig) -> int:
             stack.append(pg)
             config.database_url = pg.url
             print(f"postgres  {pg.url} (pid {pg.pid})", file=sys.stderr)
+        write_run_file(data, config.nats_url, config.database_url)
         applied = asyncio.run(apply_migrations(config.database_url))
         print(f"migrate   {', '.join(applied) if applied else 'up to date'}", file=sys.stderr)
         model_path = model_store.resolve(config.worker.model, config.model_cache_dir)
@@ -80,6 +98,7 @@ def run_up(config: SwitchyardConfig) -> int:
         print("\nstopping...", file=sys.stderr)
         return 0
     finally:
+        (data / RUN_FILE).unlink(missing_ok=True)
         for item in reversed(stack):
             try:
                 item.stop()

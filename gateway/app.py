@@ -18,11 +18,27 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.registry import ModelRegistry
 from gateway.relay import Relay
 from gateway.serving import CompletionService
+from gateway.admin import admin_router
 from gateway.usage_writer import run_usage_writer
 from shared.config import SwitchyardConfig
 from shared.jetstream import ensure_streams
+from shared.tier_store import PolicyCache, read_policies, reconcile_queue_caps
+from shared.tiers import TIER_NAMES
+
+TIER_HEADER = "X-Switchyard-Tier"
 
 log = logging.getLogger("switchyard.gateway")
+
+
+async def _reconcile_caps(js, stop: asyncio.Event) -> None:
+    """Lowered queue caps reach their target as queues drain (see shared.tier_store.apply_queue_cap)."""
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        try:
+            await reconcile_queue_caps(js, await read_policies(js))
+        except Exception as exc:  # NATS reconnecting: next round
+            log.warning("queue cap reconcile failed: %s", exc)
 
 
 def create_app(config: SwitchyardConfig) -> FastAPI:
@@ -36,31 +52,46 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         await ensure_streams(js)
         pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
         registry = ModelRegistry(js)
-        app.state.nc, app.state.pool, app.state.registry = nc, pool, registry
+        app.state.nc, app.state.js, app.state.pool, app.state.registry = nc, js, pool, registry
+        app.state.policies = PolicyCache(js)
         app.state.service = CompletionService(
-            Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s), registry, config.gateway
+            Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s), registry,
+            app.state.policies, config.gateway,
         )
         stop = asyncio.Event()
         writer = asyncio.create_task(run_usage_writer(js, pool, stop), name="usage-writer")
+        reconciler = asyncio.create_task(_reconcile_caps(js, stop), name="queue-caps")
         try:
             yield
         finally:
             stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer, timeout=5)
+            for task in (writer, reconciler):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(task, timeout=5)
             await pool.close()
             await nc.close()
 
     app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
 
+    def request_tier(request: Request) -> str | None:
+        tier = request.headers.get(TIER_HEADER)
+        if tier is None or not config.gateway.allow_tier_header:
+            return None
+        if tier not in TIER_NAMES:
+            raise OpenAIError(400, f"Unknown tier {tier!r}; known: {', '.join(TIER_NAMES)}.", code="invalid_tier",
+                              param=TIER_HEADER)
+        return tier
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await request.app.state.service.chat(body)
+        return await request.app.state.service.chat(body, request_tier(request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await request.app.state.service.completion(body)
+        return await request.app.state.service.completion(body, request_tier(request))
+
+    app.include_router(admin_router(config.gateway.admin_key))
 
     @app.get("/v1/models")
     async def list_models(request: Request):

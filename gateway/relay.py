@@ -121,6 +121,8 @@ class Relay:
         except APIError as exc:
             await relayed.close()
             if exc.err_code in QUEUE_FULL_CODES:
+                # Counted by `switchyard tiers show`; core publish, so a refusal never waits on a second ack.
+                await self._nc.publish(subjects.rejected_subject(request.model, request.tier), b"")
                 raise OpenAIError(
                     429,
                     f"The {request.tier} tier queue for model `{request.model}` is full; please retry later.",

@@ -20,6 +20,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.registry import ModelRegistry
 from gateway.relay import Relay, RelayedRequest
 from shared.config import GatewayConfig
+from shared.tier_store import PolicyCache
 from shared.messages import GenerateRequest, TokenDelta, Usage
 
 
@@ -52,27 +53,31 @@ def _sse(payload: dict | str) -> bytes:
 
 
 class CompletionService:
-    def __init__(self, relay: Relay, registry: ModelRegistry, config: GatewayConfig) -> None:
+    def __init__(self, relay: Relay, registry: ModelRegistry, policies: PolicyCache, config: GatewayConfig) -> None:
         self._relay = relay
         self._registry = registry
+        self._policies = policies
         self._config = config
 
     async def chat(self, body: ChatCompletionRequest, tier: str | None = None):
-        request = self._wire_request(body, tier, messages=body.wire_messages(), sampling=body.sampling())
+        request = await self._wire_request(body, tier, messages=body.wire_messages(), sampling=body.sampling())
         return await self._serve(request, body.stream, body.include_usage, CHAT)
 
     async def completion(self, body: CompletionRequest, tier: str | None = None):
-        request = self._wire_request(body, tier, prompt=body.prompt_text, sampling=body.sampling())
+        request = await self._wire_request(body, tier, prompt=body.prompt_text, sampling=body.sampling())
         return await self._serve(request, body.stream, body.include_usage, TEXT)
 
-    def _wire_request(self, body, tier: str | None, **fields) -> GenerateRequest:
+    async def _wire_request(self, body, tier: str | None, **fields) -> GenerateRequest:
+        tier = tier or self._config.default_tier
+        policy = (await self._policies.get())[tier]
         now = time.time()
         return GenerateRequest(
             request_id=uuid.uuid4().hex,
             model=body.model,
-            tier=tier or self._config.default_tier,
+            tier=tier,
             created_at=now,
-            deadline_at=now + self._config.queue_timeout_s,
+            # The tier's wait limit, live from ops; queue_timeout_s caps it for interactive gateways.
+            deadline_at=now + min(policy.max_wait_s, self._config.queue_timeout_s),
             **fields,
         )
 

@@ -33,12 +33,16 @@ class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     default_tier: str = "pro"
-    # How long a request may wait for a worker to take it before the client gets 503 + Retry-After.
-    queue_timeout_s: float = Field(30.0, gt=0)
+    # The longest an interactive request may wait for a worker before the client gets 503 + Retry-After; each
+    # tier's own max_wait_s applies below it.
+    queue_timeout_s: float = Field(120.0, gt=0)
     # How long the gateway waits between two messages of a running request before giving up on the worker.
     stall_timeout_s: float = Field(60.0, gt=0)
     retry_after_s: int = Field(5, ge=1)
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
+    allow_tier_header: bool = False
+    admin_key: str | None = None  # enables /admin/* for `Authorization: Bearer <admin_key>`
 
     @field_validator("default_tier")
     @classmethod

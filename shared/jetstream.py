@@ -14,30 +14,42 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 
 from shared import subjects
+from shared.tiers import TIER_NAMES
 
 # JetStream's error code for a publish refused because a stream or subject limit is reached (discard-new).
 ERR_MAX_MSGS = 10077
 ERR_MAX_MSGS_PER_SUBJECT = 10078
 QUEUE_FULL_CODES = {ERR_MAX_MSGS, ERR_MAX_MSGS_PER_SUBJECT}
 
-DEFAULT_MAX_QUEUED_PER_SUBJECT = 1000
 REQUEST_MAX_AGE_S = 3600.0
 USAGE_MAX_AGE_S = 30 * 24 * 3600.0
+EVENTS_MAX_AGE_S = 300.0
 
 
-def request_stream_config(max_queued_per_subject: int = DEFAULT_MAX_QUEUED_PER_SUBJECT) -> StreamConfig:
-    # Discard-new per subject makes JetStream itself refuse work beyond a tier's cap, whatever the number of
-    # gateways; the refusal reaches the publisher synchronously, so the client gets 429 at once.
+def tier_stream_config(tier: str, max_queued: int) -> StreamConfig:
+    # Discard-new per subject makes JetStream itself refuse work beyond a tier's cap for one model, whatever the
+    # number of gateways; the refusal reaches the publisher synchronously, so the client gets 429 at once.
     return StreamConfig(
-        name=subjects.REQUEST_STREAM,
-        subjects=[f"{subjects.REQUEST_PREFIX}.>"],
+        name=subjects.request_stream(tier),
+        subjects=[subjects.tier_subjects(tier)],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
-        max_msgs_per_subject=max_queued_per_subject,
+        max_msgs_per_subject=max_queued,
         discard=DiscardPolicy.NEW,
         discard_new_per_subject=True,
         max_age=REQUEST_MAX_AGE_S,
         duplicate_window=120.0,
+    )
+
+
+def events_stream_config() -> StreamConfig:
+    """Short-lived operational events (429s per model and tier) that `tiers show` counts."""
+    return StreamConfig(
+        name=subjects.EVENTS_STREAM,
+        subjects=[f"{subjects.EVENTS_PREFIX}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY,
+        max_age=EVENTS_MAX_AGE_S,
     )
 
 
@@ -64,9 +76,18 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def ensure_streams(js: JetStreamContext) -> None:
-    """Create the REQUESTS and USAGE streams if missing; existing ones (and their live limits) are kept."""
-    await _ensure_stream(js, request_stream_config())
+    """Create the per-tier request streams, USAGE and EVENTS if missing, and seed the tier policies.
+
+    Existing streams keep their live limits: ops changes are never undone by a restart.
+    """
+    from shared.tier_store import read_policies, seed_policies
+
+    await seed_policies(js)
+    policies = await read_policies(js)
+    for tier in TIER_NAMES:
+        await _ensure_stream(js, tier_stream_config(tier, policies[tier].max_queued))
     await _ensure_stream(js, usage_stream_config())
+    await _ensure_stream(js, events_stream_config())
 
 
 async def ensure_request_consumer(js: JetStreamContext, model: str, tier: str, ack_wait_s: float = 30.0) -> str:
@@ -79,7 +100,7 @@ async def ensure_request_consumer(js: JetStreamContext, model: str, tier: str, a
         ack_wait=ack_wait_s,
         max_deliver=5,
     )
-    await js.add_consumer(subjects.REQUEST_STREAM, config)
+    await js.add_consumer(subjects.request_stream(tier), config)
     return name
 
 

@@ -114,6 +114,7 @@ class WorkerInfo(msgspec.Struct):
     model: str
     max_context: int
     started_at: float
+    running: dict[str, int] = msgspec.field(default_factory=dict)  # tier -> requests running now
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -2,19 +2,22 @@
 
 | name                       | kind                         | carries                                   |
 |----------------------------|------------------------------|-------------------------------------------|
-| llm.req.<model>.<tier>     | JetStream REQUESTS, workqueue| GenerateRequest                           |
+| llm.req.<model>.<tier>     | JetStream REQUESTS_<TIER>    | GenerateRequest (work queue, capped)      |
 | llm.tok.<request_id>       | core NATS                    | TokenDelta (one per request per step)     |
 | llm.cancel.<request_id>    | core NATS                    | empty body: stop this request             |
 | llm.usage                  | JetStream USAGE, limits      | UsageRecord (one per finished request)    |
+| llm.events.rejected.<m>.<t>| JetStream EVENTS, 5 min      | empty: one 429 queue_full, for ops counts |
 | KV bucket `workers`        | JetStream KV, TTL            | WorkerInfo, key <model>.<worker_id>       |
+| KV bucket `tiers`          | JetStream KV, file           | TierPolicy, key <tier>                    |
 """
 
 from __future__ import annotations
 
 import re
 
-REQUEST_STREAM = "REQUESTS"
 REQUEST_PREFIX = "llm.req"
+EVENTS_STREAM = "EVENTS"
+EVENTS_PREFIX = "llm.events"
 TOKEN_PREFIX = "llm.tok"
 CANCEL_PREFIX = "llm.cancel"
 USAGE_STREAM = "USAGE"
@@ -32,6 +35,19 @@ def model_token(model: str) -> str:
 
 def request_subject(model: str, tier: str) -> str:
     return f"{REQUEST_PREFIX}.{model_token(model)}.{tier}"
+
+
+def request_stream(tier: str) -> str:
+    """One stream per tier, so each tier has its own JetStream-enforced queue cap."""
+    return f"REQUESTS_{tier.upper()}"
+
+
+def tier_subjects(tier: str) -> str:
+    return f"{REQUEST_PREFIX}.*.{tier}"
+
+
+def rejected_subject(model: str, tier: str) -> str:
+    return f"{EVENTS_PREFIX}.rejected.{model_token(model)}.{tier}"
 
 
 def request_consumer(model: str, tier: str) -> str:

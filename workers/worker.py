@@ -27,12 +27,14 @@ from gateway.registry import workers_bucket
 from shared import subjects
 from shared.jetstream import ensure_request_consumer, ensure_streams
 from shared.messages import ErrorInfo, GenerateRequest, TokenDelta, UsageRecord, WorkerInfo, decode, encode
-from shared.tiers import tiers_by_priority
+from scheduler.tier_share import TierShare
+from shared.tier_store import PolicyCache
+from shared.tiers import BATCH_TIER, DEFAULT_POLICIES, tiers_by_priority
 from workers.prompts import RequestRejected
 
 log = logging.getLogger("switchyard.worker")
 
-_FETCH_TIMEOUT_S = 0.05  # per tier, only after the doorbell rang or as a periodic sweep
+_FETCH_TIMEOUT_S = 0.05  # per fetch; only tiers that may have work are asked
 _IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
 
 
@@ -62,6 +64,7 @@ class Worker:
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
+        self._started_at = time.time()
         self._nats_url = nats_url
         self._heartbeat_s = heartbeat_s
         self._active: dict[str, _Tracked] = {}
@@ -70,6 +73,9 @@ class Worker:
         self._work = asyncio.Event()
         self._wake = asyncio.Event()
         self._capacity = asyncio.Event()
+        # Tiers that may have queued work: set by the doorbell, cleared by an empty fetch, all set by a sweep.
+        # An empty fetch costs its whole timeout, so tiers known to be empty are not asked.
+        self._maybe_pending: set[str] = {t.name for t in tiers_by_priority()}
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _num_admittable(self) -> int:
@@ -81,10 +87,11 @@ class Worker:
         self._nc, self._js = nc, nc.jetstream()
         try:
             await ensure_streams(self._js)
-            subs = []
+            subs = {}
             for tier in tiers_by_priority():
                 name = await ensure_request_consumer(self._js, self.model_name, tier.name)
-                subs.append(await self._js.pull_subscribe_bind(name, stream=subjects.REQUEST_STREAM))
+                subs[tier.name] = await self._js.pull_subscribe_bind(name, stream=subjects.request_stream(tier.name))
+            self._policies = PolicyCache(self._js)
             doorbell = await nc.subscribe(
                 f"{subjects.REQUEST_PREFIX}.{subjects.model_token(self.model_name)}.>", cb=self._on_doorbell
             )
@@ -104,13 +111,14 @@ class Worker:
                     await task
             with contextlib.suppress(Exception):
                 await kv.delete(subjects.worker_key(self.model_name, self.worker_id))
-            for sub in [doorbell, cancels, *subs]:
+            for sub in [doorbell, cancels, *subs.values()]:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
         finally:
             await nc.close()
 
-    async def _on_doorbell(self, _msg) -> None:
+    async def _on_doorbell(self, msg) -> None:
+        self._maybe_pending.add(msg.subject.rsplit(".", 1)[-1])
         self._wake.set()
 
     async def _on_cancel(self, msg) -> None:
@@ -120,7 +128,10 @@ class Worker:
             self._work.set()
 
     async def _beat(self, kv) -> None:
-        info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, time.time())
+        running: dict[str, int] = {}
+        for tracked in list(self._active.values()):
+            running[tracked.request.tier] = running.get(tracked.request.tier, 0) + 1
+        info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at, running)
         await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
 
     async def _heartbeat_loop(self, kv, stop: asyncio.Event) -> None:
@@ -135,33 +146,50 @@ class Worker:
                 log.warning("heartbeat failed: %s", exc)
 
     # -- intake ---------------------------------------------------------------------------------------------
-    async def _intake_loop(self, subs, stop: asyncio.Event) -> None:
+    async def _intake_loop(self, subs: dict, stop: asyncio.Event) -> None:
+        """Pull one request at a time while the engine can admit more, from the tier the weighted share picks.
+
+        Taking one at a time keeps the share exact and the backlog in JetStream, where any worker can take it.
+        """
+        share = TierShare({t: p.weight for t, p in DEFAULT_POLICIES.items()},
+                          {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
         while not stop.is_set():
             if self._num_admittable() <= 0:
                 self._capacity.clear()
                 await self._capacity.wait()
                 continue
+            try:
+                share.set_weights({t: p.weight for t, p in (await self._policies.get()).items()})
+            except Exception as exc:  # NATS reconnecting: keep the weights we had
+                log.warning("could not refresh tier policies: %s", exc)
             self._wake.clear()
-            took = 0
-            for sub in subs:  # most important tier first
-                free = self._num_admittable()
-                if free <= 0:
-                    break
+            took = False
+            for tier in share.order():
+                if tier not in self._maybe_pending:
+                    share.note_empty(tier)
+                    continue
                 try:
-                    msgs = await sub.fetch(batch=free, timeout=_FETCH_TIMEOUT_S)
+                    msgs = await subs[tier].fetch(batch=1, timeout=_FETCH_TIMEOUT_S)
                 except (NatsTimeoutError, asyncio.TimeoutError):
+                    self._maybe_pending.discard(tier)
+                    share.note_empty(tier)
                     continue
                 except Exception as exc:  # disconnected: nats-py reconnects on its own; try again shortly
-                    log.warning("fetch failed: %s", exc)
+                    log.warning("fetch from %s failed: %s", tier, exc)
                     await asyncio.sleep(0.5)
-                    continue
+                    break
                 for msg in msgs:
-                    took += await self._receive(msg)
-                if took:
-                    break  # start over from the top tier: it may have new work by now
+                    if await self._receive(msg):
+                        share.charge(tier)
+                took = True
+                break  # start over: the share decides again for the next request
             if not took:
-                with contextlib.suppress(asyncio.TimeoutError):
+                share.note_idle()
+                try:
                     await asyncio.wait_for(self._wake.wait(), timeout=_IDLE_SWEEP_S)
+                except asyncio.TimeoutError:
+                    # Redeliveries and work queued before we subscribed ring no doorbell: look everywhere.
+                    self._maybe_pending.update(subs)
 
     async def _receive(self, msg) -> int:
         try:
@@ -174,7 +202,7 @@ class Worker:
         tracked = _Tracked(request, received_at=now)
         if now > request.deadline_at:
             await self._publish(TokenDelta(request.request_id, error=ErrorInfo(
-                f"The request waited in the {request.tier} queue past its deadline and was not run.",
+                f"The request waited in the {request.tier} queue past its deadline and was not run; retry later.",
                 code="queue_timeout", type="rate_limit_error", status=503)))
             await msg.ack()
             return 0

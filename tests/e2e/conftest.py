@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from workers.tiny_model import save_tiny_model
 
 TINY = "tiny"
 TINY_CONTEXT = 4096
+ADMIN_KEY = "test-admin-key"
 
 
 def _free_port() -> int:
@@ -23,9 +25,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class System:
+    """A running gateway (``base_url``) and what it takes to add workers to it."""
+
+    base_url: str
+    work: Path
+    model_dir: Path
+    common_args: list[str]
+    services: list[ServiceProcess]
+
+    def start_worker(self, served_name: str, max_num_seqs: int) -> ServiceProcess:
+        worker = ServiceProcess(
+            f"worker-{served_name}",
+            ["worker", *self.common_args, "--model", str(self.model_dir), "--served-model-name", served_name,
+             "--dtype", "float32", "--max-num-seqs", str(max_num_seqs)],
+            log_path=self.work / f"worker-{served_name}.log").start()
+        self.services.append(worker)
+        return worker
+
+
 @pytest.fixture(scope="session")
-def system(nats_url: str, database_url: str):
-    """Base URL of a running gateway with one worker serving the tiny model as ``tiny``."""
+def e2e(nats_url: str, database_url: str):
+    """A running gateway with one worker serving the tiny model as ``tiny``."""
     work = Path(tempfile.mkdtemp(prefix="switchyard-e2e-"))
     services: list[ServiceProcess] = []
     try:
@@ -33,21 +55,26 @@ def system(nats_url: str, database_url: str):
         model_dir = save_tiny_model(work / "tiny-model", max_context=TINY_CONTEXT)
         common = ["--data-dir", str(work), "--nats-url", nats_url, "--database-url", database_url,
                   "--log-level", "WARNING"]
-        services.append(ServiceProcess(
-            "worker", ["worker", *common, "--model", str(model_dir), "--served-model-name", TINY,
-                       "--dtype", "float32", "--max-num-seqs", "4"],
-            log_path=work / "worker.log").start())
+        system = System("", work, model_dir, common, services)
+        system.start_worker(TINY, max_num_seqs=4)
         port = _free_port()
         services.append(ServiceProcess(
             "gateway", ["gateway", *common, "--port", str(port)], log_path=work / "gateway.log",
-            env={"SWITCHYARD_GATEWAY__QUEUE_TIMEOUT_S": "20"}).start())
-        base_url = f"http://127.0.0.1:{port}"
-        wait_until_ready(base_url, TINY, timeout_s=120, watch=services)
-        yield base_url
+            env={"SWITCHYARD_GATEWAY__QUEUE_TIMEOUT_S": "20", "SWITCHYARD_GATEWAY__ADMIN_KEY": ADMIN_KEY,
+                 "SWITCHYARD_GATEWAY__ALLOW_TIER_HEADER": "true"}).start())
+        system.base_url = f"http://127.0.0.1:{port}"
+        wait_until_ready(system.base_url, TINY, timeout_s=120, watch=services)
+        yield system
     finally:
         for svc in reversed(services):
             svc.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def system(e2e: System) -> str:
+    """Base URL of the running gateway."""
+    return e2e.base_url
 
 
 @pytest.fixture(scope="session")

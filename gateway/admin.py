@@ -1,0 +1,59 @@
+"""The admin HTTP API (ops): tier queues and live tier policies, behind ``Authorization: Bearer <admin_key>``.
+
+Disabled (every route answers 404) unless the gateway is configured with an admin key.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import msgspec
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import OpenAIError
+from gateway.tier_admin import TierChangeError, change_tier, tier_status
+
+
+class TierUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_queued: int | None = Field(None, ge=1)
+    max_wait_s: float | None = Field(None, gt=0)
+    weight: float | None = Field(None, gt=0)
+
+
+def admin_router(admin_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/admin")
+
+    def authorize(request: Request) -> None:
+        if not admin_key:
+            raise OpenAIError(404, "The admin API is disabled: set SWITCHYARD_GATEWAY__ADMIN_KEY.", code="not_found")
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        # Constant-time comparison: response timing must not reveal how much of a guessed key was right.
+        if not hmac.compare_digest(given.encode(), admin_key.encode()):
+            raise OpenAIError(401, "Invalid admin key.", type="invalid_request_error", code="invalid_api_key")
+
+    @router.get("/tiers")
+    async def get_tiers(request: Request):
+        authorize(request)
+        served = await request.app.state.registry.models(fresh=True)
+        return {"object": "list", "data": await tier_status(request.app.state.js, served)}
+
+    @router.put("/tiers/{tier}")
+    async def put_tier(tier: str, body: TierUpdate, request: Request):
+        authorize(request)
+        try:
+            old, new = await change_tier(request.app.state.js, request.app.state.pool, tier, "admin-api",
+                                         **body.model_dump())
+        except TierChangeError as exc:
+            raise OpenAIError(400, str(exc), code="invalid_value", param="tier") from None
+        request.app.state.policies.invalidate()  # other gateways follow within a second
+        return {"tier": tier, "old": _plain(old), "new": _plain(new)}
+
+    return router
+
+
+def _plain(policy) -> dict:
+    return msgspec.to_builtins(policy)

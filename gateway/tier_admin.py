@@ -1,0 +1,106 @@
+"""Ops control of tiers, shared by the admin HTTP API and ``switchyard tiers``: show queues, change policies live.
+
+A change is applied to JetStream first (the stream cap at once; weights and wait limits within a second, as
+gateway and worker caches expire) and then recorded in Postgres with who made it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import asyncpg
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from shared import subjects
+from shared.messages import GenerateRequest, WorkerInfo, decode
+from shared.tier_store import read_policies, write_policy
+from shared.tiers import TIER_NAMES, TierPolicy
+
+
+class TierChangeError(ValueError):
+    """A change that cannot be applied (unknown tier, invalid value); the message says why."""
+
+
+async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: str, *,
+                      max_queued: int | None = None, max_wait_s: float | None = None,
+                      weight: float | None = None) -> tuple[TierPolicy, TierPolicy]:
+    """Apply the given fields to ``tier``'s policy live; returns ``(old, new)``."""
+    if tier not in TIER_NAMES:
+        raise TierChangeError(f"unknown tier {tier!r}; known: {', '.join(TIER_NAMES)}")
+    if max_queued is not None and max_queued < 1:
+        raise TierChangeError("max_queued must be at least 1")
+    if max_wait_s is not None and max_wait_s <= 0:
+        raise TierChangeError("max_wait_s must be positive")
+    if weight is not None and weight <= 0:
+        raise TierChangeError("weight must be positive")
+    old = (await read_policies(js))[tier]
+    changes = {k: v for k, v in (("max_queued", max_queued), ("max_wait_s", max_wait_s), ("weight", weight))
+               if v is not None}
+    new = msgspec.structs.replace(old, **changes)
+    await write_policy(js, tier, new)
+    async with pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO tier_changes (tier, changed_by, old_policy, new_policy) VALUES ($1, $2, $3, $4)",
+            tier, who, json.dumps(msgspec.to_builtins(old)), json.dumps(msgspec.to_builtins(new)))
+    return old, new
+
+
+async def _oldest_wait_s(js: JetStreamContext, model: str, tier: str) -> float | None:
+    try:
+        msg = await js.get_msg(subjects.request_stream(tier), seq=1, subject=subjects.request_subject(model, tier),
+                               next=True)
+    except NotFoundError:
+        return None
+    try:
+        return max(0.0, time.time() - decode(msg.data, GenerateRequest).created_at)
+    except msgspec.MsgspecError:
+        return None
+
+
+async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]]) -> list[dict]:
+    """Per model and tier: queued, oldest wait, running, limits, workers, 429s in the last 5 minutes."""
+    policies = await read_policies(js)
+    rejected: dict[str, int] = {}
+    try:
+        info = await js.stream_info(subjects.EVENTS_STREAM, subjects_filter=f"{subjects.EVENTS_PREFIX}.rejected.>")
+        rejected = dict(info.state.subjects or {})
+    except NotFoundError:
+        pass
+    rows = []
+    for model, workers in sorted(served.items()):
+        for tier in TIER_NAMES:
+            try:
+                consumer = await js.consumer_info(subjects.request_stream(tier),
+                                                  subjects.request_consumer(model, tier))
+                queued = consumer.num_pending or 0
+            except NotFoundError:
+                queued = 0
+            policy = policies[tier]
+            rows.append({
+                "model": model,
+                "tier": tier,
+                "queued": queued,
+                "oldest_wait_s": await _oldest_wait_s(js, model, tier) if queued else None,
+                "running": sum(w.running.get(tier, 0) for w in workers),
+                "max_queued": policy.max_queued,
+                "max_wait_s": policy.max_wait_s,
+                "weight": policy.weight,
+                "workers": len(workers),
+                "rejected_5m": rejected.get(subjects.rejected_subject(model, tier), 0),
+            })
+    return rows
+
+
+def format_status(rows: list[dict]) -> str:
+    head = ("model", "tier", "queued", "oldest", "running", "max_queued", "max_wait_s", "weight", "workers",
+            "429s/5m")
+    lines = [head]
+    for r in rows:
+        oldest = "-" if r["oldest_wait_s"] is None else f"{r['oldest_wait_s']:.1f}s"
+        lines.append((r["model"], r["tier"], str(r["queued"]), oldest, str(r["running"]), str(r["max_queued"]),
+                      f"{r['max_wait_s']:g}", f"{r['weight']:g}", str(r["workers"]), str(r["rejected_5m"])))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in lines)

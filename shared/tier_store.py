@@ -1,0 +1,108 @@
+"""Live tier policies in the JetStream KV bucket ``tiers``, and the per-tier request streams they cap.
+
+    KV tiers/<tier> = TierPolicy      (file storage: survives restarts; every gateway and worker reads it)
+    stream REQUESTS_<TIER>            subjects llm.req.*.<tier>, max_msgs_per_subject = policy.max_queued,
+                                      discard new per subject: JetStream itself refuses the 429s
+
+One stream per tier because JetStream caps every subject of a stream alike, and tiers need their own caps.
+Readers cache for ``CACHE_S`` so a change applies everywhere within about a second without a KV read per request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+
+from shared import subjects
+from shared.messages import decode, encode
+from shared.tiers import DEFAULT_POLICIES, TIER_NAMES, TierPolicy
+
+TIERS_BUCKET = "tiers"
+CACHE_S = 1.0
+
+
+async def tiers_bucket(js: JetStreamContext):
+    try:
+        return await js.key_value(TIERS_BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(KeyValueConfig(bucket=TIERS_BUCKET, storage=StorageType.FILE, history=5))
+
+
+async def seed_policies(js: JetStreamContext) -> None:
+    """Write the default policy of every tier that has none yet (an ops change is never overwritten)."""
+    kv = await tiers_bucket(js)
+    for tier, policy in DEFAULT_POLICIES.items():
+        try:
+            await kv.create(tier, encode(policy))
+        except KeyWrongLastSequenceError:
+            pass  # already set, by ops or by an earlier start
+
+
+async def read_policies(js: JetStreamContext) -> dict[str, TierPolicy]:
+    kv = await tiers_bucket(js)
+    policies = dict(DEFAULT_POLICIES)
+    for tier in TIER_NAMES:
+        try:
+            entry = await kv.get(tier)
+        except KeyNotFoundError:
+            continue
+        if entry.value:
+            policies[tier] = decode(entry.value, TierPolicy)
+    return policies
+
+
+async def _deepest_queue(js: JetStreamContext, tier: str) -> int:
+    info = await js.stream_info(subjects.request_stream(tier), subjects_filter=subjects.tier_subjects(tier))
+    return max((info.state.subjects or {}).values(), default=0)
+
+
+async def apply_queue_cap(js: JetStreamContext, tier: str, target: int) -> int:
+    """Bring the tier stream's per-subject cap to ``target`` without dropping queued requests; returns the cap set.
+
+    JetStream enforces a lowered cap by deleting the oldest messages, which would lose accepted work. So the cap
+    never goes below the deepest queue: while that queue is over the target, new requests are refused (it is
+    full), and as it drains, `reconcile_queue_caps` lowers the cap step by step until it reaches the target.
+    """
+    from shared.jetstream import tier_stream_config  # here to keep the import graph one-way
+
+    info = await js.stream_info(subjects.request_stream(tier))
+    current = info.config.max_msgs_per_subject
+    cap = target if target >= current else max(target, await _deepest_queue(js, tier))
+    if cap != current:
+        await js.update_stream(tier_stream_config(tier, cap))
+    return cap
+
+
+async def reconcile_queue_caps(js: JetStreamContext, policies: dict[str, TierPolicy]) -> None:
+    """Finish lowering any cap that is still above its target (run every second by each gateway)."""
+    for tier in TIER_NAMES:
+        await apply_queue_cap(js, tier, policies[tier].max_queued)
+
+
+async def write_policy(js: JetStreamContext, tier: str, policy: TierPolicy) -> None:
+    """Apply ``policy`` live: the stream's cap at once, the rest as readers' caches expire (about a second)."""
+    kv = await tiers_bucket(js)
+    await kv.put(tier, encode(policy))
+    await apply_queue_cap(js, tier, policy.max_queued)
+
+
+class PolicyCache:
+    """Per-process view of the live policies, refreshed at most every ``CACHE_S`` seconds."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self._policies: dict[str, TierPolicy] = dict(DEFAULT_POLICIES)
+        self._read_at = float("-inf")
+
+    def invalidate(self) -> None:
+        """Read afresh next time (this process just changed a policy)."""
+        self._read_at = float("-inf")
+
+    async def get(self) -> dict[str, TierPolicy]:
+        if time.monotonic() - self._read_at >= CACHE_S:
+            self._policies = await read_policies(self._js)
+            self._read_at = time.monotonic()
+        return self._policies
