@@ -153,6 +153,94 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _with_db(args: argparse.Namespace, work) -> int:
+    """Run ``work(conn)`` against the configured (or running system's) Postgres; TenancyError → exit 2."""
+    import asyncpg
+
+    from gateway.tenancy import TenancyError
+
+    config = load_config(args)
+    if not config.database_url:
+        from deploy.up import read_run_file
+
+        config.database_url = read_run_file(config.data_dir).get("database_url")
+    if not config.database_url:
+        raise SystemExit("no running system found: start `switchyard up`, or pass --database-url")
+
+    async def run() -> int:
+        conn = await asyncpg.connect(config.database_url)
+        try:
+            await work(conn)
+            return 0
+        except TenancyError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+def _table(rows: list[dict]) -> str:
+    if not rows:
+        return "(none)"
+    head = list(rows[0])
+    cells = [head] + [["-" if r[h] is None else str(r[h]) for h in head] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from gateway import tenancy
+
+    async def work(conn) -> None:
+        limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "monthly_token_budget": args.monthly_budget} \
+            if args.tenants_cmd in ("create", "update") else {}
+        if args.tenants_cmd == "create":
+            tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or "free", **limits)
+            print(f"created tenant {args.name} ({tenant_id})")
+        elif args.tenants_cmd == "update":
+            changes = {k: v for k, v in limits.items() if v is not None}
+            if args.tier:
+                changes["tier"] = args.tier
+            await tenancy.update_tenant(conn, args.name, **changes)
+            print(f"updated tenant {args.name}")
+        else:
+            print(_table([dict(r) for r in await tenancy.list_tenants(conn)]))
+
+    return _with_db(args, work)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from gateway import tenancy
+
+    async def work(conn) -> None:
+        if args.keys_cmd == "create":
+            if args.tier and not await conn.fetchval("SELECT 1 FROM tenants WHERE name = $1", args.tenant):
+                await tenancy.create_tenant(conn, args.tenant, args.tier)
+            key = await tenancy.create_key(conn, args.tenant, args.name)
+            print(f"key id: {key.id}\ntenant: {args.tenant}\n\n  {key.secret}\n\nStore it now: it is not shown again.")
+        elif args.keys_cmd == "revoke":
+            await tenancy.revoke_key(conn, args.key_id)
+            print(f"revoked {args.key_id} (every gateway refuses it within a few seconds)")
+        else:
+            print(_table([dict(r) for r in await tenancy.list_keys(conn, args.tenant)]))
+
+    return _with_db(args, work)
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    from gateway.usage_report import usage_rows
+
+    async def work(conn) -> None:
+        from gateway import tenancy
+
+        tenant_id = await tenancy.tenant_id_by_name(conn, args.tenant)
+        print(_table(await usage_rows(conn, tenant_id, args.start, args.end, args.group_by)))
+
+    return _with_db(args, work)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy.up import run_up
 
@@ -189,6 +277,40 @@ def build_parser() -> argparse.ArgumentParser:
     tset.add_argument("--max-wait", type=float, help="seconds a request may wait before queue_timeout")
     tset.add_argument("--weight", type=float, help="share of worker pulls when several tiers have work")
     p.set_defaults(func=cmd_tiers)
+
+    p = sub.add_parser("tenants", help="create, update or list tenants")
+    _add_common(p)
+    tsub = p.add_subparsers(dest="tenants_cmd")
+    for name in ("create", "update"):
+        tp = tsub.add_parser(name)
+        tp.add_argument("name")
+        tp.add_argument("--tier", choices=["enterprise", "pro", "free", "batch"])
+        tp.add_argument("--rpm", type=int, help="requests per minute per key (default: the tier's)")
+        tp.add_argument("--tpm", type=int, help="tokens per minute per key (default: the tier's)")
+        tp.add_argument("--monthly-budget", type=int, help="tokens per calendar month for the tenant")
+    tsub.add_parser("list")
+    p.set_defaults(func=cmd_tenants, tenants_cmd="list")
+
+    p = sub.add_parser("keys", help="create, list or revoke API keys")
+    _add_common(p)
+    ksub = p.add_subparsers(dest="keys_cmd")
+    kc = ksub.add_parser("create", help="print a new key once")
+    kc.add_argument("--tenant", required=True)
+    kc.add_argument("--tier", help="create the tenant on this tier if it does not exist")
+    kc.add_argument("--name", help="a label for the key")
+    kl = ksub.add_parser("list")
+    kl.add_argument("--tenant")
+    kr = ksub.add_parser("revoke")
+    kr.add_argument("key_id")
+    p.set_defaults(func=cmd_keys, keys_cmd="list", tenant=None)
+
+    p = sub.add_parser("usage", help="a tenant's usage and cost")
+    _add_common(p)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--start", help="ISO date or time (default: start of this month)")
+    p.add_argument("--end", help="ISO date or time (default: now)")
+    p.add_argument("--group-by", choices=["model", "day"], default="model")
+    p.set_defaults(func=cmd_usage)
 
     p = sub.add_parser("models", help="list or pull models into the cache")
     _add_common(p)

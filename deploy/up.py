@@ -35,14 +35,36 @@ def read_run_file(data_dir: Path) -> dict:
         return {}
 
 
-def _banner(base_url: str, model: str) -> str:
+KEY_FILE = "default-api-key"
+
+
+async def _default_key(database_url: str, data_dir: Path) -> str:
+    """The default tenant's key: created (and kept, 0600, in the data dir) on the first start, reused after."""
+    import asyncpg
+
+    from gateway.tenancy import ensure_default_tenant
+
+    path = data_dir / KEY_FILE
+    conn = await asyncpg.connect(database_url)
+    try:
+        key = await ensure_default_tenant(conn)
+    finally:
+        await conn.close()
+    if key is not None:
+        path.touch(mode=0o600)
+        path.write_text(key.secret + "\n")
+    return path.read_text().strip() if path.exists() else "<your key: switchyard keys create --tenant default>"
+
+
+def _banner(base_url: str, model: str, api_key: str) -> str:
     return f"""
 Switchyard is up: {base_url}  (model: {model})
+API key (tenant `default`, also in the data dir's {KEY_FILE}): {api_key}
 
-  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {api_key}' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "stream": true}}'
 
-  python -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}/v1", api_key="none"); \\
+  python -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}/v1", api_key="{api_key}"); \\
 print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hi!"}}]).choices[0].message.content)'
 
 Press Ctrl-C to stop.
@@ -69,6 +91,7 @@ def run_up(config: SwitchyardConfig) -> int:
         write_run_file(data, config.nats_url, config.database_url)
         applied = asyncio.run(apply_migrations(config.database_url))
         print(f"migrate   {', '.join(applied) if applied else 'up to date'}", file=sys.stderr)
+        api_key = asyncio.run(_default_key(config.database_url, data))
         model_path = model_store.resolve(config.worker.model, config.model_cache_dir)
         model = served_name(config)
         common = ["--data-dir", str(data), "--nats-url", config.nats_url, "--database-url", config.database_url]
@@ -88,7 +111,7 @@ def run_up(config: SwitchyardConfig) -> int:
         stack.append(gateway)
         base_url = f"http://{config.gateway.host}:{config.gateway.port}"
         wait_until_ready(base_url, model, timeout_s=300, watch=[worker, gateway])
-        print(_banner(base_url, model))
+        print(_banner(base_url, model, api_key))
         print(f"(started in {time.monotonic() - t0:.1f} s; data in {data})", file=sys.stderr)
         while all(svc.is_running() for svc in (worker, gateway)):
             time.sleep(0.5)

@@ -10,7 +10,7 @@ import time
 
 import asyncpg
 import nats
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import OpenAIError, install_error_handlers
@@ -19,6 +19,9 @@ from gateway.registry import ModelRegistry
 from gateway.relay import Relay
 from gateway.serving import CompletionService
 from gateway.admin import admin_router
+from gateway.auth import AuthContext, Authenticator
+from gateway.limits import Limiter, estimate_tokens
+from gateway.usage_report import usage_rows
 from gateway.usage_writer import run_usage_writer
 from shared.config import SwitchyardConfig
 from shared.jetstream import ensure_streams
@@ -30,15 +33,20 @@ TIER_HEADER = "X-Switchyard-Tier"
 log = logging.getLogger("switchyard.gateway")
 
 
-async def _reconcile_caps(js, stop: asyncio.Event) -> None:
-    """Lowered queue caps reach their target as queues drain (see shared.tier_store.apply_queue_cap)."""
+async def _housekeeping(js, limiter: Limiter, stop: asyncio.Event) -> None:
+    """Every second: lowered queue caps move toward their target as queues drain (see
+    shared.tier_store.apply_queue_cap); every few minutes: old rate-limit windows are dropped."""
+    rounds = 0
     while not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
+        rounds += 1
         try:
             await reconcile_queue_caps(js, await read_policies(js))
-        except Exception as exc:  # NATS reconnecting: next round
-            log.warning("queue cap reconcile failed: %s", exc)
+            if rounds % 300 == 0:
+                await limiter.prune()
+        except Exception as exc:  # NATS or Postgres reconnecting: next round
+            log.warning("housekeeping failed: %s", exc)
 
 
 def create_app(config: SwitchyardConfig) -> FastAPI:
@@ -54,13 +62,15 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         registry = ModelRegistry(js)
         app.state.nc, app.state.js, app.state.pool, app.state.registry = nc, js, pool, registry
         app.state.policies = PolicyCache(js)
+        app.state.authenticator = Authenticator(pool)
+        app.state.limiter = Limiter(pool)
         app.state.service = CompletionService(
             Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s), registry,
-            app.state.policies, config.gateway,
+            app.state.policies, app.state.limiter, config.gateway,
         )
         stop = asyncio.Event()
         writer = asyncio.create_task(run_usage_writer(js, pool, stop), name="usage-writer")
-        reconciler = asyncio.create_task(_reconcile_caps(js, stop), name="queue-caps")
+        reconciler = asyncio.create_task(_housekeeping(js, app.state.limiter, stop), name="housekeeping")
         try:
             yield
         finally:
@@ -83,18 +93,41 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
                               param=TIER_HEADER)
         return tier
 
+    async def caller(request: Request) -> AuthContext:
+        """Every /v1 route depends on this, so a bad key is 401 before the body is even validated."""
+        auth = await request.app.state.authenticator.authenticate(request)
+        request.state.auth = auth
+        return auth
+
+    async def admit(request: Request, auth: AuthContext, max_tokens: int | None, num_chars: int):
+        tier = request_tier(request) or auth.tier
+        policy = (await request.app.state.policies.get())[tier]
+        admission = await request.app.state.limiter.admit(auth, policy, estimate_tokens(num_chars, max_tokens))
+        request.state.rate_headers = admission.headers
+        return tier, admission
+
+    @app.middleware("http")
+    async def rate_limit_headers(request: Request, call_next):
+        response = await call_next(request)
+        for name, value in getattr(request.state, "rate_headers", {}).items():
+            response.headers.setdefault(name, value)
+        return response
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await request.app.state.service.chat(body, request_tier(request))
+    async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
+        num_chars = sum(len(m.text()) for m in body.messages)
+        tier, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens, num_chars)
+        return await request.app.state.service.chat(body, tier, auth, admission)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await request.app.state.service.completion(body, request_tier(request))
+    async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
+        tier, admission = await admit(request, auth, body.sampling().max_tokens, len(body.prompt_text))
+        return await request.app.state.service.completion(body, tier, auth, admission)
 
     app.include_router(admin_router(config.gateway.admin_key))
 
     @app.get("/v1/models")
-    async def list_models(request: Request):
+    async def list_models(request: Request, _: AuthContext = Depends(caller)):
         served = await request.app.state.registry.models(fresh=True)
         data = [
             {"id": name, "object": "model", "created": int(min(w.started_at for w in workers)),
@@ -104,12 +137,19 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str, request: Request):
+    async def get_model(model_id: str, request: Request, _: AuthContext = Depends(caller)):
         workers = (await request.app.state.registry.models(fresh=True)).get(model_id)
         if not workers:
             raise OpenAIError(404, f"The model `{model_id}` does not exist.", code="model_not_found", param="model")
         return {"id": model_id, "object": "model", "created": int(min(w.started_at for w in workers)),
                 "owned_by": "switchyard"}
+
+    @app.get("/v1/usage")
+    async def usage(request: Request, start: str | None = None, end: str | None = None, group_by: str = "model",
+                    auth: AuthContext = Depends(caller)):
+        async with request.app.state.pool.acquire() as conn:
+            rows = await usage_rows(conn, auth.tenant_id, start, end, group_by)
+        return {"object": "list", "tenant": auth.tenant_name, "group_by": group_by, "data": rows}
 
     @app.get("/healthz")
     async def healthz():

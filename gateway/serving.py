@@ -19,6 +19,8 @@ from gateway.errors import OpenAIError, model_not_found
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.registry import ModelRegistry
 from gateway.relay import Relay, RelayedRequest
+from gateway.auth import AuthContext
+from gateway.limits import Admission, Limiter
 from shared.config import GatewayConfig
 from shared.tier_store import PolicyCache
 from shared.messages import GenerateRequest, TokenDelta, Usage
@@ -53,22 +55,23 @@ def _sse(payload: dict | str) -> bytes:
 
 
 class CompletionService:
-    def __init__(self, relay: Relay, registry: ModelRegistry, policies: PolicyCache, config: GatewayConfig) -> None:
+    def __init__(self, relay: Relay, registry: ModelRegistry, policies: PolicyCache, limiter: Limiter,
+                 config: GatewayConfig) -> None:
         self._relay = relay
         self._registry = registry
         self._policies = policies
+        self._limiter = limiter
         self._config = config
 
-    async def chat(self, body: ChatCompletionRequest, tier: str | None = None):
-        request = await self._wire_request(body, tier, messages=body.wire_messages(), sampling=body.sampling())
-        return await self._serve(request, body.stream, body.include_usage, CHAT)
+    async def chat(self, body: ChatCompletionRequest, tier: str, auth: AuthContext, admission: Admission):
+        request = await self._wire_request(body, tier, auth, messages=body.wire_messages(), sampling=body.sampling())
+        return await self._serve(request, body.stream, body.include_usage, CHAT, admission)
 
-    async def completion(self, body: CompletionRequest, tier: str | None = None):
-        request = await self._wire_request(body, tier, prompt=body.prompt_text, sampling=body.sampling())
-        return await self._serve(request, body.stream, body.include_usage, TEXT)
+    async def completion(self, body: CompletionRequest, tier: str, auth: AuthContext, admission: Admission):
+        request = await self._wire_request(body, tier, auth, prompt=body.prompt_text, sampling=body.sampling())
+        return await self._serve(request, body.stream, body.include_usage, TEXT, admission)
 
-    async def _wire_request(self, body, tier: str | None, **fields) -> GenerateRequest:
-        tier = tier or self._config.default_tier
+    async def _wire_request(self, body, tier: str, auth: AuthContext, **fields) -> GenerateRequest:
         policy = (await self._policies.get())[tier]
         now = time.time()
         return GenerateRequest(
@@ -78,37 +81,47 @@ class CompletionService:
             created_at=now,
             # The tier's wait limit, live from ops; queue_timeout_s caps it for interactive gateways.
             deadline_at=now + min(policy.max_wait_s, self._config.queue_timeout_s),
+            tenant_id=auth.tenant_id,
+            api_key_id=auth.key_id,
             **fields,
         )
 
-    async def _serve(self, request: GenerateRequest, stream: bool, include_usage: bool, kind: _Kind):
-        if not await self._registry.is_served(request.model):
-            raise model_not_found(request.model)
-        relayed = await self._relay.submit(request)
+    async def _serve(self, request: GenerateRequest, stream: bool, include_usage: bool, kind: _Kind,
+                     admission: Admission):
         try:
-            first = await relayed.first()
+            if not await self._registry.is_served(request.model):
+                raise model_not_found(request.model)
+            relayed = await self._relay.submit(request)
+            try:
+                first = await relayed.first()
+            except BaseException:
+                await relayed.close()
+                raise
         except BaseException:
-            await relayed.close()
+            await self._limiter.settle(admission, 0)  # never ran: the whole reservation goes back
             raise
         if stream:
             return StreamingResponse(
-                self._stream(relayed, first, include_usage, kind),
+                self._stream(relayed, first, include_usage, kind, admission),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": request.request_id},
             )
+        usage = Usage()
         try:
-            return await self._collect(relayed, first, kind)
+            response, usage = await self._collect(relayed, first, kind)
+            return response
         finally:
             if not relayed.is_finished:
                 await relayed.cancel()
             await relayed.close()
+            await self._limiter.settle(admission, usage.total_tokens)
 
     async def _all_deltas(self, relayed: RelayedRequest, first: TokenDelta) -> AsyncIterator[TokenDelta]:
         yield first
         async for delta in relayed.deltas():
             yield delta
 
-    async def _collect(self, relayed: RelayedRequest, first: TokenDelta, kind: _Kind) -> JSONResponse:
+    async def _collect(self, relayed: RelayedRequest, first: TokenDelta, kind: _Kind) -> tuple[JSONResponse, Usage]:
         n = relayed.request.sampling.n
         texts = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
@@ -141,10 +154,10 @@ class CompletionService:
                 "usage": _usage_json(usage),
             },
             headers={"X-Request-Id": req.request_id},
-        )
+        ), usage
 
     async def _stream(
-        self, relayed: RelayedRequest, first: TokenDelta, include_usage: bool, kind: _Kind
+        self, relayed: RelayedRequest, first: TokenDelta, include_usage: bool, kind: _Kind, admission: Admission
     ) -> AsyncIterator[bytes]:
         req = relayed.request
         base = {"id": kind.id_prefix + req.request_id, "object": kind.object_chunk, "created": int(req.created_at),
@@ -190,3 +203,6 @@ class CompletionService:
             if not relayed.is_finished:
                 await asyncio.shield(relayed.cancel())
             await relayed.close()
+            # A cancelled stream's tokens are unknown here (the worker bills them): keep the reservation then.
+            used = usage.total_tokens if usage is not None else admission.reserved_tokens
+            await asyncio.shield(self._limiter.settle(admission, used))

@@ -21,10 +21,16 @@ from shared.messages import UsageRecord, decode
 
 log = logging.getLogger("switchyard.usage")
 
+# The cost is priced inside the insert, from the model's row in model_prices or the '*' default, so a price
+# change applies to every record written after it, whichever gateway writes it.
 INSERT_SQL = """
 INSERT INTO requests (request_id, model, tier, tenant_id, api_key_id, prompt_tokens, completion_tokens,
-                      cached_tokens, finish_reason, queue_ms, first_token_ms, total_ms, worker_id, created_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+                      cached_tokens, finish_reason, queue_ms, first_token_ms, total_ms, worker_id, created_at,
+                      cost_usd)
+SELECT $1, $2, $3, $4, $5, $6::int, $7::int, $8, $9, $10, $11, $12, $13, $14,
+       coalesce((SELECT ($6::int * p.input_per_mtok + $7::int * p.output_per_mtok) / 1000000
+                        * (CASE WHEN $3::text = 'batch' THEN 1 - p.batch_discount ELSE 1 END)
+                 FROM model_prices p WHERE p.model IN ($2, '*') ORDER BY p.model = '*' LIMIT 1), 0)
 ON CONFLICT (request_id) DO NOTHING
 """
 

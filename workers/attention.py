@@ -29,6 +29,7 @@ Backends, picked by ``make_attention()``:
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -121,6 +122,25 @@ class SdpaAttention:
         self.block_size = block_size
         self.device = device
         self.scale = head_dim**-0.5
+        # Gather buffers reused by every layer and step (grown on demand). A fresh multi-MB tensor per layer
+        # costs more in page faults than the copy itself: 4.5 ms vs 0.9 ms for 6.5 MB on this CPU.
+        self._k_buf = torch.empty(0, device=device)
+        self._v_buf = torch.empty(0, device=device)
+
+    def _gather_buffers(self, num_blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_blocks, *like.shape[1:])
+        numel = math.prod(shape)
+        if self._k_buf.numel() < numel or self._k_buf.dtype != like.dtype:
+            self._k_buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._v_buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return self._k_buf[:numel].view(shape), self._v_buf[:numel].view(shape)
+
+    def _gather(self, k_cache, v_cache, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy whole blocks (contiguous rows of block_size*kv_heads*head_dim) of both caches into the buffers."""
+        k_out, v_out = self._gather_buffers(blocks.numel(), k_cache)
+        torch.index_select(k_cache, 0, blocks, out=k_out)
+        torch.index_select(v_cache, 0, blocks, out=v_out)
+        return k_out, v_out
 
     def prepare(self, chunks: Sequence[ChunkShape]) -> StepMetadata:
         positions, slots, table, num_blocks = _plan(chunks, self.block_size, self.device)
@@ -168,8 +188,9 @@ class SdpaAttention:
                 )
             else:
                 context = span.mask.shape[1]
-                ks = k_cache.index_select(0, span.blocks).view(-1, kvh, d)[:context].transpose(0, 1)
-                vs = v_cache.index_select(0, span.blocks).view(-1, kvh, d)[:context].transpose(0, 1)
+                ks, vs = self._gather(k_cache, v_cache, span.blocks)
+                ks = ks.view(-1, kvh, d)[:context].transpose(0, 1)
+                vs = vs.view(-1, kvh, d)[:context].transpose(0, 1)
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=span.mask, scale=self.scale, enable_gqa=True
                 )
@@ -177,10 +198,10 @@ class SdpaAttention:
 
         if meta.decode_blocks is not None:
             batch, max_blocks = meta.decode_blocks.shape
-            flat = meta.decode_blocks.reshape(-1)
             # Whole blocks are contiguous rows of block_size*kvh*d elements: far cheaper to gather than slots.
-            kd = k_cache.index_select(0, flat).view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
-            vd = v_cache.index_select(0, flat).view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
+            kd, vd = self._gather(k_cache, v_cache, meta.decode_blocks.reshape(-1))
+            kd = kd.view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
+            vd = vd.view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
             # The `group` query heads sharing a KV head become `group` query rows of that head (heads are laid
             # out so that head h reads KV head h // group, as in HF's repeat_kv).
             qd = q[meta.num_prefill_tokens :].view(batch, kvh, self.group, d)

@@ -9,9 +9,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from deploy.services import ServiceProcess, wait_until_ready
+from gateway.tenancy import create_key, create_tenant
 from workers.tiny_model import save_tiny_model
 
 TINY = "tiny"
@@ -77,9 +79,31 @@ def system(e2e: System) -> str:
     return e2e.base_url
 
 
+async def make_key(database_url: str, tenant: str, tier: str = "pro", **limits) -> str:
+    """A new tenant (unless it exists) and a new key for it; returns the secret."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        if not await conn.fetchval("SELECT 1 FROM tenants WHERE name = $1", tenant):
+            await create_tenant(conn, tenant, tier, **limits)
+        return (await create_key(conn, tenant)).secret
+    finally:
+        await conn.close()
+
+
 @pytest.fixture(scope="session")
-def client(system: str):
+async def api_key(database_url: str) -> str:
+    """A key of the `e2e` tenant (pro tier, the tier's default limits)."""
+    return await make_key(database_url, "e2e", "pro")
+
+
+@pytest.fixture(scope="session")
+def auth(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+@pytest.fixture(scope="session")
+def client(system: str, api_key: str):
     from openai import OpenAI
 
-    with OpenAI(base_url=f"{system}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with OpenAI(base_url=f"{system}/v1", api_key=api_key, max_retries=0, timeout=60) as c:
         yield c

@@ -80,8 +80,8 @@ def test_unknown_model_is_404_model_not_found(client):
     b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}',
     b'{"model": "tiny", "messages": []}',
 ])
-def test_malformed_body_is_400_with_openai_error_shape(system, body):
-    r = httpx.post(f"{system}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+def test_malformed_body_is_400_with_openai_error_shape(system, auth, body):
+    r = httpx.post(f"{system}/v1/chat/completions", content=body, headers={"Content-Type": "application/json", **auth})
     assert r.status_code == 400
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -118,10 +118,10 @@ async def test_finished_request_is_recorded_once_in_postgres(client, database_ur
     assert row["total_ms"] >= row["queue_ms"] >= 0
 
 
-async def test_closing_a_stream_cancels_generation_on_the_worker(system, database_url):
+async def test_closing_a_stream_cancels_generation_on_the_worker(system, auth, database_url):
     body = {"model": TINY, "messages": PROMPT, "max_tokens": 3000, "stream": True, "ignore_eos": True,
             "temperature": 0}
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, headers=auth) as http:
         async with http.stream("POST", f"{system}/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
             request_id = resp.headers["x-request-id"]

@@ -20,7 +20,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def tiers_model(e2e):
+def tiers_model(e2e, auth):
     """A worker for MODEL with a single slot; tier policies are restored afterwards."""
     from deploy.services import wait_until_ready
 
@@ -28,7 +28,7 @@ def tiers_model(e2e):
     wait_until_ready(e2e.base_url, MODEL, timeout_s=120, watch=[worker])
     original = {r["tier"]: r for r in httpx.get(f"{e2e.base_url}/admin/tiers", headers=ADMIN).json()["data"]
                 if r["model"] == MODEL}
-    yield e2e.base_url
+    yield e2e.base_url, auth
     for tier, row in original.items():
         httpx.put(f"{e2e.base_url}/admin/tiers/{tier}", headers=ADMIN, json={
             "max_queued": row["max_queued"], "max_wait_s": row["max_wait_s"], "weight": row["weight"]})
@@ -88,7 +88,8 @@ async def chat(http: httpx.AsyncClient, tier: str, max_tokens: int = 4) -> tuple
 
 
 async def test_full_queue_is_429_and_limits_change_live(tiers_model):
-    async with httpx.AsyncClient(base_url=tiers_model, timeout=60) as http:
+    base_url, auth = tiers_model
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, headers=auth) as http:
         await set_tier(http, "free", max_queued=2, max_wait_s=60)
         hog = Hog(http)
         await hog.started()
@@ -117,7 +118,8 @@ async def test_full_queue_is_429_and_limits_change_live(tiers_model):
 
 
 async def test_queue_timeout_answers_503_with_retry_after(tiers_model):
-    async with httpx.AsyncClient(base_url=tiers_model, timeout=60) as http:
+    base_url, auth = tiers_model
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, headers=auth) as http:
         await set_tier(http, "free", max_queued=10, max_wait_s=1)
         hog = Hog(http)
         await hog.started()
@@ -131,7 +133,8 @@ async def test_queue_timeout_answers_503_with_retry_after(tiers_model):
 
 
 async def test_pro_gets_through_a_free_flood_and_nothing_is_lost(tiers_model):
-    async with httpx.AsyncClient(base_url=tiers_model, timeout=120) as http:
+    base_url, auth = tiers_model
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=auth) as http:
         await set_tier(http, "free", max_queued=8, max_wait_s=60)
         await set_tier(http, "pro", max_queued=8, max_wait_s=60)
         hog = Hog(http)
@@ -163,7 +166,8 @@ async def test_pro_gets_through_a_free_flood_and_nothing_is_lost(tiers_model):
 
 
 async def test_admin_api_needs_the_admin_key(tiers_model):
-    async with httpx.AsyncClient(base_url=tiers_model, timeout=10) as http:
+    base_url, _ = tiers_model
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
         r = await http.get("/admin/tiers", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = await http.put("/admin/tiers/gold", headers=ADMIN, json={"weight": 2})

@@ -1,0 +1,76 @@
+"""API-key authentication: ``Authorization: Bearer <key>`` → the caller's tenant, key and tier.
+
+Lookups go by the key's sha256 (an index probe, so timing says nothing about how close a guess was) and are
+cached for ``CACHE_S`` seconds: a revoked key stops working on every gateway within that time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import asyncpg
+from fastapi import Request
+
+from gateway.errors import OpenAIError
+from gateway.tenancy import hash_key
+
+CACHE_S = 5.0
+_LAST_USED_EVERY_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class AuthContext:
+    """Who is calling: set on ``request.state.auth`` for every authenticated /v1 request."""
+
+    tenant_id: str
+    tenant_name: str
+    key_id: str
+    tier: str
+    rpm_limit: int | None  # None: the tier's default
+    tpm_limit: int | None
+    monthly_token_budget: int | None  # None: unlimited
+
+
+def invalid_key() -> OpenAIError:
+    return OpenAIError(401, "Incorrect API key provided. You can find your API key in `switchyard keys`.",
+                       code="invalid_api_key")
+
+
+class Authenticator:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self._cache: dict[bytes, tuple[AuthContext | None, float]] = {}
+        self._last_used: dict[str, float] = {}
+
+    async def authenticate(self, request: Request) -> AuthContext:
+        header = request.headers.get("authorization", "")
+        scheme, _, secret = header.partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise OpenAIError(401, "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
+                              code="invalid_api_key")
+        digest = hash_key(secret.strip())
+        cached = self._cache.get(digest)
+        now = time.monotonic()
+        if cached is None or now - cached[1] > CACHE_S:
+            cached = (await self._lookup(digest), now)
+            if len(self._cache) > 10_000:  # unbounded guessing must not grow memory without bound
+                self._cache.clear()
+            self._cache[digest] = cached
+        auth = cached[0]
+        if auth is None:
+            raise invalid_key()
+        if now - self._last_used.get(auth.key_id, float("-inf")) > _LAST_USED_EVERY_S:
+            self._last_used[auth.key_id] = now
+            await self._pool.execute("UPDATE api_keys SET last_used_at = now() WHERE id = $1", auth.key_id)
+        return auth
+
+    async def _lookup(self, digest: bytes) -> AuthContext | None:
+        row = await self._pool.fetchrow(
+            "SELECT k.id AS key_id, t.id AS tenant_id, t.name, t.tier, t.rpm_limit, t.tpm_limit, "
+            "t.monthly_token_budget FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+            "WHERE k.key_hash = $1 AND k.revoked_at IS NULL", digest)
+        if row is None:
+            return None
+        return AuthContext(row["tenant_id"], row["name"], row["key_id"], row["tier"], row["rpm_limit"],
+                           row["tpm_limit"], row["monthly_token_budget"])

@@ -1,0 +1,130 @@
+"""Per-key rate limits (requests and tokens per minute) and the tenant's monthly token budget.
+
+Shared state is Postgres: one atomic upsert per request on a (key, minute) row admits or refuses it, so the
+limits hold across any number of gateways without a lock or a read-then-write race; Postgres is already on the
+request path's host and durable. Tokens are reserved at admission (estimated prompt tokens + max_tokens) and the
+unused part is returned when the request ends.
+
+Response headers follow OpenAI: ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from gateway.auth import AuthContext
+from gateway.errors import OpenAIError
+from shared.tiers import TierPolicy
+
+UNLIMITED = 1 << 62
+DEFAULT_COMPLETION_RESERVE = 1024  # reserved when a request sets no max_tokens
+QUOTA_CACHE_S = 5.0
+
+ADMIT_SQL = """
+INSERT INTO rate_windows AS w (key_id, window_start, requests, tokens) VALUES ($1, $2, 1, $3)
+ON CONFLICT (key_id, window_start) DO UPDATE
+    SET requests = w.requests + 1, tokens = w.tokens + EXCLUDED.tokens
+    WHERE w.requests + 1 <= $4 AND w.tokens + EXCLUDED.tokens <= $5
+RETURNING requests, tokens
+"""
+
+
+def estimate_tokens(text_chars: int, max_tokens: int | None) -> int:
+    """What to reserve before the worker has tokenized anything: ~4 characters a token, plus the completion."""
+    return math.ceil(text_chars / 4) + (max_tokens or DEFAULT_COMPLETION_RESERVE)
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request let through: its reservation, and the headers every response to it carries."""
+
+    key_id: str
+    window_start: dt.datetime
+    reserved_tokens: int
+    headers: dict[str, str] = field(default_factory=dict)
+    settled: bool = False
+
+
+def _window(now: float) -> tuple[dt.datetime, float]:
+    start = int(now // 60) * 60
+    return dt.datetime.fromtimestamp(start, tz=dt.timezone.utc), start + 60 - now
+
+
+def _headers(rpm: int, tpm: int, used_requests: int, used_tokens: int, reset_s: float) -> dict[str, str]:
+    headers = {}
+    reset = f"{max(reset_s, 0):.0f}s"
+    if rpm < UNLIMITED:
+        headers |= {"x-ratelimit-limit-requests": str(rpm),
+                    "x-ratelimit-remaining-requests": str(max(rpm - used_requests, 0)),
+                    "x-ratelimit-reset-requests": reset}
+    if tpm < UNLIMITED:
+        headers |= {"x-ratelimit-limit-tokens": str(tpm),
+                    "x-ratelimit-remaining-tokens": str(max(tpm - used_tokens, 0)),
+                    "x-ratelimit-reset-tokens": reset}
+    return headers
+
+
+class Limiter:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self._quota_cache: dict[str, tuple[int, float]] = {}
+
+    async def admit(self, auth: AuthContext, policy: TierPolicy, tokens: int) -> Admission:
+        """Count the request and reserve ``tokens``; raises 429 ``rate_limit_exceeded`` or ``insufficient_quota``."""
+        await self._check_quota(auth)
+        rpm = auth.rpm_limit or policy.rpm or UNLIMITED
+        tpm = auth.tpm_limit or policy.tpm or UNLIMITED
+        window_start, reset_s = _window(time.time())
+        if tokens > tpm:
+            raise OpenAIError(429, f"Request too large: it may use up to {tokens} tokens, over your limit of {tpm} "
+                              "tokens per minute. Lower max_tokens or the prompt.", type="rate_limit_error",
+                              code="rate_limit_exceeded", headers=_headers(rpm, tpm, 0, 0, reset_s))
+        row = await self._pool.fetchrow(ADMIT_SQL, auth.key_id, window_start, tokens, rpm, tpm)
+        if row is None:
+            used = await self._pool.fetchrow("SELECT requests, tokens FROM rate_windows WHERE key_id = $1 "
+                                             "AND window_start = $2", auth.key_id, window_start)
+            which = "requests" if used["requests"] + 1 > rpm else "tokens"
+            limit = rpm if which == "requests" else tpm
+            headers = _headers(rpm, tpm, used["requests"], used["tokens"], reset_s)
+            headers["Retry-After"] = str(max(1, math.ceil(reset_s)))
+            raise OpenAIError(429, f"Rate limit reached for {which} per minute: limit {limit}. Please try again in "
+                              f"{reset_s:.0f}s.", type="rate_limit_error", code="rate_limit_exceeded",
+                              headers=headers)
+        return Admission(auth.key_id, window_start, tokens, _headers(rpm, tpm, row["requests"], row["tokens"],
+                                                                      reset_s))
+
+    async def settle(self, admission: Admission, used_tokens: int) -> None:
+        """Return the unused part of the reservation (all of it for a request that never ran)."""
+        if admission.settled:
+            return
+        admission.settled = True
+        refund = admission.reserved_tokens - used_tokens
+        if refund > 0:
+            await self._pool.execute(
+                "UPDATE rate_windows SET tokens = greatest(tokens - $3, 0) WHERE key_id = $1 AND window_start = $2",
+                admission.key_id, admission.window_start, refund)
+
+    async def _check_quota(self, auth: AuthContext) -> None:
+        if auth.monthly_token_budget is None:
+            return
+        cached = self._quota_cache.get(auth.tenant_id)
+        now = time.monotonic()
+        if cached is None or now - cached[1] > QUOTA_CACHE_S:
+            used = await self._pool.fetchval(
+                "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) FROM requests "
+                "WHERE tenant_id = $1 AND created_at >= date_trunc('month', now())", auth.tenant_id)
+            cached = (int(used), now)
+            self._quota_cache[auth.tenant_id] = cached
+        if cached[0] >= auth.monthly_token_budget:
+            raise OpenAIError(429, f"You exceeded your monthly token budget ({auth.monthly_token_budget} tokens). "
+                              "Ask your administrator to raise it.", type="insufficient_quota",
+                              code="insufficient_quota")
+
+    async def prune(self) -> None:
+        """Drop windows older than an hour (called periodically)."""
+        await self._pool.execute("DELETE FROM rate_windows WHERE window_start < now() - interval '1 hour'")
