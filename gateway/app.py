@@ -19,6 +19,7 @@ from gateway.registry import ModelRegistry
 from gateway.relay import Relay
 from gateway.serving import CompletionService
 from gateway.admin import admin_router
+from gateway.conversations import conversations_router
 from gateway.auth import AuthContext, Authenticator
 from gateway.limits import Limiter, estimate_tokens
 from gateway.usage_report import usage_rows
@@ -125,6 +126,7 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         return await request.app.state.service.completion(body, tier, auth, admission)
 
     app.include_router(admin_router(config.gateway.admin_key))
+    app.include_router(conversations_router(caller, admit))
 
     @app.get("/v1/models")
     async def list_models(request: Request, _: AuthContext = Depends(caller)):

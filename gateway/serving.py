@@ -10,8 +10,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -23,7 +23,7 @@ from gateway.auth import AuthContext
 from gateway.limits import Admission, Limiter
 from shared.config import GatewayConfig
 from shared.tier_store import PolicyCache
-from shared.messages import GenerateRequest, TokenDelta, Usage
+from shared.messages import ChatMessage, GenerateRequest, TokenDelta, Usage
 
 
 @dataclass(slots=True)
@@ -54,6 +54,20 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+@dataclass(slots=True)
+class Outcome:
+    """How a request ended, for ``on_finish``: choice 0's text and finish reason (None: it did not finish,
+    e.g. the client went away or the worker failed)."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    parts: list[str] = field(default_factory=list)
+
+
+OnFinish = Callable[[Outcome], Awaitable[None]]
+
+
 class CompletionService:
     def __init__(self, relay: Relay, registry: ModelRegistry, policies: PolicyCache, limiter: Limiter,
                  config: GatewayConfig) -> None:
@@ -63,9 +77,14 @@ class CompletionService:
         self._limiter = limiter
         self._config = config
 
-    async def chat(self, body: ChatCompletionRequest, tier: str, auth: AuthContext, admission: Admission):
-        request = await self._wire_request(body, tier, auth, messages=body.wire_messages(), sampling=body.sampling())
-        return await self._serve(request, body.stream, body.include_usage, CHAT, admission)
+    async def chat(self, body: ChatCompletionRequest, tier: str, auth: AuthContext, admission: Admission,
+                   messages: list[ChatMessage] | None = None, on_finish: OnFinish | None = None,
+                   extra: dict | None = None):
+        """``messages``/``on_finish``/``extra`` serve conversations: a server-assembled history (truncated by the
+        worker to fit), a callback with the reply once it ends, and fields added to the response."""
+        request = await self._wire_request(body, tier, auth, messages=messages or body.wire_messages(),
+                                           sampling=body.sampling(), truncate_history=messages is not None)
+        return await self._serve(request, body.stream, body.include_usage, CHAT, admission, on_finish, extra)
 
     async def completion(self, body: CompletionRequest, tier: str, auth: AuthContext, admission: Admission):
         request = await self._wire_request(body, tier, auth, prompt=body.prompt_text, sampling=body.sampling())
@@ -87,7 +106,7 @@ class CompletionService:
         )
 
     async def _serve(self, request: GenerateRequest, stream: bool, include_usage: bool, kind: _Kind,
-                     admission: Admission):
+                     admission: Admission, on_finish: OnFinish | None = None, extra: dict | None = None):
         try:
             if not await self._registry.is_served(request.model):
                 raise model_not_found(request.model)
@@ -100,28 +119,34 @@ class CompletionService:
         except BaseException:
             await self._limiter.settle(admission, 0)  # never ran: the whole reservation goes back
             raise
+        extra = {**(extra or {}), **({"dropped_messages": first.dropped_messages} if request.truncate_history else {})}
+        headers = {"X-Request-Id": request.request_id}
+        if request.truncate_history:
+            headers["X-Switchyard-Dropped-Messages"] = str(first.dropped_messages)
+        outcome = Outcome()
         if stream:
             return StreamingResponse(
-                self._stream(relayed, first, include_usage, kind, admission),
+                self._stream(relayed, first, include_usage, kind, admission, outcome, on_finish, extra),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": request.request_id},
+                headers={"Cache-Control": "no-cache", **headers},
             )
-        usage = Usage()
         try:
-            response, usage = await self._collect(relayed, first, kind)
-            return response
+            body = await self._collect(relayed, first, kind, outcome)
+            return JSONResponse({**body, **extra}, headers=headers)
         finally:
             if not relayed.is_finished:
                 await relayed.cancel()
             await relayed.close()
-            await self._limiter.settle(admission, usage.total_tokens)
+            await self._limiter.settle(admission, outcome.usage.total_tokens)
+            if on_finish is not None:
+                await on_finish(outcome)
 
     async def _all_deltas(self, relayed: RelayedRequest, first: TokenDelta) -> AsyncIterator[TokenDelta]:
         yield first
         async for delta in relayed.deltas():
             yield delta
 
-    async def _collect(self, relayed: RelayedRequest, first: TokenDelta, kind: _Kind) -> tuple[JSONResponse, Usage]:
+    async def _collect(self, relayed: RelayedRequest, first: TokenDelta, kind: _Kind, outcome: "Outcome") -> dict:
         n = relayed.request.sampling.n
         texts = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
@@ -144,24 +169,24 @@ class CompletionService:
             choice["finish_reason"] = finish[i]
             choices.append(choice)
         req = relayed.request
-        return JSONResponse(
-            {
-                "id": kind.id_prefix + req.request_id,
-                "object": kind.object_full,
-                "created": int(req.created_at),
-                "model": req.model,
-                "choices": choices,
-                "usage": _usage_json(usage),
-            },
-            headers={"X-Request-Id": req.request_id},
-        ), usage
+        outcome.text, outcome.finish_reason, outcome.usage = choices[0].get("message", {}).get("content", ""), \
+            finish[0], usage
+        return {
+            "id": kind.id_prefix + req.request_id,
+            "object": kind.object_full,
+            "created": int(req.created_at),
+            "model": req.model,
+            "choices": choices,
+            "usage": _usage_json(usage),
+        }
 
     async def _stream(
-        self, relayed: RelayedRequest, first: TokenDelta, include_usage: bool, kind: _Kind, admission: Admission
+        self, relayed: RelayedRequest, first: TokenDelta, include_usage: bool, kind: _Kind, admission: Admission,
+        outcome: "Outcome", on_finish: OnFinish | None, extra: dict,
     ) -> AsyncIterator[bytes]:
         req = relayed.request
         base = {"id": kind.id_prefix + req.request_id, "object": kind.object_chunk, "created": int(req.created_at),
-                "model": req.model}
+                "model": req.model, **extra}
 
         def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
             if kind.is_chat:
@@ -186,6 +211,9 @@ class CompletionService:
                     err = OpenAIError.from_info(delta.error)
                     yield _sse(err.body())
                     break
+                if delta.index == 0:
+                    outcome.parts.append(delta.text)
+                    outcome.finish_reason = delta.finish_reason or outcome.finish_reason
                 if delta.text or delta.finish_reason is not None:
                     # The final delta may carry text too: send it, then the finish on its own chunk like OpenAI.
                     if delta.text:
@@ -206,3 +234,7 @@ class CompletionService:
             # A cancelled stream's tokens are unknown here (the worker bills them): keep the reservation then.
             used = usage.total_tokens if usage is not None else admission.reserved_tokens
             await asyncio.shield(self._limiter.settle(admission, used))
+            if on_finish is not None:
+                outcome.text = "".join(outcome.parts)
+                outcome.usage = usage or Usage()
+                await asyncio.shield(on_finish(outcome))

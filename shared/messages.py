@@ -50,6 +50,8 @@ class GenerateRequest(msgspec.Struct):
     messages: list[ChatMessage] | None = None
     tenant_id: str | None = None
     api_key_id: str | None = None
+    # A server-side conversation: drop the oldest turns (never system messages) to fit the context.
+    truncate_history: bool = False
 
 
 class Usage(msgspec.Struct):
@@ -86,6 +88,7 @@ class TokenDelta(msgspec.Struct):
     finish_reason: str | None = None
     usage: Usage | None = None
     error: ErrorInfo | None = None
+    dropped_messages: int = 0  # on the first message: turns dropped to fit the context (truncate_history)
 
 
 class UsageRecord(msgspec.Struct):

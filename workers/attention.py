@@ -19,8 +19,8 @@ Backends, picked by ``make_attention()``:
   layer: their KV blocks are gathered whole (one ``index_select`` of ``block_size``-token rows) into a padded
   ``[B, L, kv_heads, head_dim]`` tensor, and the query heads that share a KV head are folded into the query-length
   axis (``[B, kv_heads, group, head_dim]``), which is plain multi-query attention with no KV repetition and about 4x
-  faster on CPU than ``enable_gqa=True``. Prefill chunks get one call each, with a causal mask offset by the
-  chunk's start position (query ``i`` sees positions ``<= start_pos + i``).
+  faster on CPU than ``enable_gqa=True``. Prefill chunks get one call each, with a causal
+  mask offset by the chunk's start position (query ``i`` sees positions ``<= start_pos + i``).
 * ``FlashAttention`` (CUDA, only when ``flash_attn`` imports): a single ``flash_attn_varlen_func`` call per layer
   over the whole mixed batch, reading the paged cache through ``block_table``. flash-attn 2 only accepts paged
   caches whose block size is a multiple of 256, so with smaller blocks the SDPA backend is used instead.
@@ -182,18 +182,16 @@ class SdpaAttention:
             rows = slice(span.row, span.row + span.num_tokens)
             qs = q[rows].transpose(0, 1)  # [heads, n, d]
             if span.blocks is None:  # fresh sequence: its keys are exactly this chunk's
-                o = F.scaled_dot_product_attention(
-                    qs, k[rows].transpose(0, 1), v[rows].transpose(0, 1),
-                    is_causal=True, scale=self.scale, enable_gqa=True,
-                )
+                ks, vs = k[rows], v[rows]
             else:
-                context = span.mask.shape[1]
                 ks, vs = self._gather(k_cache, v_cache, span.blocks)
-                ks = ks.view(-1, kvh, d)[:context].transpose(0, 1)
-                vs = vs.view(-1, kvh, d)[:context].transpose(0, 1)
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=span.mask, scale=self.scale, enable_gqa=True
-                )
+                ks = ks.view(-1, kvh, d)[: span.mask.shape[1]]
+                vs = vs.view(-1, kvh, d)[: span.mask.shape[1]]
+            # 4-D inputs: CPU SDPA only takes its fused kernel for 4-D tensors (3-D falls back to bmm + softmax).
+            o = F.scaled_dot_product_attention(
+                qs[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                attn_mask=span.mask, is_causal=span.mask is None, scale=self.scale, enable_gqa=True,
+            )[0]
             outs.append(o.transpose(0, 1).reshape(span.num_tokens, -1))
 
         if meta.decode_blocks is not None:

@@ -27,7 +27,7 @@ from shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDel
 from shared.tiers import TIER_NAMES, get_tier
 from workers.detokenizer import IncrementalDetokenizer
 from workers.model_runner import ModelRunner, SeqChunk
-from workers.prompts import RequestRejected, eos_token_ids, resolve_max_tokens, tokenize_prompt
+from workers.prompts import RequestRejected, eos_token_ids, fit_history, resolve_max_tokens, tokenize_prompt
 from workers.sampling import make_generator, sample
 
 log = logging.getLogger("switchyard.engine")
@@ -64,6 +64,7 @@ class _Request:
     num_prompt_tokens: int
     seq_ids: list[str]
     held: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for choice 0's prefill
+    num_dropped_messages: int = 0
     num_finished: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -125,10 +126,15 @@ class Engine:
                                             code="invalid_value", param="n"))
         if req.request_id in self._requests:
             raise ValueError(f"request {req.request_id!r} is already running")
-        prompt_ids, param = tokenize_prompt(self.tokenizer, req)
+        dropped = 0
+        if req.truncate_history and req.messages:
+            prompt_ids, dropped = fit_history(self.tokenizer, req, self.max_context)
+            param = "messages"
+        else:
+            prompt_ids, param = tokenize_prompt(self.tokenizer, req)
         max_tokens = resolve_max_tokens(req, len(prompt_ids), self.max_context, param)
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
-        state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[])
+        state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[], num_dropped_messages=dropped)
         arrival = time.monotonic()
         for index in range(params.n):
             seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"
@@ -144,6 +150,11 @@ class Engine:
             state.seq_ids.append(seq_id)
         self._requests[req.request_id] = state
         return len(prompt_ids)
+
+    def num_dropped_messages(self, request_id: str) -> int:
+        """Conversation turns dropped to fit the context when ``request_id`` was added."""
+        state = self._requests.get(request_id)
+        return 0 if state is None else state.num_dropped_messages
 
     def abort_request(self, request_id: str) -> bool:
         """Free the request's KV blocks now; its final ``cancelled`` deltas come with the next step."""

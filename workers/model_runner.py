@@ -87,6 +87,23 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
 
 
+def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """bf16 where its matmuls are native (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else fp32.
+
+    Without native support CPU bf16 matmuls are emulated row by row: on an AVX2-only EPYC a SmolLM2 decode step at
+    batch 32 took 890 ms in bf16 against 184 ms in fp32 (1 thread).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu":
+        try:
+            return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        except (AttributeError, RuntimeError):
+            return torch.float32
+    return torch.float32
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF's rounding order (normalise in fp32, round, then scale by the weight), so bf16 greedy matches HF's.
     xf = x.float()
@@ -211,26 +228,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[number of chunks with needs_logits, vocab]`` in chunk order.
+        """Run one step; returns float32 logits ``[number of chunks with needs_logits, vocab]`` in chunk order,
+        on the runner's device.
 
         Each chunk's tokens are appended to its sequence's cache at ``start_pos..``; chunks of one step must
         belong to different sequences.
         """
+        if not chunks:
+            return torch.empty(0, self.vocab_size)
         for c in chunks:
             if not c.token_ids:
                 raise ValueError("a chunk must have at least one token")
             if c.start_pos + len(c.token_ids) > self.max_context:
-                raise ValueError(f"position {c.start_pos + len(c.token_ids) - 1} is past max_context {self.max_context}")
+                last = c.start_pos + len(c.token_ids) - 1
+                raise ValueError(f"position {last} is past max_context {self.max_context}")
         # Multi-token chunks first, then the decodes, which attention handles as one batch.
         order = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
         order += [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         ordered = [chunks[i] for i in order]
-        row_end = list(itertools.accumulate(len(c.token_ids) for c in ordered))
-        last_row = dict(zip(order, (end - 1 for end in row_end)))
+        row_end = itertools.accumulate(len(c.token_ids) for c in ordered)
+        last_row = {i: end - 1 for i, end in zip(order, row_end)}
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
 
-        if not chunks:
-            return torch.empty(0, self.vocab_size)
         input_ids = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in ordered))).to(self.device)
         meta = self.attention.prepare([(c.start_pos, len(c.token_ids), c.block_table) for c in ordered])
         hidden = self._forward(input_ids, meta)

@@ -18,17 +18,41 @@ class RequestRejected(Exception):
         self.error = error
 
 
+def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already wrote every special token it wants (BOS included, if any).
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def tokenize_prompt(tokenizer, req: GenerateRequest) -> tuple[list[int], str]:
     """Prompt token ids, and the request parameter they came from (for error messages)."""
     if req.messages is not None:
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # The template already wrote every special token it wants (BOS included, if any).
-        return tokenizer.encode(text, add_special_tokens=False), "messages"
+        return _encode_chat(tokenizer, [{"role": m.role, "content": m.content} for m in req.messages]), "messages"
     if req.prompt is not None:
         return tokenizer.encode(req.prompt), "prompt"
     raise RequestRejected(ErrorInfo(message="Either prompt or messages is required.", code="invalid_request",
                                     param="prompt"))
+
+
+def fit_history(tokenizer, req: GenerateRequest, max_context: int) -> tuple[list[int], int]:
+    """Chat prompt ids for a server-side conversation, dropping its oldest turns until the prompt and the
+    requested completion fit the context; system messages and the newest message are always kept.
+
+    Returns the ids and how many messages were dropped (0 when it fit). If even the shortest history does not
+    fit, the shortest is returned and the usual context check rejects it.
+    """
+    messages = [{"role": m.role, "content": m.content} for m in req.messages or []]
+    room = max_context - (req.sampling.max_tokens or 1)
+    ids = _encode_chat(tokenizer, messages)
+    dropped = 0
+    while len(ids) > room:
+        droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+        if not droppable:
+            break
+        del messages[droppable[0]]
+        dropped += 1
+        ids = _encode_chat(tokenizer, messages)
+    return ids, dropped
 
 
 def resolve_max_tokens(req: GenerateRequest, num_prompt: int, max_context: int, param: str) -> int:

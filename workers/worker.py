@@ -46,6 +46,7 @@ class _Tracked:
     first_token_at: float | None = None
     num_finished: int = 0
     prompt_tokens: int = 0
+    dropped_messages: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
 
@@ -220,6 +221,7 @@ class Worker:
                 continue
             try:
                 tracked.prompt_tokens = self.engine.add_request(tracked.request)
+                tracked.dropped_messages = self.engine.num_dropped_messages(tracked.request.request_id)
             except RequestRejected as exc:
                 result.rejected.append((tracked, msg, exc.error))
                 continue
@@ -263,7 +265,7 @@ class Worker:
             await msg.ack()
         for tracked, msg in result.admitted:
             await msg.ack()
-            await self._publish(TokenDelta(tracked.request.request_id))
+            await self._publish(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages))
         now = time.time()
         for delta in result.deltas:
             tracked = self._active.get(delta.request_id)

@@ -4,8 +4,10 @@ real NATS and Postgres. Both are stopped by PID at the end of the session."""
 from __future__ import annotations
 
 import shutil
+import sys
 import socket
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +50,7 @@ class System:
 
 
 @pytest.fixture(scope="session")
-def e2e(nats_url: str, database_url: str):
+def e2e(nats_url: str, database_url: str, request):
     """A running gateway with one worker serving the tiny model as ``tiny``."""
     work = Path(tempfile.mkdtemp(prefix="switchyard-e2e-"))
     services: list[ServiceProcess] = []
@@ -70,6 +72,9 @@ def e2e(nats_url: str, database_url: str):
     finally:
         for svc in reversed(services):
             svc.stop()
+        if request.session.testsfailed:  # the services' own logs are the fastest way to the cause
+            for svc in services:
+                print(f"\n--- {svc.name} log (tail) ---\n{svc.log_tail(60)}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -88,6 +93,17 @@ async def make_key(database_url: str, tenant: str, tier: str = "pro", **limits) 
         return (await create_key(conn, tenant)).secret
     finally:
         await conn.close()
+
+
+@pytest.fixture(scope="session")
+def new_key(database_url: str):
+    """``await new_key(tier="pro", **limits) -> (tenant_name, secret)``: a fresh tenant with one key."""
+
+    async def make(tier: str = "pro", **limits) -> tuple[str, str]:
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        return tenant, await make_key(database_url, tenant, tier, **limits)
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from workers.model_runner import ModelRunner, SeqChunk
+from workers.attention import SdpaAttention, make_attention
+from workers.model_runner import ModelRunner, SeqChunk, preferred_dtype
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
@@ -230,3 +231,12 @@ def test_programmer_errors_raise():
     with pytest.raises(ValueError, match="max_context"):
         runner.execute([SeqChunk([1], 512, list(range(NUM_BLOCKS)), needs_logits=True)])
     assert runner.execute([]).shape == (0, 512)
+
+
+def test_backend_choice_falls_back_to_sdpa():
+    cpu = torch.device("cpu")
+    assert isinstance(make_attention(4, 2, 16, 16, cpu), SdpaAttention)
+    assert isinstance(make_attention(4, 2, 16, 256, cpu), SdpaAttention)  # flash-attn is CUDA only
+    with pytest.raises((ValueError, RuntimeError)):
+        make_attention(4, 2, 16, 16, cpu, backend="flash")  # block size not a multiple of 256
+    assert preferred_dtype("cpu") in (torch.bfloat16, torch.float32)

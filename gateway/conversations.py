@@ -1,0 +1,148 @@
+"""Server-side conversations: ``/v1/conversations`` and their messages, stored in Postgres per tenant.
+
+    POST   /v1/conversations                  {model?, system?, metadata?}
+    GET    /v1/conversations/{id}
+    GET    /v1/conversations/{id}/messages    ?limit=&after=&order=asc|desc
+    POST   /v1/conversations/{id}/messages    {content, model?, stream?, max_tokens?, ...}: the reply, like chat
+    DELETE /v1/conversations/{id}
+
+A new turn sends the whole stored history (system prompt first) to the worker, which drops the oldest turns
+if it exceeds the context and says how many (``dropped_messages``). Both the user message and the reply are
+stored only once the reply ends; a reply cut short (client gone) is stored with status ``incomplete``. Another
+tenant's conversation answers 404, exactly like one that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.auth import AuthContext
+from gateway.errors import OpenAIError
+from gateway.protocol import ChatCompletionRequest
+from gateway.serving import Outcome
+from shared.messages import ChatMessage
+
+
+class ConversationCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    system: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=16)
+
+
+class TurnRequest(ChatCompletionRequest):
+    """A chat completion whose history is the conversation's: ``content`` is the new user message."""
+
+    model: str | None = None  # defaults to the conversation's model
+    content: str = Field(min_length=1)
+    messages: list = Field(default_factory=list, exclude=True)  # not accepted here: the server has the history
+
+
+def _conv_json(row) -> dict:
+    return {"id": row["id"], "object": "conversation", "created_at": int(row["created_at"].timestamp()),
+            "model": row["model"], "system": row["system_prompt"], "metadata": json.loads(row["metadata"])}
+
+
+def _msg_json(row) -> dict:
+    return {"id": row["id"], "object": "conversation.message", "role": row["role"], "content": row["content"],
+            "status": row["status"], "created_at": int(row["created_at"].timestamp())}
+
+
+def _storable(text: str) -> str:
+    # Postgres text cannot hold NUL; a model (or client) can produce one. Keep the position visible.
+    return text.replace("\x00", "\ufffd")
+
+
+def not_found(conversation_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No conversation found with id '{conversation_id}'.", code="not_found",
+                       param="conversation_id")
+
+
+def conversations_router(caller, admit) -> APIRouter:
+    """``caller`` authenticates; ``admit`` applies rate limits (both from the app, shared with chat)."""
+    router = APIRouter(prefix="/v1/conversations")
+
+    async def owned(request: Request, conversation_id: str, auth: AuthContext):
+        row = await request.app.state.pool.fetchrow(
+            "SELECT * FROM conversations WHERE id = $1 AND tenant_id = $2 AND deleted_at IS NULL",
+            conversation_id, auth.tenant_id)
+        if row is None:
+            raise not_found(conversation_id)
+        return row
+
+    @router.post("")
+    async def create(body: ConversationCreate, request: Request, auth: AuthContext = Depends(caller)):
+        row = await request.app.state.pool.fetchrow(
+            "INSERT INTO conversations (id, tenant_id, model, system_prompt, metadata) VALUES ($1, $2, $3, $4, $5) "
+            "RETURNING *", f"conv_{secrets.token_hex(12)}", auth.tenant_id, body.model, body.system,
+            json.dumps(body.metadata))
+        return _conv_json(row)
+
+    @router.get("/{conversation_id}")
+    async def get(conversation_id: str, request: Request, auth: AuthContext = Depends(caller)):
+        return _conv_json(await owned(request, conversation_id, auth))
+
+    @router.delete("/{conversation_id}")
+    async def delete(conversation_id: str, request: Request, auth: AuthContext = Depends(caller)):
+        await owned(request, conversation_id, auth)
+        await request.app.state.pool.execute("UPDATE conversations SET deleted_at = now() WHERE id = $1",
+                                             conversation_id)
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    @router.get("/{conversation_id}/messages")
+    async def list_messages(conversation_id: str, request: Request, limit: int = 20, after: str | None = None,
+                            order: Literal["asc", "desc"] = "asc", auth: AuthContext = Depends(caller)):
+        await owned(request, conversation_id, auth)
+        if not 1 <= limit <= 100:
+            raise OpenAIError(400, "limit must be between 1 and 100.", param="limit", code="invalid_value")
+        cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        cursor = "" if after is None else (
+            f"AND seq {cmp} (SELECT seq FROM conversation_messages WHERE id = $3 AND conversation_id = $1)")
+        args = [conversation_id, limit + 1] + ([after] if after is not None else [])
+        rows = await request.app.state.pool.fetch(
+            f"SELECT * FROM conversation_messages WHERE conversation_id = $1 {cursor} "
+            f"ORDER BY seq {direction} LIMIT $2", *args)
+        data = [_msg_json(r) for r in rows[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+    @router.post("/{conversation_id}/messages")
+    async def add_turn(conversation_id: str, body: TurnRequest, request: Request,
+                       auth: AuthContext = Depends(caller)):
+        conv = await owned(request, conversation_id, auth)
+        model = body.model or conv["model"]
+        if not model:
+            raise OpenAIError(400, "This conversation has no model: pass `model`.", param="model",
+                              code="invalid_request")
+        body = body.model_copy(update={"model": model, "n": 1})
+        pool = request.app.state.pool
+        history = [ChatMessage("system", conv["system_prompt"])] if conv["system_prompt"] else []
+        history += [ChatMessage(r["role"], r["content"]) for r in await pool.fetch(
+            "SELECT role, content FROM conversation_messages WHERE conversation_id = $1 ORDER BY seq",
+            conversation_id)]
+        history.append(ChatMessage("user", body.content))
+        tier, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens,
+                                      sum(len(m.content) for m in history))
+
+        async def store(outcome: Outcome) -> None:
+            # Both turns land together, once the reply ended; a reply cut short is kept, marked incomplete.
+            status = "completed" if outcome.finish_reason in ("stop", "length") else "incomplete"
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute(
+                    "INSERT INTO conversation_messages (id, conversation_id, role, content) VALUES ($1, $2, $3, $4)",
+                    f"msg_{secrets.token_hex(12)}", conversation_id, "user", _storable(body.content))
+                await conn.execute(
+                    "INSERT INTO conversation_messages (id, conversation_id, role, content, status) "
+                    "VALUES ($1, $2, $3, $4, $5)", f"msg_{secrets.token_hex(12)}", conversation_id, "assistant",
+                    _storable(outcome.text), status)
+
+        return await request.app.state.service.chat(body, tier, auth, admission, messages=history,
+                                                    on_finish=store, extra={"conversation_id": conversation_id})
+
+    return router

@@ -1,0 +1,237 @@
+"""Tenants, keys, limits, conversations and billing, end to end on real Postgres and NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+
+import asyncpg
+import httpx
+import nats
+import pytest
+
+from deploy.services import ServiceProcess, wait_until_ready
+from shared import subjects
+from shared.messages import UsageRecord, encode
+
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def chat_body(max_tokens: int = 4, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **extra}
+
+
+async def poll(check, timeout_s: float = 20.0, what: str = "condition"):
+    """Re-evaluate ``check`` until it is truthy: for effects that are asynchronous by design (caches, billing)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = await check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
+        await asyncio.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def second_gateway(e2e):
+    """Another gateway process on the same NATS and Postgres."""
+    port = _free_port()
+    gw = ServiceProcess("gateway-2", ["gateway", *e2e.common_args, "--port", str(port)],
+                        log_path=e2e.work / "gateway-2.log").start()
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", MODEL, timeout_s=60, watch=[gw])
+        yield f"http://127.0.0.1:{port}", gw
+    finally:
+        gw.stop()
+
+
+async def test_missing_or_wrong_key_is_401(system):
+    async with httpx.AsyncClient(base_url=system) as http:
+        for headers in ({}, bearer("sk-sy-wrong"), {"Authorization": "Basic abc"}):
+            r = await http.post("/v1/chat/completions", json=chat_body(), headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert (await http.get("/v1/models")).status_code == 401
+
+
+async def test_revoked_key_stops_working_within_seconds(system, database_url, new_key):
+    _, secret = await new_key()
+    async with httpx.AsyncClient(base_url=system, headers=bearer(secret), timeout=30) as http:
+        assert (await http.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        conn = await asyncpg.connect(database_url)
+        try:
+            key_id = await conn.fetchval("SELECT id FROM api_keys WHERE key_hash = sha256($1::text::bytea)", secret)
+            await conn.execute("UPDATE api_keys SET revoked_at = now() WHERE id = $1", key_id)
+        finally:
+            await conn.close()
+        t0 = time.monotonic()
+
+        async def refused():
+            return (await http.get("/v1/models")).status_code == 401
+        await poll(refused, timeout_s=15, what="revocation")
+        assert time.monotonic() - t0 < 10
+
+
+async def test_rate_limit_holds_across_two_gateways(system, second_gateway, new_key):
+    _, secret = await new_key(rpm_limit=3)
+    other, _ = second_gateway
+    codes = []
+    for base in (system, other, system, other):
+        async with httpx.AsyncClient(base_url=base, headers=bearer(secret), timeout=30) as http:
+            r = await http.post("/v1/chat/completions", json=chat_body())
+            codes.append(r.status_code)
+            last = r
+    # A minute boundary between the requests would reset the window and let the 4th through.
+    assert codes == [200, 200, 200, 429], codes
+    assert last.json()["error"]["code"] == "rate_limit_exceeded"
+    assert last.headers["x-ratelimit-limit-requests"] == "3"
+    assert last.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(last.headers["retry-after"]) >= 1
+
+
+async def test_rate_limit_headers_on_every_response_and_tokens_returned(system, new_key):
+    _, secret = await new_key(tpm_limit=5000)
+    async with httpx.AsyncClient(base_url=system, headers=bearer(secret), timeout=30) as http:
+        r1 = await http.post("/v1/chat/completions", json=chat_body(max_tokens=2000))
+        assert r1.status_code == 200
+        assert r1.headers["x-ratelimit-limit-tokens"] == "5000"
+        reserved_left = int(r1.headers["x-ratelimit-remaining-tokens"])
+        assert reserved_left <= 5000 - 2000  # the whole max_tokens was reserved up front
+        # 2000 more would not fit next to an unreturned reservation (2000 + 2000 + prompts > 5000 - 2000 used).
+        r2 = await http.post("/v1/chat/completions", json=chat_body(max_tokens=2000))
+        assert r2.status_code == 200, r2.text
+        used = r1.json()["usage"]["total_tokens"]
+        # After r1 settled, its unused reservation came back: remaining counts r1's real use, not its reservation.
+        assert int(r2.headers["x-ratelimit-remaining-tokens"]) > 5000 - 2000 - 2000 - 100
+        assert used < 2100
+
+
+async def test_monthly_budget_exhausted_is_insufficient_quota(system, new_key):
+    _, secret = await new_key(monthly_token_budget=30)
+    async with httpx.AsyncClient(base_url=system, headers=bearer(secret), timeout=30) as http:
+        assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=40))).status_code == 200
+
+        async def over_budget():
+            r = await http.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+            return r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+        await poll(over_budget, what="quota exhaustion")
+
+
+async def test_usage_is_per_tenant(system, new_key):
+    _, a = await new_key()
+    _, b = await new_key()
+    async with httpx.AsyncClient(base_url=system, timeout=30) as http:
+        r = await http.post("/v1/chat/completions", json=chat_body(max_tokens=3), headers=bearer(a))
+        assert r.status_code == 200
+
+        async def billed():
+            body = (await http.get("/v1/usage", headers=bearer(a))).json()
+            return body["data"] if body["data"] and body["data"][0]["completion_tokens"] == 3 else None
+        rows = await poll(billed, what="billing row")
+        assert rows[0]["model"] == MODEL and rows[0]["requests"] == 1 and rows[0]["cost_usd"] > 0
+        assert (await http.get("/v1/usage", headers=bearer(b))).json()["data"] == []
+
+
+async def test_usage_recorded_once_under_redelivery(e2e, nats_url, database_url):
+    record = UsageRecord(request_id=uuid.uuid4().hex, model=MODEL, tier="pro", prompt_tokens=7,
+                         completion_tokens=3, finish_reason="stop", created_at=time.time(), queue_ms=1.0,
+                         first_token_ms=2.0, total_ms=3.0)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        for attempt in range(3):  # distinct message ids: JetStream's dedupe does not hide these duplicates
+            await js.publish(subjects.USAGE_SUBJECT, encode(record), headers={"Nats-Msg-Id": f"dup-{attempt}-"
+                                                                                         f"{record.request_id}"})
+
+        async def drained():
+            info = await js.consumer_info(subjects.USAGE_STREAM, subjects.USAGE_CONSUMER)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+        await poll(drained, what="usage consumer drained")
+    finally:
+        await nc.close()
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM requests WHERE request_id = $1", record.request_id) == 1
+    finally:
+        await conn.close()
+
+
+async def test_usage_survives_a_gateway_killed_mid_stream(e2e, second_gateway, database_url, api_key):
+    base, gw = second_gateway
+    async with httpx.AsyncClient(base_url=base, headers=bearer(api_key), timeout=30) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=300, stream=True)) as r:
+            request_id = r.headers["x-request-id"]
+            async for line in r.aiter_lines():
+                if '"content"' in line:
+                    break
+            os.kill(gw.pid, signal.SIGKILL)  # no cancel is sent: the worker finishes and bills the request
+    conn = await asyncpg.connect(database_url)
+    try:
+        async def row():
+            return await conn.fetchrow("SELECT * FROM requests WHERE request_id = $1", request_id)
+        billed = await poll(row, what="billing row of the killed gateway's request")
+        assert billed["completion_tokens"] == 300 and billed["finish_reason"] == "length"
+    finally:
+        await conn.close()
+
+
+async def test_conversation_round_trip_isolation_and_truncation(system, new_key):
+    _, a = await new_key()
+    _, b = await new_key()
+    async with httpx.AsyncClient(base_url=system, timeout=60) as http:
+        conv = (await http.post("/v1/conversations", json={"model": MODEL, "system": "Be terse.",
+                                                            "metadata": {"topic": "trains"}},
+                                headers=bearer(a))).json()
+        cid = conv["id"]
+        assert conv["object"] == "conversation" and conv["metadata"] == {"topic": "trains"}
+
+        # Other tenants see nothing: 404, as if it did not exist.
+        for method, path in (("GET", f"/v1/conversations/{cid}"), ("GET", f"/v1/conversations/{cid}/messages"),
+                             ("DELETE", f"/v1/conversations/{cid}")):
+            r = await http.request(method, path, headers=bearer(b))
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+        r = await http.post(f"/v1/conversations/{cid}/messages", headers=bearer(a),
+                            json={"content": "first " * 10, "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["dropped_messages"] == 0
+        # A streamed turn works too and is stored when it ends.
+        async with http.stream("POST", f"/v1/conversations/{cid}/messages", headers=bearer(a),
+                               json={"content": "second", "max_tokens": 5, "ignore_eos": True, "stream": True}) as s:
+            assert s.status_code == 200
+            assert [line async for line in s.aiter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+
+        msgs = (await http.get(f"/v1/conversations/{cid}/messages", headers=bearer(a))).json()
+        assert [m["role"] for m in msgs["data"]] == ["user", "assistant", "user", "assistant"]
+        assert msgs["data"][0]["content"] == "first " * 10
+        page = (await http.get(f"/v1/conversations/{cid}/messages?limit=3", headers=bearer(a))).json()
+        assert page["has_more"] and len(page["data"]) == 3
+        rest = (await http.get(f"/v1/conversations/{cid}/messages?after={page['last_id']}",
+                               headers=bearer(a))).json()
+        assert [m["id"] for m in rest["data"]] == [msgs["data"][3]["id"]] and not rest["has_more"]
+
+        # A turn whose history no longer fits the context drops the oldest turns, keeping the system prompt.
+        big = "x" * 3000  # ~3000 byte-level tokens of the 4096-token test model
+        r = await http.post(f"/v1/conversations/{cid}/messages", headers=bearer(a),
+                            json={"content": big, "max_tokens": 1000, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["dropped_messages"] > 0
+        assert int(r.headers["x-switchyard-dropped-messages"]) == r.json()["dropped_messages"]
+
+        assert (await http.delete(f"/v1/conversations/{cid}", headers=bearer(a))).json()["deleted"] is True
+        assert (await http.get(f"/v1/conversations/{cid}", headers=bearer(a))).status_code == 404
