@@ -226,7 +226,7 @@ async def run_load(args) -> dict:
         peaks: dict = {}
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_queues(http, args, peaks, stop))
-        t0 = time.perf_counter()
+        t0, out["overload_since"] = time.perf_counter(), time.time()
         gens = await asyncio.gather(
             poisson(http, "free", "overload", free_rate, args.duration, int(free_rate * args.duration * 2) + 10,
                     args.seed + 1, args, results),
@@ -270,13 +270,20 @@ async def make_key(database_url: str) -> str:
         await conn.close()
 
 
-async def usage_rows(database_url: str) -> list:
+async def usage_rows(database_url: str, since: float) -> tuple[list, list]:
+    """Usage rows per (tier, finish_reason), all phases; and the worker's own queue / first-token times, overload."""
     import asyncpg
 
     conn = await asyncpg.connect(database_url)
     try:
-        return [tuple(r) for r in await conn.fetch(
+        counts = [tuple(r) for r in await conn.fetch(
             "SELECT tier, finish_reason, count(*) FROM requests GROUP BY 1, 2 ORDER BY 1, 2")]
+        q = ", ".join(f"round(percentile_cont({f}) WITHIN GROUP (ORDER BY {c})::numeric)::int"
+                      for c in ("queue_ms", "first_token_ms") for f in (0.5, 0.95))
+        times = [tuple(r) for r in await conn.fetch(
+            f"SELECT tier, count(*), {q} FROM requests WHERE created_at >= to_timestamp($1) GROUP BY 1 ORDER BY 1",
+            since)]
+        return counts, times
     finally:
         await conn.close()
 
@@ -338,7 +345,7 @@ def main() -> int:
         out = asyncio.run(run_load(args))
         if database_url:
             time.sleep(2)  # the usage writer is asynchronous
-            out["usage"] = asyncio.run(usage_rows(database_url))
+            out["usage"], out["server_times"] = asyncio.run(usage_rows(database_url, out["overload_since"]))
         if work and any(s["other err"] or s["lost"] for s in out["rows"]):
             for svc in stack[2:]:
                 print(f"--- {svc.name} log tail ---\n{svc.log_tail(30)}")
@@ -385,6 +392,8 @@ def report(args, out: dict, command: str) -> None:
         lines.append(f"- other/lost outcomes: {json.dumps(whys)}")
     if "usage" in out:
         lines.append(f"- Postgres `requests` rows (tier, finish_reason, count), all phases: {out['usage']}")
+        lines.append("- worker-side times in the overload phase, from `requests` (tier, n, queue_ms p50/p95, "
+                     f"first_token_ms p50/p95; from the gateway's accept): {out['server_times']}")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     if str(args.results) != "-":

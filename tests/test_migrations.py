@@ -87,6 +87,7 @@ async def test_requests_table_shape(database_url):
             "worker_id": ("text", True),
             "created_at": ("timestamp with time zone", False),
             "recorded_at": ("timestamp with time zone", False),
+            "cost_usd": ("numeric", False),
         }
     finally:
         await conn.close()
