@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.tiers import TIER_NAMES
 
 
 def default_data_dir() -> Path:
@@ -32,7 +31,6 @@ def default_data_dir() -> Path:
 class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    default_tier: str = "pro"
     # The longest an interactive request may wait for a worker before the client gets 503 + Retry-After; each
     # tier's own max_wait_s applies below it.
     queue_timeout_s: float = Field(120.0, gt=0)
@@ -43,13 +41,6 @@ class GatewayConfig(BaseModel):
     # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
     allow_tier_header: bool = False
     admin_key: str | None = None  # enables /admin/* for `Authorization: Bearer <admin_key>`
-
-    @field_validator("default_tier")
-    @classmethod
-    def _known_tier(cls, v: str) -> str:
-        if v not in TIER_NAMES:
-            raise ValueError(f"unknown tier {v!r}; known: {', '.join(TIER_NAMES)}")
-        return v
 
 
 class WorkerConfig(BaseModel):
