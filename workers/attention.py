@@ -71,6 +71,12 @@ class StepMetadata:
 
 
 class PagedAttention(Protocol):
+    """``prepare`` once per step (chunks ordered: multi-token ones first), then ``forward`` once per layer.
+
+    ``forward`` writes the new tokens' K/V into the layer's cache, then returns attention output ``[T, heads * d]``
+    for q ``[T, heads, d]`` and k/v ``[T, kv_heads, d]`` (rotary already applied).
+    """
+
     def prepare(self, chunks: Sequence[ChunkShape]) -> StepMetadata: ...
 
     def forward(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.attention import PagedAttention, make_attention
+from workers.attention import PagedAttention, StepMetadata, make_attention
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -259,7 +259,7 @@ class ModelRunner:
         hidden = _rms_norm(hidden.index_select(0, rows), self.final_norm, self.eps)
         return F.linear(hidden, self.lm_head).float()
 
-    def _forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """Decoder layers over the step's flat batch; returns the last hidden state, before the final norm."""
         num_tokens = input_ids.shape[0]
         heads, kv_heads, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
