@@ -109,7 +109,7 @@ async def one(http: httpx.AsyncClient, tier: str, phase: str, args, rng: random.
             else:
                 res.outcome = "completed"
     except Exception as exc:  # connection reset, client timeout, bad JSON: the client got no reason
-        res.outcome = f"lost:{type(exc).__name__}"
+        res.outcome = f"lost:{type(exc).__name__}:{'before' if res.status is None else 'after'}-headers"
 
 
 async def poisson(http, tier: str, phase: str, rate: float, duration: float, max_count: int, seed: int, args,
@@ -190,7 +190,9 @@ async def sample_queues(http, args, peaks: dict, stop: asyncio.Event) -> None:
 
 
 async def run_load(args) -> dict:
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    # Idle connections are dropped before uvicorn's 5 s keep-alive timeout does it, so a request never races a
+    # server-side close (that would be a client artefact, not the system's).
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=args.base_url, limits=limits, headers={"Authorization": f"Bearer {args.api_key}"},
                                  timeout=httpx.Timeout(args.free_max_wait + 120, connect=10)) as http:
         results: list[Result] = []
@@ -308,7 +310,7 @@ def main() -> int:
     p.add_argument("--no-restore", dest="restore", action="store_false", help="keep the tier limits afterwards")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md", help="'-' to skip")
     args = p.parse_args()
-    command = "python bench/overload.py " + shlex.join(sys.argv[1:])
+    command = " ".join(["python bench/overload.py", *map(shlex.quote, sys.argv[1:])])
     stack, work, database_url = [], None, None
     try:
         if not args.base_url:

@@ -238,10 +238,23 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> None:
         """Admit waiting sequences in order while budget, seats and blocks last."""
-        while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
+        while budget > 0 and self._waiting:
             seq = self._waiting.peek()
             if seq in preempted:
                 break  # just preempted for memory; everything behind it is less important anyway
+            if len(self._running) >= self.config.max_num_seqs:
+                # Seats full: only a strictly more important request takes the least important one's seat, so a
+                # pro request never waits for a free one to finish.
+                victim = self._running[-1]
+                if victim.priority <= seq.priority:
+                    break
+                self._running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                refund = scheduled.pop(victim.seq_id, None)
+                if refund is not None:
+                    budget += refund.num_new_tokens
+                continue
             while True:
                 computed_blocks, num_hit = self.kv_cache.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit, budget, self._chunk_cap)

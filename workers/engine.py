@@ -108,6 +108,15 @@ class Engine:
 
     # -- admission ----------------------------------------------------------------------------------------
     @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued inside the engine (not yet running, or preempted)."""
+        return self.scheduler.num_waiting
+
+    @property
     def num_free_slots(self) -> int:
         """How many more requests the worker may pull now (the backlog stays in JetStream)."""
         if self.scheduler.kv_cache.usage > 0.95:

@@ -125,6 +125,7 @@ async def test_queue_timeout_answers_503_with_retry_after(tiers_model):
         await hog.started()
         r, waited = await chat(http, "free")
         await hog.release()
+        await wait_queued(http, "free", 0)  # the worker answers the expired request (to no one) and drops it
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "queue_timeout"
         assert int(r.headers["retry-after"]) > 0
@@ -157,7 +158,7 @@ async def test_pro_gets_through_a_free_flood_and_nothing_is_lost(tiers_model):
             assert (r.status_code, code) in {(429, "queue_full"), (503, "queue_timeout")}, r.text
             outcomes[code] += 1
     assert sum(outcomes.values()) == 33  # sent = completed + rejected with a reason: nothing lost
-    assert outcomes["completed"] >= 11  # everything queued ran (8 free + 3 pro)
+    assert outcomes["completed"] >= 11, outcomes  # everything queued ran (8 free + 3 pro)
     assert all(r.status_code == 200 for r, _ in pro_results)
     completed_free = sorted(t for r, t in free_results if r.status_code == 200)
     # Pro requests arrived after 8 free ones were queued, yet finished before the median of those free ones.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import RequestStatus, Scheduler, SchedulerConfig
+from scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence
 
 
 def chunks(output) -> list[tuple[str, int, int, bool]]:
@@ -242,3 +242,23 @@ def test_admission_control_counts_queued_and_running_demand(make_seq, step) -> N
     assert sched.can_admit(24) and not sched.can_admit(25)  # 6 + a's 2 blocks vs 8 free
     step(sched)  # a now holds 2 blocks and has 9 tokens: needs 1 more
     assert sched.can_admit(20) and not sched.can_admit(21)  # 5 + 1 headroom vs 6 free
+
+
+def test_a_more_important_request_takes_a_full_seat_from_the_least_important():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=64,
+                                      max_model_len=64))
+    low_a = Sequence("low-a", [1] * 8, max_tokens=20, priority=2, arrival=0.0)
+    low_b = Sequence("low-b", [1] * 8, max_tokens=20, priority=2, arrival=1.0)
+    for seq in (low_a, low_b):
+        sched.add_request(seq)
+    sched.update_from_output(out := sched.schedule(), {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
+    high = Sequence("high", [1] * 8, max_tokens=20, priority=1, arrival=2.0)
+    sched.add_request(high)
+    out = sched.schedule()
+    ids = {s.seq.seq_id for s in out.scheduled}
+    assert "high" in ids and "low-b" not in ids  # the later of the two least important gave up its seat
+    assert low_b.status == RequestStatus.PREEMPTED and low_b.num_preemptions == 1
+    same = Sequence("same", [1] * 8, max_tokens=20, priority=2, arrival=3.0)
+    sched.add_request(same)
+    sched.update_from_output(out, {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
+    assert "same" not in {s.seq.seq_id for s in sched.schedule().scheduled}  # equal priority waits its turn
