@@ -245,15 +245,10 @@ class Scheduler:
             if len(self._running) >= self.config.max_num_seqs:
                 # Seats full: only a strictly more important request takes the least important one's seat, so a
                 # pro request never waits for a free one to finish.
-                victim = self._running[-1]
-                if victim.priority <= seq.priority:
+                refund = self._yield_to(seq, scheduled, preempted)
+                if refund is None:
                     break
-                self._running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                refund = scheduled.pop(victim.seq_id, None)
-                if refund is not None:
-                    budget += refund.num_new_tokens
+                budget += refund
                 continue
             while True:
                 computed_blocks, num_hit = self.kv_cache.get_computed_blocks(seq)
@@ -261,16 +256,10 @@ class Scheduler:
                 block_table = self.kv_cache.allocate_slots(seq, num_new, computed_blocks)
                 if block_table is not None:
                     break
-                # Only a strictly more important request may push out the least important running one.
-                victim = self._running[-1] if self._running else None
-                if victim is None or victim.priority <= seq.priority:
+                refund = self._yield_to(seq, scheduled, preempted)  # blocks short: same rule
+                if refund is None:
                     break
-                self._running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                refund = scheduled.pop(victim.seq_id, None)
-                if refund is not None:
-                    budget += refund.num_new_tokens
+                budget += refund
             if block_table is None:
                 break  # strict order: a smaller request behind it must not overtake it
             self._waiting.pop()
@@ -281,6 +270,18 @@ class Scheduler:
             insort(self._running, seq, key=_sort_key)
             scheduled[seq.seq_id] = self._scheduled(seq, num_new, block_table)
             budget -= num_new
+
+    def _yield_to(self, seq: Sequence, scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> int | None:
+        """Preempt the least important running sequence for ``seq`` if it is strictly less important; returns
+        the tokens its cancelled schedule gives back to the budget, or None when nobody yields."""
+        victim = self._running[-1] if self._running else None
+        if victim is None or victim.priority <= seq.priority:
+            return None
+        self._running.pop()
+        self._preempt(victim)
+        preempted.append(victim)
+        cancelled = scheduled.pop(victim.seq_id, None)
+        return 0 if cancelled is None else cancelled.num_new_tokens
 
     def _scheduled(self, seq: Sequence, num_new: int, block_table: list[int]) -> ScheduledSeq:
         start = seq.num_computed_tokens
