@@ -1,9 +1,14 @@
 """Benchmark the continuous-batching engine (workers/engine.py) against HF transformers ``generate``.
 
-    .venv/bin/python bench/engine.py --quick                      # smoke run, ~1-2 minutes
-    .venv/bin/python bench/engine.py                              # full run, bf16
+    .venv/bin/python bench/engine.py --quick                      # smoke run, a few minutes
+    .venv/bin/python bench/engine.py                              # full run, bf16 (20-40 min on 2 cores)
     .venv/bin/python bench/engine.py --dtype bfloat16 float32     # both dtypes, one table each
     .venv/bin/python bench/engine.py --scenarios engine_t0 single # a subset
+    .venv/bin/python bench/engine.py --threads 1                  # when other processes load the machine
+
+On a CPU without avx512_bf16/AMX torch emulates bf16: decode at batch 1 gets a little faster (half the bytes), but
+prefill and batched decode get several times slower; use ``--dtype float32`` there. With other processes busy on
+the cores, ``--threads 2`` on 2 cores collapses (OpenMP threads wait for a descheduled sibling): use 1.
 
 Workload (fixed seed): SmolLM2-135M, 64 requests, prompts of uniform 16-512 random-text tokens, outputs of uniform
 16-256 tokens, greedy, ``ignore_eos``. Scenarios: ``engine_t0`` (all at t=0, max_num_seqs=32), ``engine_poisson``
@@ -27,7 +32,6 @@ import os
 import random
 import resource
 import shlex
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -69,24 +73,21 @@ def random_text(tok, rng, n):
     return tok.decode(tok.encode(tok.decode(ids))[:n])
 
 
+def request(tok, text, max_tokens):
+    return dict(prompt=text, ids=tok.encode(text), max_tokens=max_tokens)  # ids: what the engine's tokenizer sees
+
+
 def workload(tok, args):
     rng = random.Random(args.seed)
-    reqs = []
-    for _ in range(args.num_requests):
-        p, o = rng.randint(*args.prompt_len), rng.randint(*args.output_len)
-        text = random_text(tok, rng, p)
-        reqs.append(dict(prompt=text, ids=tok.encode(text), max_tokens=o))
-    return reqs
+    lens = [(rng.randint(*args.prompt_len), rng.randint(*args.output_len)) for _ in range(args.num_requests)]
+    return [request(tok, random_text(tok, rng, p), o) for p, o in lens]
 
 
 def prefix_workload(tok, args):
+    """Requests sharing a system prompt of ``--prefix-len`` tokens, each with its own ~20-token suffix."""
     rng = random.Random(args.seed + 1)
     system = random_text(tok, rng, args.prefix_len)
-    reqs = []
-    for _ in range(args.prefix_requests):
-        text = system + random_text(tok, rng, 20)
-        reqs.append(dict(prompt=text, ids=tok.encode(text), max_tokens=args.prefix_output))
-    return reqs
+    return [request(tok, system + random_text(tok, rng, 20), args.prefix_output) for _ in range(args.prefix_requests)]
 
 
 # -- engine ---------------------------------------------------------------------------------------------
@@ -131,9 +132,9 @@ def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True, warm
     cached = sum(r["cached"] for r in recs)
     split = {k: v / step_time for k, v in timers.items()}
     split["other"] = 1 - sum(split.values())
-    return summarize(name, recs, wall, cpu0, peak_blocks, prompt_tokens=prompt_tokens, prefill_computed=prompt_tokens - cached,
-                     kv_hit=kv.num_prefix_hit_tokens - hit0, kv_query=kv.num_prefix_query_tokens - query0,
-                     steps=num_steps, split=split)
+    return summarize(name, recs, wall, cpu0, peak_blocks, prompt_tokens=prompt_tokens,
+                     prefill_computed=prompt_tokens - cached, kv_hit=kv.num_prefix_hit_tokens - hit0,
+                     kv_query=kv.num_prefix_query_tokens - query0, steps=num_steps, split=split)
 
 
 def _drive(engine, reqs, arrivals, tag):
@@ -241,22 +242,22 @@ def run_scenario(name, args, dtype, rate):
     if name == "single":
         rng = random.Random(args.seed + 3)
         text = random_text(tok, rng, 32)
-        one = [dict(prompt=text, ids=tok.encode(text), max_tokens=args.single_output)]
+        one = [request(tok, text, args.single_output)]
         hf_warmup(model, tok)
         out = []
         for label, fn in (("single_engine", lambda: run_engine("single_engine", model, tok, one, [0.0], args)),
                           ("single_hf", lambda: run_hf("single_hf", model, tok, one, 1))):
             runs = [fn() for _ in range(args.repeats)]
-            best = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]  # the median run
-            best["scenario"] = f"{label} (median of {len(runs)})"
-            best["decode_tok_s"] = 1 / best["tpot_p50"]
-            out.append(best)
+            median = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+            median["scenario"] = f"{label} (median of {len(runs)})"
+            median["decode_tok_s"] = 1 / median["tpot_p50"]
+            out.append(median)
         return out
     if name == "prefix":
         preqs = prefix_workload(tok, args)
         t0 = [0.0] * len(preqs)
-        # _warm: one earlier request with the same system prompt has run (a server's steady state); the others
-        # start cold, so requests admitted in the same step as the first one cannot hit its blocks yet.
+        # All at t=0, the ones admitted in the first request's step cannot hit its blocks yet; "_warm": one earlier
+        # request with the same system prompt ran first (a server's steady state).
         return [run_engine("prefix_cache_on", model, tok, preqs, t0, args, True),
                 run_engine("prefix_cache_on_warm", model, tok, preqs[1:], t0[1:], args, True, warm=preqs[:1]),
                 run_engine("prefix_cache_off", model, tok, preqs, t0, args, False)]
@@ -283,7 +284,7 @@ def row(r):
             "-" if r["peak_blocks"] is None else str(r["peak_blocks"]), f(r["cpu"], 100, 0), f(r["load1"]))
 
 
-def report(results, dtype, args):
+def report(results):
     by = {r["scenario"].split("@")[0].split(" ")[0]: r for r in results}
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row(r)) + " |" for r in results]
@@ -299,7 +300,8 @@ def report(results, dtype, args):
         ok = e["tok_s"] >= 3 * h["tok_s"] and e["ttft_p99"] < h["ttft_p99"]
         checks.append(f"- continuous vs static batching: {e['tok_s'] / h['tok_s']:.2f}x output tok/s (target >= 3x; "
                       f"{e['tok_s'] / e['cpu'] / (h['tok_s'] / h['cpu']):.2f}x per CPU-second), "
-                      f"TTFT p99 {e['ttft_p99'] * 1e3:.0f} vs {h['ttft_p99'] * 1e3:.0f} ms -> {'MET' if ok else 'NOT MET'}")
+                      f"TTFT p99 {e['ttft_p99'] * 1e3:.0f} vs {h['ttft_p99'] * 1e3:.0f} ms -> "
+                      f"{'MET' if ok else 'NOT MET'}")
     if "single_engine" in by and "single_hf" in by:
         e, h = by["single_engine"], by["single_hf"]
         ratio = e["decode_tok_s"] / h["decode_tok_s"]
@@ -309,15 +311,17 @@ def report(results, dtype, args):
     if "prefix_cache_on" in by and "prefix_cache_off" in by:
         on, off = by["prefix_cache_on"], by["prefix_cache_off"]
         red = 1 - on["prefill_computed"] / off["prefill_computed"]
-        checks.append(f"- prefix caching: prefill tokens computed {on['prefill_computed']} vs {off['prefill_computed']} "
-                      f"of {off['prompt_tokens']} ({red:.1%} fewer; kv counters hit {on['kv_hit']}/{on['kv_query']}), "
+        checks.append(f"- prefix caching: prefill tokens computed {on['prefill_computed']} vs "
+                      f"{off['prefill_computed']} of {off['prompt_tokens']} ({red:.1%} fewer; kv counters hit "
+                      f"{on['kv_hit']}/{on['kv_query']}), "
                       f"TTFT p50 {on['ttft_p50'] * 1e3:.0f} vs {off['ttft_p50'] * 1e3:.0f} ms -> "
                       f"{'MET' if red >= 0.9 else 'NOT MET'} (target >= 90% fewer)")
         if "prefix_cache_on_warm" in by:
             w = by["prefix_cache_on_warm"]
+            red = 1 - w["prefill_computed"] / w["prompt_tokens"]
             checks.append(f"  - after one earlier request with the same system prompt: {w['prefill_computed']} of "
-                          f"{w['prompt_tokens']} prompt tokens computed ({1 - w['prefill_computed'] / w['prompt_tokens']:.1%}"
-                          f" fewer), TTFT p50 {w['ttft_p50'] * 1e3:.0f} ms")
+                          f"{w['prompt_tokens']} prompt tokens computed ({red:.1%} fewer), TTFT p50 "
+                          f"{w['ttft_p50'] * 1e3:.0f} ms")
     if checks:
         lines += ["\nTargets:"] + checks
     return "\n".join(lines)
@@ -328,7 +332,7 @@ def main():
     p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--quick", action="store_true", help="8 requests, short prompts/outputs: a smoke run")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy 2-core machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 512])
@@ -367,7 +371,7 @@ def main():
             if name == "engine_t0" and not args.rate:
                 rate = round(0.6 * out[0]["reqs"] / out[0]["wall"], 2)
             results += out
-        table = report(results, dtype, args)
+        table = report(results)
         print(f"\n== {dtype} ==\n{table}\n", flush=True)
         sections.append(f"### dtype {dtype}\n\n{table}\n")
     path = Path(args.results)

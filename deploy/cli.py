@@ -247,8 +247,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(load_config(args))
 
 
+class _Leaves:
+    """Subcommands of a group (``tiers show``): each takes the common flags itself, so they may follow it."""
+
+    def __init__(self, subparsers) -> None:
+        self._subparsers = subparsers
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        leaf = self._subparsers.add_parser(name, **kwargs)
+        _add_common(leaf)
+        return leaf
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description="Self-hosted LLM serving.")
+    parser.set_defaults(log_level=os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("up", help="start everything: NATS, Postgres, migrations, a worker and the gateway")
@@ -268,8 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("tiers", help="show tier queues, or change a tier's limits live")
-    _add_common(p)
-    tsub = p.add_subparsers(dest="tiers_cmd")
+    tsub = _Leaves(p.add_subparsers(dest="tiers_cmd"))
     tsub.add_parser("show", help="per model and tier: queued, oldest wait, running, limits, 429s")
     tset = tsub.add_parser("set", help="change a tier's policy live (recorded in Postgres)")
     tset.add_argument("tier")
@@ -279,8 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tiers)
 
     p = sub.add_parser("tenants", help="create, update or list tenants")
-    _add_common(p)
-    tsub = p.add_subparsers(dest="tenants_cmd")
+    tsub = _Leaves(p.add_subparsers(dest="tenants_cmd"))
     for name in ("create", "update"):
         tp = tsub.add_parser(name)
         tp.add_argument("name")
@@ -292,8 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tenants, tenants_cmd="list")
 
     p = sub.add_parser("keys", help="create, list or revoke API keys")
-    _add_common(p)
-    ksub = p.add_subparsers(dest="keys_cmd")
+    ksub = _Leaves(p.add_subparsers(dest="keys_cmd"))
     kc = ksub.add_parser("create", help="print a new key once")
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--tier", help="create the tenant on this tier if it does not exist")
@@ -313,12 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_usage)
 
     p = sub.add_parser("models", help="list or pull models into the cache")
-    _add_common(p)
-    msub = p.add_subparsers(dest="models_cmd")
+    msub = _Leaves(p.add_subparsers(dest="models_cmd"))
     pull = msub.add_parser("pull", help="download and convert a model once")
     pull.add_argument("name")
     msub.add_parser("list", help="known models and whether they are pulled")
     p.set_defaults(func=cmd_models)
+
+    from deploy.batch_cli import add_batch_parser
+
+    add_batch_parser(sub)
     return parser
 
 

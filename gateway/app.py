@@ -19,6 +19,9 @@ from gateway.registry import ModelRegistry
 from gateway.relay import Relay
 from gateway.serving import CompletionService
 from gateway.admin import admin_router
+from gateway.batch_runner import BatchRunner
+from gateway.batches import batches_router
+from gateway.files import files_router
 from gateway.conversations import conversations_router
 from gateway.auth import AuthContext, Authenticator
 from gateway.limits import Limiter, estimate_tokens
@@ -72,11 +75,14 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         stop = asyncio.Event()
         writer = asyncio.create_task(run_usage_writer(js, pool, stop), name="usage-writer")
         reconciler = asyncio.create_task(_housekeeping(js, app.state.limiter, stop), name="housekeeping")
+        # Every gateway starts one; only the holder of its Postgres advisory lock runs batches.
+        batch_runner = asyncio.create_task(BatchRunner(nc, js, pool, registry, config.database_url).run(stop),
+                                           name="batch-runner")
         try:
             yield
         finally:
             stop.set()
-            for task in (writer, reconciler):
+            for task in (writer, reconciler, batch_runner):
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(task, timeout=5)
             await pool.close()
@@ -127,6 +133,8 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     app.include_router(admin_router(config.gateway.admin_key))
     app.include_router(conversations_router(caller, admit))
+    app.include_router(files_router(caller))
+    app.include_router(batches_router(caller))
 
     @app.get("/v1/models")
     async def list_models(request: Request, _: AuthContext = Depends(caller)):

@@ -24,6 +24,7 @@ QUEUE_FULL_CODES = {ERR_MAX_MSGS, ERR_MAX_MSGS_PER_SUBJECT}
 REQUEST_MAX_AGE_S = 3600.0
 USAGE_MAX_AGE_S = 30 * 24 * 3600.0
 EVENTS_MAX_AGE_S = 300.0
+BATCH_RESULTS_MAX_AGE_S = 7 * 24 * 3600.0
 
 
 def tier_stream_config(tier: str, max_queued: int) -> StreamConfig:
@@ -64,6 +65,18 @@ def usage_stream_config() -> StreamConfig:
     )
 
 
+def batch_results_stream_config() -> StreamConfig:
+    """Batch lines' outcomes, kept until the batch runner has written them to Postgres (and a while after)."""
+    return StreamConfig(
+        name=subjects.BATCH_RESULTS_STREAM,
+        subjects=[f"{subjects.RESULT_PREFIX}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=BATCH_RESULTS_MAX_AGE_S,
+        duplicate_window=600.0,
+    )
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.stream_info(config.name)
@@ -88,6 +101,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
         await _ensure_stream(js, tier_stream_config(tier, policies[tier].max_queued))
     await _ensure_stream(js, usage_stream_config())
     await _ensure_stream(js, events_stream_config())
+    await _ensure_stream(js, batch_results_stream_config())
 
 
 async def ensure_request_consumer(js: JetStreamContext, model: str, tier: str, ack_wait_s: float = 30.0) -> str:
@@ -113,3 +127,16 @@ async def ensure_usage_consumer(js: JetStreamContext) -> str:
     )
     await js.add_consumer(subjects.USAGE_STREAM, config)
     return subjects.USAGE_CONSUMER
+
+
+async def ensure_batch_results_consumer(js: JetStreamContext) -> str:
+    """The batch runner's durable pull consumer: whichever gateway leads binds to it and resumes where the last
+    leader stopped acking."""
+    config = ConsumerConfig(
+        durable_name=subjects.BATCH_RESULTS_CONSUMER,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=30.0,
+        max_deliver=-1,
+    )
+    await js.add_consumer(subjects.BATCH_RESULTS_STREAM, config)
+    return subjects.BATCH_RESULTS_CONSUMER

@@ -52,6 +52,9 @@ class GenerateRequest(msgspec.Struct):
     api_key_id: str | None = None
     # A server-side conversation: drop the oldest turns (never system messages) to fit the context.
     truncate_history: bool = False
+    # A batch line: besides the token deltas, the worker publishes its outcome as one durable ``BatchResult``
+    # to this JetStream subject (``llm.result.<batch_id>``), so results survive a restart of the batch runner.
+    result_subject: str | None = None
 
 
 class Usage(msgspec.Struct):
@@ -108,6 +111,28 @@ class UsageRecord(msgspec.Struct):
     tenant_id: str | None = None
     api_key_id: str | None = None
     worker_id: str | None = None
+
+
+class BatchChoice(msgspec.Struct):
+    index: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class BatchResult(msgspec.Struct):
+    """Published by the worker on a request's ``result_subject`` (JetStream ``BATCH_RESULTS``).
+
+    ``started`` marks "worker ``worker_id`` took it" (sent once, when the request is admitted), so the batch
+    runner can tell a dead worker's request from a slow one. The final message (``started`` false) has every
+    choice with its text and finish reason and the usage, or ``error`` when the request failed or was refused.
+    """
+
+    request_id: str
+    worker_id: str | None = None
+    started: bool = False
+    choices: list[BatchChoice] = msgspec.field(default_factory=list)
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
 
 
 class WorkerInfo(msgspec.Struct):

@@ -7,6 +7,7 @@
 | llm.cancel.<request_id>    | core NATS                    | empty body: stop this request             |
 | llm.usage                  | JetStream USAGE, limits      | UsageRecord (one per finished request)    |
 | llm.events.rejected.<m>.<t>| JetStream EVENTS, 5 min      | empty: one 429 queue_full, for ops counts |
+| llm.result.<batch_id>      | JetStream BATCH_RESULTS, 7 d | BatchResult (a batch line's outcome)      |
 | KV bucket `workers`        | JetStream KV, TTL            | WorkerInfo, key <model>.<worker_id>       |
 | KV bucket `tiers`          | JetStream KV, file           | TierPolicy, key <tier>                    |
 """
@@ -24,6 +25,9 @@ USAGE_STREAM = "USAGE"
 USAGE_SUBJECT = "llm.usage"
 USAGE_CONSUMER = "usage-writer"
 WORKERS_BUCKET = "workers"
+RESULT_PREFIX = "llm.result"
+BATCH_RESULTS_STREAM = "BATCH_RESULTS"
+BATCH_RESULTS_CONSUMER = "batch-runner"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -65,3 +69,8 @@ def cancel_subject(request_id: str) -> str:
 
 def worker_key(model: str, worker_id: str) -> str:
     return f"{model_token(model)}.{worker_id}"
+
+
+def result_subject(batch_id: str) -> str:
+    """Where workers publish the outcomes of one batch's lines."""
+    return f"{RESULT_PREFIX}.{batch_id}"

@@ -6,6 +6,9 @@
     step loop ── to_thread(admit + engine.step()) ── publish llm.tok.<id>, llm.usage ◀─┘
     heartbeat task ── KV workers/<model>.<worker_id>
 
+A batch line (``result_subject`` set) also gets a durable ``BatchResult`` on that subject: a "started" marker when
+admitted, and its whole outcome (texts, usage or error) when it ends, for the gateway's batch runner.
+
 Model work runs off the event loop, so heartbeats, cancels and intake go on while a step runs. The engine is
 touched only from inside that one thread call, so it needs no locks.
 """
@@ -26,16 +29,29 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from gateway.registry import workers_bucket
 from shared import subjects
 from shared.jetstream import ensure_request_consumer, ensure_streams
-from shared.messages import ErrorInfo, GenerateRequest, TokenDelta, UsageRecord, WorkerInfo, decode, encode
+from shared.messages import (
+    BatchChoice,
+    BatchResult,
+    ErrorInfo,
+    GenerateRequest,
+    TokenDelta,
+    Usage,
+    UsageRecord,
+    WorkerInfo,
+    decode,
+    encode,
+)
 from scheduler.tier_share import TierShare
 from shared.tier_store import PolicyCache
-from shared.tiers import BATCH_TIER, DEFAULT_POLICIES, tiers_by_priority
+from shared.tiers import BATCH_TIER, DEFAULT_POLICIES, get_tier, tiers_by_priority
 from workers.prompts import RequestRejected
 
 log = logging.getLogger("switchyard.worker")
 
 _FETCH_TIMEOUT_S = 0.05  # per fetch; only tiers that may have work are asked
 _IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
+_REFILL_WAIT_S = 0.02  # how long a step waits for the intake to refill freed seats
+_EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
 
 
 @dataclass(slots=True)
@@ -49,6 +65,12 @@ class _Tracked:
     dropped_messages: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
+
+    def collect(self, delta: TokenDelta) -> None:
+        choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))
+        choice.text += delta.text
+        choice.finish_reason = delta.finish_reason or choice.finish_reason
 
 
 @dataclass(slots=True)
@@ -71,16 +93,33 @@ class Worker:
         self._active: dict[str, _Tracked] = {}
         self._pending_adds: list[tuple[_Tracked, object]] = []
         self._pending_aborts: set[str] = set()
+        # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
+        # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
+        self._early_cancels: dict[str, float] = {}
         self._work = asyncio.Event()
         self._wake = asyncio.Event()
         self._capacity = asyncio.Event()
         # Tiers that may have queued work: set by the doorbell, cleared by an empty fetch, all set by a sweep.
         # An empty fetch costs its whole timeout, so tiers known to be empty are not asked.
         self._maybe_pending: set[str] = {t.name for t in tiers_by_priority()}
+        self._num_admitting = 0  # handed to the step running now, not yet in the engine
+        self._jump_headroom = max(1, engine.max_num_seqs // 8)
+        self._intake_idle = asyncio.Event()  # the intake has nothing more to take right now
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _num_admittable(self) -> int:
-        return self.engine.num_free_slots - len(self._pending_adds)
+        # Requests handed to the running step are in neither list nor the engine yet: count them too.
+        return self.engine.num_free_slots - len(self._pending_adds) - self._num_admitting
+
+    def _tiers_that_may_jump_in(self) -> set[str]:
+        """With every seat taken, tiers strictly more important than the least important running request may
+        still send a few requests: the engine gives them that request's seat (preempting it), so a pro request
+        never waits in JetStream for a free one to finish. Bounded by ``_jump_headroom`` waiting at once."""
+        waiting = len(self._pending_adds) + self._num_admitting + self.engine.num_waiting
+        if waiting >= self._jump_headroom or not self._active:
+            return set()
+        least = max(get_tier(t.request.tier).priority for t in self._active.values())
+        return {t.name for t in tiers_by_priority() if t.priority < least}
 
     # -- main ---------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
@@ -127,6 +166,11 @@ class Worker:
         if request_id in self._active or any(t.request.request_id == request_id for t, _ in self._pending_adds):
             self._pending_aborts.add(request_id)
             self._work.set()
+            return
+        now = time.monotonic()
+        self._early_cancels[request_id] = now  # the newest entry: the loop below stops at it at the latest
+        while next(iter(self._early_cancels.values())) < now - _EARLY_CANCEL_S:
+            del self._early_cancels[next(iter(self._early_cancels))]
 
     async def _beat(self, kv) -> None:
         running: dict[str, int] = {}
@@ -155,10 +199,17 @@ class Worker:
         share = TierShare({t: p.weight for t, p in DEFAULT_POLICIES.items()},
                           {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
         while not stop.is_set():
-            if self._num_admittable() <= 0:
+            eligible = set(subs) if self._num_admittable() > 0 else self._tiers_that_may_jump_in()
+            if not eligible & self._maybe_pending:
+                self._intake_idle.set()
                 self._capacity.clear()
-                await self._capacity.wait()
+                self._wake.clear()
+                await _first_of(self._capacity, self._wake, timeout=_IDLE_SWEEP_S)
+                if not self._capacity.is_set() and not self._wake.is_set():
+                    # Redeliveries and work queued before we subscribed ring no doorbell: look everywhere.
+                    self._maybe_pending.update(subs)
                 continue
+            self._intake_idle.clear()
             try:
                 share.set_weights({t: p.weight for t, p in (await self._policies.get()).items()})
             except Exception as exc:  # NATS reconnecting: keep the weights we had
@@ -166,6 +217,8 @@ class Worker:
             self._wake.clear()
             took = False
             for tier in share.order():
+                if tier not in eligible:
+                    continue
                 if tier not in self._maybe_pending:
                     share.note_empty(tier)
                     continue
@@ -186,11 +239,6 @@ class Worker:
                 break  # start over: the share decides again for the next request
             if not took:
                 share.note_idle()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=_IDLE_SWEEP_S)
-                except asyncio.TimeoutError:
-                    # Redeliveries and work queued before we subscribed ring no doorbell: look everywhere.
-                    self._maybe_pending.update(subs)
 
     async def _receive(self, msg) -> int:
         try:
@@ -201,10 +249,14 @@ class Worker:
             return 0
         now = time.time()
         tracked = _Tracked(request, received_at=now)
+        if self._early_cancels.pop(request.request_id, None) is not None:
+            await self._answer_error(request, ErrorInfo("cancelled", code="cancelled", status=499))
+            await msg.ack()
+            return 0
         if now > request.deadline_at:
-            await self._publish(TokenDelta(request.request_id, error=ErrorInfo(
+            await self._answer_error(request, ErrorInfo(
                 f"The request waited in the {request.tier} queue past its deadline and was not run; retry later.",
-                code="queue_timeout", type="rate_limit_error", status=503)))
+                code="queue_timeout", type="rate_limit_error", status=503))
             await msg.ack()
             return 0
         self._pending_adds.append((tracked, msg))
@@ -250,22 +302,35 @@ class Worker:
             aborts, self._pending_aborts = self._pending_aborts, set()
             for tracked, _ in adds:
                 self._active[tracked.request.request_id] = tracked
+            self._num_admitting = len(adds)
             try:
                 result = await asyncio.to_thread(self._step_sync, adds, aborts)
             except Exception:
                 log.exception("engine step failed; failing %d running requests", len(self._active))
                 await self._fail_all()
                 continue
-            await self._publish_result(result)
+            finally:
+                self._num_admitting = 0
+            freed = await self._publish_result(result)
+            if freed and self._maybe_pending:
+                # Let the intake refill the freed seats before the next step starts, not a whole step later;
+                # bounded, so an empty queue costs at most a few milliseconds.
+                self._intake_idle.clear()
+                self._capacity.set()
+                await _first_of(self._intake_idle, timeout=_REFILL_WAIT_S)
 
-    async def _publish_result(self, result: _StepResult) -> None:
+    async def _publish_result(self, result: _StepResult) -> bool:
+        """Publish a step's outcome; True when a seat was freed (something finished or was rejected)."""
         for tracked, msg, error in result.rejected:
             self._active.pop(tracked.request.request_id, None)
-            await self._publish(TokenDelta(tracked.request.request_id, error=error))
+            await self._answer_error(tracked.request, error)
             await msg.ack()
         for tracked, msg in result.admitted:
             await msg.ack()
             await self._publish(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages))
+            if tracked.request.result_subject:
+                await self._publish_batch_result(tracked.request, BatchResult(
+                    tracked.request.request_id, self.worker_id, started=True))
         now = time.time()
         for delta in result.deltas:
             tracked = self._active.get(delta.request_id)
@@ -274,6 +339,8 @@ class Worker:
             if delta.num_tokens and tracked.first_token_at is None:
                 tracked.first_token_at = now
             await self._publish(delta)
+            if tracked.request.result_subject:
+                tracked.collect(delta)
             if delta.finish_reason is not None:
                 tracked.num_finished += 1
                 if delta.usage is not None:
@@ -283,6 +350,8 @@ class Worker:
                     await self._finish(tracked, delta.finish_reason, now)
         if result.rejected or any(d.finish_reason for d in result.deltas):
             self._capacity.set()
+            return True
+        return False
 
     async def _finish(self, tracked: _Tracked, finish_reason: str, now: float) -> None:
         req = tracked.request
@@ -308,16 +377,45 @@ class Worker:
             await self._js.publish(subjects.USAGE_SUBJECT, encode(record), headers={"Nats-Msg-Id": req.request_id})
         except Exception:
             log.exception("could not record usage of %s", req.request_id)
+        if req.result_subject:  # after the usage record: a line is never done but unbilled
+            usage = Usage(tracked.prompt_tokens, tracked.completion_tokens, tracked.cached_tokens)
+            choices = [tracked.choices[i] for i in sorted(tracked.choices)]
+            await self._publish_batch_result(req, BatchResult(req.request_id, self.worker_id, choices=choices,
+                                                              usage=usage))
 
     async def _fail_all(self) -> None:
-        for request_id in list(self._active):
+        for request_id, tracked in list(self._active.items()):
             with contextlib.suppress(Exception):
                 self.engine.abort_request(request_id)
-            await self._publish(TokenDelta(request_id, error=ErrorInfo(
+            await self._answer_error(tracked.request, ErrorInfo(
                 "The worker had an error processing your request.", code="internal_error", type="server_error",
-                status=500)))
+                status=500))
             self._active.pop(request_id, None)
         self._capacity.set()
 
     async def _publish(self, delta: TokenDelta) -> None:
         await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
+
+    async def _answer_error(self, request: GenerateRequest, error: ErrorInfo) -> None:
+        """Answer ``request`` with ``error`` instead of running (or finishing) it."""
+        await self._publish(TokenDelta(request.request_id, error=error))
+        if request.result_subject:
+            await self._publish_batch_result(request, BatchResult(request.request_id, self.worker_id, error=error))
+
+    async def _publish_batch_result(self, request: GenerateRequest, result: BatchResult) -> None:
+        # Durable, and deduplicated by request id: a final result published twice is stored once.
+        headers = None if result.started else {"Nats-Msg-Id": request.request_id}
+        try:
+            await self._js.publish(request.result_subject, encode(result), headers=headers)
+        except Exception:  # the batch runner re-publishes a line whose result never comes
+            log.exception("could not publish the batch result of %s", request.request_id)
+
+
+async def _first_of(*events: asyncio.Event, timeout: float) -> None:
+    """Wait until any of ``events`` is set, or ``timeout`` seconds."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

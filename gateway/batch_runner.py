@@ -1,0 +1,419 @@
+"""Runs batches: every gateway starts one ``BatchRunner``; the one holding a Postgres advisory lock leads.
+
+    leader loop (one gateway; the others retry the lock every LEAD_RETRY_S)
+      consume BATCH_RESULTS ── started marker: line.worker_id ─┐   final result: line completed / failed,
+      (durable pull consumer)   (UPDATE … WHERE status='queued', then ack: a redelivered result changes nothing)
+      tick, every TICK_S, per unfinished batch:
+        validating  ─ parse the input file ─▶ failed (errors with line numbers) | lines inserted, in_progress
+        in_progress ─ publish pending lines on llm.req.<model>.batch (≤ MAX_IN_FLIGHT queued per batch;
+                      a full batch queue just waits) ─ none pending or queued ─▶ finalizing ─▶ completed
+        cancelling  ─ pending lines cancelled; queued messages deleted from the stream by seq, running ones
+                      get llm.cancel.<id> ─ none queued ─▶ cancelled
+        past expires_at ─▶ expired (finished lines kept, the rest cancelled without waiting)
+      every CHECK_EVERY_S: a queued line whose worker vanished from the heartbeats (or that left the queue
+        with no worker ever saying it took it) is published again, with the same request id
+
+Every state change is a guarded UPDATE in Postgres and every publish carries a message id derived from the
+line's request id, so a leader may die anywhere and the next one resumes; a line that runs twice (a re-publish
+racing a slow worker) is billed once, because the usage writer inserts once per request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import asyncpg
+import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+from pydantic import ValidationError
+
+from gateway.batch_format import (
+    CANCELLED,
+    EXPIRED,
+    ResultFiles,
+    error_response,
+    line_outcome,
+    parse_input,
+    request_id_for,
+    wire_request,
+)
+from gateway.errors import model_not_found
+from gateway.files import insert_file
+from gateway.registry import ModelRegistry
+from shared import subjects
+from shared.jetstream import QUEUE_FULL_CODES, ensure_batch_results_consumer
+from shared.messages import BatchResult, ErrorInfo, decode, encode
+from shared.tiers import BATCH_TIER
+
+log = logging.getLogger("switchyard.batch")
+
+LOCK_KEY = 0x5359_4241_5443_4852  # "SYBATCHR": one leader across all gateways
+LEAD_RETRY_S = 3.0
+TICK_S = 1.0
+MAX_IN_FLIGHT = 256  # lines of one batch queued or running at once: the rest wait in Postgres
+CHECK_EVERY_S = 5.0
+WORKER_GONE_S = 4.0  # missing from the heartbeats (already a 10 s TTL) in two checks this far apart
+STALE_S = 120.0  # left the queue, and no worker said it took it: published again
+CANCEL_GRACE_S = 60.0  # a cancelling batch stops waiting for its running lines after this
+RESULTS_FETCH = 256
+ERR_NO_MESSAGE = 10057  # JetStream: no message at that sequence (taken by a worker, or deleted already)
+_BATCH_STREAM = subjects.request_stream(BATCH_TIER)
+_CANCELLED = json.dumps(CANCELLED)
+_EXPIRED = json.dumps(EXPIRED)
+
+
+def _json(value: dict | None) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+class BatchRunner:
+    def __init__(self, nc, js: JetStreamContext, pool: asyncpg.Pool, registry: ModelRegistry,
+                 database_url: str) -> None:
+        self._nc = nc
+        self._js = js
+        self._pool = pool
+        self._registry = registry
+        self._database_url = database_url
+        self._missing_since: dict[str, float] = {}  # worker id → when first seen missing
+
+    # -- leadership -----------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: lead while this gateway holds the lock; otherwise try again every LEAD_RETRY_S.
+
+        The lock lives on a dedicated connection: if that connection drops, Postgres releases the lock and another
+        gateway takes over, and this one steps down as soon as its next liveness query fails.
+        """
+        conn: asyncpg.Connection | None = None
+        try:
+            while not stop.is_set():
+                try:
+                    if conn is None or conn.is_closed():
+                        conn = await asyncpg.connect(self._database_url)
+                    if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
+                        log.info("this gateway now runs batches")
+                        await self._lead(conn, stop)
+                        with contextlib.suppress(Exception):
+                            await conn.execute("SELECT pg_advisory_unlock($1)", LOCK_KEY)
+                except Exception as exc:  # Postgres or NATS away: step down, try again
+                    log.warning("batch runner stepped down: %s", exc)
+                    if conn is not None:
+                        with contextlib.suppress(Exception):
+                            await conn.close()
+                    conn = None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=LEAD_RETRY_S)
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+    async def _lead(self, lock_conn: asyncpg.Connection, stop: asyncio.Event) -> None:
+        await ensure_batch_results_consumer(self._js)
+        sub = await self._js.pull_subscribe_bind(subjects.BATCH_RESULTS_CONSUMER,
+                                                 stream=subjects.BATCH_RESULTS_STREAM)
+        next_tick = next_check = time.monotonic()
+        try:
+            while not stop.is_set():
+                await self._consume(sub)
+                now = time.monotonic()
+                if now >= next_tick:
+                    await lock_conn.fetchval("SELECT 1")  # raises once the lock's connection is gone
+                    await self._tick()
+                    next_tick = now + TICK_S
+                if now >= next_check:
+                    try:
+                        await self._check_lost()
+                    except (OSError, asyncpg.PostgresError, APIError, NatsTimeoutError, asyncio.TimeoutError) as exc:
+                        log.warning("looking for lost batch lines failed: %s", exc)
+                    next_check = now + CHECK_EVERY_S
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # -- results --------------------------------------------------------------------------------------------
+    async def _consume(self, sub) -> None:
+        try:
+            msgs = await sub.fetch(batch=RESULTS_FETCH, timeout=0.5)
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            return
+        results: list[BatchResult] = []
+        good = []
+        for msg in msgs:
+            try:
+                results.append(decode(msg.data, BatchResult))
+                good.append(msg)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.error("dropping a malformed batch result at seq %s", msg.metadata.sequence.stream)
+                await msg.term()
+        try:
+            await self._record(results)
+        except (OSError, asyncpg.PostgresError) as exc:
+            log.warning("could not record %d batch results (%s); they will be redelivered", len(good), exc)
+            for msg in good:
+                await msg.nak(delay=2.0)
+            return
+        for msg in good:
+            await msg.ack()
+
+    async def _record(self, results: list[BatchResult]) -> None:
+        started = [(r.request_id, r.worker_id) for r in results if r.started]
+        finals = {r.request_id: r for r in results if not r.started}
+        async with self._pool.acquire() as conn, conn.transaction():
+            if started:
+                await conn.executemany("UPDATE batch_lines SET worker_id = $2 WHERE request_id = $1 "
+                                       "AND status = 'queued'", started)
+            if not finals:
+                return
+            # A line of a cancelling batch may have been marked cancelled while a worker ran it to the end anyway:
+            # that result is kept (it ran and is billed) until the batch is finalized.
+            rows = await conn.fetch(
+                "SELECT l.request_id, l.status, l.body->>'model' AS model, extract(epoch FROM l.queued_at) AS "
+                "queued_at, b.endpoint, b.status AS batch_status FROM batch_lines l JOIN batches b "
+                "ON b.id = l.batch_id WHERE l.request_id = ANY($1) AND (l.status = 'queued' OR "
+                "(l.status = 'cancelled' AND b.status = 'cancelling'))", list(finals))
+            updates = []
+            for row in rows:
+                status, response, error = line_outcome(row["endpoint"], row["request_id"], row["model"],
+                                                       float(row["queued_at"] or 0), row["batch_status"],
+                                                       finals[row["request_id"]])
+                if row["status"] == "queued" or status == "completed":
+                    updates.append((row["request_id"], status, _json(response), _json(error), row["status"]))
+            await conn.executemany(
+                "UPDATE batch_lines SET status = $2, response = $3::jsonb, error = $4::jsonb, worker_id = NULL "
+                "WHERE request_id = $1 AND status = $5", updates)
+
+    # -- the tick -------------------------------------------------------------------------------------------
+    async def _tick(self) -> None:
+        rows = await self._pool.fetch("SELECT * FROM batches WHERE status IN ('validating', 'in_progress', "
+                                      "'finalizing', 'cancelling') ORDER BY created_at")
+        now = time.time()
+        for batch in rows:
+            status = batch["status"]
+            try:
+                if status in ("validating", "in_progress") and now > batch["expires_at"].timestamp():
+                    await self._expire(batch)
+                elif status == "validating":
+                    await self._validate(batch)
+                elif status == "in_progress":
+                    await self._advance(batch)
+                elif status == "cancelling":
+                    await self._cancel(batch)
+                else:
+                    await self._finalize(batch, "completed", "finalizing")
+            except (OSError, asyncpg.PostgresError, APIError, NatsTimeoutError, asyncio.TimeoutError) as exc:
+                log.warning("batch %s (%s): %s; retrying next tick", batch["id"], status, exc)
+            except Exception:  # a bug must not stop the other batches (nor this gateway's leadership)
+                log.exception("batch %s (%s) failed a step; retrying next tick", batch["id"], status)
+
+    async def _validate(self, batch) -> None:
+        content = await self._pool.fetchval("SELECT content FROM files WHERE id = $1 AND tenant_id = $2 "
+                                            "AND deleted_at IS NULL", batch["input_file_id"], batch["tenant_id"])
+        if content is None:
+            lines, errors = [], [{"code": "invalid_file", "message": "The input file does not exist any more.",
+                                  "param": "input_file_id", "line": None}]
+        else:  # parsing 50k lines takes a while: off the event loop
+            lines, errors = await asyncio.to_thread(parse_input, bytes(content), batch["endpoint"])
+        if not errors:
+            served = await self._registry.models(fresh=True)
+            first_line: dict[str, int] = {}
+            for line in lines:
+                first_line.setdefault(line.model, line.line_no)
+            errors = [{"code": "model_not_found", "message": model_not_found(m).message, "param": "body.model",
+                       "line": n} for m, n in first_line.items() if m not in served]
+        if errors:
+            await self._pool.execute(
+                "UPDATE batches SET status = 'failed', failed_at = now(), errors = $2::jsonb WHERE id = $1 "
+                "AND status = 'validating'", batch["id"], json.dumps({"object": "list", "data": errors}))
+            log.info("batch %s failed validation (%d errors)", batch["id"], len(errors))
+            return
+        models = {line.model for line in lines}
+        async with self._pool.acquire() as conn, conn.transaction():
+            status = await conn.execute(
+                "UPDATE batches SET status = 'in_progress', in_progress_at = now(), model = $2 WHERE id = $1 "
+                "AND status = 'validating'", batch["id"], models.pop() if len(models) == 1 else None)
+            if status.endswith(" 0"):
+                return  # cancelled while we parsed
+            await conn.copy_records_to_table(
+                "batch_lines", columns=["batch_id", "line_no", "custom_id", "body", "request_id"],
+                records=[(batch["id"], line.line_no, line.custom_id, json.dumps(line.body),
+                          request_id_for(batch["id"], line.custom_id)) for line in lines])
+        log.info("batch %s in progress: %d lines", batch["id"], len(lines))
+
+    async def _advance(self, batch) -> None:
+        counts = {r["status"]: r["n"] for r in await self._pool.fetch(
+            "SELECT status, count(*) AS n FROM batch_lines WHERE batch_id = $1 AND status IN ('pending', 'queued') "
+            "GROUP BY status", batch["id"])}
+        pending, queued = counts.get("pending", 0), counts.get("queued", 0)
+        if not pending and not queued:
+            await self._finalize(batch, "completed", "in_progress")
+        elif pending and queued < MAX_IN_FLIGHT:
+            lines = await self._pool.fetch(
+                "SELECT custom_id, body, request_id, attempts FROM batch_lines WHERE batch_id = $1 "
+                "AND status = 'pending' ORDER BY line_no LIMIT $2", batch["id"], MAX_IN_FLIGHT - queued)
+            await self._publish_lines(batch, lines, "pending")
+
+    async def _publish_lines(self, batch, lines, from_status: str) -> None:
+        """Publish ``lines`` (stopping at a full queue) and record where each one sits in the stream."""
+        published, failed = [], []
+        try:
+            for line in lines:
+                try:
+                    seq = await self._publish(batch, line)
+                except ValidationError as exc:  # validated before; only a changed schema gets here
+                    error = ErrorInfo(f"Invalid request body: {exc.errors()[0].get('msg')}.", code="invalid_request")
+                    failed.append((line["request_id"], json.dumps(error_response(line["request_id"], error))))
+                    continue
+                if seq is None:
+                    break  # the batch queue is at its cap: the rest waits for the next tick
+                published.append((line["request_id"], seq, from_status))
+        finally:
+            if published or failed:
+                async with self._pool.acquire() as conn, conn.transaction():
+                    await conn.executemany(
+                        "UPDATE batch_lines SET status = 'queued', stream_seq = $2, queued_at = now(), "
+                        "worker_id = NULL, attempts = attempts + 1 WHERE request_id = $1 AND status = $3", published)
+                    await conn.executemany("UPDATE batch_lines SET status = 'failed', response = $2::jsonb "
+                                           "WHERE request_id = $1", failed)
+
+    async def _publish(self, batch, line) -> int | None:
+        """Publish one line; returns its stream sequence, or None when the batch queue is full."""
+        request = wire_request(
+            batch["endpoint"], json.loads(line["body"]), line["request_id"], tenant_id=batch["tenant_id"],
+            api_key_id=batch["api_key_id"], created_at=time.time(), deadline_at=batch["expires_at"].timestamp(),
+            result_subject=subjects.result_subject(batch["id"]), tier=BATCH_TIER)
+        # The first publish is deduplicated by the request id itself (a leader that died before recording it
+        # publishes it again); a deliberate re-publish needs a new message id, or JetStream would drop it.
+        attempts = line["attempts"]
+        msg_id = request.request_id if attempts == 0 else f"{request.request_id}.{attempts}"
+        try:
+            ack = await self._js.publish(subjects.request_subject(request.model, BATCH_TIER), encode(request),
+                                         headers={"Nats-Msg-Id": msg_id})
+        except APIError as exc:
+            if exc.err_code in QUEUE_FULL_CODES:
+                return None
+            raise
+        return ack.seq
+
+    # -- stopping -------------------------------------------------------------------------------------------
+    async def _stop_queued(self, batch_id: str, error: str, wait: bool) -> int:
+        """Take a batch's queued lines back: delete the messages still in the queue, cancel the running ones.
+
+        Returns how many still run (their results come back as cancelled); with ``wait`` false they are marked
+        stopped now and a late result is ignored.
+        """
+        lines = await self._pool.fetch("SELECT request_id, stream_seq FROM batch_lines WHERE batch_id = $1 "
+                                       "AND status = 'queued' ORDER BY stream_seq", batch_id)
+        # Cancels first: a running line stops, and a worker that fetched a message just before its delete
+        # remembers the cancel and refuses the request when it arrives. Then the deletes, front of the queue
+        # first and concurrently, since workers keep pulling meanwhile.
+        for line in lines:
+            await self._nc.publish(subjects.cancel_subject(line["request_id"]), b"")
+        await self._nc.flush()
+        deleted = []
+        for i in range(0, len(lines), 64):
+            deleted += await asyncio.gather(*(self._unqueue(line["stream_seq"]) for line in lines[i:i + 64]))
+        unqueued = [(line["request_id"], error) for line, gone in zip(lines, deleted) if gone or not wait]
+        await self._pool.executemany("UPDATE batch_lines SET status = 'cancelled', error = $2::jsonb "
+                                     "WHERE request_id = $1 AND status = 'queued'", unqueued)
+        return len(lines) - len(unqueued)
+
+    async def _unqueue(self, seq: int) -> bool:
+        """Delete a line's message if it still waits in the queue; False once a worker has taken it."""
+        try:
+            return await self._js.delete_msg(_BATCH_STREAM, seq)
+        except APIError as exc:
+            if isinstance(exc, NotFoundError) or exc.err_code == ERR_NO_MESSAGE:
+                return False
+            raise
+
+    async def _cancel(self, batch) -> None:
+        await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::jsonb WHERE batch_id = $1 "
+                                 "AND status = 'pending'", batch["id"], _CANCELLED)
+        waited = time.time() - batch["cancelling_at"].timestamp()
+        if await self._stop_queued(batch["id"], _CANCELLED, wait=waited < CANCEL_GRACE_S) == 0:
+            await self._finalize(batch, "cancelled", "cancelling")
+
+    async def _expire(self, batch) -> None:
+        await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::jsonb WHERE batch_id = $1 "
+                                 "AND status = 'pending'", batch["id"], _EXPIRED)
+        await self._stop_queued(batch["id"], _EXPIRED, wait=False)
+        await self._finalize(batch, "expired", batch["status"])
+
+    # -- the end --------------------------------------------------------------------------------------------
+    async def _finalize(self, batch, final: str, from_status: str) -> None:
+        """Write the output and error files and move to ``final``, if the batch is still ``from_status``."""
+        batch_id = batch["id"]
+        if final == "completed" and from_status == "in_progress":
+            status = await self._pool.execute("UPDATE batches SET status = 'finalizing', finalizing_at = now() "
+                                              "WHERE id = $1 AND status = 'in_progress'", batch_id)
+            if status.endswith(" 0"):
+                return
+            from_status = "finalizing"
+        rows = await self._pool.fetch("SELECT custom_id, request_id, status, response, error FROM batch_lines "
+                                      "WHERE batch_id = $1 ORDER BY line_no", batch_id)
+        files = ResultFiles()
+        for row in rows:
+            files.add(row["custom_id"], row["request_id"], row["status"],
+                      json.loads(row["response"]) if row["response"] else None,
+                      json.loads(row["error"]) if row["error"] else None)
+        async with self._pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval("SELECT status FROM batches WHERE id = $1 FOR UPDATE", batch_id) != from_status:
+                return
+            output_id = error_id = None
+            if files.output:
+                output_id = (await insert_file(conn, batch["tenant_id"], "batch_output", f"{batch_id}_output.jsonl",
+                                               bytes(files.output)))["id"]
+            if files.errors:
+                error_id = (await insert_file(conn, batch["tenant_id"], "batch_output", f"{batch_id}_error.jsonl",
+                                              bytes(files.errors)))["id"]
+            await conn.execute(
+                f"UPDATE batches SET status = $2, {final}_at = now(), output_file_id = $3, error_file_id = $4, "
+                "request_counts = $5::jsonb, usage = $6::jsonb WHERE id = $1", batch_id, final, output_id, error_id,
+                json.dumps(files.counts), json.dumps(files.usage))
+        log.info("batch %s %s: %s", batch_id, final, files.counts)
+
+    # -- lost lines -----------------------------------------------------------------------------------------
+    async def _check_lost(self) -> None:
+        """Publish again the queued lines no worker will ever answer: their worker died after taking them (its
+        heartbeat is gone), or they left the queue long ago without any worker saying it took them."""
+        served = await self._registry.models(fresh=True)
+        live = {w.worker_id for workers in served.values() for w in workers}
+        now = time.monotonic()
+        for worker_id in [w for w in self._missing_since if w in live or now - self._missing_since[w] > 3600]:
+            del self._missing_since[worker_id]
+        rows = await self._pool.fetch(
+            "SELECT l.custom_id, l.body, l.request_id, l.attempts, l.stream_seq, l.worker_id, b.id, b.status, "
+            "b.endpoint, b.tenant_id, b.api_key_id, b.expires_at FROM batch_lines l JOIN batches b "
+            "ON b.id = l.batch_id WHERE l.status = 'queued' AND b.status IN ('in_progress', 'cancelling') "
+            "AND (l.worker_id IS NOT NULL OR l.queued_at < now() - make_interval(secs => $1))", STALE_S)
+        lost = []
+        for row in rows:
+            if row["worker_id"] is not None:
+                if row["worker_id"] in live:
+                    continue
+                if now - self._missing_since.setdefault(row["worker_id"], now) < WORKER_GONE_S:
+                    continue
+            else:
+                try:
+                    await self._js.get_msg(_BATCH_STREAM, row["stream_seq"])
+                    await self._pool.execute("UPDATE batch_lines SET queued_at = now() WHERE request_id = $1",
+                                             row["request_id"])
+                    continue  # still waiting its turn in the queue: look again in STALE_S
+                except APIError as exc:
+                    if not isinstance(exc, NotFoundError) and exc.err_code != ERR_NO_MESSAGE:
+                        raise
+            lost.append(row)
+        for row in lost:
+            log.warning("batch %s: line %s was lost (worker %s); publishing it again", row["id"], row["custom_id"],
+                        row["worker_id"] or "unknown")
+            if row["status"] == "cancelling":
+                await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::jsonb "
+                                         "WHERE request_id = $1 AND status = 'queued'", row["request_id"], _CANCELLED)
+            else:
+                await self._publish_lines(row, [row], "queued")
