@@ -89,6 +89,14 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def block_hash(self, seq: Sequence, index: int) -> int:
+        """Hash of ``seq``'s full block ``index`` (its chain computed as far as needed, and kept)."""
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        while len(hashes) <= index:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[i - 1] if i else None, self._block_tokens(seq, i)))
+        return hashes[index]
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block] = ()) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed."""
         return self._fits(self._num_new_blocks(seq, num_new_tokens, computed_blocks), computed_blocks)

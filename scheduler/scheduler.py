@@ -250,6 +250,8 @@ class Scheduler:
                     break
                 budget += refund
                 continue
+            if self._is_prefix_in_flight(seq):
+                break  # one step later its next blocks are cache hits instead of computed twice
             while True:
                 computed_blocks, num_hit = self.kv_cache.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit, budget, self._chunk_cap)
@@ -270,6 +272,24 @@ class Scheduler:
             insort(self._running, seq, key=_sort_key)
             scheduled[seq.seq_id] = self._scheduled(seq, num_new, block_table)
             budget -= num_new
+
+    def _is_prefix_in_flight(self, seq: Sequence) -> bool:
+        """True when a running sequence is computing ``seq``'s next uncached full block right now (the same
+        prefix: a burst of requests sharing a system prompt). Admitting ``seq`` in the same step would compute
+        that prefix a second time; waiting a step makes it a prefix-cache hit."""
+        if not self.config.enable_prefix_caching:
+            return False
+        bs = self.config.block_size
+        _, num_hit = self.kv_cache.get_computed_blocks(seq)
+        index = num_hit // bs
+        if (index + 1) * bs > seq.num_tokens - 1:
+            return False  # no further full block it could share
+        wanted = self.kv_cache.block_hash(seq, index)
+        return any(
+            other.num_computed_tokens <= index * bs and (index + 1) * bs <= other.num_prompt_tokens
+            and self.kv_cache.block_hash(other, index) == wanted
+            for other in self._running
+        )
 
     def _yield_to(self, seq: Sequence, scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> int | None:
         """Preempt the least important running sequence for ``seq`` if it is strictly less important; returns

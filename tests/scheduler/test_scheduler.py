@@ -248,17 +248,36 @@ def test_a_more_important_request_takes_a_full_seat_from_the_least_important():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=64,
                                       max_model_len=64))
     low_a = Sequence("low-a", [1] * 8, max_tokens=20, priority=2, arrival=0.0)
-    low_b = Sequence("low-b", [1] * 8, max_tokens=20, priority=2, arrival=1.0)
+    low_b = Sequence("low-b", [2] * 8, max_tokens=20, priority=2, arrival=1.0)
     for seq in (low_a, low_b):
         sched.add_request(seq)
     sched.update_from_output(out := sched.schedule(), {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
-    high = Sequence("high", [1] * 8, max_tokens=20, priority=1, arrival=2.0)
+    high = Sequence("high", [3] * 8, max_tokens=20, priority=1, arrival=2.0)
     sched.add_request(high)
     out = sched.schedule()
     ids = {s.seq.seq_id for s in out.scheduled}
     assert "high" in ids and "low-b" not in ids  # the later of the two least important gave up its seat
     assert low_b.status == RequestStatus.PREEMPTED and low_b.num_preemptions == 1
-    same = Sequence("same", [1] * 8, max_tokens=20, priority=2, arrival=3.0)
+    same = Sequence("same", [4] * 8, max_tokens=20, priority=2, arrival=3.0)
     sched.add_request(same)
     sched.update_from_output(out, {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
     assert "same" not in {s.seq.seq_id for s in sched.schedule().scheduled}  # equal priority waits its turn
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_blocks=64,
+                                      max_model_len=256))
+    prefix = list(range(100, 148))  # three full blocks
+    first = Sequence("first", prefix + [1, 2, 3], max_tokens=4, arrival=0.0)
+    second = Sequence("second", prefix + [4, 5, 6], max_tokens=4, arrival=1.0)
+    other = Sequence("other", list(range(300, 351)), max_tokens=4, arrival=2.0)
+    for seq in (first, second, other):
+        sched.add_request(seq)
+    out = sched.schedule()
+    # Strict order: `other` waits behind `second`, which waits one step for `first` to fill the cache.
+    assert [s.seq.seq_id for s in out.scheduled] == ["first"]
+    sched.update_from_output(out, {"first": 7})
+    out = sched.schedule()
+    by_id = {s.seq.seq_id: s for s in out.scheduled}
+    assert second.num_cached_tokens == 48 and by_id["second"].num_new_tokens == 3
+    assert "other" in by_id
