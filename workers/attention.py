@@ -53,6 +53,15 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended in one SDPA call."""
+
+    rows: torch.Tensor  # [b] long, the group's rows among the step's decodes
+    blocks: torch.Tensor  # [b, max_blocks] long, padded to the group's longest context only
+    mask: torch.Tensor  # [b, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
 class StepMetadata:
     """Per-step tensors shared by every layer."""
 
@@ -62,6 +71,8 @@ class StepMetadata:
     prefills: list[PrefillSpan]
     decode_blocks: torch.Tensor | None  # [B, max_blocks] long, padded block tables of the decodes
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    # SDPA: decodes split by context length, so a short sequence is not padded to the longest one's context.
+    decode_groups: list[DecodeGroup] | None = None
     # flash-attn only
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -128,6 +139,7 @@ class SdpaAttention:
         self.block_size = block_size
         self.device = device
         self.scale = head_dim**-0.5
+        self.max_decode_groups = 4
         # Gather buffers reused by every layer and step (grown on demand). A fresh multi-MB tensor per layer
         # costs more in page faults than the copy itself: 4.5 ms vs 0.9 ms for 6.5 MB on this CPU.
         self._k_buf = torch.empty(0, device=device)
@@ -173,7 +185,29 @@ class SdpaAttention:
             context = positions[row:] + 1  # decodes have one row each
             key_pos = torch.arange(max_blocks * bs, device=self.device)
             decode_mask = (key_pos[None, :] < context[:, None])[:, None, None, :]
+            groups = self._decode_groups(num_blocks[num_prefills:], decode_blocks, decode_mask)
+            return StepMetadata(positions, slots, row, prefills, decode_blocks, decode_mask, groups)
         return StepMetadata(positions, slots, row, prefills, decode_blocks, decode_mask)
+
+    def _decode_groups(self, num_blocks: list[int], blocks: torch.Tensor, mask: torch.Tensor) -> list[DecodeGroup]:
+        """Split decodes into up to ``max_decode_groups`` runs of similar length (sorted, equal counts).
+
+        Padding every decode to the longest context wastes gather and attention work on mixed lengths (8.5 vs
+        ~4 ms per layer for 32 sequences of 50-528 tokens on this CPU); a few groups recover most of it while
+        keeping the number of SDPA calls small.
+        """
+        num_groups = max(1, min(self.max_decode_groups, len(num_blocks) // 4))
+        if num_groups == 1:  # in step order, so forward() may skip the gather/scatter of rows
+            return [DecodeGroup(torch.arange(len(num_blocks), device=self.device), blocks, mask)]
+        order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
+        size = -(-len(order) // num_groups)
+        groups = []
+        for start in range(0, len(order), size):
+            members = order[start : start + size]
+            width = num_blocks[members[-1]]  # sorted: the last is the longest
+            rows = torch.tensor(members, dtype=torch.long, device=self.device)
+            groups.append(DecodeGroup(rows, blocks[rows, :width], mask[rows][..., : width * self.block_size]))
+        return groups
 
     def forward(self, q, k, v, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
         """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (rotary applied) -> attention output ``[T, heads * d]``."""
@@ -200,18 +234,32 @@ class SdpaAttention:
             )[0]
             outs.append(o.transpose(0, 1).reshape(span.num_tokens, -1))
 
-        if meta.decode_blocks is not None:
-            batch, max_blocks = meta.decode_blocks.shape
-            # Whole blocks are contiguous rows of block_size*kvh*d elements: far cheaper to gather than slots.
-            kd, vd = self._gather(k_cache, v_cache, meta.decode_blocks.reshape(-1))
-            kd = kd.view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
-            vd = vd.view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
-            # The `group` query heads sharing a KV head become `group` query rows of that head (heads are laid
-            # out so that head h reads KV head h // group, as in HF's repeat_kv).
-            qd = q[meta.num_prefill_tokens :].view(batch, kvh, self.group, d)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
-            outs.append(o.reshape(batch, -1))
+        if meta.decode_groups:
+            q_dec = q[meta.num_prefill_tokens :]
+            if len(meta.decode_groups) == 1:
+                outs.append(self._decode(q_dec, k_cache, v_cache, meta.decode_groups[0].blocks,
+                                         meta.decode_groups[0].mask))
+            else:
+                out = q_dec.new_empty(q_dec.shape[0], q_dec.shape[1] * d)
+                for g in meta.decode_groups:
+                    out.index_copy_(0, g.rows, self._decode(q_dec.index_select(0, g.rows), k_cache, v_cache,
+                                                             g.blocks, g.mask))
+                outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(self, q_dec, k_cache, v_cache, blocks: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One SDPA call for decodes ``q_dec [b, heads, d]`` over their padded block tables -> ``[b, heads * d]``."""
+        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        batch, max_blocks = blocks.shape
+        # Whole blocks are contiguous rows of block_size*kvh*d elements: far cheaper to gather than slots.
+        kd, vd = self._gather(k_cache, v_cache, blocks.reshape(-1))
+        kd = kd.view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
+        vd = vd.view(batch, max_blocks * bs, kvh, d).transpose(1, 2)
+        # The `group` query heads sharing a KV head become `group` query rows of that head (heads are laid
+        # out so that head h reads KV head h // group, as in HF's repeat_kv).
+        qd = q_dec.reshape(batch, kvh, self.group, d)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
+        return o.reshape(batch, -1)
 
 
 def _flash_attn_varlen():

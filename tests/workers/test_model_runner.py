@@ -240,3 +240,21 @@ def test_backend_choice_falls_back_to_sdpa():
     with pytest.raises((ValueError, RuntimeError)):
         make_attention(4, 2, 16, 16, cpu, backend="flash")  # block size not a multiple of 256
     assert preferred_dtype("cpu") in (torch.bfloat16, torch.float32)
+
+
+def test_decodes_grouped_by_length_match_one_padded_call():
+    """Many decodes of very different lengths: grouping them (less padding) must not change any logit."""
+    model = build()
+    lengths = [3, 30, 9, 21, 40, 5, 28, 17, 12, 33, 2, 25]
+    ids = prompts(*lengths)
+    logits = {}
+    for max_groups in (1, 4):
+        runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+        runner.attention.max_decode_groups = max_groups
+        pool = BlockPool()
+        tables = [pool.table(n + 1) for n in lengths]
+        runner.execute([SeqChunk(p[:-1], 0, t, False) for p, t in zip(ids, tables)])  # prefill all but one
+        logits[max_groups] = runner.execute([SeqChunk(p[-1:], len(p) - 1, t, True) for p, t in zip(ids, tables)])
+    torch.testing.assert_close(logits[4], logits[1], atol=1e-5, rtol=1e-5)
+    for p, row in zip(ids, logits[4]):
+        torch.testing.assert_close(row, hf_last_logits(model, p), atol=1e-4, rtol=1e-4)
