@@ -32,6 +32,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # 0 = off; else the most tokens one sequence gets per step
+    # A step that prefills a request leaves out decodes of strictly less important ones: on hardware where a
+    # step's cost grows with its batch (CPUs), that keeps a pro request's first token from waiting on a full
+    # batch of batch-tier decodes. Those decodes lose one step; nothing else changes for them.
+    isolate_priority_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -196,6 +200,8 @@ class Scheduler:
         # Memory is short if anything was preempted: admitting now would only thrash it back in.
         if not preempted:
             self._admit_waiting(budget, scheduled, preempted)
+        if self.config.isolate_priority_prefill:
+            self._defer_less_important_decodes(scheduled)
         entries = list(scheduled.values())
         return SchedulerOutput(
             scheduled=entries,
@@ -272,6 +278,18 @@ class Scheduler:
             insort(self._running, seq, key=_sort_key)
             scheduled[seq.seq_id] = self._scheduled(seq, num_new, block_table)
             budget -= num_new
+
+    @staticmethod
+    def _defer_less_important_decodes(scheduled: dict[str, ScheduledSeq]) -> None:
+        """Drop from this step the decodes less important than the most important prefill in it. Their blocks
+        stay allocated (allocation is idempotent), and they run again next step."""
+        prefilling = [e.seq.priority for e in scheduled.values() if e.start_pos < e.seq.num_prompt_tokens]
+        if not prefilling:
+            return
+        top = min(prefilling)
+        for seq_id in [sid for sid, e in scheduled.items()
+                       if e.seq.priority > top and e.start_pos >= e.seq.num_prompt_tokens]:
+            del scheduled[seq_id]
 
     def _is_prefix_in_flight(self, seq: Sequence) -> bool:
         """True when a running sequence is computing ``seq``'s next uncached full block right now (the same

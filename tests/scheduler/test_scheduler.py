@@ -281,3 +281,22 @@ def test_a_burst_sharing_a_prefix_computes_it_once():
     by_id = {s.seq.seq_id: s for s in out.scheduled}
     assert second.num_cached_tokens == 48 and by_id["second"].num_new_tokens == 3
     assert "other" in by_id
+
+
+def test_a_more_important_prefill_runs_without_less_important_decodes():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=64,
+                                      max_model_len=64))
+    batch = [Sequence(f"batch-{i}", [10 + i] * 6, max_tokens=10, priority=3, arrival=float(i)) for i in range(3)]
+    for seq in batch:
+        sched.add_request(seq)
+    out = sched.schedule()
+    sched.update_from_output(out, {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
+    pro = Sequence("pro", [99] * 6, max_tokens=10, priority=1, arrival=10.0)
+    sched.add_request(pro)
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == ["pro"]  # batch decodes sit this step out
+    sched.update_from_output(out, {"pro": 7})
+    out = sched.schedule()
+    assert {s.seq.seq_id for s in out.scheduled} == {"pro", "batch-0", "batch-1", "batch-2"}
+    sched.update_from_output(out, {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
+    assert all(seq.num_output_tokens == 2 for seq in batch) and pro.num_output_tokens == 2
