@@ -112,6 +112,10 @@ class Engine:
         return self.config.max_num_seqs
 
     @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
     def num_waiting(self) -> int:
         """Sequences queued inside the engine (not yet running, or preempted)."""
         return self.scheduler.num_waiting

@@ -115,8 +115,10 @@ class Worker:
         """With every seat taken, tiers strictly more important than the least important running request may
         still send a few requests: the engine gives them that request's seat (preempting it), so a pro request
         never waits in JetStream for a free one to finish. Bounded by ``_jump_headroom`` waiting at once."""
-        waiting = len(self._pending_adds) + self._num_admitting + self.engine.num_waiting
-        if waiting >= self._jump_headroom or not self._active:
+        # Requests beyond the seats: those waiting in the engine or on their way in (not ones taking free seats).
+        beyond = (self.engine.num_running + self.engine.num_waiting + len(self._pending_adds) + self._num_admitting
+                  - self.engine.max_num_seqs)
+        if beyond >= self._jump_headroom or not self._active:
             return set()
         least = max(get_tier(t.request.tier).priority for t in self._active.values())
         return {t.name for t in tiers_by_priority() if t.priority < least}
@@ -312,6 +314,8 @@ class Worker:
             finally:
                 self._num_admitting = 0
             freed = await self._publish_result(result)
+            if not freed:
+                self._capacity.set()  # admissions change who may jump in: let the intake look again
             if freed and self._maybe_pending:
                 # Let the intake refill the freed seats before the next step starts, not a whole step later;
                 # bounded, so an empty queue costs at most a few milliseconds.
