@@ -251,6 +251,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=0.5, help="pro requests per second (Poisson)")
     p.add_argument("--duration", type=float, default=75.0, help="seconds of pro arrivals per phase")
     p.add_argument("--lines", type=int, default=500)
+    p.add_argument("--batch-seqs-when-busy", type=int,
+                   help="the worker's batch throttle while pro traffic is about (default: the worker's, 2 on CPU; 0: off)")
     p.add_argument("--settle-timeout", type=float, default=60.0, help="max wait for the batch to fill the seats")
     p.add_argument("--cancel-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
@@ -274,7 +276,9 @@ def main() -> int:
         common = ["--data-dir", str(work), "--nats-url", nats_url, "--database-url", database_url,
                   "--log-level", "WARNING"]
         stack.append(ServiceProcess("worker", ["worker", *common, "--model", str(model), "--served-model-name", MODEL,
-                                               "--max-num-seqs", str(args.max_num_seqs)],
+                                               "--max-num-seqs", str(args.max_num_seqs),
+                                               *([] if args.batch_seqs_when_busy is None else
+                                                 ["--batch-seqs-when-busy", str(args.batch_seqs_when_busy)])],
                                     log_path=work / "worker.log").start())
         port = free_port()
         stack.append(ServiceProcess("gateway", ["gateway", *common, "--port", str(port)], log_path=work / "gateway.log",

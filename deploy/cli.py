@@ -29,6 +29,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (prefill chunks + decodes)")
     p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default: 2 GiB on CPU, 80%% of free GPU memory)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    p.add_argument("--batch-seqs-when-busy", type=int,
+                   help="batch-tier sequences a worker runs per step while interactive traffic is about "
+                        "(default: 2 on CPU, no limit on GPU; 0: no limit)")
 
 
 def _add_http(p: argparse.ArgumentParser) -> None:
@@ -45,7 +48,7 @@ def load_config(args: argparse.Namespace) -> SwitchyardConfig:
     worker_fields = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype",
                      "device": "device", "max_num_seqs": "max_num_seqs",
                      "max_num_batched_tokens": "max_num_batched_tokens", "kv_cache_gib": "kv_cache_gib",
-                     "enable_prefix_caching": "enable_prefix_caching"}
+                     "enable_prefix_caching": "enable_prefix_caching", "batch_seqs_when_busy": "batch_seqs_when_busy"}
     worker = {f: getattr(args, a) for a, f in worker_fields.items() if getattr(args, a, None) is not None}
     gateway = {f: getattr(args, f) for f in ("host", "port") if getattr(args, f, None) is not None}
     return config.model_copy(update={

@@ -152,7 +152,12 @@ class BatchRunner:
                 log.error("dropping a malformed batch result at seq %s", msg.metadata.sequence.stream)
                 await msg.term()
         try:
-            await self._record(results)
+            try:
+                await self._record(results)
+            except asyncpg.DataError as exc:  # one result Postgres refuses must not hold back the others forever
+                log.error("could not record %d batch results together (%s); recording them one by one", len(good), exc)
+                for result in results:
+                    await self._record_alone(result)
         except (OSError, asyncpg.PostgresError) as exc:
             log.warning("could not record %d batch results (%s); they will be redelivered", len(good), exc)
             for msg in good:
@@ -160,6 +165,15 @@ class BatchRunner:
             return
         for msg in good:
             await msg.ack()
+
+    async def _record_alone(self, result: BatchResult) -> None:
+        """Record one result; one that Postgres still refuses fails its line with the reason instead."""
+        try:
+            await self._record([result])
+        except asyncpg.DataError as exc:
+            log.error("batch line %s: its result cannot be stored (%s); the line fails", result.request_id, exc)
+            await self._record([BatchResult(result.request_id, result.worker_id, usage=result.usage, error=ErrorInfo(
+                f"The result could not be stored: {exc}", code="internal_error", type="server_error", status=500))])
 
     async def _record(self, results: list[BatchResult]) -> None:
         started = [(r.request_id, r.worker_id) for r in results if r.started]
@@ -173,19 +187,22 @@ class BatchRunner:
             # A line of a cancelling batch may have been marked cancelled while a worker ran it to the end anyway:
             # that result is kept (it ran and is billed) until the batch is finalized.
             rows = await conn.fetch(
-                "SELECT l.request_id, l.status, l.body->>'model' AS model, extract(epoch FROM l.queued_at) AS "
+                "SELECT l.request_id, l.status, l.body, extract(epoch FROM l.queued_at) AS "
                 "queued_at, b.endpoint, b.status AS batch_status FROM batch_lines l JOIN batches b "
                 "ON b.id = l.batch_id WHERE l.request_id = ANY($1) AND (l.status = 'queued' OR "
                 "(l.status = 'cancelled' AND b.status = 'cancelling'))", list(finals))
             updates = []
             for row in rows:
-                status, response, error = line_outcome(row["endpoint"], row["request_id"], row["model"],
+                # The model is read here, not with ->> in SQL: Postgres cannot turn a U+0000 elsewhere in the body
+                # into text, and refuses the whole query.
+                model = json.loads(row["body"]).get("model")
+                status, response, error = line_outcome(row["endpoint"], row["request_id"], model,
                                                        float(row["queued_at"] or 0), row["batch_status"],
                                                        finals[row["request_id"]])
                 if row["status"] == "queued" or status == "completed":
                     updates.append((row["request_id"], status, _json(response), _json(error), row["status"]))
             await conn.executemany(
-                "UPDATE batch_lines SET status = $2, response = $3::jsonb, error = $4::jsonb, worker_id = NULL "
+                "UPDATE batch_lines SET status = $2, response = $3::json, error = $4::json, worker_id = NULL "
                 "WHERE request_id = $1 AND status = $5", updates)
 
     # -- the tick -------------------------------------------------------------------------------------------
@@ -278,7 +295,7 @@ class BatchRunner:
                     await conn.executemany(
                         "UPDATE batch_lines SET status = 'queued', stream_seq = $2, queued_at = now(), "
                         "worker_id = NULL, attempts = attempts + 1 WHERE request_id = $1 AND status = $3", published)
-                    await conn.executemany("UPDATE batch_lines SET status = 'failed', response = $2::jsonb "
+                    await conn.executemany("UPDATE batch_lines SET status = 'failed', response = $2::json "
                                            "WHERE request_id = $1", failed)
 
     async def _publish(self, batch, line) -> int | None:
@@ -319,7 +336,7 @@ class BatchRunner:
         for i in range(0, len(lines), 64):
             deleted += await asyncio.gather(*(self._unqueue(line["stream_seq"]) for line in lines[i:i + 64]))
         unqueued = [(line["request_id"], error) for line, gone in zip(lines, deleted) if gone or not wait]
-        await self._pool.executemany("UPDATE batch_lines SET status = 'cancelled', error = $2::jsonb "
+        await self._pool.executemany("UPDATE batch_lines SET status = 'cancelled', error = $2::json "
                                      "WHERE request_id = $1 AND status = 'queued'", unqueued)
         return len(lines) - len(unqueued)
 
@@ -333,14 +350,14 @@ class BatchRunner:
             raise
 
     async def _cancel(self, batch) -> None:
-        await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::jsonb WHERE batch_id = $1 "
+        await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::json WHERE batch_id = $1 "
                                  "AND status = 'pending'", batch["id"], _CANCELLED)
         waited = time.time() - batch["cancelling_at"].timestamp()
         if await self._stop_queued(batch["id"], _CANCELLED, wait=waited < CANCEL_GRACE_S) == 0:
             await self._finalize(batch, "cancelled", "cancelling")
 
     async def _expire(self, batch) -> None:
-        await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::jsonb WHERE batch_id = $1 "
+        await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::json WHERE batch_id = $1 "
                                  "AND status = 'pending'", batch["id"], _EXPIRED)
         await self._stop_queued(batch["id"], _EXPIRED, wait=False)
         await self._finalize(batch, "expired", batch["status"])
@@ -413,7 +430,7 @@ class BatchRunner:
             log.warning("batch %s: line %s was lost (worker %s); publishing it again", row["id"], row["custom_id"],
                         row["worker_id"] or "unknown")
             if row["status"] == "cancelling":
-                await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::jsonb "
+                await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::json "
                                          "WHERE request_id = $1 AND status = 'queued'", row["request_id"], _CANCELLED)
             else:
                 await self._publish_lines(row, [row], "queued")

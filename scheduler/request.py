@@ -71,6 +71,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (hits included)
     num_cached_tokens: int = 0  # prefix-cache hit on first admission, for usage reporting
     num_preemptions: int = 0
+    last_scheduled_step: int = -1  # the scheduler's step count when it last ran: background seats take turns
     token_ids: list[int] = field(init=False, repr=False)
     num_prompt_tokens: int = field(init=False)
 

@@ -96,6 +96,9 @@ class Scheduler:
         self._running: list[Sequence] = []  # kept sorted by sort_key: the tail is the first to preempt
         self._finished_by_length: dict[str, Sequence] = {}  # from the last update, see finish_request
         self._chunk_cap = config.long_prefill_token_threshold or sys.maxsize
+        self._num_steps = 0
+        self._background_priority: int | None = None
+        self._background_max_seqs: int | None = None
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -149,6 +152,29 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    # --- background work (batch jobs) -----------------------------------------------------------------
+
+    def set_background_limit(self, priority: int, max_seqs: int | None) -> None:
+        """Let at most ``max_seqs`` sequences of priority ``priority`` or less important run in one step
+        (``None``: no limit). The others keep their seats and blocks and take turns, oldest-served first.
+
+        Where a step's cost grows with its batch (CPUs), a step full of batch-job decodes delays the first token
+        of an interactive request that arrives meanwhile; the worker sets a small limit while interactive traffic
+        is about, and lifts it when there is none."""
+        if max_seqs is not None and max_seqs < 1:
+            raise ValueError(f"background max_seqs must be >= 1 or None, got {max_seqs}")
+        self._background_priority = priority
+        self._background_max_seqs = max_seqs
+
+    def _background_turns(self) -> tuple[set[str], int]:
+        """(ids of the running background sequences that run this step, seats left for admitting more)."""
+        if self._background_max_seqs is None:
+            return set(), sys.maxsize
+        background = [s for s in self._running if s.priority >= self._background_priority]
+        background.sort(key=lambda s: s.last_scheduled_step)
+        chosen = {s.seq_id for s in background[:self._background_max_seqs]}
+        return chosen, self._background_max_seqs - len(chosen)
+
     # --- admission control (for the worker) -----------------------------------------------------------
 
     @property
@@ -176,12 +202,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[Sequence] = []
+        self._num_steps += 1
+        background_turns, background_seats = self._background_turns()
 
         # Running sequences first, most important first. Victims are taken from the tail of the sorted
         # list, so a sequence already scheduled this step (ahead of index i) is never preempted.
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
+            if self._background_max_seqs is not None and seq.priority >= self._background_priority \
+                    and seq.seq_id not in background_turns:
+                i += 1  # not its turn: keeps its seat and blocks
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget, self._chunk_cap)
             block_table = self.kv_cache.allocate_slots(seq, num_new)
             while block_table is None:
@@ -199,10 +231,12 @@ class Scheduler:
 
         # Memory is short if anything was preempted: admitting now would only thrash it back in.
         if not preempted:
-            self._admit_waiting(budget, scheduled, preempted)
+            self._admit_waiting(budget, scheduled, preempted, background_seats)
         if self.config.isolate_priority_prefill:
             self._defer_less_important_decodes(scheduled)
         entries = list(scheduled.values())
+        for entry in entries:
+            entry.seq.last_scheduled_step = self._num_steps
         return SchedulerOutput(
             scheduled=entries,
             preempted_ids=[seq.seq_id for seq in preempted],
@@ -242,12 +276,17 @@ class Scheduler:
 
     # --- internals ------------------------------------------------------------------------------------
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> None:
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq], preempted: list[Sequence],
+                       background_seats: int) -> None:
         """Admit waiting sequences in order while budget, seats and blocks last."""
         while budget > 0 and self._waiting:
             seq = self._waiting.peek()
             if seq in preempted:
                 break  # just preempted for memory; everything behind it is less important anyway
+            if self._background_priority is not None and seq.priority >= self._background_priority:
+                if background_seats <= 0:
+                    break  # the rest of the queue is background too
+                background_seats -= 1
             if len(self._running) >= self.config.max_num_seqs:
                 # Seats full: only a strictly more important request takes the least important one's seat, so a
                 # pro request never waits for a free one to finish.

@@ -56,6 +56,12 @@ class WorkerConfig(BaseModel):
     enable_prefix_caching: bool = True
     heartbeat_s: float = Field(3.0, gt=0)
     torch_threads: int | None = None
+    # While interactive traffic is about (a request here, or one in the last interactive_busy_s), batch-tier
+    # requests hold at most this many seats and run at most this many per step. None: auto, 2 on CPU (where a
+    # step's cost grows with its batch, so batch decodes would delay interactive first tokens) and no limit on
+    # GPU (where a decode step costs about the same for 1 or 32 sequences). 0: no limit.
+    batch_seqs_when_busy: int | None = Field(None, ge=0)
+    interactive_busy_s: float = Field(10.0, ge=0)
 
 
 class SwitchyardConfig(BaseSettings):

@@ -24,7 +24,7 @@ import torch
 
 from scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence, finish_reason
 from shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
-from shared.tiers import TIER_NAMES, get_tier
+from shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from workers.detokenizer import IncrementalDetokenizer
 from workers.model_runner import ModelRunner, SeqChunk
 from workers.prompts import RequestRejected, eos_token_ids, fit_history, resolve_max_tokens, tokenize_prompt
@@ -129,6 +129,11 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending)
+
+    def set_background_limit(self, max_seqs: int | None) -> None:
+        """Run at most ``max_seqs`` batch-tier sequences per step (None: no limit); the rest keep their seats and
+        take turns. See ``Scheduler.set_background_limit``."""
+        self.scheduler.set_background_limit(get_tier(BATCH_TIER).priority, max_seqs)
 
     def add_request(self, req: GenerateRequest) -> int:
         """Tokenize and queue ``req``; returns its prompt token count. Raises ``RequestRejected`` before compute

@@ -51,7 +51,12 @@ async def _serve(engine, config: SwitchyardConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    worker = Worker(engine, served_name(config), config.nats_url, heartbeat_s=config.worker.heartbeat_s)
+    w = config.worker
+    batch_seqs = w.batch_seqs_when_busy
+    if batch_seqs is None:
+        batch_seqs = 2 if engine.runner.device.type == "cpu" else 0
+    worker = Worker(engine, served_name(config), config.nats_url, heartbeat_s=w.heartbeat_s,
+                    batch_seqs_when_busy=batch_seqs or None, interactive_busy_s=w.interactive_busy_s)
     await worker.run(stop)
 
 

@@ -36,6 +36,15 @@ def _merges() -> list[tuple[str, str]]:
     return merges
 
 
+def _byte_alphabet() -> list[str]:
+    """The byte-level alphabet in byte order (id 3 + b for byte b): printable bytes stand for themselves, the rest
+    map to the code points from 256 up, in order. ``ByteLevel.alphabet()`` has the same characters, but it comes
+    from a hash set: its order, and with it every token id, would change from one process to the next."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
 def build_tokenizer():
     """A byte-level BPE ``PreTrainedTokenizerFast`` with ChatML specials, EOS ``<|im_end|>``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -43,7 +52,9 @@ def build_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in pre_tokenizers.ByteLevel.alphabet():
+    alphabet = _byte_alphabet()
+    assert set(alphabet) == set(pre_tokenizers.ByteLevel.alphabet())
+    for ch in alphabet:
         vocab[ch] = len(vocab)
     merges = _merges()
     for a, b in merges:

@@ -83,7 +83,11 @@ class _StepResult:
 class Worker:
     """Serves one model from the REQUESTS stream until ``stop`` is set, then drains running requests."""
 
-    def __init__(self, engine, model_name: str, nats_url: str, heartbeat_s: float = 3.0) -> None:
+    def __init__(self, engine, model_name: str, nats_url: str, heartbeat_s: float = 3.0,
+                 batch_seqs_when_busy: int | None = None, interactive_busy_s: float = 10.0) -> None:
+        """``batch_seqs_when_busy``: while interactive traffic is about (an interactive request here, or one that
+        arrived in the last ``interactive_busy_s``), batch-tier requests hold at most this many seats and run at
+        most this many per step; None: no limit."""
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
@@ -105,11 +109,35 @@ class Worker:
         self._num_admitting = 0  # handed to the step running now, not yet in the engine
         self._jump_headroom = max(1, engine.max_num_seqs // 8)
         self._intake_idle = asyncio.Event()  # the intake has nothing more to take right now
+        self._batch_seqs_when_busy = batch_seqs_when_busy
+        self._interactive_busy_s = interactive_busy_s
+        self._last_interactive_at = -float("inf")  # monotonic time the last interactive request arrived
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _num_admittable(self) -> int:
         # Requests handed to the running step are in neither list nor the engine yet: count them too.
         return self.engine.num_free_slots - len(self._pending_adds) - self._num_admitting
+
+    def _is_interactive_busy(self) -> bool:
+        """Interactive traffic is about: one of its requests is here, or one arrived recently (the next one is
+        likely to come soon, and should not find the engine in a step full of batch decodes)."""
+        if time.monotonic() - self._last_interactive_at < self._interactive_busy_s:
+            return True
+        return any(t.request.tier != BATCH_TIER for t in self._active.values())
+
+    def _background_limit(self) -> int | None:
+        """How many batch-tier sequences may run per step now; None: no limit."""
+        if self._batch_seqs_when_busy is None or not self._is_interactive_busy():
+            return None
+        return self._batch_seqs_when_busy
+
+    def _may_take_batch(self) -> bool:
+        limit = self._background_limit()
+        if limit is None:
+            return True
+        held = sum(t.request.tier == BATCH_TIER for t in self._active.values())
+        held += sum(t.request.tier == BATCH_TIER for t, _ in self._pending_adds)
+        return held < limit
 
     def _tiers_that_may_jump_in(self) -> set[str]:
         """With every seat taken, tiers strictly more important than the least important running request may
@@ -182,6 +210,7 @@ class Worker:
         await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
 
     async def _heartbeat_loop(self, kv, stop: asyncio.Event) -> None:
+        last_state = ""
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self._heartbeat_s)
@@ -191,6 +220,17 @@ class Worker:
                 await self._beat(kv)
             except Exception as exc:  # NATS reconnecting: the next beat retries, the TTL tolerates a few misses
                 log.warning("heartbeat failed: %s", exc)
+            state = self._state_summary()
+            if state != last_state:  # what an operator (or a failing test's log) needs to see a stall
+                log.info("state: %s", state)
+                last_state = state
+
+    def _state_summary(self) -> str:
+        e = self.engine
+        return (f"active={len(self._active)} pending_adds={len(self._pending_adds)} admitting={self._num_admitting} "
+                f"running={e.num_running} waiting={e.num_waiting} free_slots={e.num_free_slots} "
+                f"kv_usage={e.scheduler.kv_cache.usage:.2f} maybe_pending={sorted(self._maybe_pending)} "
+                f"intake_idle={self._intake_idle.is_set()} background_limit={self._background_limit()}")
 
     # -- intake ---------------------------------------------------------------------------------------------
     async def _intake_loop(self, subs: dict, stop: asyncio.Event) -> None:
@@ -202,6 +242,8 @@ class Worker:
                           {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
         while not stop.is_set():
             eligible = set(subs) if self._num_admittable() > 0 else self._tiers_that_may_jump_in()
+            if BATCH_TIER in eligible and not self._may_take_batch():
+                eligible.discard(BATCH_TIER)  # its seats while interactive traffic is about are taken
             if not eligible & self._maybe_pending:
                 self._intake_idle.set()
                 self._capacity.clear()
@@ -251,6 +293,8 @@ class Worker:
             return 0
         now = time.time()
         tracked = _Tracked(request, received_at=now)
+        if request.tier != BATCH_TIER:
+            self._last_interactive_at = time.monotonic()
         if self._early_cancels.pop(request.request_id, None) is not None:
             await self._answer_error(request, ErrorInfo("cancelled", code="cancelled", status=499))
             await msg.ack()
@@ -266,9 +310,10 @@ class Worker:
         return 1
 
     # -- steps ----------------------------------------------------------------------------------------------
-    def _step_sync(self, adds, aborts: set[str]) -> _StepResult:
+    def _step_sync(self, adds, aborts: set[str], background_limit: int | None) -> _StepResult:
         """Runs in a worker thread: the only place the engine is touched."""
         result = _StepResult()
+        self.engine.set_background_limit(background_limit)
         for tracked, msg in adds:
             if tracked.request.request_id in aborts:
                 result.rejected.append((tracked, msg, ErrorInfo("cancelled", code="cancelled", status=499)))
@@ -306,7 +351,7 @@ class Worker:
                 self._active[tracked.request.request_id] = tracked
             self._num_admitting = len(adds)
             try:
-                result = await asyncio.to_thread(self._step_sync, adds, aborts)
+                result = await asyncio.to_thread(self._step_sync, adds, aborts, self._background_limit())
             except Exception:
                 log.exception("engine step failed; failing %d running requests", len(self._active))
                 await self._fail_all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pwd
@@ -37,13 +38,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (an orphan's zombie waits for init)."""
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat fields after the command name (state first), or None once the pid is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+_STARTED: dict[int, str] = {}  # pid -> start time when first seen: a reused pid is another process
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists, is the process first seen under it, and is not a zombie (an orphan's zombie
+    waits for init)."""
+    fields = _stat(pid)
+    if fields is None or fields[0] in ("Z", "X"):
         return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    return _STARTED.setdefault(pid, fields[19]) == fields[19]
 
 
 def _children(pid: int) -> list[int]:
@@ -232,6 +244,8 @@ def test_servers_die_with_their_parent(server_dir):
         assert line, f"owner process failed (exit {owner.wait()})"
         pids = [int(p) for p in line.split()]
         pids += _children(pids[1])
+        for pid in pids:
+            _running(pid)  # remember its start time
         owner.kill()  # SIGKILL: no cleanup code of the owner runs
         owner.wait()
         assert _wait_gone(pids) == []
@@ -242,7 +256,8 @@ def test_servers_die_with_their_parent(server_dir):
         owner.stdout.close()
         for pid in pids:  # don't leak servers when the assertion above failed
             if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_docker_available_without_docker():

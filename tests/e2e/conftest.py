@@ -3,8 +3,8 @@ real NATS and Postgres. Both are stopped by PID at the end of the session."""
 
 from __future__ import annotations
 
+import os
 import shutil
-import sys
 import socket
 import tempfile
 import uuid
@@ -21,6 +21,7 @@ from workers.tiny_model import save_tiny_model
 TINY = "tiny"
 TINY_CONTEXT = 4096
 ADMIN_KEY = "test-admin-key"
+_running_system: "System | None" = None  # for failure reports of tests that use only `system` or `client`
 
 
 def _free_port() -> int:
@@ -50,15 +51,16 @@ class System:
 
 
 @pytest.fixture(scope="session")
-def e2e(nats_url: str, database_url: str, request):
+def e2e(nats_url: str, database_url: str):
     """A running gateway with one worker serving the tiny model as ``tiny``."""
+    global _running_system
     work = Path(tempfile.mkdtemp(prefix="switchyard-e2e-"))
     services: list[ServiceProcess] = []
     try:
         # A long context, so a stream can be cancelled long before it could finish on its own.
         model_dir = save_tiny_model(work / "tiny-model", max_context=TINY_CONTEXT)
         common = ["--data-dir", str(work), "--nats-url", nats_url, "--database-url", database_url,
-                  "--log-level", "WARNING"]
+                  "--log-level", os.environ.get("SWITCHYARD_E2E_LOG_LEVEL", "WARNING")]
         system = System("", work, model_dir, common, services)
         system.start_worker(TINY, max_num_seqs=4)
         port = _free_port()
@@ -67,15 +69,27 @@ def e2e(nats_url: str, database_url: str, request):
             env={"SWITCHYARD_GATEWAY__QUEUE_TIMEOUT_S": "20", "SWITCHYARD_GATEWAY__ADMIN_KEY": ADMIN_KEY,
                  "SWITCHYARD_GATEWAY__ALLOW_TIER_HEADER": "true"}).start())
         system.base_url = f"http://127.0.0.1:{port}"
+        _running_system = system
         wait_until_ready(system.base_url, TINY, timeout_s=120, watch=services)
         yield system
     finally:
+        _running_system = None
         for svc in reversed(services):
             svc.stop()
-        if request.session.testsfailed:  # the services' own logs are the fastest way to the cause
-            for svc in services:
-                print(f"\n--- {svc.name} log (tail) ---\n{svc.log_tail(60)}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing end-to-end test carries the tails of the services' logs in its report: the fastest way to the
+    cause, and the only one once CI has removed the temp dir."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed and _running_system is not None:
+        for svc in _running_system.services:
+            tail = svc.log_tail(25)
+            if tail:
+                report.sections.append((f"{svc.name} log (tail)", tail))
 
 
 @pytest.fixture(scope="session")

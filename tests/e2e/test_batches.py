@@ -191,6 +191,13 @@ async def test_another_tenant_gets_404(client, tenant_client):
     await wait_batch(client, batch.id, finished, what="an end")
 
 
+async def test_a_nul_character_in_a_line_is_no_obstacle(tenant_client):
+    # JSON allows U+0000 in strings (a user may send it, a model may write it); Postgres jsonb does not.
+    _, batch = submit(tenant_client, [chat_line("nul", content="before \u0000 after")])
+    done = await wait_batch(tenant_client, batch.id, finished, what="an end")
+    assert done.status == "completed" and done.request_counts.completed == 1, done
+
+
 async def test_cancel_stops_a_running_batch(slow_worker, tenant_client, database_url):
     client = tenant_client
     lines = [chat_line(f"c-{i}", max_tokens=40, model=SLOW) for i in range(80)]

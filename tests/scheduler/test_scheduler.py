@@ -300,3 +300,41 @@ def test_a_more_important_prefill_runs_without_less_important_decodes():
     assert {s.seq.seq_id for s in out.scheduled} == {"pro", "batch-0", "batch-1", "batch-2"}
     sched.update_from_output(out, {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
     assert all(seq.num_output_tokens == 2 for seq in batch) and pro.num_output_tokens == 2
+
+
+def test_background_limit_lets_batch_sequences_take_turns_and_interactive_ones_run_every_step(make_seq, step):
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=64,
+                                      max_model_len=64))
+    batch = [make_seq(f"batch-{i}", num_prompt_tokens=6, max_tokens=12, priority=3, arrival=float(i))
+             for i in range(4)]
+    pro = make_seq("pro", num_prompt_tokens=6, max_tokens=12, priority=1, arrival=9.0)
+    for seq in (*batch, pro):
+        sched.add_request(seq)
+    step(sched)  # everyone prefilled: no limit yet
+    assert all(seq.num_output_tokens == 1 for seq in (*batch, pro))
+
+    sched.set_background_limit(priority=3, max_seqs=2)
+    runs: dict[str, int] = {seq.seq_id: 0 for seq in batch}
+    for _ in range(4):
+        out, _ = step(sched)
+        ids = {s.seq.seq_id for s in out.scheduled}
+        assert "pro" in ids and len(ids - {"pro"}) == 2  # two batch sequences a step, pro every step
+        for seq_id in ids - {"pro"}:
+            runs[seq_id] += 1
+    assert set(runs.values()) == {2}  # turns, oldest-served first: each batch sequence ran twice in 4 steps
+    assert sched.num_running == 5  # the others kept their seats (and blocks)
+
+    late = make_seq("batch-late", num_prompt_tokens=6, max_tokens=4, priority=3, arrival=20.0)
+    sched.add_request(late)
+    out, _ = step(sched)
+    assert "batch-late" not in {s.seq.seq_id for s in out.scheduled}  # no background seat left to admit it
+
+    sched.set_background_limit(priority=3, max_seqs=None)
+    out, _ = step(sched)
+    assert {s.seq.seq_id for s in out.scheduled} == {"pro", "batch-late", *runs}  # limit lifted: all run
+
+
+def test_background_limit_must_leave_at_least_one_seat():
+    sched = Scheduler(SchedulerConfig(num_blocks=256))
+    with pytest.raises(ValueError, match="max_seqs"):
+        sched.set_background_limit(priority=3, max_seqs=0)
