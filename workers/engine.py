@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,7 @@ class Engine:
         self._eos = eos_token_ids(model, tokenizer)
         self._requests: dict[str, _Request] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
+        self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
         bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
         log.info(
             "KV cache: %d bytes/token, %d blocks of %d tokens (%.1f MiB), %d tokens, max %d sequences at full "
@@ -186,14 +188,26 @@ class Engine:
         return True
 
     # -- the step -----------------------------------------------------------------------------------------
-    def step(self) -> list[TokenDelta]:
-        """Schedule → run the model → update; returns at most one delta per choice that made progress."""
+    def step(self, interrupt: Callable[[], bool] | None = None) -> list[TokenDelta]:
+        """Schedule → run the model → update; returns at most one delta per choice that made progress.
+
+        ``interrupt`` (asked between layers) may abandon a step that runs batch-tier sequences only, so an
+        interactive request that has just arrived does not wait for it: the abandoned step changes nothing but
+        the scheduling it did (admissions, block allocations), and its sequences run again next step.
+        """
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
         chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample) for s in plan.scheduled]
-        logits = self.runner.execute(chunks)
+        background = get_tier(BATCH_TIER).priority
+        if interrupt is not None and all(s.seq.priority >= background for s in plan.scheduled):
+            logits = self.runner.execute(chunks, should_stop=interrupt)
+            if logits is None:
+                self.num_interrupted_steps += 1
+                return outputs
+        else:
+            logits = self.runner.execute(chunks)
         to_sample = [s.seq for s in plan.scheduled if s.needs_sample]
         sampled: dict[str, int] = {}
         if to_sample:

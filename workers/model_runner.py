@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -227,12 +228,14 @@ class ModelRunner:
         return kv_bytes_budget // (ModelRunner.kv_bytes_per_token(hf_config, dtype) * block_size)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def execute(self, chunks: list[SeqChunk], should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
         """Run one step; returns float32 logits ``[number of chunks with needs_logits, vocab]`` in chunk order,
         on the runner's device.
 
         Each chunk's tokens are appended to its sequence's cache at ``start_pos..``; chunks of one step must
-        belong to different sequences.
+        belong to different sequences. ``should_stop`` is asked before every layer: when it answers True the step
+        is abandoned and None returned. What it wrote is only K/V at positions past each sequence's computed
+        tokens, in blocks no other sequence shares, so running the same chunks again later gives the same result.
         """
         if not chunks:
             return torch.empty(0, self.vocab_size)
@@ -252,15 +255,19 @@ class ModelRunner:
 
         input_ids = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in ordered))).to(self.device)
         meta = self.attention.prepare([(c.start_pos, len(c.token_ids), c.block_table) for c in ordered])
-        hidden = self._forward(input_ids, meta)
+        hidden = self._forward(input_ids, meta, should_stop)
+        if hidden is None:
+            return None
         if not logit_rows:
             return torch.empty(0, self.vocab_size)
         rows = torch.tensor(logit_rows).to(self.device)
         hidden = _rms_norm(hidden.index_select(0, rows), self.final_norm, self.eps)
         return F.linear(hidden, self.lm_head).float()
 
-    def _forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        """Decoder layers over the step's flat batch; returns the last hidden state, before the final norm."""
+    def _forward(self, input_ids: torch.Tensor, meta: StepMetadata,
+                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """Decoder layers over the step's flat batch; returns the last hidden state, before the final norm (None
+        when ``should_stop`` said so between two layers)."""
         num_tokens = input_ids.shape[0]
         heads, kv_heads, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         q_size, kv_size = heads * d, kv_heads * d
@@ -272,6 +279,8 @@ class ModelRunner:
 
         h = F.embedding(input_ids, self.embed)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+            if should_stop is not None and should_stop():
+                return None
             x = _rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
             # q and k rotate together: one rotary pass over [T, heads + kv_heads, d].

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -112,6 +113,9 @@ class Worker:
         self._batch_seqs_when_busy = batch_seqs_when_busy
         self._interactive_busy_s = interactive_busy_s
         self._last_interactive_at = -float("inf")  # monotonic time the last interactive request arrived
+        # Set when an interactive request is handed to the step loop; the step thread reads it between layers to
+        # abandon a batch-only step (see Engine.step), so that request's first token does not wait for it.
+        self._interactive_waiting = threading.Event()
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _num_admittable(self) -> int:
@@ -306,6 +310,8 @@ class Worker:
             await msg.ack()
             return 0
         self._pending_adds.append((tracked, msg))
+        if request.tier != BATCH_TIER:
+            self._interactive_waiting.set()
         self._work.set()
         return 1
 
@@ -329,7 +335,7 @@ class Worker:
         for request_id in aborts:
             self.engine.abort_request(request_id)
         if self.engine.has_unfinished_requests():
-            result.deltas = self.engine.step()
+            result.deltas = self.engine.step(interrupt=self._interactive_waiting.is_set)
         return result
 
     async def _step_loop(self, stop: asyncio.Event) -> None:
@@ -346,6 +352,7 @@ class Worker:
                 work_wait.cancel()
                 continue
             adds, self._pending_adds = self._pending_adds, []
+            self._interactive_waiting.clear()  # this step takes them in (same thread as _receive: no race)
             aborts, self._pending_aborts = self._pending_aborts, set()
             for tracked, _ in adds:
                 self._active[tracked.request.request_id] = tracked

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import count
 
+import msgspec
 import pytest
 import torch
 
@@ -305,3 +307,36 @@ def test_eos_finishes_with_stop_unless_ignored(tiny, make_request):
     assert res["ignore"].final.finish_reason == "length"
     assert res["ignore"].final.usage.completion_tokens == 20
     assert "<|im_end|>" not in res["ignore"].text  # special tokens are skipped in the text
+
+
+
+def test_an_interrupted_batch_step_changes_nothing_and_an_interactive_step_is_never_interrupted(tiny, make_request):
+    model, tokenizer = tiny
+    batch = [msgspec.structs.replace(make_request(prompt=p, temperature=0, max_tokens=12, ignore_eos=True),
+                                     tier="batch") for p in PROMPTS[:2]]
+    reference = RecordingEngine(model, tokenizer)
+    for req in batch:
+        reference.add_request(req)
+    expected = run(reference)
+
+    engine = RecordingEngine(model, tokenizer)
+    for req in batch:
+        engine.add_request(req)
+    layers_asked = count()
+    results: dict[str, Result] = defaultdict(Result)
+    for i in range(200):  # every other step is abandoned part-way, before its second layer
+        if not engine.has_unfinished_requests():
+            break
+        collect(results, engine.step(interrupt=lambda: i % 2 == 0 and next(layers_asked) % 2 == 1))
+    assert not engine.has_unfinished_requests() and engine.num_interrupted_steps > 5
+    assert dict(engine.token_ids) == dict(reference.token_ids)
+    assert {r: res.text for r, res in results.items()} == {r: res.text for r, res in expected.items()}
+    assert engine.num_free_blocks == engine.num_blocks
+
+    interrupted = engine.num_interrupted_steps
+    pro = make_request(prompt=PROMPTS[0], temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request(pro)
+    while engine.has_unfinished_requests():  # a step with interactive work runs to its end regardless
+        collect(results, engine.step(interrupt=lambda: True))
+    assert results[pro.request_id].final.usage.completion_tokens == 3
+    assert engine.num_interrupted_steps == interrupted
