@@ -36,6 +36,9 @@ class SchedulerConfig:
     # step's cost grows with its batch (CPUs), that keeps a pro request's first token from waiting on a full
     # batch of batch-tier decodes. Those decodes lose one step; nothing else changes for them.
     isolate_priority_prefill: bool = True
+    # Sequences of this priority or less important are background work (batch jobs): they can be limited to a few
+    # per step (set_background_limit) and a step of nothing else may be abandoned. None: no background work.
+    background_priority: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -75,6 +78,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
+    is_background_only: bool = False  # every scheduled sequence is background work
 
     @property
     def is_empty(self) -> bool:
@@ -97,7 +101,6 @@ class Scheduler:
         self._finished_by_length: dict[str, Sequence] = {}  # from the last update, see finish_request
         self._chunk_cap = config.long_prefill_token_threshold or sys.maxsize
         self._num_steps = 0
-        self._background_priority: int | None = None
         self._background_max_seqs: int | None = None
 
     # --- requests -------------------------------------------------------------------------------------
@@ -154,23 +157,28 @@ class Scheduler:
 
     # --- background work (batch jobs) -----------------------------------------------------------------
 
-    def set_background_limit(self, priority: int, max_seqs: int | None) -> None:
-        """Let at most ``max_seqs`` sequences of priority ``priority`` or less important run in one step
-        (``None``: no limit). The others keep their seats and blocks and take turns, oldest-served first.
+    def is_background(self, seq: Sequence) -> bool:
+        bg = self.config.background_priority
+        return bg is not None and seq.priority >= bg
+
+    def set_background_limit(self, max_seqs: int | None) -> None:
+        """Let at most ``max_seqs`` background sequences run in one step (``None``: no limit). The others keep
+        their seats and blocks and take turns, oldest-served first.
 
         Where a step's cost grows with its batch (CPUs), a step full of batch-job decodes delays the first token
         of an interactive request that arrives meanwhile; the worker sets a small limit while interactive traffic
         is about, and lifts it when there is none."""
         if max_seqs is not None and max_seqs < 1:
             raise ValueError(f"background max_seqs must be >= 1 or None, got {max_seqs}")
-        self._background_priority = priority
+        if max_seqs is not None and self.config.background_priority is None:
+            raise ValueError("a background limit needs SchedulerConfig.background_priority")
         self._background_max_seqs = max_seqs
 
     def _background_turns(self) -> tuple[set[str], int]:
         """(ids of the running background sequences that run this step, seats left for admitting more)."""
         if self._background_max_seqs is None:
             return set(), sys.maxsize
-        background = [s for s in self._running if s.priority >= self._background_priority]
+        background = [s for s in self._running if self.is_background(s)]
         background.sort(key=lambda s: s.last_scheduled_step)
         chosen = {s.seq_id for s in background[:self._background_max_seqs]}
         return chosen, self._background_max_seqs - len(chosen)
@@ -210,7 +218,7 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
-            if self._background_max_seqs is not None and seq.priority >= self._background_priority \
+            if self._background_max_seqs is not None and self.is_background(seq) \
                     and seq.seq_id not in background_turns:
                 i += 1  # not its turn: keeps its seat and blocks
                 continue
@@ -241,6 +249,7 @@ class Scheduler:
             scheduled=entries,
             preempted_ids=[seq.seq_id for seq in preempted],
             num_batched_tokens=sum(e.num_new_tokens for e in entries),
+            is_background_only=bool(entries) and all(self.is_background(e.seq) for e in entries),
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
@@ -283,7 +292,7 @@ class Scheduler:
             seq = self._waiting.peek()
             if seq in preempted:
                 break  # just preempted for memory; everything behind it is less important anyway
-            if self._background_priority is not None and seq.priority >= self._background_priority:
+            if self.is_background(seq):
                 if background_seats <= 0:
                     break  # the rest of the queue is background too
                 background_seats -= 1

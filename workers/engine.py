@@ -96,6 +96,7 @@ class Engine:
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             max_model_len=self.max_context,
+            background_priority=get_tier(BATCH_TIER).priority,
         ))
         self._eos = eos_token_ids(model, tokenizer)
         self._requests: dict[str, _Request] = {}
@@ -135,7 +136,7 @@ class Engine:
     def set_background_limit(self, max_seqs: int | None) -> None:
         """Run at most ``max_seqs`` batch-tier sequences per step (None: no limit); the rest keep their seats and
         take turns. See ``Scheduler.set_background_limit``."""
-        self.scheduler.set_background_limit(get_tier(BATCH_TIER).priority, max_seqs)
+        self.scheduler.set_background_limit(max_seqs)
 
     def add_request(self, req: GenerateRequest) -> int:
         """Tokenize and queue ``req``; returns its prompt token count. Raises ``RequestRejected`` before compute
@@ -200,14 +201,10 @@ class Engine:
         if plan.is_empty:
             return outputs
         chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample) for s in plan.scheduled]
-        background = get_tier(BATCH_TIER).priority
-        if interrupt is not None and all(s.seq.priority >= background for s in plan.scheduled):
-            logits = self.runner.execute(chunks, should_stop=interrupt)
-            if logits is None:
-                self.num_interrupted_steps += 1
-                return outputs
-        else:
-            logits = self.runner.execute(chunks)
+        logits = self.runner.execute(chunks, should_stop=interrupt if plan.is_background_only else None)
+        if logits is None:
+            self.num_interrupted_steps += 1
+            return outputs
         to_sample = [s.seq for s in plan.scheduled if s.needs_sample]
         sampled: dict[str, int] = {}
         if to_sample:

@@ -304,7 +304,7 @@ def test_a_more_important_prefill_runs_without_less_important_decodes():
 
 def test_background_limit_lets_batch_sequences_take_turns_and_interactive_ones_run_every_step(make_seq, step):
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=64,
-                                      max_model_len=64))
+                                      max_model_len=64, background_priority=3))
     batch = [make_seq(f"batch-{i}", num_prompt_tokens=6, max_tokens=12, priority=3, arrival=float(i))
              for i in range(4)]
     pro = make_seq("pro", num_prompt_tokens=6, max_tokens=12, priority=1, arrival=9.0)
@@ -313,12 +313,13 @@ def test_background_limit_lets_batch_sequences_take_turns_and_interactive_ones_r
     step(sched)  # everyone prefilled: no limit yet
     assert all(seq.num_output_tokens == 1 for seq in (*batch, pro))
 
-    sched.set_background_limit(priority=3, max_seqs=2)
+    sched.set_background_limit(2)
     runs: dict[str, int] = {seq.seq_id: 0 for seq in batch}
     for _ in range(4):
         out, _ = step(sched)
         ids = {s.seq.seq_id for s in out.scheduled}
         assert "pro" in ids and len(ids - {"pro"}) == 2  # two batch sequences a step, pro every step
+        assert not out.is_background_only
         for seq_id in ids - {"pro"}:
             runs[seq_id] += 1
     assert set(runs.values()) == {2}  # turns, oldest-served first: each batch sequence ran twice in 4 steps
@@ -329,12 +330,22 @@ def test_background_limit_lets_batch_sequences_take_turns_and_interactive_ones_r
     out, _ = step(sched)
     assert "batch-late" not in {s.seq.seq_id for s in out.scheduled}  # no background seat left to admit it
 
-    sched.set_background_limit(priority=3, max_seqs=None)
+    sched.set_background_limit(None)
     out, _ = step(sched)
     assert {s.seq.seq_id for s in out.scheduled} == {"pro", "batch-late", *runs}  # limit lifted: all run
 
 
-def test_background_limit_must_leave_at_least_one_seat():
-    sched = Scheduler(SchedulerConfig(num_blocks=256))
+def test_background_limit_must_leave_at_least_one_seat_and_needs_a_background_priority():
+    sched = Scheduler(SchedulerConfig(num_blocks=256, background_priority=3))
     with pytest.raises(ValueError, match="max_seqs"):
-        sched.set_background_limit(priority=3, max_seqs=0)
+        sched.set_background_limit(0)
+    with pytest.raises(ValueError, match="background_priority"):
+        Scheduler(SchedulerConfig(num_blocks=256)).set_background_limit(2)
+
+
+def test_a_step_of_background_sequences_only_says_so(make_seq):
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, background_priority=3))
+    sched.add_request(make_seq("batch", priority=3))
+    assert sched.schedule().is_background_only
+    sched.add_request(make_seq("free", priority=2))
+    assert not sched.schedule().is_background_only

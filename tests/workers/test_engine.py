@@ -291,8 +291,8 @@ def test_eos_finishes_with_stop_unless_ignored(tiny, make_request):
     engine = Engine(model, tokenizer)
     execute = engine.runner.execute
 
-    def force_eos(chunks):
-        logits = execute(chunks).clone()
+    def force_eos(chunks, should_stop=None):
+        logits = execute(chunks, should_stop).clone()
         logits[..., 2] = 1e4  # the model now always prefers EOS
         return logits
 
