@@ -36,6 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.overload import MODEL, PROMPTS, drain, free_port, ms, one, pct, poisson  # noqa: E402
+from bench.results import RESULTS, append_section  # noqa: E402
 
 LIMIT = 100_000_000  # rpm / tpm: far above the load, fits Postgres integer
 
@@ -256,7 +257,7 @@ def main() -> int:
     p.add_argument("--settle-timeout", type=float, default=60.0, help="max wait for the batch to fill the seats")
     p.add_argument("--cancel-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md", help="'-' to skip")
+    p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command = " ".join(["python bench/batch.py", *map(shlex.quote, sys.argv[1:])])
     from deploy.launcher import NatsServer, PostgresServer
@@ -303,11 +304,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     text = report(args, out, command)
     print("\n" + text)
-    if str(args.results) != "-":
-        existing = args.results.read_text() if args.results.exists() else ""  # re-read: others append too
-        with open(args.results, "a") as fh:
-            fh.write(("\n" if existing and not existing.endswith("\n\n") else "") + text)
-        print(f"appended to {args.results}")
+    append_section(text, args.results)
     return 0
 
 

@@ -17,12 +17,15 @@ import datetime as dt
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import httpx
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results import append_section  # noqa: E402
+
 SYSTEM = ("You are a meticulous railway operations assistant. " * 60).strip()  # a long shared prefix
 QUESTION = ("Describe, in detail, how a classification yard sorts freight cars onto outbound tracks, "
             "including humps, retarders and the bowl. ") * 3
@@ -71,12 +74,11 @@ def main() -> None:
                f"at turn {args.turns} vs {rows[0]['prompt_tokens']} at turn 1")
     table = "\n".join(lines)
     print(table + "\n\n" + summary)
-    with RESULTS.open("a") as f:
-        f.write(f"\n## Conversation turns and prefix caching ({dt.date.today()})\n\n"
-                f"`{' '.join(['.venv/bin/python', 'bench/conversation.py', '--api-key', '...'])}` against "
-                f"`make up` ({args.model}, {os.cpu_count()} CPUs, {platform.machine()}, load "
-                f"{os.getloadavg()[0]:.1f}); {args.max_tokens} output tokens per turn, streamed.\n\n"
-                f"{table}\n\n{summary}.\n")
+    append_section(f"## Conversation turns and prefix caching ({dt.date.today()})\n\n"
+                   f"`{' '.join(['.venv/bin/python', 'bench/conversation.py', '--api-key', '...'])}` against "
+                   f"`make up` ({args.model}, {os.cpu_count()} CPUs, {platform.machine()}, load "
+                   f"{os.getloadavg()[0]:.1f}); {args.max_tokens} output tokens per turn, streamed.\n\n"
+                   f"{table}\n\n{summary}.\n")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.results import RESULTS, append_section  # noqa: E402
 
 SCENARIOS = ("engine_t0", "engine_poisson", "hf_static", "hf_seq", "single", "prefix")
 COLUMNS = ("scenario", "reqs", "out tok", "wall s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
@@ -350,7 +351,7 @@ def main():
     p.add_argument("--kv-gib", type=float, default=1.0)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--cache-dir", default=None, help="model cache (default: SwitchyardConfig().model_cache_dir)")
-    p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
+    p.add_argument("--results", default=str(RESULTS))
     args = p.parse_args()
     if args.quick:
         args.num_requests, args.prompt_len, args.output_len = 8, [16, 64], [8, 32]
@@ -374,17 +375,13 @@ def main():
         table = report(results)
         print(f"\n== {dtype} ==\n{table}\n", flush=True)
         sections.append(f"### dtype {dtype}\n\n{table}\n")
-    path = Path(args.results)
-    if not path.exists():
-        path.write_text("# Benchmark results\n\nSections appended by the scripts in bench/; newest last.\n")
-    with path.open("a") as f:
-        f.write(f"\n## bench/engine.py, {started}\n\n`{command}`\n\n- machine: {machine()}; torch threads "
+    append_section(
+        f"## bench/engine.py, {started}\n\n`{command}`\n\n- machine: {machine()}; torch threads "
                 f"{args.threads}\n- load average (1/5/15 min) at start {load_start}, at end {load_avg()}\n"
                 f"- workload: {args.num_requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
                 f"output {args.output_len[0]}-{args.output_len[1]} tokens, seed {args.seed}, greedy, ignore_eos; "
                 f"engine max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
-                f"block {args.block_size}, KV {args.kv_gib} GiB\n\n" + "\n".join(sections))
-    print(f"appended to {path}", file=sys.stderr)
+                f"block {args.block_size}, KV {args.kv_gib} GiB\n\n" + "\n".join(sections), args.results)
 
 
 if __name__ == "__main__":

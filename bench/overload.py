@@ -34,7 +34,6 @@ import secrets
 import shlex
 import shutil
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.results import RESULTS, append_section  # noqa: E402
 MODEL = "smollm2"
 PROMPTS = ["Say hello.", "Name a color.", "Count to five.", "What is 2+2?", "Tell me a fact.", "Pick a number."]
 
@@ -308,7 +308,7 @@ def main() -> int:
     p.add_argument("--free-max-wait", type=float, default=15.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-restore", dest="restore", action="store_false", help="keep the tier limits afterwards")
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md", help="'-' to skip")
+    p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command = " ".join(["python bench/overload.py", *map(shlex.quote, sys.argv[1:])])
     stack, work, database_url = [], None, None
@@ -398,11 +398,7 @@ def report(args, out: dict, command: str) -> None:
                      f"first_token_ms p50/p95; from the gateway's accept): {out['server_times']}")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
-    if str(args.results) != "-":
-        existing = args.results.read_text() if args.results.exists() else ""  # re-read: others append too
-        with open(args.results, "a") as f:
-            f.write(("\n" if existing and not existing.endswith("\n\n") else "") + text)
-        print(f"appended to {args.results}")
+    append_section(text, args.results)
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ class SdpaAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
         """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (rotary applied) -> attention output ``[T, heads * d]``."""
-        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        kvh, d = self.num_kv_heads, self.head_dim
         k_slots = k_cache.view(-1, kvh, d)
         v_slots = v_cache.view(-1, kvh, d)
         k_slots.index_copy_(0, meta.slot_mapping, k)

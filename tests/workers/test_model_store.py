@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-from shared.messages import SamplingParams
 from workers.model_store import MARKER, ModelNotFound, is_pulled, load, resolve
 from workers.engine import Engine
 

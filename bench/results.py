@@ -1,0 +1,26 @@
+"""Where the benchmarks write their numbers: a markdown section appended to bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+_HEADER = "# Benchmark results\n\nSections appended by the scripts in bench/; newest last.\n"
+
+
+def append_section(text: str, path: Path | str = RESULTS) -> None:
+    """Append ``text`` (a section starting with a ``##`` heading) after a blank line; ``path`` '-' skips it.
+
+    The file is read again just before appending: another benchmark may have appended since this one started.
+    """
+    if str(path) == "-":
+        return
+    path = Path(path)
+    if not path.exists():
+        path.write_text(_HEADER)
+    existing = path.read_text()
+    separator = "" if existing.endswith("\n\n") else ("\n" if existing.endswith("\n") else "\n\n")
+    with path.open("a") as f:
+        f.write(separator + text.rstrip("\n") + "\n")
+    print(f"appended to {path}", file=sys.stderr)
