@@ -183,21 +183,19 @@ def _status(client, args: argparse.Namespace) -> int:
 
 
 def _download(client, batch, output: Path | None, errors: Path | None) -> None:
-    if batch.output_file_id:
-        data = client.files.content(batch.output_file_id).read()
-        if output is None:
+    """The output file to ``output`` and the error file to ``errors`` (default: beside ``output``); stdout when
+    there is no path."""
+    errors = errors or (output.with_name(output.stem + ".errors.jsonl") if output else None)
+    for file_id, path, what in ((batch.output_file_id, output, "results"),
+                                (batch.error_file_id, errors, "failed or cancelled lines")):
+        if not file_id:
+            continue
+        data = client.files.content(file_id).read()
+        if path is None:
             sys.stdout.buffer.write(data)
         else:
-            output.write_bytes(data)
-            print(f"{len(data.splitlines())} results written to {output}", file=sys.stderr)
-    if batch.error_file_id:
-        errors = errors or (output.with_name(output.stem + ".errors.jsonl") if output else None)
-        data = client.files.content(batch.error_file_id).read()
-        if errors is None:
-            sys.stdout.buffer.write(data)
-        else:
-            errors.write_bytes(data)
-            print(f"{len(data.splitlines())} failed or cancelled lines written to {errors}", file=sys.stderr)
+            path.write_bytes(data)
+            print(f"{len(data.splitlines())} {what} written to {path}", file=sys.stderr)
 
 
 def _results(client, args: argparse.Namespace) -> int:

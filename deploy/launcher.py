@@ -50,6 +50,18 @@ def docker_available() -> bool:
         return False
 
 
+def stop_process(proc: subprocess.Popen | None, sig: int, timeout: float) -> None:
+    """Send ``sig`` (a graceful stop), wait up to ``timeout`` s, then SIGKILL; nothing if it already ended."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def die_with_parent(sig: int):
     """A preexec_fn that makes the child receive ``sig`` when the forking thread exits.
 
@@ -127,15 +139,7 @@ class _Server:
     def stop(self, timeout: float = 10.0) -> None:
         """Signal the server (graceful), wait up to ``timeout`` s, then SIGKILL. Idempotent."""
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(self._stop_signal)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, self._stop_signal, timeout)
 
     def start(self):
         raise NotImplementedError

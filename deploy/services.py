@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from deploy.launcher import die_with_parent
+from deploy.launcher import die_with_parent, stop_process
 
 
 class ServiceProcess:
@@ -62,14 +62,7 @@ class ServiceProcess:
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM (graceful: finish running requests), then SIGKILL after ``timeout``. Idempotent."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signal.SIGTERM, timeout)
 
 
 def wait_until_ready(base_url: str, model: str | None, timeout_s: float, watch: list[ServiceProcess]) -> None:

@@ -46,16 +46,19 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-_STARTED: dict[int, str] = {}  # pid -> start time when first seen: a reused pid is another process
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot): with the pid, it names one process, not a reused pid."""
+    fields = _stat(pid)
+    return None if fields is None else fields[19]
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` exists, is the process first seen under it, and is not a zombie (an orphan's zombie
-    waits for init)."""
+def _running(pid: int, started: str | None = None) -> bool:
+    """True while ``pid`` exists and is not a zombie (an orphan's zombie waits for init); with ``started``, only
+    while it is still the process that started then."""
     fields = _stat(pid)
     if fields is None or fields[0] in ("Z", "X"):
         return False
-    return _STARTED.setdefault(pid, fields[19]) == fields[19]
+    return started is None or fields[19] == started
 
 
 def _children(pid: int) -> list[int]:
@@ -71,10 +74,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """Poll until every pid has exited; return those still running at the deadline."""
+def _wait_gone(pids: list[int], timeout: float = 10.0, started: dict[int, str | None] | None = None) -> list[int]:
+    """Poll until every pid has exited; return those still running at the deadline (``started``: their start
+    times, so that a pid reused meanwhile does not count)."""
+    started = started or {}
     deadline = time.monotonic() + timeout
-    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+    while (alive := [p for p in pids if _running(p, started.get(p))]) and time.monotonic() < deadline:
         time.sleep(0.02)
     return alive
 
@@ -239,23 +244,23 @@ def test_servers_die_with_their_parent(server_dir):
     owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(server_dir)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
+    started: dict[int, str | None] = {}
     try:
         line = owner.stdout.readline()
         assert line, f"owner process failed (exit {owner.wait()})"
         pids = [int(p) for p in line.split()]
         pids += _children(pids[1])
-        for pid in pids:
-            _running(pid)  # remember its start time
+        started = {pid: _start_time(pid) for pid in pids}
         owner.kill()  # SIGKILL: no cleanup code of the owner runs
         owner.wait()
-        assert _wait_gone(pids) == []
+        assert _wait_gone(pids, started=started) == []
     finally:
         owner.kill()
         owner.wait()
         owner.stdin.close()
         owner.stdout.close()
         for pid in pids:  # don't leak servers when the assertion above failed
-            if _running(pid):
+            if _running(pid, started.get(pid)):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
