@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -88,6 +90,26 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             await js.stream_info(config.name)
 
 
+# Streams of earlier layouts whose subjects overlap today's: JetStream refuses a new stream that overlaps them.
+_LEGACY_STREAMS = ("REQUESTS",)  # one stream for every tier, before the per-tier streams
+
+
+async def _drop_legacy_streams(js: JetStreamContext) -> None:
+    """Delete an earlier layout's stream when it holds nothing; refuse clearly when it still holds requests."""
+    for name in _LEGACY_STREAMS:
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            continue
+        if info.state.messages:
+            raise RuntimeError(
+                f"JetStream stream {name!r} from an earlier Switchyard still holds {info.state.messages} queued "
+                f"requests, and its subjects overlap the per-tier streams. Let it drain with the earlier version, or "
+                f"delete it (losing those requests), then start again.")
+        with contextlib.suppress(NotFoundError):  # another process (gateway or worker) deleted it first
+            await js.delete_stream(name)
+
+
 async def ensure_streams(js: JetStreamContext) -> None:
     """Create the per-tier request streams, USAGE and EVENTS if missing, and seed the tier policies.
 
@@ -95,6 +117,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
     """
     from shared.tier_store import read_policies, seed_policies
 
+    await _drop_legacy_streams(js)
     await seed_policies(js)
     policies = await read_policies(js)
     for tier in TIER_NAMES:
