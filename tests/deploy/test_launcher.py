@@ -278,3 +278,16 @@ async def test_session_nats_fixture_has_jetstream(nats_url):
         assert info.limits is not None
     finally:
         await nc.close()
+
+
+def test_as_root_postgres_runs_from_binaries_its_user_can_reach(server_dir):
+    from deploy.launcher import _searchable_by_all
+
+    private = Path(tempfile.mkdtemp())  # 0700, like `mktemp -d` around a CI checkout
+    try:
+        assert not _searchable_by_all(private)
+    finally:
+        private.rmdir()
+    if os.geteuid() != 0:
+        pytest.skip("postgres runs as the current user: nothing to reach")
+    assert _searchable_by_all(PostgresServer(server_dir / "pg").bin_dir() / "postgres")
