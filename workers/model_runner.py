@@ -118,6 +118,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# Row counts for which ``W @ x.T`` beats ``x @ W.T`` with MKL on CPU (decode-sized batches): measured on a 2-core
+# AVX2 EPYC, fp32, the SmolLM2 shapes took 10-15% less per layer at 16-64 rows and the 49152-row LM head 21 vs 37 ms
+# at 32 rows; at a few hundred rows (prefill) the plain product is as fast or faster.
+_TRANSPOSED_PRODUCT_ROWS = range(4, 97)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, computed as ``(W @ x.T).T`` where that is faster (CPU, decode-sized batches); the result may
+    then be a transposed view."""
+    if x.device.type != "cpu" or x.shape[0] not in _TRANSPOSED_PRODUCT_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.T).T
+    return out if bias is None else out + bias
+
+
 def _stack_linears(linears, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input.
 
@@ -214,7 +229,7 @@ class ModelRunner:
         self.k_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
         self.attention: PagedAttention = make_attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, block_size, dev, attention_backend
+            self.num_heads, self.num_kv_heads, self.head_dim, block_size, dev, attention_backend, dt
         )
 
     @staticmethod
@@ -262,7 +277,7 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size)
         rows = torch.tensor(logit_rows).to(self.device)
         hidden = _rms_norm(hidden.index_select(0, rows), self.final_norm, self.eps)
-        return F.linear(hidden, self.lm_head).float()
+        return _linear(hidden, self.lm_head).float().contiguous()
 
     def _forward(self, input_ids: torch.Tensor, meta: StepMetadata,
                  should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
@@ -282,17 +297,17 @@ class ModelRunner:
             if should_stop is not None and should_stop():
                 return None
             x = _rms_norm(h, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = _linear(x, layer.qkv_weight, layer.qkv_bias).contiguous()
             # q and k rotate together: one rotary pass over [T, heads + kv_heads, d].
             qk = _rotate(qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, d), cos, sin)
             q, k = qk.split((heads, kv_heads), dim=1)
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, d)
             o = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            h = h + F.linear(o, layer.o_weight, layer.o_bias)
+            h = h + _linear(o, layer.o_weight, layer.o_bias)
 
             x = _rms_norm(h, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(self.act(gate) * up, layer.down_weight, layer.down_bias)
+            gate, up = _linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + _linear(self.act(gate) * up, layer.down_weight, layer.down_bias)
         return h
 
     def warmup(self) -> None:

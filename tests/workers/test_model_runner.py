@@ -148,10 +148,11 @@ def test_prefix_shared_through_block_table():
     torch.testing.assert_close(logits[0], hf_last_logits(model, second), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "cpu_paged"])  # the fallback and the compiled CPU decode kernel
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_decode_mixed_with_prefill_matches_hf_generate(kind):
+def test_greedy_decode_mixed_with_prefill_matches_hf_generate(kind, backend):
     model = build(kind)
-    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, attention_backend=backend)
     pool = BlockPool()
     num_new = 10
     seqs = prompts(6, 11, 23)
@@ -235,8 +236,9 @@ def test_programmer_errors_raise():
 
 def test_backend_choice_falls_back_to_sdpa():
     cpu = torch.device("cpu")
+    # On CPU: the compiled decode kernel (a subclass of SdpaAttention) or SDPA itself; never flash-attn.
     assert isinstance(make_attention(4, 2, 16, 16, cpu), SdpaAttention)
-    assert isinstance(make_attention(4, 2, 16, 256, cpu), SdpaAttention)  # flash-attn is CUDA only
+    assert isinstance(make_attention(4, 2, 16, 256, cpu), SdpaAttention)
     with pytest.raises((ValueError, RuntimeError)):
         make_attention(4, 2, 16, 16, cpu, backend="flash")  # block size not a multiple of 256
     assert preferred_dtype("cpu") in (torch.bfloat16, torch.float32)
@@ -249,7 +251,7 @@ def test_decodes_grouped_by_length_match_one_padded_call():
     ids = prompts(*lengths)
     logits = {}
     for max_groups in (1, 4):
-        runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+        runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, attention_backend="sdpa")
         runner.attention.max_decode_groups = max_groups
         pool = BlockPool()
         tables = [pool.table(n + 1) for n in lengths]

@@ -1,0 +1,120 @@
+"""The compiled CPU decode kernel against the SDPA backend, and its fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from workers import cpu_attention
+from workers.attention import SdpaAttention, make_attention
+from workers.cpu_attention import CpuPagedAttention, load_kernel
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if load_kernel() is None:
+        if shutil.which("gcc") or shutil.which("cc"):
+            pytest.fail("a C compiler is present but the kernel did not build (see the log)")
+        pytest.skip("no C compiler on this machine")
+    return load_kernel()
+
+
+def _step(heads, kv_heads, head_dim, block_size, decode_contexts, prefill=(0, 0), seed=0):
+    """Random cache, q/k/v and chunk shapes (an optional prefill chunk first, then decodes) over shuffled blocks."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + 1) // block_size) for c in (*decode_contexts, sum(prefill))) + 2
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+
+    def table(num_tokens):
+        return [free.pop() for _ in range(-(-num_tokens // block_size))]
+
+    chunks = []
+    if prefill[1]:
+        chunks.append((prefill[0], prefill[1], table(sum(prefill))))
+    chunks += [(c, 1, table(c + 1)) for c in decode_contexts]
+    num_tokens = sum(n for _, n, _ in chunks)
+    cache = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) for _ in range(2)]
+    # q as the runner makes it: a view of a wider [T, heads + kv_heads, d] tensor (rows not contiguous).
+    q = torch.randn(num_tokens, heads + kv_heads, head_dim, generator=gen)[:, :heads]
+    k, v = (torch.randn(num_tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
+    return chunks, cache, q, k, v
+
+
+def _attend(backend_cls, shape, step):
+    chunks, (k_cache, v_cache), q, k, v = step
+    attention = backend_cls(*shape, CPU)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out = attention.forward(q, k, v, k_cache, v_cache, attention.prepare(chunks))
+    return out, k_cache, v_cache
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),   # SmolLM2: grouped-query attention, head_dim 64
+    (8, 8, 128, 16),  # multi-head, head_dim 128
+    (6, 2, 32, 4),    # a head_dim the kernel has no special case for, tiny blocks
+    (4, 1, 16, 8),    # multi-query
+])
+def test_kernel_matches_sdpa_on_mixed_steps(kernel, heads, kv_heads, head_dim, block_size):
+    shape = (heads, kv_heads, head_dim, block_size)
+    contexts = [0, 1, block_size - 1, block_size, 3 * block_size + 5, 97, 300, 11]
+    step = _step(*shape, contexts, prefill=(2 * block_size + 3, 7))
+    expected, k_ref, v_ref = _attend(SdpaAttention, shape, step)
+    got, k_got, v_got = _attend(CpuPagedAttention, shape, step)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)  # the step's K/V written to the same slots
+
+
+def test_kernel_decode_only_step_and_threads(kernel):
+    shape = (9, 3, 64, 16)
+    step = _step(*shape, [random.Random(3).randint(1, 600) for _ in range(33)], seed=3)
+    expected, _, _ = _attend(SdpaAttention, shape, step)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got, _, _ = _attend(CpuPagedAttention, shape, step)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_default_backend_on_cpu(kernel):
+    assert isinstance(make_attention(9, 3, 64, 16, CPU), CpuPagedAttention)  # fp32 cache: the kernel
+    bf16 = make_attention(9, 3, 64, 16, CPU, dtype=torch.bfloat16)
+    assert type(bf16) is SdpaAttention  # the kernel is fp32 only
+
+
+def test_no_compiler_falls_back_to_sdpa(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SWITCHYARD_KERNEL_CACHE", str(tmp_path / "kernels"))  # nothing built there yet
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel() is None
+        assert type(make_attention(9, 3, 64, 16, CPU)) is SdpaAttention
+        assert "uses SDPA" in caplog.text
+    finally:
+        load_kernel.cache_clear()
+    assert not list((tmp_path / "kernels").glob("*.so*"))  # a failed build leaves no file behind
+
+
+def test_kernel_is_built_once_per_cache(monkeypatch, tmp_path, kernel):
+    monkeypatch.setenv("SWITCHYARD_KERNEL_CACHE", str(tmp_path))
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel() is not None
+        built = list(tmp_path.glob("paged_decode-*.so"))
+        assert len(built) == 1
+        mtime = built[0].stat().st_mtime_ns
+        load_kernel.cache_clear()
+        assert load_kernel() is not None
+        assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+    finally:
+        load_kernel.cache_clear()
+    assert cpu_attention.SOURCE.is_file()

@@ -1,0 +1,112 @@
+/* Decode attention straight from the paged KV cache (fp32, CPU), compiled at first use by workers/cpu_attention.py.
+ *
+ * One query token per sequence. For sequence b and KV head kh, the `group` query heads that share kh are done
+ * together, so each cached K/V row is read once per (b, kh) and never copied:
+ *
+ *   cache [num_blocks][block_size][num_kv_heads][head_dim]; position p of sequence b lives in block
+ *   table[b][p / block_size] at offset p % block_size.
+ *
+ * Two passes over the context: scores (q.k * scale) into a per-thread buffer, then softmax weights times V. The
+ * work items (b, kh) are spread over OpenMP threads; torch ships the same libgomp, so they share one thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+    float s = 0.f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* The body for one (sequence, KV head); HD is a compile-time head_dim where the caller could give one, so the inner
+ * loops unroll into whole vector registers. */
+#define DECODE_ONE(HD)                                                                                              \
+    do {                                                                                                            \
+        float mx[MAX_GROUP], sum[MAX_GROUP];                                                                        \
+        for (int g = 0; g < group; g++) mx[g] = -INFINITY, sum[g] = 0.f;                                            \
+        for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {                                                          \
+            const int64_t base = table[j0 / block_size] * block_size;                                               \
+            const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                                        \
+            for (int64_t j = 0; j < n; j++) {                                                                       \
+                const float *kj = k_cache + ((base + j) * num_kv_heads + kh) * (HD);                                \
+                for (int g = 0; g < group; g++) {                                                                   \
+                    float s = dot(qb + g * (HD), kj, (HD)) * scale;                                                 \
+                    scores[g * ctx + j0 + j] = s;                                                                   \
+                    if (s > mx[g]) mx[g] = s;                                                                       \
+                }                                                                                                   \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int g = 0; g < group; g++) {                                                                           \
+            float *sg = scores + g * ctx;                                                                           \
+            for (int64_t j = 0; j < ctx; j++) {                                                                     \
+                sg[j] = expf(sg[j] - mx[g]);                                                                        \
+                sum[g] += sg[j];                                                                                    \
+            }                                                                                                       \
+        }                                                                                                           \
+        float acc[MAX_GROUP * MAX_HEAD_DIM];                                                                        \
+        for (int i = 0; i < group * (HD); i++) acc[i] = 0.f;                                                        \
+        for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {                                                          \
+            const int64_t base = table[j0 / block_size] * block_size;                                               \
+            const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                                        \
+            for (int64_t j = 0; j < n; j++) {                                                                       \
+                const float *vj = v_cache + ((base + j) * num_kv_heads + kh) * (HD);                                \
+                for (int g = 0; g < group; g++) axpy(acc + g * (HD), scores[g * ctx + j0 + j], vj, (HD));           \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int g = 0; g < group; g++) {                                                                           \
+            const float inv = 1.f / sum[g];                                                                         \
+            float *o = ob + g * (HD);                                                                               \
+            for (int i = 0; i < (HD); i++) o[i] = acc[g * (HD) + i] * inv;                                          \
+        }                                                                                                           \
+    } while (0)
+
+/* q [batch][q_row_stride] (heads * head_dim used), out [batch][num_heads * head_dim], block_tables
+ * [batch][table_stride], context_lens [batch]. Returns 0, or -1 for shapes this kernel does not take. */
+int paged_decode_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                     const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens, float *out,
+                     int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                     int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = NULL;
+        int64_t capacity = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < batch * num_kv_heads; item++) {
+            const int b = item / num_kv_heads, kh = item % num_kv_heads;
+            const int64_t ctx = context_lens[b];
+            if (ctx * group > capacity) {
+                free(scores);
+                capacity = ctx * group;
+                scores = malloc(sizeof(float) * capacity);
+                if (scores == NULL) {
+                    capacity = 0;
+#pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+            }
+            const int64_t *table = block_tables + b * table_stride;
+            const float *qb = q + b * q_row_stride + (int64_t)kh * group * head_dim;
+            float *ob = out + ((int64_t)b * num_heads + (int64_t)kh * group) * head_dim;
+            if (head_dim == 64)
+                DECODE_ONE(64);
+            else if (head_dim == 128)
+                DECODE_ONE(128);
+            else
+                DECODE_ONE(head_dim);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
