@@ -21,9 +21,10 @@ from gateway.registry import ModelRegistry
 from gateway.relay import Relay, RelayedRequest
 from gateway.auth import AuthContext
 from gateway.limits import Admission, Limiter
+from gateway.logprobs import LogprobsFormatter
 from shared.config import GatewayConfig
 from shared.tier_store import PolicyCache
-from shared.messages import ChatMessage, GenerateRequest, TokenDelta, Usage
+from shared.messages import ChatMessage, GenerateRequest, TokenDelta, TokenLogprob, Usage
 
 
 @dataclass(slots=True)
@@ -149,12 +150,14 @@ class CompletionService:
     async def _collect(self, relayed: RelayedRequest, first: TokenDelta, kind: _Kind, outcome: "Outcome") -> dict:
         n = relayed.request.sampling.n
         texts = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         usage = Usage()
         async for delta in self._all_deltas(relayed, first):
             if delta.error is not None:
                 raise OpenAIError.from_info(delta.error)
             texts[delta.index].append(delta.text)
+            logprobs[delta.index] += delta.logprobs or ()
             if delta.finish_reason is not None:
                 finish[delta.index] = delta.finish_reason
             if delta.usage is not None:
@@ -162,10 +165,11 @@ class CompletionService:
         choices = []
         for i in range(n):
             text = "".join(texts[i])
+            formatted = LogprobsFormatter(kind.is_chat, relayed.request.sampling.logprobs).format(logprobs[i])
             if kind.is_chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None}
+                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": formatted}
             else:
-                choice = {"index": i, "text": text, "logprobs": None}
+                choice = {"index": i, "text": text, "logprobs": formatted}
             choice["finish_reason"] = finish[i]
             choices.append(choice)
         req = relayed.request
@@ -188,14 +192,18 @@ class CompletionService:
         base = {"id": kind.id_prefix + req.request_id, "object": kind.object_chunk, "created": int(req.created_at),
                 "model": req.model, **extra}
 
-        def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+        formatters = [LogprobsFormatter(kind.is_chat, req.sampling.logprobs) for _ in range(req.sampling.n)]
+
+        def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                  logprobs: list[TokenLogprob] | None = None) -> bytes:
+            formatted = formatters[index].format(logprobs) if logprobs else None
             if kind.is_chat:
                 delta: dict = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                choice = {"index": index, "delta": delta, "logprobs": formatted, "finish_reason": finish_reason}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                choice = {"index": index, "text": text or "", "logprobs": formatted, "finish_reason": finish_reason}
             payload = {**base, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
@@ -217,9 +225,11 @@ class CompletionService:
                 if delta.text or delta.finish_reason is not None:
                     # The final delta may carry text too: send it, then the finish on its own chunk like OpenAI.
                     if delta.text:
-                        yield chunk(delta.index, delta.text, None)
+                        yield chunk(delta.index, delta.text, None, logprobs=delta.logprobs)
                     if delta.finish_reason is not None:
-                        yield chunk(delta.index, None, delta.finish_reason)
+                        # Tokens whose text was all cut (a stop string) still get their logprobs, here.
+                        yield chunk(delta.index, None, delta.finish_reason,
+                                    logprobs=None if delta.text else delta.logprobs)
                 if delta.usage is not None:
                     usage = delta.usage
             if include_usage and usage is not None:

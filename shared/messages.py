@@ -77,6 +77,15 @@ class ErrorInfo(msgspec.Struct):
     status: int = 400
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token's log-probability under the model (raw logits, before penalties and temperature, as
+    vLLM reports them), with the ``top_logprobs`` most likely tokens at that position, most likely first."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = msgspec.field(default_factory=list)
+
+
 class TokenDelta(msgspec.Struct):
     """Published by the worker on ``llm.tok.<request_id>``: one message per request per engine step.
 
@@ -92,6 +101,8 @@ class TokenDelta(msgspec.Struct):
     usage: Usage | None = None
     error: ErrorInfo | None = None
     dropped_messages: int = 0  # on the first message: turns dropped to fit the context (truncate_history)
+    # When the request asked for logprobs: one entry per content token since the last delta (not the EOS token).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class UsageRecord(msgspec.Struct):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence, finish_reason
-from shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
+from shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
 from shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from workers.detokenizer import IncrementalDetokenizer
 from workers.model_runner import ModelRunner, SeqChunk
@@ -56,6 +56,7 @@ class _Choice:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     num_unreported_tokens: int = 0
+    unreported_logprobs: list[TokenLogprob] | None = None  # only when the request asked for logprobs
 
 
 @dataclass(slots=True)
@@ -101,13 +102,14 @@ class Engine:
         self._eos = eos_token_ids(model, tokenizer)
         self._requests: dict[str, _Request] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs
         self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
         bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
         log.info(
             "KV cache: %d bytes/token, %d blocks of %d tokens (%.1f MiB), %d tokens, max %d sequences at full "
-            "context %d", bytes_per_token, num_blocks, config.block_size,
+            "context %d; attention backend %s", bytes_per_token, num_blocks, config.block_size,
             num_blocks * config.block_size * bytes_per_token / 2**20, num_blocks * config.block_size,
-            num_blocks * config.block_size // self.max_context, self.max_context)
+            num_blocks * config.block_size // self.max_context, self.max_context, self.runner.attention.name)
 
     # -- admission ----------------------------------------------------------------------------------------
     @property
@@ -162,7 +164,8 @@ class Engine:
             seed = None if params.seed is None else params.seed + index
             choice = _Choice(state, index,
                              IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
-                             make_generator(seed, self.runner.device))
+                             make_generator(seed, self.runner.device),
+                             unreported_logprobs=[] if params.logprobs else None)
             seq = Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice)
             if index == 0:
                 self.scheduler.add_request(seq)
@@ -207,6 +210,7 @@ class Engine:
             return outputs
         to_sample = [s.seq for s in plan.scheduled if s.needs_sample]
         sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
         if to_sample:
             choices = [seq.data for seq in to_sample]
             token_ids = sample(
@@ -217,11 +221,38 @@ class Engine:
                 output_token_ids=[seq.output_token_ids for seq in to_sample],
             ).tolist()
             sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
+            logprobs = self._logprobs(logits, to_sample, token_ids)
         for seq in self.scheduler.update_from_output(plan, sampled):
+            if seq.seq_id in logprobs:
+                seq.data.unreported_logprobs.append(logprobs[seq.seq_id])
             delta = self._on_token(seq)
             if delta is not None:
                 outputs.append(delta)
         return outputs
+
+    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> dict[str, TokenLogprob]:
+        """Log-probabilities of the sampled tokens (and the top alternatives) for the rows that asked for them."""
+        rows = [i for i, seq in enumerate(seqs) if seq.data.request.params.logprobs]
+        if not rows:
+            return {}
+        logp = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = logp.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=logp.device)).view(-1).tolist()
+        num_top = max(seqs[i].data.request.params.top_logprobs for i in rows)
+        top_values, top_ids = (logp.topk(num_top, dim=-1) if num_top else (logp[:, :0], logp[:, :0].long()))
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        out = {}
+        for j, i in enumerate(rows):
+            k = seqs[i].data.request.params.top_logprobs
+            top = [(self._token_text(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k])]
+            out[seqs[i].seq_id] = TokenLogprob(self._token_text(token_ids[i]), chosen[j], top)
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            # As the text is decoded (special tokens left out), so that the tokens spell the content.
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=True)
+        return text
 
     def _on_token(self, seq: Sequence) -> TokenDelta | None:
         choice: _Choice = seq.data
@@ -233,6 +264,8 @@ class Engine:
         token_id = seq.last_token_id
         params = choice.request.params
         if token_id in self._eos and not params.ignore_eos:
+            if choice.unreported_logprobs:  # the EOS token ends the text; it is not part of it
+                choice.unreported_logprobs.pop()
             self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
             return self._finish(seq, "stop", choice.detokenizer.flush())
         text = choice.detokenizer.add_token(token_id)
@@ -247,8 +280,11 @@ class Engine:
 
     def _delta(self, choice: _Choice, text: str, reason: str | None = None, usage: Usage | None = None) -> TokenDelta:
         delta = TokenDelta(choice.request.request_id, text=text, num_tokens=choice.num_unreported_tokens,
-                           index=choice.index, finish_reason=reason, usage=usage)
+                           index=choice.index, finish_reason=reason, usage=usage,
+                           logprobs=choice.unreported_logprobs or None)
         choice.num_unreported_tokens = 0
+        if choice.unreported_logprobs:
+            choice.unreported_logprobs = []
         return delta
 
     def _finish(self, seq: Sequence, reason: str, text: str) -> TokenDelta:

@@ -134,3 +134,31 @@ async def test_closing_a_stream_cancels_generation_on_the_worker(system, auth, d
     row = await _request_row(database_url, request_id)
     assert row["finish_reason"] == "cancelled"
     assert row["completion_tokens"] < 3000
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    kw = dict(max_tokens=6, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    full = greedy(client, **kw)
+    content = full.choices[0].logprobs.content
+    assert len(content) == 6  # (the random tiny model's bytes need not spell valid UTF-8 token by token)
+    for t in content:
+        assert t.logprob <= 0 and t.bytes == list(t.token.encode())
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.logprob == t.top_logprobs[0].logprob  # greedy: the chosen token is the most likely
+    streamed = [tok for c in greedy(client, stream=True, **kw) if c.choices and c.choices[0].logprobs
+                for tok in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    # Equal up to float rounding: the two runs may share their steps with other requests (other matmul shapes).
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+    assert greedy(client, max_tokens=3).choices[0].logprobs is None  # not asked for, not sent
+
+
+def test_completions_logprobs(client):
+    r = client.completions.create(model=TINY, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    # Greedy: nothing in the top 3 beats the chosen token (tokens with equal text share one key, so <= 3).
+    assert all(1 <= len(top) <= 3 and max(top.values()) <= lp.token_logprobs[i] + 1e-6
+               for i, top in enumerate(lp.top_logprobs))

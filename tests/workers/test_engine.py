@@ -340,3 +340,64 @@ def test_an_interrupted_batch_step_changes_nothing_and_an_interactive_step_is_ne
         collect(results, engine.step(interrupt=lambda: True))
     assert results[pro.request_id].final.usage.completion_tokens == 3
     assert engine.num_interrupted_steps == interrupted
+
+
+@torch.no_grad()
+def hf_logprobs_along(model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """HF's log-softmax at each generated position: ``[len(output_ids), vocab]``."""
+    ids = torch.tensor([prompt_ids + output_ids])
+    logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_logprobs_are_the_models_and_come_with_their_tokens(tiny, make_request):
+    model, tokenizer = tiny
+    engine = RecordingEngine(model, tokenizer, EngineConfig(max_num_seqs=4))
+    greedy = make_request(prompt=PROMPTS[1], max_tokens=10, temperature=0, ignore_eos=True, logprobs=True,
+                          top_logprobs=3)
+    # Sampled with penalties: the reported logprobs stay the model's own (vLLM's default), not the filtered ones.
+    sampled = make_request(prompt=PROMPTS[2], max_tokens=10, temperature=1.3, seed=5, ignore_eos=True,
+                           logprobs=True, top_logprobs=0, presence_penalty=1.5)
+    plain = make_request(prompt=PROMPTS[0], max_tokens=4, ignore_eos=True)
+    for req in (greedy, sampled, plain):
+        engine.add_request(req)
+    results = run(engine)
+
+    assert all(d.logprobs is None for d in results[plain.request_id].deltas)
+    for req, num_top in ((greedy, 3), (sampled, 0)):
+        res = results[req.request_id]
+        entries = [e for d in res.deltas for e in (d.logprobs or [])]
+        # One entry per generated token, delivered with the delta that counts that token.
+        assert [len(d.logprobs or []) for d in res.deltas] == [d.num_tokens for d in res.deltas]
+        output_ids = engine.token_ids[req.request_id]
+        assert [e.token for e in entries] == [tokenizer.decode([t], skip_special_tokens=True) for t in output_ids]
+        expected = hf_logprobs_along(model, tokenizer.encode(req.prompt), output_ids)
+        got = torch.tensor([e.logprob for e in entries])
+        torch.testing.assert_close(got, expected.gather(1, torch.tensor(output_ids)[:, None])[:, 0],
+                                   atol=1e-4, rtol=1e-4)
+        for e, row in zip(entries, expected):
+            assert len(e.top) == num_top
+            top_values, top_ids = row.topk(num_top)
+            assert [t for t, _ in e.top] == [tokenizer.decode([t], skip_special_tokens=True) for t in top_ids.tolist()]
+            torch.testing.assert_close(torch.tensor([v for _, v in e.top]), top_values, atol=1e-4, rtol=1e-4)
+    # Greedy: the chosen token is the most likely one.
+    assert all(e.logprob == e.top[0][1] for d in results[greedy.request_id].deltas for e in d.logprobs or [])
+
+
+def test_logprobs_leave_out_the_eos_token(tiny, make_request, monkeypatch):
+    import workers.engine as engine_module
+
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2))
+    req = make_request(prompt=PROMPTS[0], max_tokens=40, temperature=0, logprobs=True)
+    engine.add_request(req)
+    real_sample, calls = engine_module.sample, count()
+
+    def sample_eos_third(logits, *args, **kwargs):  # EOS at the third token, whatever the random weights say
+        tokens = real_sample(logits, *args, **kwargs)
+        return torch.full_like(tokens, 2) if next(calls) == 2 else tokens
+
+    monkeypatch.setattr(engine_module, "sample", sample_eos_third)
+    res = run(engine)[req.request_id]
+    assert res.final.finish_reason == "stop" and res.final.usage.completion_tokens == 3
+    assert sum(len(d.logprobs or []) for d in res.deltas) == 2  # the two content tokens, not EOS

@@ -1,0 +1,55 @@
+"""The ``logprobs`` field of OpenAI responses, from the workers' per-token ``TokenLogprob`` entries.
+
+Chat completions: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+"refusal": None}``. Legacy completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+"text_offset"}``, where ``text_offset`` counts characters from the start of the completion, across stream chunks.
+"""
+
+from __future__ import annotations
+
+from shared.messages import TokenLogprob
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {
+        "content": [{**_entry(e.token, e.logprob), "top_logprobs": [_entry(t, lp) for t, lp in e.top]}
+                    for e in entries],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict:
+    """``text_offset``: characters of the completion before these tokens (earlier stream chunks)."""
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+class LogprobsFormatter:
+    """Formats one choice's entries, chunk after chunk, for the request's endpoint; None when not requested."""
+
+    def __init__(self, is_chat: bool, requested: bool):
+        self.is_chat = is_chat
+        self.requested = requested
+        self._text_offset = 0
+
+    def format(self, entries: list[TokenLogprob] | None) -> dict | None:
+        if not self.requested:
+            return None
+        entries = entries or []
+        if self.is_chat:
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self._text_offset)
+        self._text_offset += sum(len(e.token) for e in entries)
+        return out
