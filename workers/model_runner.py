@@ -121,13 +121,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _transposed_product_is_faster(rows: int, out_features: int) -> bool:
     """Whether MKL computes ``x @ W.T`` faster as ``(W @ x.T).T`` for ``rows`` rows of x (CPU, fp32).
 
-    Measured with SmolLM2's shapes on a 2-core AVX2 EPYC (MKL 2024.2, 2 threads): the transposed product took
-    10-45% less for decode-sized batches (2-4 and 13-160 rows), while the plain one won at 5-12 rows and at prefill
-    sizes; for the 49152-row LM head the transposed one won from 2 rows (21 vs 37 ms at 32 rows, 7 vs 20 ms at 2).
+    Measured with SmolLM2's shapes on a 2-core AVX2 EPYC (MKL 2024.2, 2 threads, best of 3): per layer the
+    transposed product took 10-45% less at 2-4 rows and from 13 rows up (8% less at 512), the plain one won at 5-12
+    rows; for the 49152-row LM head the transposed one won from 2 rows (21 vs 37 ms at 32 rows, 7 vs 20 ms at 2).
     """
     if out_features > 16384:
-        return 2 <= rows <= 160
-    return 2 <= rows <= 4 or 13 <= rows <= 160
+        return rows >= 2
+    return 2 <= rows <= 4 or rows >= 13
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
