@@ -22,8 +22,9 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict:
-    """``text_offset``: characters of the completion before these tokens (earlier stream chunks)."""
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> tuple[dict, int]:
+    """The field for ``entries``, whose first token starts ``text_offset`` characters into the completion; and the
+    offset just past the last one (where the next stream chunk's tokens start)."""
     offsets = []
     for e in entries:
         offsets.append(text_offset)
@@ -33,7 +34,7 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> di
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [dict(e.top) for e in entries],
         "text_offset": offsets,
-    }
+    }, text_offset
 
 
 class LogprobsFormatter:
@@ -47,9 +48,7 @@ class LogprobsFormatter:
     def format(self, entries: list[TokenLogprob] | None) -> dict | None:
         if not self.requested:
             return None
-        entries = entries or []
         if self.is_chat:
-            return chat_logprobs(entries)
-        out = completion_logprobs(entries, self._text_offset)
-        self._text_offset += sum(len(e.token) for e in entries)
+            return chat_logprobs(entries or [])
+        out, self._text_offset = completion_logprobs(entries or [], self._text_offset)
         return out

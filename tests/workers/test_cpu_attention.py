@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 
-from workers import cpu_attention
 from workers.attention import SdpaAttention, make_attention
 from workers.cpu_attention import CpuPagedAttention, load_kernel
 
@@ -117,4 +116,3 @@ def test_kernel_is_built_once_per_cache(monkeypatch, tmp_path, kernel):
         assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
     finally:
         load_kernel.cache_clear()
-    assert cpu_attention.SOURCE.is_file()

@@ -69,7 +69,8 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
     } while (0)
 
 /* q [batch][q_row_stride] (heads * head_dim used), out [batch][num_heads * head_dim], block_tables
- * [batch][table_stride], context_lens [batch]. Returns 0, or -1 for shapes this kernel does not take. */
+ * [batch][table_stride], context_lens [batch]. Returns 0; -1 for shapes this kernel does not take, -2 when a
+ * score buffer could not be allocated. */
 int paged_decode_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                      const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens, float *out,
                      int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
