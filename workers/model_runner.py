@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import PagedAttention, StepMetadata, make_attention
+from workers.linear import Linear, uses_packed_kernel
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -35,15 +36,11 @@ class SeqChunk:
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor  # q, k and v projections stacked: one matmul
-    qkv_bias: torch.Tensor | None  # Qwen2
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear  # q, k and v projections stacked: one matmul (with a bias for Qwen2)
+    o: Linear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # gate and up projections stacked
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # gate and up projections stacked
+    down: Linear
 
 
 def _head_dim(config) -> int:
@@ -118,26 +115,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _transposed_product_is_faster(rows: int, out_features: int) -> bool:
-    """Whether MKL computes ``x @ W.T`` faster as ``(W @ x.T).T`` for ``rows`` rows of x (CPU, fp32).
-
-    Measured with SmolLM2's shapes on a 2-core AVX2 EPYC (MKL 2024.2, 2 threads, best of 3): per layer the
-    transposed product took 10-45% less at 2-4 rows and from 13 rows up (8% less at 512), the plain one won at 5-12
-    rows; for the 49152-row LM head the transposed one won from 2 rows (21 vs 37 ms at 32 rows, 7 vs 20 ms at 2).
-    """
-    if out_features > 16384:
-        return rows >= 2
-    return 2 <= rows <= 4 or rows >= 13
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, as ``(W @ x.T).T`` where that is faster; the result may then be a transposed view."""
-    if x.device.type != "cpu" or not _transposed_product_is_faster(x.shape[0], weight.shape[0]):
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.T).T
-    return out if bias is None else out + bias
-
-
 def _stack_linears(linears, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input.
 
@@ -204,7 +181,8 @@ class ModelRunner:
         embed = model.get_input_embeddings().weight
         lm_head = model.get_output_embeddings().weight
         self.embed = _param(embed, dev, dt)
-        self.lm_head = self.embed if lm_head is embed else _param(lm_head, dev, dt)
+        pack = uses_packed_kernel(dev, dt)
+        self.lm_head = Linear(self.embed if lm_head is embed else _param(lm_head, dev, dt), pack=pack)
         self.final_norm = _param(model.model.norm.weight, dev, dt)
         self.layers = []
         for layer in model.model.layers:
@@ -216,17 +194,17 @@ class ModelRunner:
             self.layers.append(
                 _Layer(
                     input_norm=_param(layer.input_layernorm.weight, dev, dt),
-                    qkv_weight=qkv_w,
-                    qkv_bias=qkv_b,
-                    o_weight=_param(attn.o_proj.weight, dev, dt),
-                    o_bias=_param(attn.o_proj.bias, dev, dt),
+                    qkv=Linear(qkv_w, qkv_b, pack),
+                    o=Linear(_param(attn.o_proj.weight, dev, dt), _param(attn.o_proj.bias, dev, dt), pack),
                     post_norm=_param(layer.post_attention_layernorm.weight, dev, dt),
-                    gate_up_weight=gate_up_w,
-                    gate_up_bias=gate_up_b,
-                    down_weight=_param(mlp.down_proj.weight, dev, dt),
-                    down_bias=_param(mlp.down_proj.bias, dev, dt),
+                    gate_up=Linear(gate_up_w, gate_up_b, pack),
+                    down=Linear(_param(mlp.down_proj.weight, dev, dt), _param(mlp.down_proj.bias, dev, dt), pack),
                 )
             )
+        linears = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down))]
+        # Packed copies are extra memory next to the HF model's weights: the start-up log names their size.
+        self.packed_weight_bytes = sum(x.packed.nbytes for x in linears if x.packed is not None)
+        self.linear_kernel = "packed_gemm" if pack else "torch"
         self.act = model.model.layers[0].mlp.act_fn  # silu for all supported models; HF's module, stateless
 
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -282,7 +260,7 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size)
         rows = torch.tensor(logit_rows).to(self.device)
         hidden = _rms_norm(hidden.index_select(0, rows), self.final_norm, self.eps)
-        return _linear(hidden, self.lm_head).float().contiguous()
+        return self.lm_head(hidden).float().contiguous()
 
     def _forward(self, input_ids: torch.Tensor, meta: StepMetadata,
                  should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
@@ -302,17 +280,17 @@ class ModelRunner:
             if should_stop is not None and should_stop():
                 return None
             x = _rms_norm(h, layer.input_norm, eps)
-            qkv = _linear(x, layer.qkv_weight, layer.qkv_bias).contiguous()
+            qkv = layer.qkv(x).contiguous()
             # q and k rotate together: one rotary pass over [T, heads + kv_heads, d].
             qk = _rotate(qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, d), cos, sin)
             q, k = qk.split((heads, kv_heads), dim=1)
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, d)
             o = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            h = h + _linear(o, layer.o_weight, layer.o_bias)
+            h = h + layer.o(o)
 
             x = _rms_norm(h, layer.post_norm, eps)
-            gate, up = _linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + _linear(self.act(gate) * up, layer.down_weight, layer.down_bias)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(self.act(gate) * up)
         return h
 
     def warmup(self) -> None:

@@ -1,0 +1,100 @@
+"""The model runner's projections, ``x @ W.T + b``, each by the fastest means its device offers.
+
+A decode step multiplies a few rows by every weight of the model, which MKL does badly: it re-packs the weight on
+every call and its kernels are tuned for big products. On CPU, for fp32 weights, ``csrc/packed_gemm.c`` packs each
+weight once, at load, into the panels its register tiles stream through. Best of 5 over all of SmolLM2's weights on
+the 2-core AVX2 EPYC (2 threads), against MKL's best form at each size:
+
+    rows        1     2     4     8    16    32   128   512
+    MKL ms     39    36    37    68    68    99   298  1138
+    packed ms  17    19    23    34    46    80   290  1149     (17 ms = reading every weight once at 31.5 GB/s)
+
+so the packed kernel serves every size. It costs a second copy of the weights in memory (the HF model keeps its
+own). Where the kernel cannot be built, or for other dtypes and devices, ``F.linear`` runs, on CPU as
+``(W @ x.T).T`` where MKL is faster that way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from workers.cpu_kernels import load_library
+
+PANEL_WIDTH = 16  # NR in csrc/packed_gemm.c: output features per packed panel
+
+
+def load_gemm_kernel() -> ctypes.CDLL | None:
+    """The compiled ``packed_gemm`` library (built at first use), or None where it cannot be had."""
+    lib = load_library("packed_gemm")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.pack_weight_f32.argtypes = [p, i64, i64, i64, p, i32]
+        lib.pack_weight_f32.restype = None
+        lib.packed_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
+        lib.packed_gemm_f32.restype = None
+    return lib
+
+
+def uses_packed_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``Linear`` on this device and dtype packs its weight for ``csrc/packed_gemm.c``."""
+    return device.type == "cpu" and dtype == torch.float32 and load_gemm_kernel() is not None
+
+
+def _transposed_product_is_faster(rows: int, out_features: int) -> bool:
+    """Whether MKL computes ``x @ W.T`` faster as ``(W @ x.T).T`` for ``rows`` rows of x (CPU, fp32).
+
+    Measured with SmolLM2's shapes on a 2-core AVX2 EPYC (MKL 2024.2, 2 threads, best of 3): per layer the
+    transposed product took 10-45% less at 2-4 rows and from 13 rows up (8% less at 512), the plain one won at 5-12
+    rows; for the 49152-row LM head the transposed one won from 2 rows (21 vs 37 ms at 32 rows, 7 vs 20 ms at 2).
+    """
+    if out_features > 16384:
+        return rows >= 2
+    return 2 <= rows <= 4 or rows >= 13
+
+
+class Linear:
+    """One projection: ``weight [out_features, in_features]`` and an optional ``bias [out_features]``.
+
+    ``pack=True`` (CPU, fp32 only) packs the weight for the compiled kernel; ``weight`` is kept as given.
+    """
+
+    __slots__ = ("weight", "bias", "packed", "_gemm")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
+        self.weight = weight
+        self.bias = bias
+        self.packed = None
+        self._gemm = None
+        if pack:
+            lib = load_gemm_kernel()
+            if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+                raise ValueError("packing needs a float32 CPU weight and the compiled packed_gemm kernel")
+            out_features, in_features = weight.shape
+            panels = -(-out_features // PANEL_WIDTH)
+            self.packed = torch.empty(panels * in_features * PANEL_WIDTH, dtype=torch.float32)
+            w = weight if weight.stride(1) == 1 else weight.contiguous()
+            lib.pack_weight_f32(w.data_ptr(), w.stride(0), out_features, in_features, self.packed.data_ptr(),
+                                torch.get_num_threads())
+            self._gemm = lib.packed_gemm_f32
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [rows, in_features]`` -> ``[rows, out_features]`` (without the kernel, maybe a transposed view)."""
+        if self._gemm is not None:
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            rows, in_features = x.shape
+            out = torch.empty(rows, self.out_features, dtype=torch.float32)
+            self._gemm(x.data_ptr(), x.stride(0), rows, in_features, self.packed.data_ptr(), self.out_features,
+                       out.data_ptr(), out.stride(0), torch.get_num_threads())
+            return out if self.bias is None else out.add_(self.bias)
+        if x.device.type != "cpu" or not _transposed_product_is_faster(x.shape[0], self.out_features):
+            return F.linear(x, self.weight, self.bias)
+        out = torch.mm(self.weight, x.T).T
+        return out if self.bias is None else out + self.bias
