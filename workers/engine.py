@@ -107,10 +107,11 @@ class Engine:
         bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
         log.info(
             "KV cache: %d bytes/token, %d blocks of %d tokens (%.1f MiB), %d tokens, max %d sequences at full "
-            "context %d; attention backend %s; linear layers %s (%.0f MiB packed)", bytes_per_token, num_blocks,
-            config.block_size, num_blocks * config.block_size * bytes_per_token / 2**20,
+            "context %d; attention backend %s; linear layers %s (%.0f MiB packed); elementwise ops %s",
+            bytes_per_token, num_blocks, config.block_size, num_blocks * config.block_size * bytes_per_token / 2**20,
             num_blocks * config.block_size, num_blocks * config.block_size // self.max_context, self.max_context,
-            self.runner.attention.name, self.runner.linear_kernel, self.runner.packed_weight_bytes / 2**20)
+            self.runner.attention.name, self.runner.linear_kernel, self.runner.packed_weight_bytes / 2**20,
+            self.runner.ops.name)
 
     # -- admission ----------------------------------------------------------------------------------------
     @property

@@ -33,7 +33,7 @@ def load_gemm_kernel() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.pack_weight_f32.argtypes = [p, i64, i64, i64, p, i32]
         lib.pack_weight_f32.restype = None
-        lib.packed_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32]
+        lib.packed_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32]
         lib.packed_gemm_f32.restype = None
     return lib
 
@@ -84,17 +84,28 @@ class Linear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [rows, in_features]`` -> ``[rows, out_features]`` (without the kernel, maybe a transposed view)."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [rows, in_features]`` -> ``x @ W.T + b (+ residual)``, ``[rows, out_features]``.
+
+        With the packed kernel the product is added into ``residual`` in place (the caller's residual stream
+        needs no separate add) and that tensor is returned; otherwise the result is a new tensor, or a transposed
+        view of one.
+        """
         if self._gemm is not None:
             if x.stride(1) != 1:
                 x = x.contiguous()
             rows, in_features = x.shape
-            out = torch.empty(rows, self.out_features, dtype=torch.float32)
+            accumulate = residual is not None and residual.is_contiguous()
+            out = residual if accumulate else torch.empty(rows, self.out_features, dtype=torch.float32)
             self._gemm(x.data_ptr(), x.stride(0), rows, in_features, self.packed.data_ptr(), self.out_features,
-                       out.data_ptr(), out.stride(0), torch.get_num_threads())
-            return out if self.bias is None else out.add_(self.bias)
+                       out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads())
+            if self.bias is not None:
+                out.add_(self.bias)
+            return out if accumulate or residual is None else residual + out
         if x.device.type != "cpu" or not _transposed_product_is_faster(x.shape[0], self.out_features):
-            return F.linear(x, self.weight, self.bias)
-        out = torch.mm(self.weight, x.T).T
-        return out if self.bias is None else out + self.bias
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = torch.mm(self.weight, x.T).T
+            if self.bias is not None:
+                out = out + self.bias
+        return out if residual is None else residual + out

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import PagedAttention, StepMetadata, make_attention
+from workers.fused_ops import make_ops
 from workers.linear import Linear, uses_packed_kernel
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -100,19 +101,6 @@ def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
         except (AttributeError, RuntimeError):
             return torch.float32
     return torch.float32
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF's rounding order (normalise in fp32, round, then scale by the weight), so bf16 greedy matches HF's.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's ``x * cos + rotate_half(x) * sin`` (halves, not interleaved pairs); cos/sin are ``[T, 1, d/2]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _stack_linears(linears, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -205,7 +193,9 @@ class ModelRunner:
         # Packed copies are extra memory next to the HF model's weights: the start-up log names their size.
         self.packed_weight_bytes = sum(x.packed.nbytes for x in linears if x.packed is not None)
         self.linear_kernel = "packed_gemm" if pack else "torch"
-        self.act = model.model.layers[0].mlp.act_fn  # silu for all supported models; HF's module, stateless
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (SwiGLU uses silu)")
+        self.ops = make_ops(dev, dt)
 
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         # Zeroed, not empty: padded gather rows are masked out, but 0 * NaN from garbage memory would still be NaN.
@@ -259,7 +249,7 @@ class ModelRunner:
         if not logit_rows:
             return torch.empty(0, self.vocab_size)
         rows = torch.tensor(logit_rows).to(self.device)
-        hidden = _rms_norm(hidden.index_select(0, rows), self.final_norm, self.eps)
+        hidden = self.ops.rms_norm(hidden.index_select(0, rows), self.final_norm, self.eps)
         return self.lm_head(hidden).float().contiguous()
 
     def _forward(self, input_ids: torch.Tensor, meta: StepMetadata,
@@ -272,25 +262,25 @@ class ModelRunner:
 
         # cos/sin exactly as HF: fp32 angles, then rounded to the model dtype.
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
-        cos = (freqs.cos() * self.rope_scale).to(self.dtype)[:, None, :]
-        sin = (freqs.sin() * self.rope_scale).to(self.dtype)[:, None, :]
+        cos = (freqs.cos() * self.rope_scale).to(self.dtype)
+        sin = (freqs.sin() * self.rope_scale).to(self.dtype)
 
+        ops = self.ops
         h = F.embedding(input_ids, self.embed)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             if should_stop is not None and should_stop():
                 return None
-            x = _rms_norm(h, layer.input_norm, eps)
+            x = ops.rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x).contiguous()
             # q and k rotate together: one rotary pass over [T, heads + kv_heads, d].
-            qk = _rotate(qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, d), cos, sin)
+            qk = ops.rotary(qkv, heads + kv_heads, d, cos, sin)
             q, k = qk.split((heads, kv_heads), dim=1)
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, d)
             o = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            h = h + layer.o(o)
+            h = layer.o(o, residual=h)
 
-            x = _rms_norm(h, layer.post_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(self.act(gate) * up)
+            x = ops.rms_norm(h, layer.post_norm, eps)
+            h = layer.down(ops.silu_mul(layer.gate_up(x)), residual=h)
         return h
 
     def warmup(self) -> None:

@@ -38,6 +38,18 @@ def test_packed_matches_f_linear(kernel, out_features, in_features, rows):
         torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_residual_is_added(kernel, pack):
+    """``residual=`` returns residual + x @ W.T (+ b); the packed kernel adds into the residual tensor itself."""
+    weight, bias = torch.randn(50, 32), torch.randn(50)
+    x, residual = torch.randn(7, 32), torch.randn(7, 50)
+    expected = residual + F.linear(x, weight, bias)
+    out = Linear(weight, bias, pack=pack)(x, residual=residual.clone() if not pack else residual)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    if pack:
+        assert out is residual
+
+
 def test_packed_takes_strided_rows(kernel):
     """Rows with a stride (a slice of a wider activation) and a non-contiguous weight are read correctly."""
     weight = torch.randn(40, 48).T.contiguous().T[:, :48]  # column-major storage

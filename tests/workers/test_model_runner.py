@@ -234,19 +234,20 @@ def test_programmer_errors_raise():
     assert runner.execute([]).shape == (0, 512)
 
 
-def test_cpu_fp32_projections_use_the_packed_kernel():
+def test_cpu_fp32_uses_the_compiled_kernels():
+    from workers.fused_ops import load_ops_kernel
     from workers.linear import load_gemm_kernel
 
-    if load_gemm_kernel() is None:
-        pytest.skip("packed_gemm.c cannot be built here")
+    if load_gemm_kernel() is None or load_ops_kernel() is None:
+        pytest.skip("the C kernels cannot be built here")
     runner = ModelRunner(build("llama-tied-bias"), NUM_BLOCKS, BLOCK_SIZE)
-    assert runner.linear_kernel == "packed_gemm"
+    assert runner.linear_kernel == "packed_gemm" and runner.ops.name == "cpu_fused"
     assert all(x.packed is not None for x in (runner.lm_head, runner.layers[0].qkv, runner.layers[-1].down))
     params = build("llama-tied-bias").named_parameters()
     weights = sum(p.numel() for name, p in params if "norm" not in name and "bias" not in name)
     assert runner.packed_weight_bytes == 4 * weights  # every matrix once (tied embedding = LM head); no padding here
     bf16 = ModelRunner(build(dtype=torch.bfloat16), NUM_BLOCKS, BLOCK_SIZE)
-    assert bf16.linear_kernel == "torch" and bf16.packed_weight_bytes == 0
+    assert bf16.linear_kernel == "torch" and bf16.packed_weight_bytes == 0 and bf16.ops.name == "torch"
 
 
 def test_backend_choice_falls_back_to_sdpa():

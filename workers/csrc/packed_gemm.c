@@ -36,7 +36,7 @@ void pack_weight_f32(const float *restrict w, int64_t ldw, int64_t n, int64_t k,
 /* One tile: `mr` (a constant once inlined) rows of x times one panel, into y[.., 0:ncols]. */
 static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, const float *restrict x,
                                                        int64_t ldx, const float *restrict panel, float *restrict y,
-                                                       int64_t ldy, int ncols) {
+                                                       int64_t ldy, int ncols, int accumulate) {
     v8 acc0[MR], acc1[MR];
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++) acc0[i] = acc1[i] = (v8){0};
@@ -53,23 +53,25 @@ static inline __attribute__((always_inline)) void tile(const int mr, int64_t k, 
     if (ncols == NR) {
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
-            *(v8 *)(y + i * ldy) = acc0[i];
-            *(v8 *)(y + i * ldy + 8) = acc1[i];
+            v8 *out = (v8 *)(y + i * ldy);
+            out[0] = accumulate ? out[0] + acc0[i] : acc0[i];
+            out[1] = accumulate ? out[1] + acc1[i] : acc1[i];
         }
     } else {
         for (int i = 0; i < mr; i++) {
             float row[NR];
             memcpy(row, &acc0[i], sizeof(v8));
             memcpy(row + 8, &acc1[i], sizeof(v8));
-            memcpy(y + i * ldy, row, sizeof(float) * ncols);
+            for (int j = 0; j < ncols; j++) y[i * ldy + j] = accumulate ? y[i * ldy + j] + row[j] : row[j];
         }
     }
 }
 
-/* y [m][n] (row stride ldy) = x [m][k] (row stride ldx) @ W.T, W as packed by pack_weight_f32. Rows are split into
- * tiles of near-equal size (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2); threads take whole panels. */
+/* y [m][n] (row stride ldy) = x [m][k] (row stride ldx) @ W.T, W as packed by pack_weight_f32; with `accumulate`,
+ * y += x @ W.T (a residual connection for free). Rows are split into tiles of near-equal size (32 rows: 6 6 5 5 5
+ * 5, not 6 6 6 6 6 2); threads take whole panels. */
 void packed_gemm_f32(const float *restrict x, int64_t ldx, int64_t m, int64_t k, const float *restrict packed,
-                     int64_t n, float *restrict y, int64_t ldy, int num_threads) {
+                     int64_t n, float *restrict y, int64_t ldy, int accumulate, int num_threads) {
     const int64_t num_panels = (n + NR - 1) / NR;
     const int64_t num_tiles = (m + MR - 1) / MR;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -82,12 +84,12 @@ void packed_gemm_f32(const float *restrict x, int64_t ldx, int64_t m, int64_t k,
             const float *xt = x + row * ldx;
             float *yt = y + row * ldy + p * NR;
             switch (mr) {
-            case 6: tile(6, k, xt, ldx, panel, yt, ldy, ncols); break;
-            case 5: tile(5, k, xt, ldx, panel, yt, ldy, ncols); break;
-            case 4: tile(4, k, xt, ldx, panel, yt, ldy, ncols); break;
-            case 3: tile(3, k, xt, ldx, panel, yt, ldy, ncols); break;
-            case 2: tile(2, k, xt, ldx, panel, yt, ldy, ncols); break;
-            default: tile(1, k, xt, ldx, panel, yt, ldy, ncols); break;
+            case 6: tile(6, k, xt, ldx, panel, yt, ldy, ncols, accumulate); break;
+            case 5: tile(5, k, xt, ldx, panel, yt, ldy, ncols, accumulate); break;
+            case 4: tile(4, k, xt, ldx, panel, yt, ldy, ncols, accumulate); break;
+            case 3: tile(3, k, xt, ldx, panel, yt, ldy, ncols, accumulate); break;
+            case 2: tile(2, k, xt, ldx, panel, yt, ldy, ncols, accumulate); break;
+            default: tile(1, k, xt, ldx, panel, yt, ldy, ncols, accumulate); break;
             }
             row += mr;
         }
