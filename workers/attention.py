@@ -52,6 +52,8 @@ class PrefillSpan:
     num_tokens: int
     blocks: torch.Tensor | None  # block ids covering [0, start_pos + num_tokens); None when start_pos == 0
     mask: torch.Tensor | None  # [num_tokens, context] bool, True = attend; None when start_pos == 0 (plain causal)
+    start_pos: int = 0
+    table: torch.Tensor | None = None  # block ids covering [0, start_pos + num_tokens), whatever start_pos
 
 
 @dataclass(slots=True)
@@ -178,7 +180,7 @@ class SdpaAttention:
                 key_pos = torch.arange(context, device=self.device)
                 query_pos = torch.arange(start, context, device=self.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-            prefills.append(PrefillSpan(row, n, blocks, mask))
+            prefills.append(PrefillSpan(row, n, blocks, mask, start, table[i, : num_blocks[i]]))
             row += n
 
         meta = StepMetadata(positions, slots, row, prefills, None, None)
@@ -226,22 +228,25 @@ class SdpaAttention:
         outs = []
         for span in meta.prefills:
             rows = slice(span.row, span.row + span.num_tokens)
-            qs = q[rows].transpose(0, 1)  # [heads, n, d]
-            if span.blocks is None:  # fresh sequence: its keys are exactly this chunk's
-                ks, vs = k[rows], v[rows]
-            else:
-                ks, vs = self._gather(k_cache, v_cache, span.blocks)
-                ks = ks.view(-1, kvh, d)[: span.mask.shape[1]]
-                vs = vs.view(-1, kvh, d)[: span.mask.shape[1]]
-            # 4-D inputs: CPU SDPA only takes its fused kernel for 4-D tensors (3-D falls back to bmm + softmax).
-            o = F.scaled_dot_product_attention(
-                qs[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-                attn_mask=span.mask, is_causal=span.mask is None, scale=self.scale, enable_gqa=True,
-            )[0]
-            outs.append(o.transpose(0, 1).reshape(span.num_tokens, -1))
+            outs.append(self._attend_prefill(span, q[rows], k[rows], v[rows], k_cache, v_cache))
         if meta.decode_blocks is not None:
             outs.append(self._attend_decodes(q[meta.num_prefill_tokens :], k_cache, v_cache, meta))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend_prefill(self, span: PrefillSpan, qs, ks, vs, k_cache, v_cache) -> torch.Tensor:
+        """Causal attention of one prefill chunk: q ``[n, heads, d]`` and the chunk's own k/v ``[n, kv_heads, d]``
+        (already in the cache) -> ``[n, heads * d]``."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        if span.blocks is not None:  # a later chunk: its keys start at position 0, in the cache
+            ks, vs = self._gather(k_cache, v_cache, span.blocks)
+            ks = ks.view(-1, kvh, d)[: span.mask.shape[1]]
+            vs = vs.view(-1, kvh, d)[: span.mask.shape[1]]
+        # 4-D inputs: CPU SDPA only takes its fused kernel for 4-D tensors (3-D falls back to bmm + softmax).
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+            attn_mask=span.mask, is_causal=span.mask is None, scale=self.scale, enable_gqa=True,
+        )[0]
+        return o.transpose(0, 1).reshape(span.num_tokens, -1)
 
     def _attend_decodes(self, q_dec, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
         """Attention of the step's decodes ``q_dec [B, heads, d]`` -> ``[B, heads * d]``, one SDPA call a group."""

@@ -27,8 +27,22 @@ def load_kernel() -> ctypes.CDLL | None:
     return lib
 
 
+def load_prefill_kernel() -> ctypes.CDLL | None:
+    """The compiled ``prefill_attention`` library (built at first use), or None where it cannot be had."""
+    lib = load_library("prefill_attention")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.prefill_workspace_floats.argtypes = [i64, i32, i32, i32, i32]
+        lib.prefill_workspace_floats.restype = i64
+        lib.prefill_attention_f32.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i32, i32, i32, i32, ctypes.c_float,
+                                              p, i32]
+        lib.prefill_attention_f32.restype = i32
+    return lib
+
+
 class CpuPagedAttention(SdpaAttention):
-    """SDPA for prefill chunks, the C kernel for decodes (fp32 caches on CPU)."""
+    """C kernels for decodes (``csrc/paged_decode.c``) and prefill chunks (``csrc/prefill_attention.c``, where it
+    builds and takes the head size; SDPA otherwise), fp32 caches on CPU."""
 
     name = "cpu_paged"
 
@@ -38,6 +52,27 @@ class CpuPagedAttention(SdpaAttention):
         if lib is None:
             raise RuntimeError("the CPU decode kernel (csrc/paged_decode.c) could not be built")
         self._kernel = lib.paged_decode_f32
+        self._prefill_lib = load_prefill_kernel() if head_dim % 16 == 0 else None  # 16: the kernel's panel width
+        self._workspace = torch.empty(0)
+
+    def _attend_prefill(self, span, qs, ks, vs, k_cache, v_cache) -> torch.Tensor:
+        lib = self._prefill_lib
+        if lib is None or qs.stride(2) != 1 or qs.stride(1) != self.head_dim:
+            return super()._attend_prefill(span, qs, ks, vs, k_cache, v_cache)
+        threads = torch.get_num_threads()
+        context = span.start_pos + span.num_tokens
+        need = lib.prefill_workspace_floats(context, self.num_heads, self.num_kv_heads, self.head_dim, threads)
+        if self._workspace.numel() < need:  # grown, never shrunk: a fresh buffer per layer costs page faults
+            self._workspace = torch.empty(need, dtype=torch.float32)
+        out = qs.new_empty(span.num_tokens, self.num_heads * self.head_dim)
+        status = lib.prefill_attention_f32(
+            qs.data_ptr(), qs.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), span.table.data_ptr(),
+            span.start_pos, span.num_tokens, out.data_ptr(), out.stride(0), self.num_heads, self.num_kv_heads,
+            self.head_dim, self.block_size, self.scale, self._workspace.data_ptr(), threads,
+        )
+        if status != 0:
+            raise RuntimeError(f"prefill_attention_f32 failed with status {status}")
+        return out
 
     def _prepare_decodes(self, meta: StepMetadata, table: torch.Tensor, num_blocks: list[int]) -> None:
         # The kernel walks each table only up to the sequence's own length: no masks, no padding work, no groups.

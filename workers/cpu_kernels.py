@@ -53,7 +53,8 @@ def load_library(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s.c is not built, its torch fallback is used (slower)", name)
         return None
     source_path = SOURCES / f"{name}.c"
-    source = source_path.read_bytes()
+    # Headers are part of every build's identity: a changed shared tile rebuilds each kernel that includes it.
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
     # -march=native: the library is only valid for this CPU, so the CPU's flags are part of its name.
     key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"

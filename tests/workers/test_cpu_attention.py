@@ -71,6 +71,22 @@ def test_kernel_matches_sdpa_on_mixed_steps(kernel, heads, kv_heads, head_dim, b
     assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)  # the step's K/V written to the same slots
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 16, 8)])
+@pytest.mark.parametrize("start,num_tokens", [
+    (0, 2),     # a fresh two-token prompt
+    (0, 37),    # fresh, over query tiles of 16 and key panels of 16 with remainders
+    (45, 33),   # a later chunk: its keys start at position 0, in the cache
+    (5, 200),
+])
+def test_prefill_kernel_matches_sdpa(kernel, heads, kv_heads, head_dim, block_size, start, num_tokens):
+    shape = (heads, kv_heads, head_dim, block_size)
+    assert CpuPagedAttention(*shape, CPU)._prefill_lib is not None  # the compiled path, not the SDPA fallback
+    step = _step(*shape, [50, 3], prefill=(start, num_tokens), seed=start + num_tokens)
+    expected, _, _ = _attend(SdpaAttention, shape, step)
+    got, _, _ = _attend(CpuPagedAttention, shape, step)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_decode_only_step_and_threads(kernel):
     shape = (9, 3, 64, 16)
     step = _step(*shape, [random.Random(3).randint(1, 600) for _ in range(33)], seed=3)
