@@ -21,8 +21,8 @@ Backends, picked by ``make_attention()``:
   axis (``[B, kv_heads, group, head_dim]``), which is plain multi-query attention with no KV repetition and about 4x
   faster on CPU than ``enable_gqa=True``. Prefill chunks get one call each, with a causal
   mask offset by the chunk's start position (query ``i`` sees positions ``<= start_pos + i``).
-* ``CpuPagedAttention`` (CPU, fp32; ``workers.cpu_attention``): SDPA for prefill chunks, and for decodes a small C
-  kernel, compiled at first use, that reads K/V in place through the block tables (no gather, no padding).
+* ``CpuPagedAttention`` (CPU, fp32; ``workers.cpu_attention``): small C kernels, compiled at first use, that read
+  K/V through the block tables: one for decodes (in place: no gather, no padding), one for prefill chunks.
 * ``FlashAttention`` (CUDA, only when ``flash_attn`` imports): a single ``flash_attn_varlen_func`` call per layer
   over the whole mixed batch, reading the paged cache through ``block_table``. flash-attn 2 only accepts paged
   caches whose block size is a multiple of 256, so with smaller blocks the SDPA backend is used instead.
