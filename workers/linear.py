@@ -1,13 +1,13 @@
 """The model runner's projections, ``x @ W.T + b``, each by the fastest means its device offers.
 
-A decode step multiplies a few rows by every weight of the model, which MKL does badly: it re-packs the weight on
-every call and its kernels are tuned for big products. On CPU, for fp32 weights, ``csrc/packed_gemm.c`` packs each
-weight once, at load, into the panels its register tiles stream through. Best of 5 over all of SmolLM2's weights on
-the 2-core AVX2 EPYC (2 threads), against MKL's best form at each size:
+A decode step multiplies a few rows by every weight of the model, a skinny product that MKL does far below both
+the memory and the compute limit of the machine. On CPU, for fp32 weights, ``csrc/packed_gemm.c`` packs each
+weight once, at load, into the panels its register tiles stream through. All of SmolLM2's weights once, on the
+2-core AVX2 EPYC (2 threads, median of 7; ``bench/kernels.py``), against MKL's best form at each size:
 
     rows        1     2     4     8    16    32   128   512
-    MKL ms     39    36    37    68    68    99   298  1138
-    packed ms  17    19    23    34    46    80   290  1149     (17 ms = reading every weight once at 31.5 GB/s)
+    MKL ms     45    44    44    86    67   113   281  1102
+    packed ms  23    25    27    37    48    98   263  1054     (reading every weight once: 17 ms at 31 GB/s)
 
 so the packed kernel serves every size. It costs a second copy of the weights in memory (the HF model keeps its
 own). Where the kernel cannot be built, or for other dtypes and devices, ``F.linear`` runs, on CPU as

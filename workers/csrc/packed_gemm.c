@@ -1,8 +1,8 @@
 /* y = x @ W.T for few rows of x (fp32, CPU), W packed once at load; compiled at first use by workers/cpu_kernels.py.
  *
- * A decode step multiplies a handful of rows by every weight of the model. MKL re-packs W on every call and its
- * kernels are tuned for big products: on a 2-core AVX2 EPYC it took 73 ms at 8 rows for SmolLM2's weights, which
- * stream from memory in 17 ms. Here W is packed once into panels of NR output features,
+ * A decode step multiplies a handful of rows by every weight of the model. MKL does such skinny products far below
+ * the machine's limits: on a 2-core AVX2 EPYC it took 70-86 ms at 8 rows for SmolLM2's weights, which stream from
+ * memory in 17 ms (bench/kernels.py). Here W is packed once into panels of NR output features,
  *
  *   packed [ceil(N / NR)][K][NR]:  packed[p][k][j] = W[p * NR + j][k]   (zero where p * NR + j >= N)
  *

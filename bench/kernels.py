@@ -1,0 +1,131 @@
+"""Time the CPU kernels against what torch would do instead, on SmolLM2-135M's shapes (fp32).
+
+    .venv/bin/python bench/kernels.py                    # 2 threads, all rows and prefill sizes below
+    .venv/bin/python bench/kernels.py --rows 1 8 32 --prefills 0:512
+
+* projections: every matrix of the model once (30 layers of qkv, o, gate_up, down, plus the 49152-row LM head) for
+  ``--rows`` rows of input, by MKL (``x @ W.T``, or ``(W @ x.T).T`` where that is faster: the fallback's rule) and by
+  the packed kernel (``workers/linear.py``); weight bytes over the packed time is the bandwidth it reached;
+* prefill attention: one chunk of ``start:tokens`` through 30 layers, SDPA against ``csrc/prefill_attention.c``.
+
+Both run alternately in one process and the median of ``--repeats`` is reported, so drift of a shared machine
+affects both alike. Random weights: speed does not depend on the values. Appends a table to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.results import RESULTS, append_section  # noqa: E402
+
+LAYERS = 30
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
+LM_HEAD = (49152, 576)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def alternate(fns: dict, repeats: int) -> dict:
+    """Median seconds of each callable, run in turns after one untimed warm-up each."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def bench_projections(rows_list, repeats):
+    import torch
+
+    from workers.linear import Linear, _transposed_product_is_faster
+
+    weights = [torch.randn(*s) for s in LAYER_SHAPES for _ in range(LAYERS)] + [torch.randn(*LM_HEAD)]
+    packed = [Linear(w, pack=True) for w in weights]
+    weight_bytes = sum(w.numel() * 4 for w in weights)
+    out = []
+    for rows in rows_list:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+
+        def mkl():
+            for w in weights:
+                x = xs[w.shape[1]]
+                torch.mm(w, x.T) if _transposed_product_is_faster(rows, w.shape[0]) else x @ w.T
+
+        def kernel():
+            for lin in packed:
+                lin(xs[lin.weight.shape[1]])
+
+        t = alternate({"mkl": mkl, "packed": kernel}, repeats)
+        flops = 2 * rows * sum(w.numel() for w in weights)
+        out.append((rows, t["mkl"], t["packed"], flops, weight_bytes))
+        print(f"projections, {rows:4d} rows: MKL {t['mkl'] * 1e3:7.1f} ms, packed {t['packed'] * 1e3:7.1f} ms "
+              f"({flops / t['packed'] / 1e9:.0f} GFLOP/s, weights at {weight_bytes / t['packed'] / 1e9:.1f} GB/s)",
+              flush=True)
+    return out
+
+
+def bench_prefill(prefills, repeats):
+    import torch
+
+    from workers.attention import SdpaAttention
+    from workers.cpu_attention import CpuPagedAttention
+
+    cpu = torch.device("cpu")
+    out = []
+    for start, tokens in prefills:
+        context = start + tokens
+        num_blocks = context // BLOCK + 1
+        chunks = [(start, tokens, list(range(num_blocks)))]
+        shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
+        q = torch.randn(tokens, HEADS, HEAD_DIM)
+        k, v = torch.randn(tokens, KV_HEADS, HEAD_DIM), torch.randn(tokens, KV_HEADS, HEAD_DIM)
+        fns = {}
+        for name, cls in (("sdpa", SdpaAttention), ("kernel", CpuPagedAttention)):
+            backend = cls(HEADS, KV_HEADS, HEAD_DIM, BLOCK, cpu)
+            meta = backend.prepare(chunks)
+            fns[name] = lambda backend=backend, meta=meta: [backend.forward(q, k, v, kc, vc, meta) for kc, vc in caches]
+        t = alternate(fns, repeats)
+        out.append((start, tokens, t["sdpa"], t["kernel"]))
+        print(f"prefill attention, start {start:4d}, {tokens:4d} tokens, {LAYERS} layers: "
+              f"SDPA {t['sdpa'] * 1e3:6.1f} ms, kernel {t['kernel'] * 1e3:6.1f} ms", flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 512])
+    p.add_argument("--prefills", nargs="+", default=["0:128", "0:512", "200:480"], help="start:tokens")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--results", default=str(RESULTS))
+    args = p.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    projections = bench_projections(args.rows, args.repeats)
+    prefills = bench_prefill([tuple(int(x) for x in s.split(":")) for s in args.prefills], args.repeats)
+
+    lines = ["| rows | MKL ms | packed ms | packed GFLOP/s | weights GB/s (packed) |", "|---|---|---|---|---|"]
+    lines += [f"| {r} | {m * 1e3:.1f} | {k * 1e3:.1f} | {f / k / 1e9:.0f} | {b / k / 1e9:.1f} |"
+              for r, m, k, f, b in projections]
+    lines += ["", "| prefill chunk (start, tokens) | SDPA ms (30 layers) | kernel ms |", "|---|---|---|"]
+    lines += [f"| {s}, {n} | {a * 1e3:.1f} | {b * 1e3:.1f} |" for s, n, a, b in prefills]
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    append_section(f"## bench/kernels.py\n\n`{command}` (SmolLM2 shapes, fp32, {args.threads} threads, median of "
+                   f"{args.repeats}, run alternately)\n\n" + "\n".join(lines) + "\n", args.results)
+
+
+if __name__ == "__main__":
+    main()
