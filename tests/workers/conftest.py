@@ -7,6 +7,7 @@ SmolLM2 is pulled once into ``$SWITCHYARD_DATA_DIR/models`` when that is set, el
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from itertools import count
 from pathlib import Path
@@ -16,6 +17,22 @@ import pytest
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from workers.model_store import load, pull
 from workers.tiny_model import save_tiny_model
+
+
+@pytest.fixture(scope="session")
+def compiled() -> Callable:
+    """``compiled(loader, source)``: ``loader()``'s C library; fails the test where a compiler exists but the build
+    failed, skips it where the machine has no compiler (the torch fallback is the path there)."""
+
+    def require(loader: Callable, source: str):
+        lib = loader()
+        if lib is None:
+            if shutil.which("gcc") or shutil.which("cc"):
+                pytest.fail(f"a C compiler is present but {source} did not build (see the log)")
+            pytest.skip("no C compiler on this machine")
+        return lib
+
+    return require
 
 
 def model_cache_dir() -> Path:
