@@ -24,7 +24,6 @@ import json
 import os
 import random
 import secrets
-import shlex
 import shutil
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.overload import MODEL, PROMPTS, drain, free_port, ms, one, pct, poisson  # noqa: E402
-from bench.results import RESULTS, append_section  # noqa: E402
+from bench.results import RESULTS, append_section, command_line  # noqa: E402
 
 LIMIT = 100_000_000  # rpm / tpm: far above the load, fits Postgres integer
 
@@ -259,7 +258,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
-    command = " ".join(["python bench/batch.py", *map(shlex.quote, sys.argv[1:])])
+    command = command_line()
     from deploy.launcher import NatsServer, PostgresServer
     from deploy.services import ServiceProcess, wait_until_ready
     from shared.config import SwitchyardConfig

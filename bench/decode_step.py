@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.results import RESULTS, append_section  # noqa: E402
+from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 
 
 def main():
@@ -65,12 +64,10 @@ def main():
             print(f"{backend:10s} batch {batch:3d} mean context {mean_context:5.0f}: {rows[-1][3]:7.1f} ms",
                   flush=True)
 
-    table = ["| backend | sequences | mean context | step ms (median) |", "|---|---|---|---|"]
-    table += [f"| {b} | {n} | {c:.0f} | {ms:.1f} |" for b, n, c, ms in rows]
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    append_section(f"## bench/decode_step.py\n\n`{command}` (SmolLM2 fp32, {args.threads} threads, "
-                   f"{args.repeats} steps each)\n\n" + "\n".join(table) + "\n", args.results)
-
+    table = markdown_table(("backend", "sequences", "mean context", "step ms (median)"),
+                           [(b, n, f"{c:.0f}", f"{ms:.1f}") for b, n, c, ms in rows])
+    append_section(f"## bench/decode_step.py\n\n`{command_line()}` (SmolLM2 fp32, {args.threads} threads, "
+                   f"{args.repeats} steps each)\n\n{table}\n", args.results)
 
 if __name__ == "__main__":
     main()

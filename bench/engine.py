@@ -31,7 +31,6 @@ import multiprocessing
 import os
 import random
 import resource
-import shlex
 import sys
 import time
 from collections import defaultdict
@@ -39,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.results import RESULTS, append_section  # noqa: E402
+from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 
 SCENARIOS = ("engine_t0", "engine_poisson", "hf_static", "hf_seq", "single", "prefix")
 COLUMNS = ("scenario", "reqs", "out tok", "wall s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
@@ -287,8 +286,7 @@ def row(r):
 
 def report(results):
     by = {r["scenario"].split("@")[0].split(" ")[0]: r for r in results}
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row(r)) + " |" for r in results]
+    lines = [markdown_table(COLUMNS, [row(r) for r in results])]
     lines.append("\nTTFT/TPOT in ms. CPU %: CPU time of the bench process over wall time (100 = one core; below "
                  "100 x threads, other processes took the rest). Engine step-time split (share of engine.step()):")
     for r in results:
@@ -357,7 +355,7 @@ def main():
         args.num_requests, args.prompt_len, args.output_len = 8, [16, 64], [8, 32]
         args.seq_requests, args.single_output, args.repeats = 2, 32, 1
         args.prefix_len, args.prefix_requests, args.prefix_output = 64, 4, 8
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = command_line()
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     load_start = load_avg()
     ctx = multiprocessing.get_context("spawn")

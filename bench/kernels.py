@@ -15,7 +15,6 @@ affects both alike. Random weights: speed does not depend on the values. Appends
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.results import RESULTS, append_section  # noqa: E402
+from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
@@ -47,25 +46,21 @@ def alternate(fns: dict, repeats: int) -> dict:
 def bench_projections(rows_list, repeats):
     import torch
 
-    from workers.linear import Linear, _transposed_product_is_faster
+    from workers.linear import Linear
 
     weights = [torch.randn(*s) for s in LAYER_SHAPES for _ in range(LAYERS)] + [torch.randn(*LM_HEAD)]
+    unpacked = [Linear(w) for w in weights]  # torch: MKL, transposed where that is faster
     packed = [Linear(w, pack=True) for w in weights]
     weight_bytes = sum(w.numel() * 4 for w in weights)
     out = []
     for rows in rows_list:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
 
-        def mkl():
-            for w in weights:
-                x = xs[w.shape[1]]
-                torch.mm(w, x.T) if _transposed_product_is_faster(rows, w.shape[0]) else x @ w.T
-
-        def kernel():
-            for lin in packed:
+        def run(linears):
+            for lin in linears:
                 lin(xs[lin.weight.shape[1]])
 
-        t = alternate({"mkl": mkl, "packed": kernel}, repeats)
+        t = alternate({"mkl": lambda: run(unpacked), "packed": lambda: run(packed)}, repeats)
         flops = 2 * rows * sum(w.numel() for w in weights)
         out.append((rows, t["mkl"], t["packed"], flops, weight_bytes))
         print(f"projections, {rows:4d} rows: MKL {t['mkl'] * 1e3:7.1f} ms, packed {t['packed'] * 1e3:7.1f} ms "
@@ -117,15 +112,13 @@ def main():
     projections = bench_projections(args.rows, args.repeats)
     prefills = bench_prefill([tuple(int(x) for x in s.split(":")) for s in args.prefills], args.repeats)
 
-    lines = ["| rows | MKL ms | packed ms | packed GFLOP/s | weights GB/s (packed) |", "|---|---|---|---|---|"]
-    lines += [f"| {r} | {m * 1e3:.1f} | {k * 1e3:.1f} | {f / k / 1e9:.0f} | {b / k / 1e9:.1f} |"
-              for r, m, k, f, b in projections]
-    lines += ["", "| prefill chunk (start, tokens) | SDPA ms (30 layers) | kernel ms |", "|---|---|---|"]
-    lines += [f"| {s}, {n} | {a * 1e3:.1f} | {b * 1e3:.1f} |" for s, n, a, b in prefills]
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    append_section(f"## bench/kernels.py\n\n`{command}` (SmolLM2 shapes, fp32, {args.threads} threads, median of "
-                   f"{args.repeats}, run alternately)\n\n" + "\n".join(lines) + "\n", args.results)
-
+    gemm = markdown_table(("rows", "MKL ms", "packed ms", "packed GFLOP/s", "weights GB/s (packed)"),
+                          [(r, f"{m * 1e3:.1f}", f"{k * 1e3:.1f}", f"{f / k / 1e9:.0f}", f"{b / k / 1e9:.1f}")
+                           for r, m, k, f, b in projections])
+    attention = markdown_table(("prefill chunk (start, tokens)", "SDPA ms (30 layers)", "kernel ms"),
+                               [(f"{s}, {n}", f"{a * 1e3:.1f}", f"{b * 1e3:.1f}") for s, n, a, b in prefills])
+    append_section(f"## bench/kernels.py\n\n`{command_line()}` (SmolLM2 shapes, fp32, {args.threads} threads, "
+                   f"median of {args.repeats}, run alternately)\n\n{gemm}\n\n{attention}\n", args.results)
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,6 @@ import os
 import platform
 import random
 import secrets
-import shlex
 import shutil
 import socket
 import sys
@@ -44,7 +43,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.results import RESULTS, append_section  # noqa: E402
+from bench.results import RESULTS, append_section, command_line  # noqa: E402
 MODEL = "smollm2"
 PROMPTS = ["Say hello.", "Name a color.", "Count to five.", "What is 2+2?", "Tell me a fact.", "Pick a number."]
 
@@ -310,7 +309,7 @@ def main() -> int:
     p.add_argument("--no-restore", dest="restore", action="store_false", help="keep the tier limits afterwards")
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
-    command = " ".join(["python bench/overload.py", *map(shlex.quote, sys.argv[1:])])
+    command = command_line()
     stack, work, database_url = [], None, None
     try:
         if not args.base_url:

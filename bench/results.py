@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -24,3 +26,20 @@ def append_section(text: str, path: Path | str = RESULTS) -> None:
     with path.open("a") as f:
         f.write(separator + text.rstrip("\n") + "\n")
     print(f"appended to {path}", file=sys.stderr)
+
+
+def command_line() -> str:
+    """How this benchmark was started, as a command to paste: ``python bench/<script>.py <args>``."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(RESULTS.parent.parent)
+    except ValueError:
+        pass
+    return " ".join(["python", shlex.quote(str(script)), *map(shlex.quote, sys.argv[1:])])
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table; cells are formatted by the caller (str() is applied)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(lines)

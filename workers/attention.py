@@ -50,10 +50,9 @@ class PrefillSpan:
 
     row: int  # first row of the chunk in the step's flat batch
     num_tokens: int
-    blocks: torch.Tensor | None  # block ids covering [0, start_pos + num_tokens); None when start_pos == 0
+    start_pos: int  # tokens of the sequence already in the cache before this chunk
+    table: torch.Tensor  # [blocks] long: the block ids covering positions [0, start_pos + num_tokens)
     mask: torch.Tensor | None  # [num_tokens, context] bool, True = attend; None when start_pos == 0 (plain causal)
-    start_pos: int = 0
-    table: torch.Tensor | None = None  # block ids covering [0, start_pos + num_tokens), whatever start_pos
 
 
 @dataclass(slots=True)
@@ -173,14 +172,12 @@ class SdpaAttention:
         row = 0
         for i in range(num_prefills):
             start, n, _ = chunks[i]
-            blocks = mask = None
+            mask = None
             if start > 0:
-                context = start + n
-                blocks = table[i, : num_blocks[i]]
-                key_pos = torch.arange(context, device=self.device)
-                query_pos = torch.arange(start, context, device=self.device)
+                key_pos = torch.arange(start + n, device=self.device)
+                query_pos = torch.arange(start, start + n, device=self.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-            prefills.append(PrefillSpan(row, n, blocks, mask, start, table[i, : num_blocks[i]]))
+            prefills.append(PrefillSpan(row, n, start, table[i, : num_blocks[i]], mask))
             row += n
 
         meta = StepMetadata(positions, slots, row, prefills, None, None)
@@ -237,8 +234,8 @@ class SdpaAttention:
         """Causal attention of one prefill chunk: q ``[n, heads, d]`` and the chunk's own k/v ``[n, kv_heads, d]``
         (already in the cache) -> ``[n, heads * d]``."""
         kvh, d = self.num_kv_heads, self.head_dim
-        if span.blocks is not None:  # a later chunk: its keys start at position 0, in the cache
-            ks, vs = self._gather(k_cache, v_cache, span.blocks)
+        if span.start_pos > 0:  # a later chunk: its keys start at position 0, in the cache
+            ks, vs = self._gather(k_cache, v_cache, span.table)
             ks = ks.view(-1, kvh, d)[: span.mask.shape[1]]
             vs = vs.view(-1, kvh, d)[: span.mask.shape[1]]
         # 4-D inputs: CPU SDPA only takes its fused kernel for 4-D tensors (3-D falls back to bmm + softmax).

@@ -55,20 +55,26 @@ class CpuPagedAttention(SdpaAttention):
         self._prefill_lib = load_prefill_kernel() if head_dim % 16 == 0 else None  # 16: the kernel's panel width
         self._workspace = torch.empty(0)
 
+    def prepare(self, chunks):
+        meta = super().prepare(chunks)
+        if self._prefill_lib is not None and meta.prefills:
+            # Sized once per step for its longest prefill context; every layer reuses it.
+            context = max(span.start_pos + span.num_tokens for span in meta.prefills)
+            need = self._prefill_lib.prefill_workspace_floats(context, self.num_heads, self.num_kv_heads,
+                                                              self.head_dim, torch.get_num_threads())
+            if self._workspace.numel() < need:  # grown, never shrunk: a fresh buffer per step costs page faults
+                self._workspace = torch.empty(need, dtype=torch.float32)
+        return meta
+
     def _attend_prefill(self, span, qs, ks, vs, k_cache, v_cache) -> torch.Tensor:
         lib = self._prefill_lib
         if lib is None or qs.stride(2) != 1 or qs.stride(1) != self.head_dim:
             return super()._attend_prefill(span, qs, ks, vs, k_cache, v_cache)
-        threads = torch.get_num_threads()
-        context = span.start_pos + span.num_tokens
-        need = lib.prefill_workspace_floats(context, self.num_heads, self.num_kv_heads, self.head_dim, threads)
-        if self._workspace.numel() < need:  # grown, never shrunk: a fresh buffer per layer costs page faults
-            self._workspace = torch.empty(need, dtype=torch.float32)
         out = qs.new_empty(span.num_tokens, self.num_heads * self.head_dim)
         status = lib.prefill_attention_f32(
             qs.data_ptr(), qs.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), span.table.data_ptr(),
             span.start_pos, span.num_tokens, out.data_ptr(), out.stride(0), self.num_heads, self.num_kv_heads,
-            self.head_dim, self.block_size, self.scale, self._workspace.data_ptr(), threads,
+            self.head_dim, self.block_size, self.scale, self._workspace.data_ptr(), torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"prefill_attention_f32 failed with status {status}")
