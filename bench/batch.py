@@ -43,8 +43,8 @@ LIMIT = 100_000_000  # rpm / tpm: far above the load, fits Postgres integer
 async def make_key(database_url: str) -> str:
     import asyncpg
 
-    from gateway.tenancy import create_key, create_tenant
-    from migrations import apply_migrations
+    from switchyard.gateway.tenancy import create_key, create_tenant
+    from switchyard.migrations import apply_migrations
 
     await apply_migrations(database_url)
     conn = await asyncpg.connect(database_url)
@@ -259,9 +259,9 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command = command_line()
-    from deploy.launcher import NatsServer, PostgresServer
-    from deploy.services import ServiceProcess, wait_until_ready
-    from shared.config import SwitchyardConfig
+    from switchyard.deploy.launcher import NatsServer, PostgresServer
+    from switchyard.deploy.services import ServiceProcess, wait_until_ready
+    from switchyard.shared.config import SwitchyardConfig
 
     model = Path(args.model or SwitchyardConfig().model_cache_dir / MODEL)
     if not (model / "config.json").exists():

@@ -33,9 +33,9 @@ def main():
 
     import torch
 
-    from shared.config import SwitchyardConfig
-    from workers import model_store
-    from workers.model_runner import ModelRunner, SeqChunk
+    from switchyard.shared.config import SwitchyardConfig
+    from switchyard.workers import model_store
+    from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk
 
     torch.set_num_threads(args.threads)
     model, _ = model_store.load(model_store.pull("smollm2", SwitchyardConfig().model_cache_dir),

@@ -106,7 +106,7 @@ def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True, warm
     """Serve ``reqs`` arriving at ``arrivals`` (seconds from start); ``warm`` requests run first, untimed."""
     import gc
 
-    import workers.engine as we
+    import switchyard.workers.engine.engine as we
 
     gc.collect()  # drop the previous run's engine (and its KV cache) first
     engine = we.Engine(model, tok, we.EngineConfig(
@@ -138,7 +138,7 @@ def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True, warm
 
 
 def _drive(engine, reqs, arrivals, tag):
-    from shared.messages import GenerateRequest, SamplingParams
+    from switchyard.shared.messages import GenerateRequest, SamplingParams
 
     order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
     recs, peak_blocks, nxt, num_steps, step_time = {}, 0, 0, 0, 0.0
@@ -217,8 +217,8 @@ def hf_warmup(model, tok):
 def run_scenario(name, args, dtype, rate):
     import torch
 
-    from shared.config import SwitchyardConfig
-    from workers import model_store
+    from switchyard.shared.config import SwitchyardConfig
+    from switchyard.workers import model_store
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ def alternate(fns: dict, repeats: int) -> dict:
 def bench_projections(rows_list, repeats):
     import torch
 
-    from workers.linear import Linear
+    from switchyard.workers.executor.linear import Linear
 
     weights = [torch.randn(*s) for s in LAYER_SHAPES for _ in range(LAYERS)] + [torch.randn(*LM_HEAD)]
     unpacked = [Linear(w) for w in weights]  # torch: MKL, transposed where that is faster
@@ -72,8 +72,8 @@ def bench_projections(rows_list, repeats):
 def bench_prefill(prefills, repeats):
     import torch
 
-    from workers.attention import SdpaAttention
-    from workers.cpu_attention import CpuPagedAttention
+    from switchyard.workers.executor.attention import SdpaAttention
+    from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention
 
     cpu = torch.device("cpu")
     out = []

@@ -259,8 +259,8 @@ def free_port() -> int:
 async def make_key(database_url: str) -> str:
     import asyncpg
 
-    from gateway.tenancy import create_key, create_tenant
-    from migrations import apply_migrations
+    from switchyard.gateway.tenancy import create_key, create_tenant
+    from switchyard.migrations import apply_migrations
 
     await apply_migrations(database_url)
     conn = await asyncpg.connect(database_url)
@@ -313,9 +313,9 @@ def main() -> int:
     stack, work, database_url = [], None, None
     try:
         if not args.base_url:
-            from deploy.launcher import NatsServer, PostgresServer
-            from deploy.services import ServiceProcess, wait_until_ready
-            from shared.config import SwitchyardConfig
+            from switchyard.deploy.launcher import NatsServer, PostgresServer
+            from switchyard.deploy.services import ServiceProcess, wait_until_ready
+            from switchyard.shared.config import SwitchyardConfig
 
             model = Path(args.model or SwitchyardConfig().model_cache_dir / MODEL)
             if not (model / "config.json").exists():

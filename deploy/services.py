@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from deploy.launcher import die_with_parent, stop_process
+from switchyard.deploy.launcher import die_with_parent, stop_process
 
 
 class ServiceProcess:
@@ -38,7 +38,7 @@ class ServiceProcess:
         out = open(self.log_path, "ab") if self.log_path else None
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "deploy.cli", *self.args],
+                [sys.executable, "-m", "switchyard", *self.args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,

@@ -12,12 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-from deploy.launcher import NatsServer, PostgresServer
-from deploy.services import ServiceProcess, wait_until_ready
-from migrations import apply_migrations
-from shared.config import SwitchyardConfig
-from workers import model_store
-from workers.main import served_name
+from switchyard.deploy.launcher import NatsServer, PostgresServer
+from switchyard.deploy.services import ServiceProcess, wait_until_ready
+from switchyard.migrations import apply_migrations
+from switchyard.shared.config import SwitchyardConfig
+from switchyard.workers import model_store
+from switchyard.workers.service.main import served_name
 
 
 RUN_FILE = "run.json"
@@ -42,7 +42,7 @@ async def _default_key(database_url: str, data_dir: Path) -> str:
     """The default tenant's key: created (and kept, 0600, in the data dir) on the first start, reused after."""
     import asyncpg
 
-    from gateway.tenancy import ensure_default_tenant
+    from switchyard.gateway.tenancy import ensure_default_tenant
 
     path = data_dir / KEY_FILE
     conn = await asyncpg.connect(database_url)

@@ -12,8 +12,8 @@ import msgspec
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.errors import OpenAIError
-from gateway.tier_admin import TierChangeError, change_tier, tier_status
+from switchyard.gateway.errors import OpenAIError
+from switchyard.gateway.tier_admin import TierChangeError, change_tier, tier_status
 
 
 class TierUpdate(BaseModel):

@@ -13,24 +13,24 @@ import nats
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from gateway.errors import OpenAIError, install_error_handlers
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.registry import ModelRegistry
-from gateway.relay import Relay
-from gateway.serving import CompletionService
-from gateway.admin import admin_router
-from gateway.batch_runner import BatchRunner
-from gateway.batches import batches_router
-from gateway.files import files_router
-from gateway.conversations import conversations_router
-from gateway.auth import AuthContext, Authenticator
-from gateway.limits import Limiter, estimate_tokens
-from gateway.usage_report import usage_rows
-from gateway.usage_writer import run_usage_writer
-from shared.config import SwitchyardConfig
-from shared.jetstream import ensure_streams
-from shared.tier_store import PolicyCache, read_policies, reconcile_queue_caps
-from shared.tiers import TIER_NAMES
+from switchyard.gateway.errors import OpenAIError, install_error_handlers
+from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from switchyard.gateway.registry import ModelRegistry
+from switchyard.gateway.relay import Relay
+from switchyard.gateway.serving import CompletionService
+from switchyard.gateway.admin import admin_router
+from switchyard.gateway.batch_runner import BatchRunner
+from switchyard.gateway.batches import batches_router
+from switchyard.gateway.files import files_router
+from switchyard.gateway.conversations import conversations_router
+from switchyard.gateway.auth import AuthContext, Authenticator
+from switchyard.gateway.limits import Limiter, estimate_tokens
+from switchyard.gateway.usage_report import usage_rows
+from switchyard.gateway.usage_writer import run_usage_writer
+from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.jetstream import ensure_streams
+from switchyard.shared.tier_store import PolicyCache, read_policies, reconcile_queue_caps
+from switchyard.shared.tiers import TIER_NAMES
 
 TIER_HEADER = "X-Switchyard-Tier"
 

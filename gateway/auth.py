@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import asyncpg
 from fastapi import Request
 
-from gateway.errors import OpenAIError
-from gateway.tenancy import hash_key
+from switchyard.gateway.errors import OpenAIError
+from switchyard.gateway.tenancy import hash_key
 
 CACHE_S = 5.0
 _LAST_USED_EVERY_S = 60.0

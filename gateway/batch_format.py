@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving import CHAT, TEXT, _usage_json
-from shared.messages import BatchResult, ErrorInfo, GenerateRequest
+from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from switchyard.gateway.serving import CHAT, TEXT, _usage_json
+from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,

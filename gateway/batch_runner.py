@@ -33,7 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 from pydantic import ValidationError
 
-from gateway.batch_format import (
+from switchyard.gateway.batch_format import (
     CANCELLED,
     EXPIRED,
     ResultFiles,
@@ -43,13 +43,13 @@ from gateway.batch_format import (
     request_id_for,
     wire_request,
 )
-from gateway.errors import model_not_found
-from gateway.files import insert_file
-from gateway.registry import ModelRegistry
-from shared import subjects
-from shared.jetstream import QUEUE_FULL_CODES, ensure_batch_results_consumer
-from shared.messages import BatchResult, ErrorInfo, decode, encode
-from shared.tiers import BATCH_TIER
+from switchyard.gateway.errors import model_not_found
+from switchyard.gateway.files import insert_file
+from switchyard.gateway.registry import ModelRegistry
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import QUEUE_FULL_CODES, ensure_batch_results_consumer
+from switchyard.shared.messages import BatchResult, ErrorInfo, decode, encode
+from switchyard.shared.tiers import BATCH_TIER
 
 log = logging.getLogger("switchyard.batch")
 

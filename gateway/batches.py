@@ -22,9 +22,9 @@ import time
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.auth import AuthContext
-from gateway.batch_format import COMPLETION_WINDOWS, ENDPOINTS
-from gateway.errors import OpenAIError
+from switchyard.gateway.auth import AuthContext
+from switchyard.gateway.batch_format import COMPLETION_WINDOWS, ENDPOINTS
+from switchyard.gateway.errors import OpenAIError
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 _TIMESTAMPS = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",

@@ -21,11 +21,11 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.auth import AuthContext
-from gateway.errors import OpenAIError
-from gateway.protocol import ChatCompletionRequest
-from gateway.serving import Outcome
-from shared.messages import ChatMessage
+from switchyard.gateway.auth import AuthContext
+from switchyard.gateway.errors import OpenAIError
+from switchyard.gateway.protocol import ChatCompletionRequest
+from switchyard.gateway.serving import Outcome
+from switchyard.shared.messages import ChatMessage
 
 
 class ConversationCreate(BaseModel):

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shared.messages import ErrorInfo
+from switchyard.shared.messages import ErrorInfo
 
 log = logging.getLogger("switchyard.gateway")
 

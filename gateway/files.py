@@ -21,8 +21,8 @@ import asyncpg
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.auth import AuthContext
-from gateway.errors import OpenAIError
+from switchyard.gateway.auth import AuthContext
+from switchyard.gateway.errors import OpenAIError
 
 MAX_FILE_BYTES = 50 * 1024 * 1024
 UPLOAD_PURPOSES = ("batch",)

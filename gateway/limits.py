@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from gateway.auth import AuthContext
-from gateway.errors import OpenAIError
-from shared.tiers import TierPolicy
+from switchyard.gateway.auth import AuthContext
+from switchyard.gateway.errors import OpenAIError
+from switchyard.shared.tiers import TierPolicy
 
 UNLIMITED = 1 << 62
 DEFAULT_COMPLETION_RESERVE = 1024  # reserved when a request sets no max_tokens

@@ -7,7 +7,7 @@ Chat completions: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [
 
 from __future__ import annotations
 
-from shared.messages import TokenLogprob
+from switchyard.shared.messages import TokenLogprob
 
 
 def _entry(token: str, logprob: float) -> dict:

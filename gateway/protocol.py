@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.messages import ChatMessage, SamplingParams
+from switchyard.shared.messages import ChatMessage, SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 

@@ -12,8 +12,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NoKeysError
 from nats.js.api import KeyValueConfig, StorageType
 
-from shared import subjects
-from shared.messages import WorkerInfo, decode
+from switchyard.shared import subjects
+from switchyard.shared.messages import WorkerInfo, decode
 
 WORKER_TTL_S = 10.0
 _CACHE_S = 1.0

@@ -20,10 +20,10 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
-from gateway.errors import OpenAIError, service_unavailable
-from shared import subjects
-from shared.jetstream import QUEUE_FULL_CODES
-from shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
+from switchyard.gateway.errors import OpenAIError, service_unavailable
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import QUEUE_FULL_CODES
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
 
 # The worker must start a request before its deadline; this margin covers its reply's trip back.
 DEADLINE_GRACE_S = 2.0

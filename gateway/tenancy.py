@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from shared.tiers import TIER_NAMES
+from switchyard.shared.tiers import TIER_NAMES
 
 KEY_PREFIX = "sk-sy-"
 

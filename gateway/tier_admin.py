@@ -14,10 +14,10 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from shared import subjects
-from shared.messages import GenerateRequest, WorkerInfo, decode
-from shared.tier_store import read_policies, write_policy
-from shared.tiers import TIER_NAMES, TierPolicy
+from switchyard.shared import subjects
+from switchyard.shared.messages import GenerateRequest, WorkerInfo, decode
+from switchyard.shared.tier_store import read_policies, write_policy
+from switchyard.shared.tiers import TIER_NAMES, TierPolicy
 
 
 class TierChangeError(ValueError):

@@ -9,7 +9,7 @@ import datetime as dt
 
 import asyncpg
 
-from gateway.errors import OpenAIError
+from switchyard.gateway.errors import OpenAIError
 
 _GROUPS = {"model": "model", "day": "to_char(date_trunc('day', created_at), 'YYYY-MM-DD')"}
 

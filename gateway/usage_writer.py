@@ -15,9 +15,9 @@ import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
-from shared import subjects
-from shared.jetstream import ensure_usage_consumer
-from shared.messages import UsageRecord, decode
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import ensure_usage_consumer
+from switchyard.shared.messages import UsageRecord, decode
 
 log = logging.getLogger("switchyard.usage")
 

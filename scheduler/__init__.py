@@ -3,11 +3,11 @@
 No torch, NATS or asyncio here; the engine in ``workers/`` drives it and runs the model.
 """
 
-from scheduler.block_pool import Block, BlockPool
-from scheduler.kv_cache_manager import KVCacheManager, hash_block
-from scheduler.request import RequestStatus, Sequence, finish_reason
-from scheduler.request_queue import WaitingQueue
-from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from switchyard.scheduler.block_pool import Block, BlockPool
+from switchyard.scheduler.kv_cache_manager import KVCacheManager, hash_block
+from switchyard.scheduler.request import RequestStatus, Sequence, finish_reason
+from switchyard.scheduler.request_queue import WaitingQueue
+from switchyard.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = [
     "Block",

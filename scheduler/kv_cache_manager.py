@@ -17,8 +17,8 @@ import hashlib
 from array import array
 from collections.abc import Sequence as Seq
 
-from scheduler.block_pool import Block, BlockPool
-from scheduler.request import Sequence
+from switchyard.scheduler.block_pool import Block, BlockPool
+from switchyard.scheduler.request import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:

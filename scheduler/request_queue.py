@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from scheduler.request import Sequence
+from switchyard.scheduler.request import Sequence
 
 
 class WaitingQueue:

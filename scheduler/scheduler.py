@@ -16,9 +16,9 @@ import sys
 from bisect import insort
 from dataclasses import dataclass, field
 
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import RequestStatus, Sequence
-from scheduler.request_queue import WaitingQueue
+from switchyard.scheduler.kv_cache_manager import KVCacheManager
+from switchyard.scheduler.request import RequestStatus, Sequence
+from switchyard.scheduler.request_queue import WaitingQueue
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
-from shared import subjects
-from shared.tiers import TIER_NAMES
+from switchyard.shared import subjects
+from switchyard.shared.tiers import TIER_NAMES
 
 # JetStream's error code for a publish refused because a stream or subject limit is reached (discard-new).
 ERR_MAX_MSGS = 10077
@@ -115,7 +115,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
 
     Existing streams keep their live limits: ops changes are never undone by a restart.
     """
-    from shared.tier_store import read_policies, seed_policies
+    from switchyard.shared.tier_store import read_policies, seed_policies
 
     await _drop_legacy_streams(js)
     await seed_policies(js)

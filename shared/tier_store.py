@@ -16,9 +16,9 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from shared import subjects
-from shared.messages import decode, encode
-from shared.tiers import DEFAULT_POLICIES, TIER_NAMES, TierPolicy
+from switchyard.shared import subjects
+from switchyard.shared.messages import decode, encode
+from switchyard.shared.tiers import DEFAULT_POLICIES, TIER_NAMES, TierPolicy
 
 TIERS_BUCKET = "tiers"
 CACHE_S = 1.0
@@ -66,7 +66,7 @@ async def apply_queue_cap(js: JetStreamContext, tier: str, target: int) -> int:
     never goes below the deepest queue: while that queue is over the target, new requests are refused (it is
     full), and as it drains, `reconcile_queue_caps` lowers the cap step by step until it reaches the target.
     """
-    from shared.jetstream import tier_stream_config  # here to keep the import graph one-way
+    from switchyard.shared.jetstream import tier_stream_config  # here to keep the import graph one-way
 
     info = await js.stream_info(subjects.request_stream(tier))
     current = info.config.max_msgs_per_subject

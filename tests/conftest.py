@@ -21,8 +21,8 @@ from typing import Iterator
 
 import pytest
 
-from deploy.launcher import NatsServer, PostgresServer, docker_available
-from migrations import apply_migrations
+from switchyard.deploy.launcher import NatsServer, PostgresServer, docker_available
+from switchyard.migrations import apply_migrations
 
 
 @contextlib.contextmanager

@@ -11,9 +11,9 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from deploy.launcher import NatsServer
-from shared import subjects
-from shared.jetstream import ensure_streams
+from switchyard.deploy.launcher import NatsServer
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import ensure_streams
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from migrations import Migration, apply_migrations, load_migrations
+from switchyard.migrations import Migration, apply_migrations, load_migrations
 
 
 def _with_database(url: str, name: str) -> str:

@@ -20,7 +20,7 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from deploy.launcher import NatsServer, PostgresServer, ServerStartError, docker_available
+from switchyard.deploy.launcher import NatsServer, PostgresServer, ServerStartError, docker_available
 
 
 @pytest.fixture
@@ -232,7 +232,7 @@ async def test_postgres_restarts_after_being_killed(server_dir):
 
 _OWNER = """
 import sys
-from deploy.launcher import NatsServer, PostgresServer
+from switchyard.deploy.launcher import NatsServer, PostgresServer
 nats = NatsServer(sys.argv[1] + "/nats").start()
 pg = PostgresServer(sys.argv[1] + "/pg", ephemeral=True).start()
 print(nats.pid, pg.pid, flush=True)
@@ -281,7 +281,7 @@ async def test_session_nats_fixture_has_jetstream(nats_url):
 
 
 def test_as_root_postgres_runs_from_binaries_its_user_can_reach(server_dir):
-    from deploy.launcher import _searchable_by_all
+    from switchyard.deploy.launcher import _searchable_by_all
 
     private = Path(tempfile.mkdtemp())  # 0700, like `mktemp -d` around a CI checkout
     try:

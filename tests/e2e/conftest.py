@@ -14,9 +14,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from deploy.services import ServiceProcess, wait_until_ready
-from gateway.tenancy import create_key, create_tenant
-from workers.tiny_model import save_tiny_model
+from switchyard.deploy.services import ServiceProcess, wait_until_ready
+from switchyard.gateway.tenancy import create_key, create_tenant
+from tests.support.tiny_model import save_tiny_model
 
 TINY = "tiny"
 TINY_CONTEXT = 4096

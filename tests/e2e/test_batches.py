@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from deploy.services import wait_until_ready
+from switchyard.deploy.services import wait_until_ready
 
 MODEL = "tiny"  # the session's worker (4 slots)
 SLOW = "tiny-batch"  # this module's own worker: one slot, so a big batch really queues
@@ -296,17 +296,17 @@ async def test_cli_submit_wait_and_results(system, api_key, tmp_path):
     out = tmp_path / "out.jsonl"
     common = ["--base-url", f"{system}/v1", "--api-key", api_key]
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "deploy.cli", "batch", "submit", str(path), "--model", MODEL,
+        subprocess.run, [sys.executable, "-m", "switchyard", "batch", "submit", str(path), "--model", MODEL,
                          "--wait", *common], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     batch_id = proc.stdout.split()[0]
     assert batch_id.startswith("batch_") and "3/3" in proc.stderr
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "deploy.cli", "batch", "results", batch_id, "-o", str(out), *common],
+        subprocess.run, [sys.executable, "-m", "switchyard", "batch", "results", batch_id, "-o", str(out), *common],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert sorted(r["custom_id"] for r in parse_jsonl(out.read_bytes())) == ["cli-0", "cli-1", "cli-2"]
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "deploy.cli", "batch", "status", batch_id, *common],
+        subprocess.run, [sys.executable, "-m", "switchyard", "batch", "status", batch_id, *common],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "completed" in proc.stdout

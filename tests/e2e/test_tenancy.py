@@ -14,9 +14,9 @@ import httpx
 import nats
 import pytest
 
-from deploy.services import ServiceProcess, wait_until_ready
-from shared import subjects
-from shared.messages import UsageRecord, encode
+from switchyard.deploy.services import ServiceProcess, wait_until_ready
+from switchyard.shared import subjects
+from switchyard.shared.messages import UsageRecord, encode
 
 MODEL = "tiny"
 

@@ -22,7 +22,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 @pytest.fixture(scope="module")
 def tiers_model(e2e, auth):
     """A worker for MODEL with a single slot; tier policies are restored afterwards."""
-    from deploy.services import wait_until_ready
+    from switchyard.deploy.services import wait_until_ready
 
     worker = e2e.start_worker(MODEL, max_num_seqs=1)
     wait_until_ready(e2e.base_url, MODEL, timeout_s=120, watch=[worker])

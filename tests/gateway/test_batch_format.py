@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from deploy.batch_cli import rewrite_input
-from gateway.batch_format import output_line, parse_input, request_id_for, response_body, wire_request
-from shared.messages import BatchChoice, BatchResult, Usage
+from switchyard.cli.batch import rewrite_input
+from switchyard.gateway.batch_format import output_line, parse_input, request_id_for, response_body, wire_request
+from switchyard.shared.messages import BatchChoice, BatchResult, Usage
 
 CHAT = "/v1/chat/completions"
 

@@ -11,10 +11,10 @@ from datetime import datetime, timedelta, timezone
 import asyncpg
 import pytest
 
-from gateway.batch_runner import BatchRunner
-from gateway.tenancy import create_tenant
-from migrations import apply_migrations
-from shared.messages import BatchChoice, BatchResult, Usage
+from switchyard.gateway.batch_runner import BatchRunner
+from switchyard.gateway.tenancy import create_tenant
+from switchyard.migrations import apply_migrations
+from switchyard.shared.messages import BatchChoice, BatchResult, Usage
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from scheduler import Scheduler, SchedulerOutput, Sequence
+from switchyard.scheduler import Scheduler, SchedulerOutput, Sequence
 
 
 def toy_next_token(seq: Sequence) -> int:

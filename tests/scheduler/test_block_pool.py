@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import BlockPool
+from switchyard.scheduler import BlockPool
 
 
 def test_new_blocks_come_from_the_head_with_one_reference() -> None:

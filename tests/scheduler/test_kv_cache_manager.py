@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import scheduler.kv_cache_manager as kv_module
-from scheduler import KVCacheManager, Sequence, hash_block
+import switchyard.scheduler.kv_cache_manager as kv_module
+from switchyard.scheduler import KVCacheManager, Sequence, hash_block
 
 
 def computed(kv: KVCacheManager, seq: Sequence, num_new_tokens: int | None = None) -> list[int]:

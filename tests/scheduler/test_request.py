@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import RequestStatus, Sequence, finish_reason
+from switchyard.scheduler import RequestStatus, Sequence, finish_reason
 
 
 def test_every_finished_state_sorts_after_preempted() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Sequence, WaitingQueue
+from switchyard.scheduler import Sequence, WaitingQueue
 
 
 def seq(seq_id: str, priority: int = 0, arrival: float = 0.0) -> Sequence:

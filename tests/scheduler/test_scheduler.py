@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence
+from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence
 
 
 def chunks(output) -> list[tuple[str, int, int, bool]]:

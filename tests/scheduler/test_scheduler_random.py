@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence
+from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence
 
 
 class FakeKVCache:

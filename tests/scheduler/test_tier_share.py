@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from scheduler.tier_share import TierShare
+from switchyard.scheduler.tier_share import TierShare
 
 PRIORITIES = {"enterprise": 0, "pro": 1, "free": 2, "batch": 3}
 WEIGHTS = {"enterprise": 8.0, "pro": 4.0, "free": 1.0, "batch": 0.05}

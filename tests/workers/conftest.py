@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams
-from workers.model_store import load, pull
-from workers.tiny_model import save_tiny_model
+from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from switchyard.workers.model_store import load, pull
+from tests.support.tiny_model import save_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from workers.attention import SdpaAttention, make_attention
-from workers.cpu_attention import CpuPagedAttention, load_kernel
-from workers.cpu_kernels import load_library
+from switchyard.workers.executor.attention import SdpaAttention, make_attention
+from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention, load_kernel
+from switchyard.workers.executor.kernels import load_library
 
 CPU = torch.device("cpu")
 

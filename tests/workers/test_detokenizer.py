@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from workers.tiny_model import build_tokenizer
+from switchyard.workers.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from tests.support.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import msgspec
 import pytest
 import torch
 
-from shared.messages import TokenDelta
-from workers.engine import Engine, EngineConfig
-from workers.prompts import RequestRejected
+from switchyard.shared.messages import TokenDelta
+from switchyard.workers.engine.engine import Engine, EngineConfig
+from switchyard.workers.engine.prompts import RequestRejected
 
 
 class RecordingEngine(Engine):
@@ -385,7 +385,7 @@ def test_logprobs_are_the_models_and_come_with_their_tokens(tiny, make_request):
 
 
 def test_logprobs_leave_out_the_eos_token(tiny, make_request, monkeypatch):
-    import workers.engine as engine_module
+    import switchyard.workers.engine.engine as engine_module
 
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2))

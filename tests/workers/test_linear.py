@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.cpu_kernels import load_library
-from workers.linear import Linear, load_gemm_kernel, uses_packed_kernel
+from switchyard.workers.executor.kernels import load_library
+from switchyard.workers.executor.linear import Linear, load_gemm_kernel, uses_packed_kernel
 
 CPU = torch.device("cpu")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from workers.attention import SdpaAttention, make_attention
-from workers.model_runner import ModelRunner, SeqChunk, preferred_dtype
+from switchyard.workers.executor.attention import SdpaAttention, make_attention
+from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk, preferred_dtype
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
@@ -235,8 +235,8 @@ def test_programmer_errors_raise():
 
 
 def test_cpu_fp32_uses_the_compiled_kernels():
-    from workers.fused_ops import load_ops_kernel
-    from workers.linear import load_gemm_kernel
+    from switchyard.workers.executor.fused_ops import load_ops_kernel
+    from switchyard.workers.executor.linear import load_gemm_kernel
 
     if load_gemm_kernel() is None or load_ops_kernel() is None:
         pytest.skip("the C kernels cannot be built here")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from shared.messages import SamplingParams
-from workers.sampling import apply_penalties, filter_logits, make_generator, sample
+from switchyard.shared.messages import SamplingParams
+from switchyard.workers.engine.sampling import apply_penalties, filter_logits, make_generator, sample
 
 P = SamplingParams
 

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence, finish_reason
-from shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
-from shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
-from workers.detokenizer import IncrementalDetokenizer
-from workers.model_runner import ModelRunner, SeqChunk
-from workers.prompts import RequestRejected, eos_token_ids, fit_history, resolve_max_tokens, tokenize_prompt
-from workers.sampling import make_generator, sample
+from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence, finish_reason
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
+from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
+from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
+from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk
+from switchyard.workers.engine.prompts import RequestRejected, eos_token_ids, fit_history, resolve_max_tokens, tokenize_prompt
+from switchyard.workers.engine.sampling import make_generator, sample
 
 log = logging.getLogger("switchyard.engine")
 

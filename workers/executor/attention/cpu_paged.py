@@ -13,8 +13,8 @@ import ctypes
 
 import torch
 
-from workers.attention import SdpaAttention, StepMetadata
-from workers.cpu_kernels import load_library
+from switchyard.workers.executor.attention import SdpaAttention, StepMetadata
+from switchyard.workers.executor.kernels import load_library
 
 
 def load_kernel() -> ctypes.CDLL | None:

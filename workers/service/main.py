@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from shared.config import SwitchyardConfig
-from workers import model_store
-from workers.engine import Engine, EngineConfig
-from workers.worker import Worker
+from switchyard.shared.config import SwitchyardConfig
+from switchyard.workers import model_store
+from switchyard.workers.engine.engine import Engine, EngineConfig
+from switchyard.workers.service.worker import Worker
 
 log = logging.getLogger("switchyard.worker")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.messages import ErrorInfo, GenerateRequest
+from switchyard.shared.messages import ErrorInfo, GenerateRequest
 
 
 class RequestRejected(Exception):

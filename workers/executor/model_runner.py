@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.attention import PagedAttention, StepMetadata, make_attention
-from workers.fused_ops import make_ops
-from workers.linear import Linear, uses_packed_kernel
+from switchyard.workers.executor.attention import PagedAttention, StepMetadata, make_attention
+from switchyard.workers.executor.fused_ops import make_ops
+from switchyard.workers.executor.linear import Linear, uses_packed_kernel
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 

@@ -339,13 +339,13 @@ def make_attention(
         if device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0 and _flash_attn_varlen():
             backend = "flash"
         elif device.type == "cpu" and dtype == torch.float32:
-            from workers.cpu_attention import load_kernel
+            from switchyard.workers.executor.attention.cpu_paged import load_kernel
 
             backend = "cpu_paged" if load_kernel() is not None else "sdpa"
     if backend == "flash":
         return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, device)
     if backend == "cpu_paged":
-        from workers.cpu_attention import CpuPagedAttention
+        from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention
 
         return CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size, device)
     if backend == "sdpa":

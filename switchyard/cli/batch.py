@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.config import default_data_dir
+from switchyard.shared.config import default_data_dir
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 FINISHED = ("completed", "failed", "expired", "cancelled")
@@ -57,7 +57,7 @@ def _api_key(args: argparse.Namespace) -> str:
         return args.api_key
     if env := os.environ.get("OPENAI_API_KEY"):
         return env
-    from deploy.up import KEY_FILE
+    from switchyard.deploy.up import KEY_FILE
 
     path = (args.data_dir or default_data_dir()) / KEY_FILE
     try:

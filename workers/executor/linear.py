@@ -21,7 +21,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from workers.cpu_kernels import load_library
+from switchyard.workers.executor.kernels import load_library
 
 PANEL_WIDTH = 16  # NR in csrc/packed_gemm.c: output features per packed panel
 

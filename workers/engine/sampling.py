@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.messages import SamplingParams
+from switchyard.shared.messages import SamplingParams
 
 # Below this temperature, sampling is greedy: dividing by it would overflow the logits to inf (then NaN).
 GREEDY_TEMPERATURE = 1e-5

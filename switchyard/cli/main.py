@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shared.config import SwitchyardConfig
+from switchyard.shared.config import SwitchyardConfig
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def load_config(args: argparse.Namespace) -> SwitchyardConfig:
 def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.app import create_app
+    from switchyard.gateway.app import create_app
 
     config = load_config(args)
     app = create_app(config)
@@ -70,7 +70,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from workers.main import serve_worker
+    from switchyard.workers.service.main import serve_worker
 
     config = load_config(args)
     if not config.nats_url:
@@ -81,7 +81,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from migrations import apply_migrations
+    from switchyard.migrations import apply_migrations
 
     config = load_config(args)
     if not config.database_url:
@@ -93,7 +93,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from workers import model_store
+    from switchyard.workers import model_store
 
     config = load_config(args)
     if args.models_cmd == "pull":
@@ -108,7 +108,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def _ops_config(args: argparse.Namespace) -> SwitchyardConfig:
     """Config for ops commands: flags or env first, else the servers of a running `switchyard up`."""
-    from deploy.up import read_run_file
+    from switchyard.deploy.up import read_run_file
 
     config = load_config(args)
     running = read_run_file(config.data_dir)
@@ -125,8 +125,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     import asyncpg
     import nats
 
-    from gateway.registry import ModelRegistry
-    from gateway.tier_admin import TierChangeError, change_tier, format_status, tier_status
+    from switchyard.gateway.registry import ModelRegistry
+    from switchyard.gateway.tier_admin import TierChangeError, change_tier, format_status, tier_status
 
     config = _ops_config(args)
 
@@ -160,11 +160,11 @@ def _with_db(args: argparse.Namespace, work) -> int:
     """Run ``work(conn)`` against the configured (or running system's) Postgres; TenancyError → exit 2."""
     import asyncpg
 
-    from gateway.tenancy import TenancyError
+    from switchyard.gateway.tenancy import TenancyError
 
     config = load_config(args)
     if not config.database_url:
-        from deploy.up import read_run_file
+        from switchyard.deploy.up import read_run_file
 
         config.database_url = read_run_file(config.data_dir).get("database_url")
     if not config.database_url:
@@ -194,7 +194,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
-    from gateway import tenancy
+    from switchyard.gateway import tenancy
 
     async def work(conn) -> None:
         limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "monthly_token_budget": args.monthly_budget} \
@@ -215,7 +215,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from gateway import tenancy
+    from switchyard.gateway import tenancy
 
     async def work(conn) -> None:
         if args.keys_cmd == "create":
@@ -233,10 +233,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from gateway.usage_report import usage_rows
+    from switchyard.gateway.usage_report import usage_rows
 
     async def work(conn) -> None:
-        from gateway import tenancy
+        from switchyard.gateway import tenancy
 
         tenant_id = await tenancy.tenant_id_by_name(conn, args.tenant)
         print(_table(await usage_rows(conn, tenant_id, args.start, args.end, args.group_by)))
@@ -245,7 +245,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from deploy.up import run_up
+    from switchyard.deploy.up import run_up
 
     return run_up(load_config(args))
 
@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("list", help="known models and whether they are pulled")
     p.set_defaults(func=cmd_models)
 
-    from deploy.batch_cli import add_batch_parser
+    from switchyard.cli.batch import add_batch_parser
 
     add_batch_parser(sub)
     return parser

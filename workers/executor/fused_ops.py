@@ -11,7 +11,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from workers.cpu_kernels import load_library
+from switchyard.workers.executor.kernels import load_library
 
 
 class TorchOps:

@@ -27,10 +27,10 @@ import msgspec
 import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from gateway.registry import workers_bucket
-from shared import subjects
-from shared.jetstream import ensure_request_consumer, ensure_streams
-from shared.messages import (
+from switchyard.gateway.registry import workers_bucket
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams
+from switchyard.shared.messages import (
     BatchChoice,
     BatchResult,
     ErrorInfo,
@@ -42,10 +42,10 @@ from shared.messages import (
     decode,
     encode,
 )
-from scheduler.tier_share import TierShare
-from shared.tier_store import PolicyCache
-from shared.tiers import BATCH_TIER, DEFAULT_POLICIES, get_tier, tiers_by_priority
-from workers.prompts import RequestRejected
+from switchyard.scheduler.tier_share import TierShare
+from switchyard.shared.tier_store import PolicyCache
+from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, get_tier, tiers_by_priority
+from switchyard.workers.engine.prompts import RequestRejected
 
 log = logging.getLogger("switchyard.worker")
 

@@ -1,0 +1,1 @@
+"""The ``switchyard`` command line: ``main`` builds the parser; each command group lives in its own module."""

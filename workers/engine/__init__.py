@@ -1,0 +1,1 @@
+"""The engine: ``Engine.step()`` is schedule -> run the model -> update, with no I/O."""

@@ -1,0 +1,1 @@
+"""The worker service: NATS intake, the step loop around ``Engine.step()``, and publishing its outputs."""
