@@ -1,0 +1,150 @@
+"""Operator commands on a running system: ``tiers``, ``tenants``, ``keys``, ``usage``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from switchyard.cli.options import load_config
+from switchyard.shared.config import SwitchyardConfig
+
+
+def _ops_config(args: argparse.Namespace) -> SwitchyardConfig:
+    """Config for ops commands: flags or env first, else the servers of a running `switchyard up`."""
+    from switchyard.deploy.up import read_run_file
+
+    config = load_config(args)
+    running = read_run_file(config.data_dir)
+    config.nats_url = config.nats_url or running.get("nats_url")
+    config.database_url = config.database_url or running.get("database_url")
+    if not config.nats_url or not config.database_url:
+        raise SystemExit("no running system found: start `switchyard up`, or pass --nats-url and --database-url")
+    return config
+
+
+def cmd_tiers(args: argparse.Namespace) -> int:
+    import getpass
+
+    import asyncpg
+    import nats
+
+    from switchyard.gateway.registry import ModelRegistry
+    from switchyard.gateway.tier_admin import TierChangeError, change_tier, format_status, tier_status
+
+    config = _ops_config(args)
+
+    async def run() -> int:
+        nc = await nats.connect(config.nats_url, max_reconnect_attempts=1)
+        js = nc.jetstream()
+        try:
+            if args.tiers_cmd == "set":
+                pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=1)
+                try:
+                    old, new = await change_tier(js, pool, args.tier, getpass.getuser(), max_queued=args.max_queued,
+                                                 max_wait_s=args.max_wait, weight=args.weight)
+                except TierChangeError as exc:
+                    print(f"error: {exc}", file=sys.stderr)
+                    return 2
+                finally:
+                    await pool.close()
+                print(f"{args.tier}: max_queued {old.max_queued} -> {new.max_queued}, "
+                      f"max_wait_s {old.max_wait_s:g} -> {new.max_wait_s:g}, weight {old.weight:g} -> {new.weight:g}")
+            else:
+                served = await ModelRegistry(js).models(fresh=True)
+                print(format_status(await tier_status(js, served)))
+            return 0
+        finally:
+            await nc.close()
+
+    return asyncio.run(run())
+
+
+def _with_db(args: argparse.Namespace, work) -> int:
+    """Run ``work(conn)`` against the configured (or running system's) Postgres; TenancyError → exit 2."""
+    import asyncpg
+
+    from switchyard.gateway.tenancy import TenancyError
+
+    config = load_config(args)
+    if not config.database_url:
+        from switchyard.deploy.up import read_run_file
+
+        config.database_url = read_run_file(config.data_dir).get("database_url")
+    if not config.database_url:
+        raise SystemExit("no running system found: start `switchyard up`, or pass --database-url")
+
+    async def run() -> int:
+        conn = await asyncpg.connect(config.database_url)
+        try:
+            await work(conn)
+            return 0
+        except TenancyError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+def _table(rows: list[dict]) -> str:
+    if not rows:
+        return "(none)"
+    head = list(rows[0])
+    cells = [head] + [["-" if r[h] is None else str(r[h]) for h in head] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from switchyard.gateway import tenancy
+
+    async def work(conn) -> None:
+        limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "monthly_token_budget": args.monthly_budget} \
+            if args.tenants_cmd in ("create", "update") else {}
+        if args.tenants_cmd == "create":
+            tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or "free", **limits)
+            print(f"created tenant {args.name} ({tenant_id})")
+        elif args.tenants_cmd == "update":
+            changes = {k: v for k, v in limits.items() if v is not None}
+            if args.tier:
+                changes["tier"] = args.tier
+            await tenancy.update_tenant(conn, args.name, **changes)
+            print(f"updated tenant {args.name}")
+        else:
+            print(_table([dict(r) for r in await tenancy.list_tenants(conn)]))
+
+    return _with_db(args, work)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from switchyard.gateway import tenancy
+
+    async def work(conn) -> None:
+        if args.keys_cmd == "create":
+            if args.tier and not await conn.fetchval("SELECT 1 FROM tenants WHERE name = $1", args.tenant):
+                await tenancy.create_tenant(conn, args.tenant, args.tier)
+            key = await tenancy.create_key(conn, args.tenant, args.name)
+            print(f"key id: {key.id}\ntenant: {args.tenant}\n\n  {key.secret}\n\nStore it now: it is not shown again.")
+        elif args.keys_cmd == "revoke":
+            await tenancy.revoke_key(conn, args.key_id)
+            print(f"revoked {args.key_id} (every gateway refuses it within a few seconds)")
+        else:
+            print(_table([dict(r) for r in await tenancy.list_keys(conn, args.tenant)]))
+
+    return _with_db(args, work)
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    from switchyard.gateway.usage_report import usage_rows
+
+    async def work(conn) -> None:
+        from switchyard.gateway import tenancy
+
+        tenant_id = await tenancy.tenant_id_by_name(conn, args.tenant)
+        print(_table(await usage_rows(conn, tenant_id, args.start, args.end, args.group_by)))
+
+    return _with_db(args, work)
+
+

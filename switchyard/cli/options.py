@@ -1,0 +1,55 @@
+"""Flags shared by commands, and the configuration they make: environment first, then flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from switchyard.shared.config import SwitchyardConfig
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, help="state directory (JetStream store, Postgres data, model cache)")
+    p.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
+    p.add_argument("--database-url", help="use this Postgres instead of an embedded one")
+    p.add_argument("--log-level", default=os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO"))
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="registry name (smollm2) or a local Hugging Face model directory")
+    p.add_argument("--served-model-name", help="the name clients use in the `model` field")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu or cuda")
+    p.add_argument("--max-num-seqs", type=int, help="sequences a worker runs at once")
+    p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (prefill chunks + decodes)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default: 2 GiB on CPU, 80%% of free GPU memory)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    p.add_argument("--batch-seqs-when-busy", type=int,
+                   help="batch-tier sequences a worker runs per step while interactive traffic is about "
+                        "(default: 2 on CPU, no limit on GPU; 0: no limit)")
+
+
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+
+
+def load_config(args: argparse.Namespace) -> SwitchyardConfig:
+    """Environment first, then flags: a flag given on the command line always wins."""
+    config = SwitchyardConfig()
+    for flag, attr in (("data_dir", "data_dir"), ("nats_url", "nats_url"), ("database_url", "database_url")):
+        if getattr(args, flag, None) is not None:
+            setattr(config, attr, getattr(args, flag))
+    worker_fields = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype",
+                     "device": "device", "max_num_seqs": "max_num_seqs",
+                     "max_num_batched_tokens": "max_num_batched_tokens", "kv_cache_gib": "kv_cache_gib",
+                     "enable_prefix_caching": "enable_prefix_caching", "batch_seqs_when_busy": "batch_seqs_when_busy"}
+    worker = {f: getattr(args, a) for a, f in worker_fields.items() if getattr(args, a, None) is not None}
+    gateway = {f: getattr(args, f) for f in ("host", "port") if getattr(args, f, None) is not None}
+    return config.model_copy(update={
+        "worker": config.worker.model_copy(update=worker),
+        "gateway": config.gateway.model_copy(update=gateway),
+    })
+
+

@@ -1,0 +1,52 @@
+"""The serving commands: ``up``, ``gateway``, ``worker``, ``migrate``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from switchyard.cli.options import load_config
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from switchyard.gateway.app import create_app
+
+    config = load_config(args)
+    app = create_app(config)
+    uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from switchyard.workers.service.main import serve_worker
+
+    config = load_config(args)
+    if not config.nats_url:
+        print("switchyard worker needs --nats-url (or SWITCHYARD_NATS_URL); `switchyard up` starts one.",
+              file=sys.stderr)
+        return 2
+    return serve_worker(config)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from switchyard.migrations import apply_migrations
+
+    config = load_config(args)
+    if not config.database_url:
+        print("switchyard migrate needs --database-url (or SWITCHYARD_DATABASE_URL).", file=sys.stderr)
+        return 2
+    applied = asyncio.run(apply_migrations(config.database_url))
+    print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from switchyard.deploy.up import run_up
+
+    return run_up(load_config(args))
+
+
