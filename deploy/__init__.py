@@ -1,4 +1,2 @@
-"""Running Switchyard: the local launcher (``switchyard up``, embedded NATS and Postgres, child processes).
-
-Images, Compose and Kubernetes files live beside this package in ``deploy/``.
-"""
+"""Running Switchyard on one machine: ``switchyard up``, the embedded NATS and Postgres servers, and the child
+processes it starts and stops by PID."""

@@ -15,9 +15,8 @@ from pathlib import Path
 from switchyard.deploy.launcher import NatsServer, PostgresServer
 from switchyard.deploy.services import ServiceProcess, wait_until_ready
 from switchyard.migrations import apply_migrations
-from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.config import SwitchyardConfig, settings_env
 from switchyard.workers import model_store
-from switchyard.workers.service.main import served_name
 
 
 RUN_FILE = "run.json"
@@ -93,21 +92,12 @@ def run_up(config: SwitchyardConfig) -> int:
         print(f"migrate   {', '.join(applied) if applied else 'up to date'}", file=sys.stderr)
         api_key = asyncio.run(_default_key(config.database_url, data))
         model_path = model_store.resolve(config.worker.model, config.model_cache_dir)
-        model = served_name(config)
-        common = ["--data-dir", str(data), "--nats-url", config.nats_url, "--database-url", config.database_url]
-        worker_args = ["worker", *common, "--model", str(model_path), "--served-model-name", model]
-        for flag, value in (("--dtype", config.worker.dtype), ("--device", config.worker.device),
-                            ("--max-num-seqs", config.worker.max_num_seqs),
-                            ("--max-num-batched-tokens", config.worker.max_num_batched_tokens),
-                            ("--kv-cache-gib", config.worker.kv_cache_gib)):
-            if value is not None:
-                worker_args += [flag, str(value)]
-        if not config.worker.enable_prefix_caching:
-            worker_args.append("--no-prefix-caching")
-        worker = ServiceProcess("worker", worker_args).start()
+        model = config.worker.served_name
+        children = settings_env(config.model_copy(update={"worker": config.worker.model_copy(
+            update={"model": str(model_path), "served_model_name": model})}))
+        worker = ServiceProcess("worker", ["worker"], env=children).start()
         stack.append(worker)
-        gateway = ServiceProcess("gateway", ["gateway", *common, "--host", config.gateway.host,
-                                             "--port", str(config.gateway.port)]).start()
+        gateway = ServiceProcess("gateway", ["gateway"], env=children).start()
         stack.append(gateway)
         base_url = f"http://{config.gateway.host}:{config.gateway.port}"
         wait_until_ready(base_url, model, timeout_s=300, watch=[worker, gateway])

@@ -1,9 +1,9 @@
-"""The FastAPI application: routes, and the lifespan that owns the NATS connection, the Postgres pool and the
-usage writer. Each route is thin; the work happens in ``CompletionService``."""
+"""The FastAPI application: routes, and the lifespan that owns the NATS connection and the Postgres pool (and, by
+default, hosts the durable consumers of ``switchyard.jobs``). Each route is thin; the work happens in
+``CompletionService``."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -19,38 +19,21 @@ from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.serving import CompletionService
 from switchyard.gateway.admin import admin_router
-from switchyard.gateway.batch_runner import BatchRunner
 from switchyard.gateway.batches import batches_router
 from switchyard.gateway.files import files_router
 from switchyard.gateway.conversations import conversations_router
 from switchyard.gateway.auth import AuthContext, Authenticator
 from switchyard.gateway.limits import Limiter, estimate_tokens
 from switchyard.gateway.usage_report import usage_rows
-from switchyard.gateway.usage_writer import run_usage_writer
+from switchyard.jobs.runner import Jobs
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
-from switchyard.shared.tier_store import PolicyCache, read_policies, reconcile_queue_caps
+from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import TIER_NAMES
 
 TIER_HEADER = "X-Switchyard-Tier"
 
 log = logging.getLogger("switchyard.gateway")
-
-
-async def _housekeeping(js, limiter: Limiter, stop: asyncio.Event) -> None:
-    """Every second: lowered queue caps move toward their target as queues drain (see
-    shared.tier_store.apply_queue_cap); every few minutes: old rate-limit windows are dropped."""
-    rounds = 0
-    while not stop.is_set():
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=1.0)
-        rounds += 1
-        try:
-            await reconcile_queue_caps(js, await read_policies(js))
-            if rounds % 300 == 0:
-                await limiter.prune()
-        except Exception as exc:  # NATS or Postgres reconnecting: next round
-            log.warning("housekeeping failed: %s", exc)
 
 
 def create_app(config: SwitchyardConfig) -> FastAPI:
@@ -72,19 +55,12 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
             Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s), registry,
             app.state.policies, app.state.limiter, config.gateway,
         )
-        stop = asyncio.Event()
-        writer = asyncio.create_task(run_usage_writer(js, pool, stop), name="usage-writer")
-        reconciler = asyncio.create_task(_housekeeping(js, app.state.limiter, stop), name="housekeeping")
-        # Every gateway starts one; only the holder of its Postgres advisory lock runs batches.
-        batch_runner = asyncio.create_task(BatchRunner(nc, js, pool, registry, config.database_url).run(stop),
-                                           name="batch-runner")
+        jobs = Jobs(nc, js, pool, registry, config.database_url) if config.gateway.run_jobs else None
         try:
             yield
         finally:
-            stop.set()
-            for task in (writer, reconciler, batch_runner):
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(task, timeout=5)
+            if jobs is not None:
+                await jobs.stop()
             await pool.close()
             await nc.close()
 

@@ -92,15 +92,3 @@ async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]])
                 "rejected_5m": rejected.get(subjects.rejected_subject(model, tier), 0),
             })
     return rows
-
-
-def format_status(rows: list[dict]) -> str:
-    head = ("model", "tier", "queued", "oldest", "running", "max_queued", "max_wait_s", "weight", "workers",
-            "429s/5m")
-    lines = [head]
-    for r in rows:
-        oldest = "-" if r["oldest_wait_s"] is None else f"{r['oldest_wait_s']:.1f}s"
-        lines.append((r["model"], r["tier"], str(r["queued"]), oldest, str(r["running"]), str(r["max_queued"]),
-                      f"{r['max_wait_s']:g}", f"{r['weight']:g}", str(r["workers"]), str(r["rejected_5m"])))
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in lines)

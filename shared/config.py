@@ -6,6 +6,7 @@ Values come from defaults, then ``SWITCHYARD_*`` environment variables (nested w
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -41,6 +42,9 @@ class GatewayConfig(BaseModel):
     # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
     allow_tier_header: bool = False
     admin_key: str | None = None  # enables /admin/* for `Authorization: Bearer <admin_key>`
+    # Host the durable consumers (billing writer, batch runner, housekeeping) in the gateway process; off when they
+    # run alone under `switchyard jobs`.
+    run_jobs: bool = True
 
 
 class WorkerConfig(BaseModel):
@@ -63,6 +67,14 @@ class WorkerConfig(BaseModel):
     batch_seqs_when_busy: int | None = Field(None, ge=0)
     interactive_busy_s: float = Field(10.0, ge=0)
 
+    @property
+    def served_name(self) -> str:
+        """The name clients put in ``model``: ``served_model_name``, else the model directory's name or the
+        registry name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name if Path(self.model).is_dir() else self.model
+
 
 class SwitchyardConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="ignore")
@@ -76,3 +88,28 @@ class SwitchyardConfig(BaseSettings):
     @property
     def model_cache_dir(self) -> Path:
         return self.data_dir / "models"
+
+
+ENV_PREFIX = "SWITCHYARD_"
+
+
+def settings_env(config: SwitchyardConfig) -> dict[str, str]:
+    """``config`` as the ``SWITCHYARD_*`` environment variables that make ``SwitchyardConfig()`` equal to it.
+
+    ``switchyard up`` hands its children their settings this way, so a new setting reaches them with no flag to
+    re-serialise (and no URL or key on a command line). Unset optional values are left out: the child's default
+    is the same None.
+    """
+    env: dict[str, str] = {}
+
+    def put(name: str, value) -> None:
+        if value is not None:
+            env[ENV_PREFIX + name.upper()] = value if isinstance(value, str) else json.dumps(value)
+
+    dumped = config.model_dump(mode="json")
+    for section in ("gateway", "worker"):
+        for field, value in dumped.pop(section).items():
+            put(f"{section}__{field}", value)
+    for field, value in dumped.items():
+        put(field, value)
+    return env

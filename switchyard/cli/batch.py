@@ -23,7 +23,6 @@ from switchyard.shared.config import default_data_dir
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 FINISHED = ("completed", "failed", "expired", "cancelled")
-_BAR = 24
 
 
 def add_batch_parser(sub) -> None:
@@ -114,52 +113,31 @@ def _submit(client, args: argparse.Namespace) -> int:
     return 0 if batch.status == "completed" else 1
 
 
-class Progress:
-    """One status line on stderr: redrawn in place on a terminal, printed on change (at most every few seconds)
-    otherwise. Rate and ETA count only lines finished since watching began."""
-
-    def __init__(self, stream=sys.stderr) -> None:
-        self._stream = stream
-        self._tty = stream.isatty()
-        self._start: tuple[float, int] | None = None
-        self._last = ("", 0.0)
-
-    def line(self, batch, now: float) -> str:
-        counts = batch.request_counts
-        total, completed, failed = (counts.total, counts.completed, counts.failed) if counts else (0, 0, 0)
-        done = completed + failed
-        if self._start is None and total:
-            self._start = (now, done)
-        filled = int(_BAR * done / total) if total else 0
-        text = f"[{'#' * filled}{'-' * (_BAR - filled)}] {completed}/{total} completed, {failed} failed"
-        if self._start is not None and now > self._start[0] and done > self._start[1]:
-            rate = (done - self._start[1]) / (now - self._start[0])
-            eta = int((total - done) / rate)
-            text += f", {rate:.1f}/s, ETA {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
-        return f"{text}  {batch.status}"
-
-    def show(self, batch, final: bool = False) -> None:
-        now = time.monotonic()
-        text = self.line(batch, now)
-        if self._tty:
-            self._stream.write(f"\r\x1b[2K{text}" + ("\n" if final else ""))
-        elif final or (text != self._last[0] and now - self._last[1] >= 5.0):
-            self._stream.write(text + "\n")
-            self._last = (text, now)
-        self._stream.flush()
-
-
 def _watch(client, batch_id: str, poll_s: float = 1.0):
-    progress = Progress()
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in FINISHED:
-            progress.show(batch, final=True)
-            for error in (batch.errors.data if batch.errors and batch.errors.data else []):
-                print(f"  line {error.line}: {error.code}: {error.message}", file=sys.stderr)
-            return batch
-        progress.show(batch)
-        time.sleep(poll_s)
+    """Poll until the batch ends, with a progress bar on stderr (redrawn on a terminal; elsewhere rich prints the
+    final state once). Rate and time left count only lines finished since watching began."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (BarColumn(), MofNCompleteColumn(), TextColumn("done, {task.fields[failed]} failed"),
+               TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = None
+        while True:
+            batch = client.batches.retrieve(batch_id)
+            counts = batch.request_counts
+            total, completed, failed = (counts.total, counts.completed, counts.failed) if counts else (0, 0, 0)
+            fields = dict(completed=completed + failed, failed=failed, status=batch.status)
+            if task is None:
+                task = progress.add_task("batch", total=total or None, **fields)
+            else:  # the total is known once validation has read the file
+                progress.update(task, total=total or None, **fields)
+            if batch.status in FINISHED:
+                break
+            time.sleep(poll_s)
+    for error in (batch.errors.data if batch.errors and batch.errors.data else []):
+        print(f"  line {error.line}: {error.code}: {error.message}", file=sys.stderr)
+    return batch
 
 
 def _status(client, args: argparse.Namespace) -> int:

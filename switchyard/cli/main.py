@@ -12,7 +12,7 @@ from switchyard.cli.batch import add_batch_parser
 from switchyard.cli.models import cmd_models
 from switchyard.cli.ops import cmd_keys, cmd_tenants, cmd_tiers, cmd_usage
 from switchyard.cli.options import add_common_flags, add_http_flags, add_model_flags
-from switchyard.cli.serve import cmd_gateway, cmd_migrate, cmd_up, cmd_worker
+from switchyard.cli.serve import cmd_gateway, cmd_jobs, cmd_migrate, cmd_up, cmd_worker
 
 
 class _Leaves:
@@ -38,11 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gateway", help="run the HTTP gateway")
     add_common_flags(p), add_http_flags(p)
+    p.add_argument("--no-jobs", dest="run_jobs", action="store_false", default=None,
+                   help="leave the durable consumers to `switchyard jobs`")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("worker", help="run a worker for one model")
     add_common_flags(p), add_model_flags(p)
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("jobs", help="run the durable consumers alone: billing writer, batch runner, housekeeping")
+    add_common_flags(p)
+    p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("migrate", help="apply database migrations")
     add_common_flags(p)

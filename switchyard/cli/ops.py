@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from switchyard.cli.options import load_config
+from switchyard.cli.tables import print_table
 from switchyard.shared.config import SwitchyardConfig
 
 
@@ -30,7 +31,7 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     import nats
 
     from switchyard.gateway.registry import ModelRegistry
-    from switchyard.gateway.tier_admin import TierChangeError, change_tier, format_status, tier_status
+    from switchyard.gateway.tier_admin import TierChangeError, change_tier, tier_status
 
     config = _ops_config(args)
 
@@ -52,7 +53,11 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                       f"max_wait_s {old.max_wait_s:g} -> {new.max_wait_s:g}, weight {old.weight:g} -> {new.weight:g}")
             else:
                 served = await ModelRegistry(js).models(fresh=True)
-                print(format_status(await tier_status(js, served)))
+                rows = await tier_status(js, served)
+                for r in rows:  # seconds as an operator reads them
+                    r["oldest_wait_s"] = None if r["oldest_wait_s"] is None else f"{r['oldest_wait_s']:.1f}s"
+                print_table(rows, ("model", "tier", "queued", "oldest_wait_s", "running", "max_queued", "max_wait_s",
+                                   "weight", "workers", "rejected_5m"))
             return 0
         finally:
             await nc.close()
@@ -88,15 +93,6 @@ def _with_db(args: argparse.Namespace, work) -> int:
     return asyncio.run(run())
 
 
-def _table(rows: list[dict]) -> str:
-    if not rows:
-        return "(none)"
-    head = list(rows[0])
-    cells = [head] + [["-" if r[h] is None else str(r[h]) for h in head] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
-
-
 def cmd_tenants(args: argparse.Namespace) -> int:
     from switchyard.gateway import tenancy
 
@@ -113,7 +109,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             await tenancy.update_tenant(conn, args.name, **changes)
             print(f"updated tenant {args.name}")
         else:
-            print(_table([dict(r) for r in await tenancy.list_tenants(conn)]))
+            print_table([dict(r) for r in await tenancy.list_tenants(conn)])
 
     return _with_db(args, work)
 
@@ -131,7 +127,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
             await tenancy.revoke_key(conn, args.key_id)
             print(f"revoked {args.key_id} (every gateway refuses it within a few seconds)")
         else:
-            print(_table([dict(r) for r in await tenancy.list_keys(conn, args.tenant)]))
+            print_table([dict(r) for r in await tenancy.list_keys(conn, args.tenant)])
 
     return _with_db(args, work)
 
@@ -143,7 +139,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         from switchyard.gateway import tenancy
 
         tenant_id = await tenancy.tenant_id_by_name(conn, args.tenant)
-        print(_table(await usage_rows(conn, tenant_id, args.start, args.end, args.group_by)))
+        print_table(await usage_rows(conn, tenant_id, args.start, args.end, args.group_by))
 
     return _with_db(args, work)
 

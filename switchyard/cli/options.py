@@ -36,20 +36,18 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
 
 
 def load_config(args: argparse.Namespace) -> SwitchyardConfig:
-    """Environment first, then flags: a flag given on the command line always wins."""
+    """Environment first, then flags: a flag given on the command line always wins.
+
+    Flags are named after the settings they set (``--max-num-seqs`` sets ``worker.max_num_seqs``), so the mapping
+    needs no table: every flag whose destination is a field of a section goes to that section.
+    """
     config = SwitchyardConfig()
-    for flag, attr in (("data_dir", "data_dir"), ("nats_url", "nats_url"), ("database_url", "database_url")):
-        if getattr(args, flag, None) is not None:
-            setattr(config, attr, getattr(args, flag))
-    worker_fields = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype",
-                     "device": "device", "max_num_seqs": "max_num_seqs",
-                     "max_num_batched_tokens": "max_num_batched_tokens", "kv_cache_gib": "kv_cache_gib",
-                     "enable_prefix_caching": "enable_prefix_caching", "batch_seqs_when_busy": "batch_seqs_when_busy"}
-    worker = {f: getattr(args, a) for a, f in worker_fields.items() if getattr(args, a, None) is not None}
-    gateway = {f: getattr(args, f) for f in ("host", "port") if getattr(args, f, None) is not None}
+
+    def given(fields) -> dict:
+        return {f: v for f in fields if (v := getattr(args, f, None)) is not None}
+
     return config.model_copy(update={
-        "worker": config.worker.model_copy(update=worker),
-        "gateway": config.gateway.model_copy(update=gateway),
+        **given(("data_dir", "nats_url", "database_url")),
+        "worker": config.worker.model_copy(update=given(type(config.worker).model_fields)),
+        "gateway": config.gateway.model_copy(update=given(type(config.gateway).model_fields)),
     })
-
-

@@ -1,4 +1,4 @@
-"""The serving commands: ``up``, ``gateway``, ``worker``, ``migrate``."""
+"""The serving commands: ``up``, ``gateway``, ``worker``, ``jobs``, ``migrate``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,42 @@ def cmd_worker(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return serve_worker(config)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """The durable consumers alone (billing writer, batch runner, housekeeping), until SIGTERM or Ctrl-C."""
+    import asyncpg
+    import nats
+
+    from switchyard.gateway.registry import ModelRegistry
+    from switchyard.jobs.runner import Jobs
+    from switchyard.shared.jetstream import ensure_streams
+
+    config = load_config(args)
+    if not config.nats_url or not config.database_url:
+        print("switchyard jobs needs --nats-url and --database-url (or SWITCHYARD_NATS_URL, SWITCHYARD_DATABASE_URL).",
+              file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        nc = await nats.connect(config.nats_url, name="switchyard-jobs", max_reconnect_attempts=-1)
+        js = nc.jetstream()
+        pool = None
+        try:
+            await ensure_streams(js)
+            pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
+            jobs = Jobs(nc, js, pool, ModelRegistry(js), config.database_url)
+            try:
+                await jobs.wait()
+            finally:  # Ctrl-C / SIGTERM cancel the wait: let each job finish its record
+                await asyncio.shield(jobs.stop())
+        finally:
+            if pool is not None:
+                await pool.close()
+            await nc.close()
+
+    asyncio.run(run())
+    return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

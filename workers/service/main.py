@@ -9,7 +9,6 @@ import asyncio
 import logging
 import signal
 import time
-from pathlib import Path
 
 import torch
 
@@ -19,13 +18,6 @@ from switchyard.workers.engine.engine import Engine, EngineConfig
 from switchyard.workers.service.worker import Worker
 
 log = logging.getLogger("switchyard.worker")
-
-
-def served_name(config: SwitchyardConfig) -> str:
-    if config.worker.served_model_name:
-        return config.worker.served_model_name
-    spec = config.worker.model
-    return Path(spec).name if Path(spec).is_dir() else spec
 
 
 def build_engine(config: SwitchyardConfig):
@@ -55,7 +47,7 @@ async def _serve(engine, config: SwitchyardConfig) -> None:
     batch_seqs = w.batch_seqs_when_busy
     if batch_seqs is None:
         batch_seqs = 2 if engine.runner.device.type == "cpu" else 0
-    worker = Worker(engine, served_name(config), config.nats_url, heartbeat_s=w.heartbeat_s,
+    worker = Worker(engine, config.worker.served_name, config.nats_url, heartbeat_s=w.heartbeat_s,
                     batch_seqs_when_busy=batch_seqs or None, interactive_busy_s=w.interactive_busy_s)
     await worker.run(stop)
 

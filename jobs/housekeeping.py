@@ -1,0 +1,30 @@
+"""Periodic upkeep: lowered queue caps step toward their target as queues drain, old rate-limit windows go."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from switchyard.gateway.limits import Limiter
+from switchyard.shared.tier_store import read_policies, reconcile_queue_caps
+
+log = logging.getLogger("switchyard.housekeeping")
+
+PRUNE_EVERY_ROUNDS = 300  # rounds of a second: rate-limit windows are pruned every five minutes
+
+
+async def run_housekeeping(js, limiter: Limiter, stop: asyncio.Event) -> None:
+    """Every second: move lowered queue caps toward their target (see ``shared.tier_store.apply_queue_cap``);
+    every few minutes: drop old rate-limit windows. Until ``stop``."""
+    rounds = 0
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        rounds += 1
+        try:
+            await reconcile_queue_caps(js, await read_policies(js))
+            if rounds % PRUNE_EVERY_ROUNDS == 0:
+                await limiter.prune()
+        except Exception as exc:  # NATS or Postgres reconnecting: next round
+            log.warning("housekeeping failed: %s", exc)

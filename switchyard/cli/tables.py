@@ -1,0 +1,25 @@
+"""Tables on the terminal, through rich: the one way the CLI prints rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None, console: Console | None = None) -> None:
+    """``rows`` (dicts with the same keys) as a table; ``columns`` picks and orders them (default: the first
+    row's keys). None shows as ``-``; ``(none)`` when there are no rows."""
+    console = console or Console()
+    if not rows:
+        console.print("(none)")
+        return
+    columns = list(columns or rows[0])
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*("-" if row[c] is None else str(row[c]) for c in columns))
+    console.print(table)

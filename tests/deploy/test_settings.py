@@ -1,0 +1,72 @@
+"""Settings reach every process: flags map onto the one settings object, and ``up`` hands all of it to children."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from switchyard.cli.main import build_parser
+from switchyard.cli.options import load_config
+from switchyard.shared.config import ENV_PREFIX, GatewayConfig, SwitchyardConfig, WorkerConfig, settings_env
+
+# A value for every field of the gateway and worker sections, each different from its default.
+WORKER = dict(model="/models/some-llama", served_model_name="llama", dtype="float32", device="cpu", max_num_seqs=7,
+              max_num_batched_tokens=96, block_size=32, kv_cache_gib=1.5, gpu_memory_fraction=0.5,
+              enable_prefix_caching=False, heartbeat_s=1.5, torch_threads=3, batch_seqs_when_busy=4,
+              interactive_busy_s=2.5)
+GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
+               max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False)
+
+
+def test_the_fixtures_cover_every_setting():
+    assert set(WORKER) == set(WorkerConfig.model_fields)
+    assert set(GATEWAY) == set(GatewayConfig.model_fields)
+    assert all(WorkerConfig().model_dump()[k] != v for k, v in WORKER.items())
+    assert all(GatewayConfig().model_dump()[k] != v for k, v in GATEWAY.items())
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_every_setting_up_holds_reaches_its_children(clean_env):
+    config = SwitchyardConfig(data_dir=Path("/srv/switchyard"), nats_url="nats://127.0.0.1:4333",
+                              database_url="postgresql://u@127.0.0.1:5433/db",
+                              worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY))
+    for name, value in settings_env(config).items():
+        clean_env.setenv(name, value)
+    assert SwitchyardConfig() == config
+
+
+def test_up_flags_land_in_the_settings(clean_env):
+    args = build_parser().parse_args([
+        "up", "--model", "/m", "--served-model-name", "n", "--dtype", "float32", "--device", "cpu",
+        "--max-num-seqs", "5", "--max-num-batched-tokens", "64", "--kv-cache-gib", "0.5", "--no-prefix-caching",
+        "--batch-seqs-when-busy", "3", "--host", "0.0.0.0", "--port", "8123", "--nats-url", "nats://x:1",
+    ])
+    config = load_config(args)
+    assert config.worker.model_dump(include={"model", "served_model_name", "dtype", "device", "max_num_seqs",
+                                             "max_num_batched_tokens", "kv_cache_gib", "enable_prefix_caching",
+                                             "batch_seqs_when_busy"}) == dict(
+        model="/m", served_model_name="n", dtype="float32", device="cpu", max_num_seqs=5, max_num_batched_tokens=64,
+        kv_cache_gib=0.5, enable_prefix_caching=False, batch_seqs_when_busy=3)
+    assert (config.gateway.host, config.gateway.port, config.nats_url) == ("0.0.0.0", 8123, "nats://x:1")
+
+
+def test_a_flag_wins_over_the_environment_and_unset_flags_keep_it(clean_env):
+    clean_env.setenv("SWITCHYARD_WORKER__MAX_NUM_SEQS", "9")
+    clean_env.setenv("SWITCHYARD_WORKER__DTYPE", "bfloat16")
+    config = load_config(build_parser().parse_args(["worker", "--max-num-seqs", "4"]))
+    assert (config.worker.max_num_seqs, config.worker.dtype) == (4, "bfloat16")
+
+
+def test_gateway_no_jobs_flag(clean_env):
+    assert load_config(build_parser().parse_args(["gateway", "--no-jobs"])).gateway.run_jobs is False
+    assert load_config(build_parser().parse_args(["gateway"])).gateway.run_jobs is True
