@@ -1,4 +1,4 @@
-"""Benchmark the continuous-batching engine (workers/engine.py) against HF transformers ``generate``.
+"""Benchmark the continuous-batching engine (workers/engine/) against HF transformers ``generate``.
 
     .venv/bin/python bench/engine.py --quick                      # smoke run, a few minutes
     .venv/bin/python bench/engine.py                              # full run, bf16 (20-40 min on 2 cores)

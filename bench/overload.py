@@ -44,6 +44,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.results import RESULTS, append_section, command_line  # noqa: E402
+
 MODEL = "smollm2"
 PROMPTS = ["Say hello.", "Name a color.", "Count to five.", "What is 2+2?", "Tell me a fact.", "Pick a number."]
 

@@ -19,8 +19,8 @@ import importlib.util
 import json
 import os
 import pwd
-import signal
 import shutil
+import signal
 import socket
 import stat
 import subprocess

@@ -18,7 +18,6 @@ from switchyard.migrations import apply_migrations
 from switchyard.shared.config import SwitchyardConfig, settings_env
 from switchyard.workers import model_store
 
-
 RUN_FILE = "run.json"
 
 

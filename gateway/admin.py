@@ -8,7 +8,6 @@ from __future__ import annotations
 import hmac
 
 import msgspec
-
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -13,17 +13,17 @@ import nats
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from switchyard.gateway.admin import admin_router
+from switchyard.gateway.auth import AuthContext, Authenticator
+from switchyard.gateway.batches import batches_router
+from switchyard.gateway.conversations import conversations_router
 from switchyard.gateway.errors import OpenAIError, install_error_handlers
+from switchyard.gateway.files import files_router
+from switchyard.gateway.limits import Limiter, estimate_tokens
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.serving import CompletionService
-from switchyard.gateway.admin import admin_router
-from switchyard.gateway.batches import batches_router
-from switchyard.gateway.files import files_router
-from switchyard.gateway.conversations import conversations_router
-from switchyard.gateway.auth import AuthContext, Authenticator
-from switchyard.gateway.limits import Limiter, estimate_tokens
 from switchyard.gateway.usage_report import usage_rows
 from switchyard.jobs.runner import Jobs
 from switchyard.shared.config import SwitchyardConfig

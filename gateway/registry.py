@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, NoKeysError
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, NoKeysError
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import WorkerInfo, decode

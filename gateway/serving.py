@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from switchyard.gateway.auth import AuthContext
 from switchyard.gateway.errors import OpenAIError, model_not_found
+from switchyard.gateway.limits import Admission, Limiter
+from switchyard.gateway.logprobs import LogprobsFormatter
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay, RelayedRequest
-from switchyard.gateway.auth import AuthContext
-from switchyard.gateway.limits import Admission, Limiter
-from switchyard.gateway.logprobs import LogprobsFormatter
 from switchyard.shared.config import GatewayConfig
-from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, TokenLogprob, Usage
+from switchyard.shared.tier_store import PolicyCache
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Runs batches: every gateway starts one ``BatchRunner``; the one holding a Postgres advisory lock leads.
+"""Runs batches: every gateway (and ``switchyard jobs``) starts one ``BatchRunner``; the one holding a Postgres
+advisory lock leads.
 
     leader loop (one gateway; the others retry the lock every LEAD_RETRY_S)
       consume BATCH_RESULTS ── started marker: line.worker_id ─┐   final result: line completed / failed,
@@ -96,7 +97,7 @@ class BatchRunner:
                     if conn is None or conn.is_closed():
                         conn = await asyncpg.connect(self._database_url)
                     if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
-                        log.info("this gateway now runs batches")
+                        log.info("this process now runs batches")
                         await self._lead(conn, stop)
                         with contextlib.suppress(Exception):
                             await conn.execute("SELECT pg_advisory_unlock($1)", LOCK_KEY)

@@ -14,7 +14,6 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-
 def default_data_dir() -> Path:
     """Where state lives: JetStream store, Postgres data, model cache.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from rich import box
@@ -12,7 +13,8 @@ from rich.table import Table
 def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None, console: Console | None = None) -> None:
     """``rows`` (dicts with the same keys) as a table; ``columns`` picks and orders them (default: the first
     row's keys). None shows as ``-``; ``(none)`` when there are no rows."""
-    console = console or Console()
+    # Piped output keeps whole rows (for grep and scripts) instead of folding at rich's default 80 columns.
+    console = console or Console(width=None if sys.stdout.isatty() else 1000)
     if not rows:
         console.print("(none)")
         return

@@ -47,8 +47,7 @@ def _byte_alphabet() -> list[str]:
 
 def build_tokenizer():
     """A byte-level BPE ``PreTrainedTokenizerFast`` with ChatML specials, EOS ``<|im_end|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from switchyard.workers.executor.kernels import load_library
 from switchyard.workers.executor.fused_ops import CpuFusedOps, TorchOps, load_ops_kernel, make_ops
+from switchyard.workers.executor.kernels import load_library
 
 CPU = torch.device("cpu")
 

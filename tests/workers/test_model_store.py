@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from switchyard.workers.model_store import MARKER, ModelNotFound, is_pulled, load, resolve
 from switchyard.workers.engine.engine import Engine
+from switchyard.workers.model_store import MARKER, ModelNotFound, is_pulled, load, resolve
 
 
 def test_resolve_accepts_an_existing_model_directory(tiny_model_dir, tmp_path):

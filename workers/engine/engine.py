@@ -27,9 +27,15 @@ from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequ
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
-from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk
-from switchyard.workers.engine.prompts import RequestRejected, eos_token_ids, fit_history, resolve_max_tokens, tokenize_prompt
+from switchyard.workers.engine.prompts import (
+    RequestRejected,
+    eos_token_ids,
+    fit_history,
+    resolve_max_tokens,
+    tokenize_prompt,
+)
 from switchyard.workers.engine.sampling import make_generator, sample
+from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk
 
 log = logging.getLogger("switchyard.engine")
 

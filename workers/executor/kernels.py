@@ -1,4 +1,4 @@
-"""Build and load the small C kernels under ``workers/csrc`` (CPU, fp32), once per machine.
+"""Build and load the small C kernels under ``workers/executor/csrc`` (CPU, fp32), once per machine.
 
 There is no CPU paged-attention or pre-packed small-batch GEMM on PyPI for this torch (IPEX, the one package that
 had them, tracks older torch releases), and a torch C++ extension costs a minute of compiling and needs ninja. A

@@ -2,7 +2,7 @@
 
 The runner borrows the weights of a loaded HF ``LlamaForCausalLM`` (also Mistral and Qwen2, which share its
 layout) and runs its own forward: the whole step is one flat batch of tokens, so every projection, norm and MLP is
-one matmul per layer whatever the mix of sequences; only attention (``workers.attention``) looks at sequences.
+one matmul per layer whatever the mix of sequences; only attention (``executor.attention``) looks at sequences.
 
 It turns chunks into tensors and never touches the block manager: the caller owns the block tables.
 """

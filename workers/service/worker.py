@@ -28,6 +28,7 @@ import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from switchyard.gateway.registry import workers_bucket
+from switchyard.scheduler.tier_share import TierShare
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams
 from switchyard.shared.messages import (
@@ -42,7 +43,6 @@ from switchyard.shared.messages import (
     decode,
     encode,
 )
-from switchyard.scheduler.tier_share import TierShare
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, get_tier, tiers_by_priority
 from switchyard.workers.engine.prompts import RequestRejected

@@ -21,7 +21,7 @@ Backends, picked by ``make_attention()``:
   axis (``[B, kv_heads, group, head_dim]``), which is plain multi-query attention with no KV repetition and about 4x
   faster on CPU than ``enable_gqa=True``. Prefill chunks get one call each, with a causal
   mask offset by the chunk's start position (query ``i`` sees positions ``<= start_pos + i``).
-* ``CpuPagedAttention`` (CPU, fp32; ``workers.cpu_attention``): small C kernels, compiled at first use, that read
+* ``CpuPagedAttention`` (CPU, fp32; ``attention.cpu_paged``): small C kernels, compiled at first use, that read
   K/V through the block tables: one for decodes (in place: no gather, no padding), one for prefill chunks.
 * ``FlashAttention`` (CUDA, only when ``flash_attn`` imports): a single ``flash_attn_varlen_func`` call per layer
   over the whole mixed batch, reading the paged cache through ``block_table``. flash-attn 2 only accepts paged
@@ -76,7 +76,7 @@ class StepMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
     # SDPA: decodes split by context length, so a short sequence is not padded to the longest one's context.
     decode_groups: list[DecodeGroup] | None = None
-    # CPU decode kernel (workers.cpu_attention): context length of each decode, [B] long
+    # CPU decode kernel (attention.cpu_paged): context length of each decode, [B] long
     decode_context_lens: torch.Tensor | None = None
     # flash-attn only
     cu_seqlens_q: torch.Tensor | None = None

@@ -4,7 +4,7 @@ On CPU the SDPA backend spends most of a decode step's attention time copying: e
 KV blocks into a padded buffer (``index_select``), then SDPA reads the copy again. For 32 sequences of 50-528
 tokens (SmolLM2, fp32, 2 threads) that was 91 ms of a 277 ms step. ``csrc/paged_decode.c`` reads each K/V row once,
 in place, through the block table, for all query heads that share it. It is built and loaded by
-``workers.cpu_kernels``; where it cannot be, ``make_attention`` keeps the SDPA backend.
+``executor.kernels``; where it cannot be, ``make_attention`` keeps the SDPA backend.
 """
 
 from __future__ import annotations
