@@ -34,25 +34,19 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.overload import MODEL, PROMPTS, drain, free_port, ms, one, pct, poisson  # noqa: E402
+from bench.overload import MODEL, PROMPTS, drain, ms, one, pct, poisson  # noqa: E402
 from bench.results import RESULTS, append_section, command_line  # noqa: E402
+from tests.support import system as support  # noqa: E402
+from tests.support.system import free_port  # noqa: E402
 
 LIMIT = 100_000_000  # rpm / tpm: far above the load, fits Postgres integer
 
 
 async def make_key(database_url: str) -> str:
-    import asyncpg
-
-    from switchyard.gateway.tenancy import create_key, create_tenant
     from switchyard.migrations import apply_migrations
 
     await apply_migrations(database_url)
-    conn = await asyncpg.connect(database_url)
-    try:
-        await create_tenant(conn, "bench-batch", "pro", rpm_limit=LIMIT, tpm_limit=LIMIT)
-        return (await create_key(conn, "bench-batch")).secret
-    finally:
-        await conn.close()
+    return await support.make_key(database_url, "bench-batch", rpm_limit=LIMIT, tpm_limit=LIMIT)
 
 
 def cpu_snapshot(pids: list[int]) -> tuple:

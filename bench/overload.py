@@ -32,7 +32,6 @@ import platform
 import random
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +43,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.results import RESULTS, append_section, command_line  # noqa: E402
+from tests.support import system as support  # noqa: E402
+from tests.support.system import free_port  # noqa: E402
 
 MODEL = "smollm2"
 PROMPTS = ["Say hello.", "Name a color.", "Count to five.", "What is 2+2?", "Tell me a fact.", "Pick a number."]
@@ -251,25 +252,13 @@ async def run_load(args) -> dict:
         return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 async def make_key(database_url: str) -> str:
-    import asyncpg
-
-    from switchyard.gateway.tenancy import create_key, create_tenant
     from switchyard.migrations import apply_migrations
 
     await apply_migrations(database_url)
-    conn = await asyncpg.connect(database_url)
-    try:  # no per-key rate limits: this measures the queues, not the limiter
-        await create_tenant(conn, "bench-overload", "pro", rpm_limit=2**31 - 1, tpm_limit=2**31 - 1)
-        return (await create_key(conn, "bench-overload")).secret
-    finally:
-        await conn.close()
+    # No per-key rate limits: this measures the queues, not the limiter.
+    return await support.make_key(database_url, "bench-overload", rpm_limit=2**31 - 1, tpm_limit=2**31 - 1)
 
 
 async def usage_rows(database_url: str, since: float) -> tuple[list, list]:

@@ -21,6 +21,7 @@ import pytest
 from nats.js.api import StreamConfig
 
 from switchyard.deploy.launcher import NatsServer, PostgresServer, ServerStartError, docker_available
+from tests.support.system import free_port
 
 
 @pytest.fixture
@@ -31,11 +32,6 @@ def server_dir():
     yield path
     shutil.rmtree(path)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -117,7 +113,7 @@ async def test_nats_runs_jetstream_with_file_storage(server_dir):
 
 
 def test_nats_fixed_port(server_dir):
-    port = _free_port()
+    port = free_port()
     with NatsServer(server_dir / "nats", port=port) as server:
         assert server.url == f"nats://127.0.0.1:{port}"
         assert _accepts(port)

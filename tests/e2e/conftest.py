@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 from switchyard.deploy.services import ServiceProcess, wait_until_ready
-from switchyard.gateway.tenancy import create_key, create_tenant
+from tests.support.system import free_port, make_key
 from tests.support.tiny_model import save_tiny_model
 
 TINY = "tiny"
@@ -23,11 +21,6 @@ TINY_CONTEXT = 4096
 ADMIN_KEY = "test-admin-key"
 _running_system: "System | None" = None  # for failure reports of tests that use only `system` or `client`
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -63,7 +56,7 @@ def e2e(nats_url: str, database_url: str):
                   "--log-level", os.environ.get("SWITCHYARD_E2E_LOG_LEVEL", "WARNING")]
         system = System("", work, model_dir, common, services)
         system.start_worker(TINY, max_num_seqs=4)
-        port = _free_port()
+        port = free_port()
         services.append(ServiceProcess(
             "gateway", ["gateway", *common, "--port", str(port)], log_path=work / "gateway.log",
             env={"SWITCHYARD_GATEWAY__QUEUE_TIMEOUT_S": "20", "SWITCHYARD_GATEWAY__ADMIN_KEY": ADMIN_KEY,
@@ -96,17 +89,6 @@ def pytest_runtest_makereport(item, call):
 def system(e2e: System) -> str:
     """Base URL of the running gateway."""
     return e2e.base_url
-
-
-async def make_key(database_url: str, tenant: str, tier: str = "pro", **limits) -> str:
-    """A new tenant (unless it exists) and a new key for it; returns the secret."""
-    conn = await asyncpg.connect(database_url)
-    try:
-        if not await conn.fetchval("SELECT 1 FROM tenants WHERE name = $1", tenant):
-            await create_tenant(conn, tenant, tier, **limits)
-        return (await create_key(conn, tenant)).secret
-    finally:
-        await conn.close()
 
 
 @pytest.fixture(scope="session")

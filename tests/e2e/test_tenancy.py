@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 import uuid
 
@@ -17,14 +16,10 @@ import pytest
 from switchyard.deploy.services import ServiceProcess, wait_until_ready
 from switchyard.shared import subjects
 from switchyard.shared.messages import UsageRecord, encode
+from tests.support.system import free_port
 
 MODEL = "tiny"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bearer(secret: str) -> dict[str, str]:
@@ -50,7 +45,7 @@ async def poll(check, timeout_s: float = 20.0, what: str = "condition"):
 @pytest.fixture(scope="module")
 def second_gateway(e2e):
     """Another gateway process on the same NATS and Postgres."""
-    port = _free_port()
+    port = free_port()
     gw = ServiceProcess("gateway-2", ["gateway", *e2e.common_args, "--port", str(port)],
                         log_path=e2e.work / "gateway-2.log").start()
     try:
