@@ -116,7 +116,8 @@ def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True, warm
     engine.runner.warmup()
     # Where step time goes: wrap the parts on this instance (and the engine module's `sample`, in this process).
     timers = defaultdict(float)
-    engine.runner.execute = _timed(timers, "execute", engine.runner.execute)
+    engine.runner.begin = _timed(timers, "execute", engine.runner.begin)  # the model: both halves of a step
+    engine.runner.advance = _timed(timers, "execute", engine.runner.advance)
     engine.scheduler.schedule = _timed(timers, "schedule", engine.scheduler.schedule)
     engine.scheduler.update_from_output = _timed(timers, "update", engine.scheduler.update_from_output)
     engine._on_token = _timed(timers, "on_token(detok)", engine._on_token)

@@ -9,24 +9,12 @@ from __future__ import annotations
 import time
 
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, NoKeysError
+from nats.js.errors import NoKeysError
 
-from switchyard.shared import subjects
+from switchyard.shared.jetstream import workers_bucket
 from switchyard.shared.messages import WorkerInfo, decode
 
-WORKER_TTL_S = 10.0
 _CACHE_S = 1.0
-
-
-async def workers_bucket(js: JetStreamContext):
-    """Open (creating if needed) the KV bucket of worker heartbeats."""
-    try:
-        return await js.key_value(subjects.WORKERS_BUCKET)
-    except BucketNotFoundError:
-        return await js.create_key_value(
-            KeyValueConfig(bucket=subjects.WORKERS_BUCKET, ttl=WORKER_TTL_S, storage=StorageType.MEMORY, history=1)
-        )
 
 
 class ModelRegistry:

@@ -1,83 +1,29 @@
-"""Idempotent JetStream setup shared by gateways and workers: whoever starts first creates the streams."""
+"""Idempotent JetStream setup shared by gateways and workers: whoever starts first creates the streams, the
+consumers and the workers' heartbeat bucket. The streams' shapes are in ``stream_config``."""
 
 from __future__ import annotations
 
 import contextlib
 
 from nats.js import JetStreamContext
-from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DiscardPolicy,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-)
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from switchyard.shared import subjects
+from switchyard.shared.stream_config import (
+    QUEUE_FULL_CODES,
+    batch_results_stream_config,
+    events_stream_config,
+    tier_stream_config,
+    usage_stream_config,
+)
+from switchyard.shared.tier_store import read_policies, seed_policies
 from switchyard.shared.tiers import TIER_NAMES
 
-# JetStream's error code for a publish refused because a stream or subject limit is reached (discard-new).
-ERR_MAX_MSGS = 10077
-ERR_MAX_MSGS_PER_SUBJECT = 10078
-QUEUE_FULL_CODES = {ERR_MAX_MSGS, ERR_MAX_MSGS_PER_SUBJECT}
+__all__ = ["QUEUE_FULL_CODES", "ensure_batch_results_consumer", "ensure_request_consumer", "ensure_streams",
+           "ensure_usage_consumer", "workers_bucket"]
 
-REQUEST_MAX_AGE_S = 3600.0
-USAGE_MAX_AGE_S = 30 * 24 * 3600.0
-EVENTS_MAX_AGE_S = 300.0
-BATCH_RESULTS_MAX_AGE_S = 7 * 24 * 3600.0
-
-
-def tier_stream_config(tier: str, max_queued: int) -> StreamConfig:
-    # Discard-new per subject makes JetStream itself refuse work beyond a tier's cap for one model, whatever the
-    # number of gateways; the refusal reaches the publisher synchronously, so the client gets 429 at once.
-    return StreamConfig(
-        name=subjects.request_stream(tier),
-        subjects=[subjects.tier_subjects(tier)],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE,
-        max_msgs_per_subject=max_queued,
-        discard=DiscardPolicy.NEW,
-        discard_new_per_subject=True,
-        max_age=REQUEST_MAX_AGE_S,
-        duplicate_window=120.0,
-    )
-
-
-def events_stream_config() -> StreamConfig:
-    """Short-lived operational events (429s per model and tier) that `tiers show` counts."""
-    return StreamConfig(
-        name=subjects.EVENTS_STREAM,
-        subjects=[f"{subjects.EVENTS_PREFIX}.>"],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.MEMORY,
-        max_age=EVENTS_MAX_AGE_S,
-    )
-
-
-def usage_stream_config() -> StreamConfig:
-    return StreamConfig(
-        name=subjects.USAGE_STREAM,
-        subjects=[subjects.USAGE_SUBJECT],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        max_age=USAGE_MAX_AGE_S,
-        duplicate_window=600.0,
-    )
-
-
-def batch_results_stream_config() -> StreamConfig:
-    """Batch lines' outcomes, kept until the batch runner has written them to Postgres (and a while after)."""
-    return StreamConfig(
-        name=subjects.BATCH_RESULTS_STREAM,
-        subjects=[f"{subjects.RESULT_PREFIX}.>"],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        max_age=BATCH_RESULTS_MAX_AGE_S,
-        duplicate_window=600.0,
-    )
-
+WORKER_TTL_S = 10.0  # a worker whose heartbeat is this old is gone
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
@@ -115,8 +61,6 @@ async def ensure_streams(js: JetStreamContext) -> None:
 
     Existing streams keep their live limits: ops changes are never undone by a restart.
     """
-    from switchyard.shared.tier_store import read_policies, seed_policies
-
     await _drop_legacy_streams(js)
     await seed_policies(js)
     policies = await read_policies(js)
@@ -163,3 +107,13 @@ async def ensure_batch_results_consumer(js: JetStreamContext) -> str:
     )
     await js.add_consumer(subjects.BATCH_RESULTS_STREAM, config)
     return subjects.BATCH_RESULTS_CONSUMER
+
+
+async def workers_bucket(js: JetStreamContext):
+    """Open (creating if needed) the KV bucket of worker heartbeats: entries expire after ``WORKER_TTL_S``."""
+    try:
+        return await js.key_value(subjects.WORKERS_BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=subjects.WORKERS_BUCKET, ttl=WORKER_TTL_S, storage=StorageType.MEMORY, history=1)
+        )

@@ -18,6 +18,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode, encode
+from switchyard.shared.stream_config import tier_stream_config
 from switchyard.shared.tiers import DEFAULT_POLICIES, TIER_NAMES, TierPolicy
 
 TIERS_BUCKET = "tiers"
@@ -66,8 +67,6 @@ async def apply_queue_cap(js: JetStreamContext, tier: str, target: int) -> int:
     never goes below the deepest queue: while that queue is over the target, new requests are refused (it is
     full), and as it drains, `reconcile_queue_caps` lowers the cap step by step until it reaches the target.
     """
-    from switchyard.shared.jetstream import tier_stream_config  # here to keep the import graph one-way
-
     info = await js.stream_info(subjects.request_stream(tier))
     current = info.config.max_msgs_per_subject
     cap = target if target >= current else max(target, await _deepest_queue(js, tier))

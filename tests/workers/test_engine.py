@@ -187,8 +187,8 @@ def test_context_length_exceeded_is_rejected_before_compute(tiny, make_request, 
     model, tokenizer = tiny
     engine = Engine(model, tokenizer)
     forwards = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda chunks: forwards.append(chunks) or execute(chunks)
+    begin = engine.runner.begin
+    engine.runner.begin = lambda chunks: forwards.append(chunks) or begin(chunks)
     prompt = "x " * (200 if max_tokens else 300)
     with pytest.raises(RequestRejected) as exc:
         engine.add_request(make_request(prompt=prompt, max_tokens=max_tokens))
@@ -289,14 +289,16 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny, make_request):
 def test_eos_finishes_with_stop_unless_ignored(tiny, make_request):
     model, tokenizer = tiny
     engine = Engine(model, tokenizer)
-    execute = engine.runner.execute
+    advance = engine.runner.advance
 
-    def force_eos(chunks, should_stop=None):
-        logits = execute(chunks, should_stop).clone()
-        logits[..., 2] = 1e4  # the model now always prefers EOS
+    def force_eos(fwd, num_layers=None):
+        logits = advance(fwd, num_layers)
+        if logits is not None:
+            logits = logits.clone()
+            logits[..., 2] = 1e4  # the model now always prefers EOS
         return logits
 
-    engine.runner.execute = force_eos
+    engine.runner.advance = force_eos
     engine.add_request(make_request(prompt="hello", temperature=0, max_tokens=20, request_id="eos"))
     engine.add_request(make_request(prompt="hello", temperature=0, max_tokens=20, request_id="ignore",
                                     ignore_eos=True))
@@ -310,7 +312,7 @@ def test_eos_finishes_with_stop_unless_ignored(tiny, make_request):
 
 
 
-def test_an_interrupted_batch_step_changes_nothing_and_an_interactive_step_is_never_interrupted(tiny, make_request):
+def test_a_batch_only_step_runs_a_layer_per_call_and_an_interactive_arrival_drops_it(tiny, make_request):
     model, tokenizer = tiny
     batch = [msgspec.structs.replace(make_request(prompt=p, temperature=0, max_tokens=12, ignore_eos=True),
                                      tier="batch") for p in PROMPTS[:2]]
@@ -320,26 +322,37 @@ def test_an_interrupted_batch_step_changes_nothing_and_an_interactive_step_is_ne
     expected = run(reference)
 
     engine = RecordingEngine(model, tokenizer)
+    num_layers = len(engine.runner.layers)
     for req in batch:
         engine.add_request(req)
-    layers_asked = count()
+    for _ in range(num_layers - 1):  # a batch-only step: one layer per call, no token until the last
+        assert engine.step() == [] and engine.has_unfinished_requests()
+    engine.step()
+    assert {r: len(ids) for r, ids in engine.token_ids.items()} == {r.request_id: 1 for r in batch}
+
     results: dict[str, Result] = defaultdict(Result)
-    for i in range(200):  # every other step is abandoned part-way, before its second layer
+    for i in range(400):
         if not engine.has_unfinished_requests():
             break
-        collect(results, engine.step(interrupt=lambda: i % 2 == 0 and next(layers_asked) % 2 == 1))
+        if i % 3 == 1:  # mid-step: an interactive request arrives (and is cancelled): the step is dropped
+            pro = make_request(prompt=PROMPTS[2], temperature=0, max_tokens=4, request_id=f"pro-{i}")
+            engine.add_request(pro)
+            engine.abort_request(pro.request_id)
+        collect(results, [d for d in engine.step() if not d.request_id.startswith("pro-")])
     assert not engine.has_unfinished_requests() and engine.num_interrupted_steps > 5
-    assert dict(engine.token_ids) == dict(reference.token_ids)
-    assert {r: res.text for r, res in results.items()} == {r: res.text for r, res in expected.items()}
+    assert not any(r.startswith("pro-") for r in engine.token_ids)  # cancelled before they ran
+    assert {r: engine.token_ids[r] for r in expected} == {r: reference.token_ids[r] for r in expected}
     assert engine.num_free_blocks == engine.num_blocks
 
     interrupted = engine.num_interrupted_steps
+    engine.add_request(batch[0])
     pro = make_request(prompt=PROMPTS[0], temperature=0, max_tokens=3, ignore_eos=True)
     engine.add_request(pro)
-    while engine.has_unfinished_requests():  # a step with interactive work runs to its end regardless
-        collect(results, engine.step(interrupt=lambda: True))
-    assert results[pro.request_id].final.usage.completion_tokens == 3
-    assert engine.num_interrupted_steps == interrupted
+    calls = 0
+    while pro.request_id not in results or results[pro.request_id].final.finish_reason is None:
+        collect(results, engine.step())  # a step with interactive work runs all its layers in one call
+        calls += 1
+    assert calls == 3 and engine.num_interrupted_steps == interrupted
 
 
 @torch.no_grad()

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence, finish_reason
+from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, Sequence, finish_reason
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
@@ -35,7 +34,7 @@ from switchyard.workers.engine.prompts import (
     tokenize_prompt,
 )
 from switchyard.workers.engine.sampling import make_generator, sample
-from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk
+from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 
 log = logging.getLogger("switchyard.engine")
 
@@ -51,6 +50,9 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.8
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's own context
+    # A step of background (batch) sequences only runs this many layers per step() call, so an interactive request
+    # added between two calls drops it instead of waiting for it to finish (see Engine.step).
+    background_layers_per_call: int = 1
 
 
 @dataclass(slots=True)
@@ -110,6 +112,9 @@ class Engine:
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs
         self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
+        # A background-only step part-way through its layers, and whether it must be dropped at the next call.
+        self._in_flight: tuple[SchedulerOutput, ForwardPass] | None = None
+        self._drop_in_flight = False
         bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
         log.info(
             "KV cache: %d bytes/token, %d blocks of %d tokens (%.1f MiB), %d tokens, max %d sequences at full "
@@ -141,12 +146,7 @@ class Engine:
         return self.scheduler.num_free_slots
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
-
-    def set_background_limit(self, max_seqs: int | None) -> None:
-        """Run at most ``max_seqs`` batch-tier sequences per step (None: no limit); the rest keep their seats and
-        take turns. See ``Scheduler.set_background_limit``."""
-        self.scheduler.set_background_limit(max_seqs)
+        return bool(self._requests) or bool(self._pending) or self._in_flight is not None
 
     def add_request(self, req: GenerateRequest) -> int:
         """Tokenize and queue ``req``; returns its prompt token count. Raises ``RequestRejected`` before compute
@@ -177,6 +177,8 @@ class Engine:
             seq = Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice)
             if index == 0:
                 self.scheduler.add_request(seq)
+                if not self.scheduler.is_background(seq):
+                    self._drop_in_flight = True  # it must not wait for a batch-only step to finish
             else:
                 state.held.append(seq)
             state.seq_ids.append(seq_id)
@@ -193,6 +195,7 @@ class Engine:
         state = self._requests.get(request_id)
         if state is None:
             return False
+        self._drop_in_flight = True  # the step in flight may hold its sequences
         held, state.held = state.held, []
         live = held + [seq for seq_id in state.seq_ids if (seq := self.scheduler.abort_request(seq_id)) is not None]
         for seq in sorted(live, key=lambda s: s.data.index):
@@ -200,22 +203,36 @@ class Engine:
         return True
 
     # -- the step -----------------------------------------------------------------------------------------
-    def step(self, interrupt: Callable[[], bool] | None = None) -> list[TokenDelta]:
+    def step(self, background_limit: int | None = None) -> list[TokenDelta]:
         """Schedule → run the model → update; returns at most one delta per choice that made progress.
 
-        ``interrupt`` (asked between layers) may abandon a step that runs batch-tier sequences only, so an
-        interactive request that has just arrived does not wait for it: the abandoned step changes nothing but
-        the scheduling it did (admissions, block allocations), and its sequences run again next step.
+        ``background_limit``: at most this many batch-tier sequences run in this step (None: no limit), the others
+        keep their seats and take turns; the worker's ``BackgroundPolicy`` decides it.
+
+        A step that runs batch-tier sequences only is run ``background_layers_per_call`` layers per call, and is
+        dropped when an interactive request is added (or a request aborted) between two calls, so that request's
+        first token does not wait for it. A dropped step changes nothing but the scheduling it did (admissions,
+        block allocations); its sequences run again in the next one.
         """
         outputs, self._pending = self._pending, []
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return outputs
-        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample) for s in plan.scheduled]
-        logits = self.runner.execute(chunks, should_stop=interrupt if plan.is_background_only else None)
-        if logits is None:
+        if self._in_flight is not None and self._drop_in_flight:
+            self._in_flight = None
             self.num_interrupted_steps += 1
+        self._drop_in_flight = False
+        if self._in_flight is None:
+            self.scheduler.set_background_limit(background_limit)
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return outputs
+            chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample) for s in plan.scheduled]
+            fwd = self.runner.begin(chunks)
+        else:
+            plan, fwd = self._in_flight
+        logits = self.runner.advance(fwd, self.config.background_layers_per_call if plan.is_background_only else None)
+        if logits is None:
+            self._in_flight = (plan, fwd)
             return outputs
+        self._in_flight = None
         to_sample = [s.seq for s in plan.scheduled if s.needs_sample]
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from switchyard.workers.executor.attention import PagedAttention, StepMetadata, make_attention
+from switchyard.workers.executor.attention import AttentionMetadata, PagedAttention, make_attention
 from switchyard.workers.executor.fused_ops import make_ops
 from switchyard.workers.executor.linear import Linear, uses_packed_kernel
 
@@ -32,6 +31,18 @@ class SeqChunk:
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache for this sequence
     block_table: list[int]  # KV block ids owning positions 0.. (block i holds positions i*bs .. i*bs+bs-1)
     needs_logits: bool  # return logits of the chunk's last token
+
+
+@dataclass(slots=True)
+class ForwardPass:
+    """A step's forward pass in progress (``ModelRunner.begin``): the hidden state after ``next_layer`` layers."""
+
+    hidden: torch.Tensor  # [T, hidden]
+    meta: AttentionMetadata
+    cos: torch.Tensor  # [T, head_dim // 2], rotary angles of the step's positions
+    sin: torch.Tensor
+    logit_rows: list[int]  # rows whose logits the step returns, in chunk order
+    next_layer: int = 0
 
 
 @dataclass(slots=True)
@@ -215,18 +226,26 @@ class ModelRunner:
     def num_blocks_for_budget(hf_config, dtype: torch.dtype, block_size: int, kv_bytes_budget: int) -> int:
         return kv_bytes_budget // (ModelRunner.kv_bytes_per_token(hf_config, dtype) * block_size)
 
-    @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk], should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run one step; returns float32 logits ``[number of chunks with needs_logits, vocab]`` in chunk order,
         on the runner's device.
 
         Each chunk's tokens are appended to its sequence's cache at ``start_pos..``; chunks of one step must
-        belong to different sequences. ``should_stop`` is asked before every layer: when it answers True the step
-        is abandoned and None returned. What it wrote is only K/V at positions past each sequence's computed
-        tokens, in blocks no other sequence shares, so running the same chunks again later gives the same result.
+        belong to different sequences.
         """
         if not chunks:
             return torch.empty(0, self.vocab_size)
+        return self.advance(self.begin(chunks))
+
+    @torch.inference_mode()
+    def begin(self, chunks: list[SeqChunk]) -> ForwardPass:
+        """Start a step's forward pass; ``advance`` runs its layers, all at once or a few per call.
+
+        A pass dropped part-way wrote only K/V at positions past each sequence's computed tokens, in blocks no
+        other sequence shares, so running the same chunks again later gives the same result.
+        """
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
         for c in chunks:
             if not c.token_ids:
                 raise ValueError("a chunk must have at least one token")
@@ -243,45 +262,45 @@ class ModelRunner:
 
         input_ids = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in ordered))).to(self.device)
         meta = self.attention.prepare([(c.start_pos, len(c.token_ids), c.block_table) for c in ordered])
-        hidden = self._forward(input_ids, meta, should_stop)
-        if hidden is None:
-            return None
-        if not logit_rows:
-            return torch.empty(0, self.vocab_size)
-        rows = torch.tensor(logit_rows).to(self.device)
-        hidden = self.ops.rms_norm(hidden.index_select(0, rows), self.final_norm, self.eps)
-        return self.lm_head(hidden).float().contiguous()
-
-    def _forward(self, input_ids: torch.Tensor, meta: StepMetadata,
-                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
-        """Decoder layers over the step's flat batch; returns the last hidden state, before the final norm (None
-        when ``should_stop`` said so between two layers)."""
-        num_tokens = input_ids.shape[0]
-        heads, kv_heads, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
-        q_size, kv_size = heads * d, kv_heads * d
-
         # cos/sin exactly as HF: fp32 angles, then rounded to the model dtype.
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
         cos = (freqs.cos() * self.rope_scale).to(self.dtype)
         sin = (freqs.sin() * self.rope_scale).to(self.dtype)
+        return ForwardPass(F.embedding(input_ids, self.embed), meta, cos, sin, logit_rows)
 
-        ops = self.ops
-        h = F.embedding(input_ids, self.embed)
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
-            if should_stop is not None and should_stop():
-                return None
-            x = ops.rms_norm(h, layer.input_norm, eps)
-            qkv = layer.qkv(x).contiguous()
-            # q and k rotate together: one rotary pass over [T, heads + kv_heads, d].
-            qk = ops.rotary(qkv, heads + kv_heads, d, cos, sin)
-            q, k = qk.split((heads, kv_heads), dim=1)
-            v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, d)
-            o = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            h = layer.o(o, residual=h)
+    @torch.inference_mode()
+    def advance(self, fwd: ForwardPass, num_layers: int | None = None) -> torch.Tensor | None:
+        """Run the pass's next ``num_layers`` decoder layers (None: all that are left); returns the logits (as
+        ``execute``) once the last layer has run, else None."""
+        end = len(self.layers) if num_layers is None else min(len(self.layers), fwd.next_layer + num_layers)
+        for index in range(fwd.next_layer, end):
+            fwd.hidden = self._layer(index, fwd.hidden, fwd.meta, fwd.cos, fwd.sin)
+        fwd.next_layer = end
+        if end < len(self.layers):
+            return None
+        if not fwd.logit_rows:
+            return torch.empty(0, self.vocab_size)
+        rows = torch.tensor(fwd.logit_rows).to(self.device)
+        hidden = self.ops.rms_norm(fwd.hidden.index_select(0, rows), self.final_norm, self.eps)
+        return self.lm_head(hidden).float().contiguous()
 
-            x = ops.rms_norm(h, layer.post_norm, eps)
-            h = layer.down(ops.silu_mul(layer.gate_up(x)), residual=h)
-        return h
+    def _layer(self, index: int, h: torch.Tensor, meta: AttentionMetadata, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Decoder layer ``index`` over the step's flat batch ``h [T, hidden]``."""
+        layer, ops = self.layers[index], self.ops
+        num_tokens = h.shape[0]
+        heads, kv_heads, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        x = ops.rms_norm(h, layer.input_norm, eps)
+        qkv = layer.qkv(x).contiguous()
+        # q and k rotate together: one rotary pass over [T, heads + kv_heads, d].
+        qk = ops.rotary(qkv, heads + kv_heads, d, cos, sin)
+        q, k = qk.split((heads, kv_heads), dim=1)
+        v = qkv[:, (heads + kv_heads) * d :].view(num_tokens, kv_heads, d)
+        o = self.attention.forward(q, k, v, self.k_cache[index], self.v_cache[index], meta)
+        h = layer.o(o, residual=h)
+
+        x = ops.rms_norm(h, layer.post_norm, eps)
+        return layer.down(ops.silu_mul(layer.gate_up(x)), residual=h)
 
     def warmup(self) -> None:
         """Run a tiny prefill and a decode so first-request latency excludes lazy init (kernels, allocator).

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from switchyard.scheduler.background import BackgroundPolicy
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.workers import model_store
 from switchyard.workers.engine.engine import Engine, EngineConfig
@@ -47,8 +48,8 @@ async def _serve(engine, config: SwitchyardConfig) -> None:
     batch_seqs = w.batch_seqs_when_busy
     if batch_seqs is None:
         batch_seqs = 2 if engine.runner.device.type == "cpu" else 0
-    worker = Worker(engine, config.worker.served_name, config.nats_url, heartbeat_s=w.heartbeat_s,
-                    batch_seqs_when_busy=batch_seqs or None, interactive_busy_s=w.interactive_busy_s)
+    background = BackgroundPolicy(seats_when_busy=batch_seqs or None, busy_window_s=w.interactive_busy_s)
+    worker = Worker(engine, config.worker.served_name, config.nats_url, background, heartbeat_s=w.heartbeat_s)
     await worker.run(stop)
 
 

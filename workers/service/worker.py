@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,18 +26,15 @@ import msgspec
 import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from switchyard.gateway.registry import workers_bucket
+from switchyard.scheduler.background import BackgroundPolicy
 from switchyard.scheduler.tier_share import TierShare
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams
+from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams, workers_bucket
 from switchyard.shared.messages import (
-    BatchChoice,
     BatchResult,
     ErrorInfo,
     GenerateRequest,
     TokenDelta,
-    Usage,
-    UsageRecord,
     WorkerInfo,
     decode,
     encode,
@@ -46,6 +42,7 @@ from switchyard.shared.messages import (
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, get_tier, tiers_by_priority
 from switchyard.workers.engine.prompts import RequestRejected
+from switchyard.workers.service.publisher import Publisher, Tracked
 
 log = logging.getLogger("switchyard.worker")
 
@@ -56,47 +53,26 @@ _EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is reme
 
 
 @dataclass(slots=True)
-class _Tracked:
-    request: GenerateRequest
-    received_at: float
-    admitted_at: float = 0.0
-    first_token_at: float | None = None
-    num_finished: int = 0
-    prompt_tokens: int = 0
-    dropped_messages: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
-
-    def collect(self, delta: TokenDelta) -> None:
-        choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))
-        choice.text += delta.text
-        choice.finish_reason = delta.finish_reason or choice.finish_reason
-
-
-@dataclass(slots=True)
 class _StepResult:
-    admitted: list[tuple[_Tracked, object]] = field(default_factory=list)  # (tracked, jetstream msg)
-    rejected: list[tuple[_Tracked, object, ErrorInfo]] = field(default_factory=list)
+    admitted: list[tuple[Tracked, object]] = field(default_factory=list)  # (tracked, jetstream msg)
+    rejected: list[tuple[Tracked, object, ErrorInfo]] = field(default_factory=list)
     deltas: list[TokenDelta] = field(default_factory=list)
 
 
 class Worker:
     """Serves one model from the REQUESTS stream until ``stop`` is set, then drains running requests."""
 
-    def __init__(self, engine, model_name: str, nats_url: str, heartbeat_s: float = 3.0,
-                 batch_seqs_when_busy: int | None = None, interactive_busy_s: float = 10.0) -> None:
-        """``batch_seqs_when_busy``: while interactive traffic is about (an interactive request here, or one that
-        arrived in the last ``interactive_busy_s``), batch-tier requests hold at most this many seats and run at
-        most this many per step; None: no limit."""
+    def __init__(self, engine, model_name: str, nats_url: str, background: BackgroundPolicy,
+                 heartbeat_s: float = 3.0) -> None:
+        """``background``: how much batch-tier work may hold seats and run while interactive traffic is about."""
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
         self._started_at = time.time()
         self._nats_url = nats_url
         self._heartbeat_s = heartbeat_s
-        self._active: dict[str, _Tracked] = {}
-        self._pending_adds: list[tuple[_Tracked, object]] = []
+        self._active: dict[str, Tracked] = {}
+        self._pending_adds: list[tuple[Tracked, object]] = []
         self._pending_aborts: set[str] = set()
         # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
         # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
@@ -110,38 +86,24 @@ class Worker:
         self._num_admitting = 0  # handed to the step running now, not yet in the engine
         self._jump_headroom = max(1, engine.max_num_seqs // 8)
         self._intake_idle = asyncio.Event()  # the intake has nothing more to take right now
-        self._batch_seqs_when_busy = batch_seqs_when_busy
-        self._interactive_busy_s = interactive_busy_s
-        self._last_interactive_at = -float("inf")  # monotonic time the last interactive request arrived
-        # Set when an interactive request is handed to the step loop; the step thread reads it between layers to
-        # abandon a batch-only step (see Engine.step), so that request's first token does not wait for it.
-        self._interactive_waiting = threading.Event()
+        self._background = background
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _num_admittable(self) -> int:
         # Requests handed to the running step are in neither list nor the engine yet: count them too.
         return self.engine.num_free_slots - len(self._pending_adds) - self._num_admitting
 
-    def _is_interactive_busy(self) -> bool:
-        """Interactive traffic is about: one of its requests is here, or one arrived recently (the next one is
-        likely to come soon, and should not find the engine in a step full of batch decodes)."""
-        if time.monotonic() - self._last_interactive_at < self._interactive_busy_s:
-            return True
-        return any(t.request.tier != BATCH_TIER for t in self._active.values())
+    def _num_interactive_active(self) -> int:
+        return sum(t.request.tier != BATCH_TIER for t in self._active.values())
 
     def _background_limit(self) -> int | None:
-        """How many batch-tier sequences may run per step now; None: no limit."""
-        if self._batch_seqs_when_busy is None or not self._is_interactive_busy():
-            return None
-        return self._batch_seqs_when_busy
+        """How many batch-tier sequences may run in the next step; None: no limit."""
+        return self._background.step_limit(self._num_interactive_active())
 
     def _may_take_batch(self) -> bool:
-        limit = self._background_limit()
-        if limit is None:
-            return True
         held = sum(t.request.tier == BATCH_TIER for t in self._active.values())
         held += sum(t.request.tier == BATCH_TIER for t, _ in self._pending_adds)
-        return held < limit
+        return self._background.may_take_background(held, self._num_interactive_active())
 
     def _tiers_that_may_jump_in(self) -> set[str]:
         """With every seat taken, tiers strictly more important than the least important running request may
@@ -159,6 +121,7 @@ class Worker:
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         nc = await nats.connect(self._nats_url, name=f"switchyard-worker-{self.worker_id}", max_reconnect_attempts=-1)
         self._nc, self._js = nc, nc.jetstream()
+        self._out = Publisher(nc, self._js, self.worker_id)
         try:
             await ensure_streams(self._js)
             subs = {}
@@ -296,22 +259,19 @@ class Worker:
             await msg.term()
             return 0
         now = time.time()
-        tracked = _Tracked(request, received_at=now)
-        if request.tier != BATCH_TIER:
-            self._last_interactive_at = time.monotonic()
+        tracked = Tracked(request, received_at=now)
+        self._background.note_arrival(is_background=request.tier == BATCH_TIER)
         if self._early_cancels.pop(request.request_id, None) is not None:
-            await self._answer_error(request, ErrorInfo("cancelled", code="cancelled", status=499))
+            await self._out.error(request, ErrorInfo("cancelled", code="cancelled", status=499))
             await msg.ack()
             return 0
         if now > request.deadline_at:
-            await self._answer_error(request, ErrorInfo(
+            await self._out.error(request, ErrorInfo(
                 f"The request waited in the {request.tier} queue past its deadline and was not run; retry later.",
                 code="queue_timeout", type="rate_limit_error", status=503))
             await msg.ack()
             return 0
         self._pending_adds.append((tracked, msg))
-        if request.tier != BATCH_TIER:
-            self._interactive_waiting.set()
         self._work.set()
         return 1
 
@@ -319,7 +279,6 @@ class Worker:
     def _step_sync(self, adds, aborts: set[str], background_limit: int | None) -> _StepResult:
         """Runs in a worker thread: the only place the engine is touched."""
         result = _StepResult()
-        self.engine.set_background_limit(background_limit)
         for tracked, msg in adds:
             if tracked.request.request_id in aborts:
                 result.rejected.append((tracked, msg, ErrorInfo("cancelled", code="cancelled", status=499)))
@@ -335,7 +294,7 @@ class Worker:
         for request_id in aborts:
             self.engine.abort_request(request_id)
         if self.engine.has_unfinished_requests():
-            result.deltas = self.engine.step(interrupt=self._interactive_waiting.is_set)
+            result.deltas = self.engine.step(background_limit)
         return result
 
     async def _step_loop(self, stop: asyncio.Event) -> None:
@@ -352,7 +311,6 @@ class Worker:
                 work_wait.cancel()
                 continue
             adds, self._pending_adds = self._pending_adds, []
-            self._interactive_waiting.clear()  # this step takes them in (same thread as _receive: no race)
             aborts, self._pending_aborts = self._pending_aborts, set()
             for tracked, _ in adds:
                 self._active[tracked.request.request_id] = tracked
@@ -379,13 +337,13 @@ class Worker:
         """Publish a step's outcome; True when a seat was freed (something finished or was rejected)."""
         for tracked, msg, error in result.rejected:
             self._active.pop(tracked.request.request_id, None)
-            await self._answer_error(tracked.request, error)
+            await self._out.error(tracked.request, error)
             await msg.ack()
         for tracked, msg in result.admitted:
             await msg.ack()
-            await self._publish(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages))
+            await self._out.delta(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages))
             if tracked.request.result_subject:
-                await self._publish_batch_result(tracked.request, BatchResult(
+                await self._out.batch_result(tracked.request, BatchResult(
                     tracked.request.request_id, self.worker_id, started=True))
         now = time.time()
         for delta in result.deltas:
@@ -394,7 +352,7 @@ class Worker:
                 continue
             if delta.num_tokens and tracked.first_token_at is None:
                 tracked.first_token_at = now
-            await self._publish(delta)
+            await self._out.delta(delta)
             if tracked.request.result_subject:
                 tracked.collect(delta)
             if delta.finish_reason is not None:
@@ -403,68 +361,23 @@ class Worker:
                     tracked.completion_tokens = delta.usage.completion_tokens
                     tracked.cached_tokens = delta.usage.cached_tokens
                 if tracked.num_finished >= tracked.request.sampling.n:
-                    await self._finish(tracked, delta.finish_reason, now)
+                    self._active.pop(tracked.request.request_id, None)
+                    await self._out.finished(tracked, delta.finish_reason, now)
         if result.rejected or any(d.finish_reason for d in result.deltas):
             self._capacity.set()
             return True
         return False
 
-    async def _finish(self, tracked: _Tracked, finish_reason: str, now: float) -> None:
-        req = tracked.request
-        self._active.pop(req.request_id, None)
-        record = UsageRecord(
-            request_id=req.request_id,
-            model=req.model,
-            tier=req.tier,
-            prompt_tokens=tracked.prompt_tokens,
-            completion_tokens=tracked.completion_tokens,
-            cached_tokens=tracked.cached_tokens,
-            finish_reason=finish_reason,
-            created_at=req.created_at,
-            queue_ms=(tracked.admitted_at - req.created_at) * 1000,
-            first_token_ms=None if tracked.first_token_at is None else (tracked.first_token_at - req.created_at) * 1000,
-            total_ms=(now - req.created_at) * 1000,
-            tenant_id=req.tenant_id,
-            api_key_id=req.api_key_id,
-            worker_id=self.worker_id,
-        )
-        try:
-            # The message id makes JetStream drop a duplicate if this publish is retried.
-            await self._js.publish(subjects.USAGE_SUBJECT, encode(record), headers={"Nats-Msg-Id": req.request_id})
-        except Exception:
-            log.exception("could not record usage of %s", req.request_id)
-        if req.result_subject:  # after the usage record: a line is never done but unbilled
-            usage = Usage(tracked.prompt_tokens, tracked.completion_tokens, tracked.cached_tokens)
-            choices = [tracked.choices[i] for i in sorted(tracked.choices)]
-            await self._publish_batch_result(req, BatchResult(req.request_id, self.worker_id, choices=choices,
-                                                              usage=usage))
-
     async def _fail_all(self) -> None:
         for request_id, tracked in list(self._active.items()):
             with contextlib.suppress(Exception):
                 self.engine.abort_request(request_id)
-            await self._answer_error(tracked.request, ErrorInfo(
+            await self._out.error(tracked.request, ErrorInfo(
                 "The worker had an error processing your request.", code="internal_error", type="server_error",
                 status=500))
             self._active.pop(request_id, None)
         self._capacity.set()
 
-    async def _publish(self, delta: TokenDelta) -> None:
-        await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
-
-    async def _answer_error(self, request: GenerateRequest, error: ErrorInfo) -> None:
-        """Answer ``request`` with ``error`` instead of running (or finishing) it."""
-        await self._publish(TokenDelta(request.request_id, error=error))
-        if request.result_subject:
-            await self._publish_batch_result(request, BatchResult(request.request_id, self.worker_id, error=error))
-
-    async def _publish_batch_result(self, request: GenerateRequest, result: BatchResult) -> None:
-        # Durable, and deduplicated by request id: a final result published twice is stored once.
-        headers = None if result.started else {"Nats-Msg-Id": request.request_id}
-        try:
-            await self._js.publish(request.result_subject, encode(result), headers=headers)
-        except Exception:  # the batch runner re-publishes a line whose result never comes
-            log.exception("could not publish the batch result of %s", request.request_id)
 
 
 async def _first_of(*events: asyncio.Event, timeout: float) -> None:

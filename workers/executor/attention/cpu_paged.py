@@ -1,20 +1,26 @@
-"""CPU decode attention read straight from the paged KV cache, by a small C kernel compiled at first use.
+"""CPU attention read straight from the paged KV cache, by small C kernels compiled at first use.
 
 On CPU the SDPA backend spends most of a decode step's attention time copying: every layer gathers each sequence's
 KV blocks into a padded buffer (``index_select``), then SDPA reads the copy again. For 32 sequences of 50-528
 tokens (SmolLM2, fp32, 2 threads) that was 91 ms of a 277 ms step. ``csrc/paged_decode.c`` reads each K/V row once,
-in place, through the block table, for all query heads that share it. It is built and loaded by
-``executor.kernels``; where it cannot be, ``make_attention`` keeps the SDPA backend.
+in place, through the block table, for all query heads that share it; ``csrc/prefill_attention.c`` does the same
+for prefill chunks (SDPA takes them where it cannot be had). Both are built and loaded by ``executor.kernels``;
+where the decode kernel cannot be, ``make_attention`` keeps the SDPA backend.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from switchyard.workers.executor.attention import SdpaAttention, StepMetadata
+from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, plan_slots, write_kv
+from switchyard.workers.executor.attention.sdpa import PrefillSpan, SdpaAttention, prefill_spans
 from switchyard.workers.executor.kernels import load_library
+
+PANEL_WIDTH = 16  # the prefill kernel's register tile: it takes head sizes that are a multiple of this
 
 
 def load_kernel() -> ctypes.CDLL | None:
@@ -40,38 +46,70 @@ def load_prefill_kernel() -> ctypes.CDLL | None:
     return lib
 
 
-class CpuPagedAttention(SdpaAttention):
+@dataclass(slots=True)
+class CpuPagedMetadata(AttentionMetadata):
+    prefills: list[PrefillSpan]  # with SDPA's masks only where the prefill kernel is not available
+    decode_tables: torch.Tensor | None  # [B, max_blocks] long, contiguous; the kernel stops at each length
+    decode_context_lens: torch.Tensor | None  # [B] long
+
+
+class CpuPagedAttention:
     """C kernels for decodes (``csrc/paged_decode.c``) and prefill chunks (``csrc/prefill_attention.c``, where it
     builds and takes the head size; SDPA otherwise), fp32 caches on CPU."""
 
     name = "cpu_paged"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, device)
         lib = load_kernel()
         if lib is None:
             raise RuntimeError("the CPU decode kernel (csrc/paged_decode.c) could not be built")
-        self._kernel = lib.paged_decode_f32
-        self._prefill_lib = load_prefill_kernel() if head_dim % 16 == 0 else None  # 16: the kernel's panel width
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.device = device
+        self.scale = head_dim**-0.5
+        self._decode_kernel = lib.paged_decode_f32
+        self._prefill_lib = load_prefill_kernel() if head_dim % PANEL_WIDTH == 0 else None
+        self._sdpa = None if self._prefill_lib is not None else SdpaAttention(
+            num_heads, num_kv_heads, head_dim, block_size, device)
         self._workspace = torch.empty(0)
 
-    def prepare(self, chunks):
-        meta = super().prepare(chunks)
-        if self._prefill_lib is not None and meta.prefills:
+    def prepare(self, chunks: Sequence[ChunkShape]) -> CpuPagedMetadata:
+        plan = plan_slots(chunks, self.block_size, self.device)
+        prefills = prefill_spans(plan, chunks, with_masks=self._sdpa is not None)
+        if self._prefill_lib is not None and prefills:
             # Sized once per step for its longest prefill context; every layer reuses it.
-            context = max(span.start_pos + span.num_tokens for span in meta.prefills)
+            context = max(span.start_pos + span.num_tokens for span in prefills)
             need = self._prefill_lib.prefill_workspace_floats(context, self.num_heads, self.num_kv_heads,
                                                               self.head_dim, torch.get_num_threads())
             if self._workspace.numel() < need:  # grown, never shrunk: a fresh buffer per step costs page faults
                 self._workspace = torch.empty(need, dtype=torch.float32)
-        return meta
+        tables = context_lens = None
+        if len(prefills) < len(chunks):
+            # The kernel walks each table only up to the sequence's own length: no masks, no padding work.
+            tables = plan.tables[len(prefills):, : max(plan.num_blocks[len(prefills):])].contiguous()
+            context_lens = (plan.positions[plan.num_prefill_tokens :] + 1).contiguous()
+        return CpuPagedMetadata(plan.positions, plan.slot_mapping, plan.num_prefill_tokens, prefills, tables,
+                                context_lens)
 
-    def _attend_prefill(self, span, qs, ks, vs, k_cache, v_cache) -> torch.Tensor:
-        lib = self._prefill_lib
-        if lib is None or qs.stride(2) != 1 or qs.stride(1) != self.head_dim:
-            return super()._attend_prefill(span, qs, ks, vs, k_cache, v_cache)
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuPagedMetadata) -> torch.Tensor:
+        """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (rotary applied) -> attention output ``[T, heads * d]``."""
+        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        outs = []
+        for span in meta.prefills:
+            rows = slice(span.row, span.row + span.num_tokens)
+            if self._sdpa is not None:
+                outs.append(self._sdpa.attend_prefill(span, q[rows], k[rows], v[rows], k_cache, v_cache))
+            else:
+                outs.append(self._attend_prefill(span, q[rows], k_cache, v_cache))
+        if meta.decode_tables is not None:
+            outs.append(self._attend_decodes(q[meta.num_prefill_tokens :], k_cache, v_cache, meta))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend_prefill(self, span: PrefillSpan, qs, k_cache, v_cache) -> torch.Tensor:
+        if qs.stride(2) != 1 or qs.stride(1) != self.head_dim:
+            qs = qs.contiguous()
         out = qs.new_empty(span.num_tokens, self.num_heads * self.head_dim)
-        status = lib.prefill_attention_f32(
+        status = self._prefill_lib.prefill_attention_f32(
             qs.data_ptr(), qs.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), span.table.data_ptr(),
             span.start_pos, span.num_tokens, out.data_ptr(), out.stride(0), self.num_heads, self.num_kv_heads,
             self.head_dim, self.block_size, self.scale, self._workspace.data_ptr(), torch.get_num_threads(),
@@ -80,19 +118,14 @@ class CpuPagedAttention(SdpaAttention):
             raise RuntimeError(f"prefill_attention_f32 failed with status {status}")
         return out
 
-    def _prepare_decodes(self, meta: StepMetadata, table: torch.Tensor, num_blocks: list[int]) -> None:
-        # The kernel walks each table only up to the sequence's own length: no masks, no padding work, no groups.
-        meta.decode_blocks = table[:, : max(num_blocks)].contiguous()
-        meta.decode_context_lens = (meta.positions[meta.num_prefill_tokens :] + 1).contiguous()
-
-    def _attend_decodes(self, q_dec, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
+    def _attend_decodes(self, q_dec, k_cache, v_cache, meta: CpuPagedMetadata) -> torch.Tensor:
         if q_dec.stride(2) != 1 or q_dec.stride(1) != self.head_dim:
             q_dec = q_dec.contiguous()
         batch = q_dec.shape[0]
         out = q_dec.new_empty(batch, self.num_heads * self.head_dim)
-        status = self._kernel(
+        status = self._decode_kernel(
             q_dec.data_ptr(), q_dec.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            meta.decode_blocks.data_ptr(), meta.decode_blocks.stride(0), meta.decode_context_lens.data_ptr(),
+            meta.decode_tables.data_ptr(), meta.decode_tables.stride(0), meta.decode_context_lens.data_ptr(),
             out.data_ptr(), batch, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale,
             torch.get_num_threads(),
         )

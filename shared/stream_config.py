@@ -1,0 +1,67 @@
+"""The shapes of Switchyard's JetStream streams: one place for their subjects, retention, limits and ages."""
+
+from __future__ import annotations
+
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from switchyard.shared import subjects
+
+# JetStream's error code for a publish refused because a stream or subject limit is reached (discard-new).
+ERR_MAX_MSGS = 10077
+ERR_MAX_MSGS_PER_SUBJECT = 10078
+QUEUE_FULL_CODES = {ERR_MAX_MSGS, ERR_MAX_MSGS_PER_SUBJECT}
+
+REQUEST_MAX_AGE_S = 3600.0
+USAGE_MAX_AGE_S = 30 * 24 * 3600.0
+EVENTS_MAX_AGE_S = 300.0
+BATCH_RESULTS_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+def tier_stream_config(tier: str, max_queued: int) -> StreamConfig:
+    # Discard-new per subject makes JetStream itself refuse work beyond a tier's cap for one model, whatever the
+    # number of gateways; the refusal reaches the publisher synchronously, so the client gets 429 at once.
+    return StreamConfig(
+        name=subjects.request_stream(tier),
+        subjects=[subjects.tier_subjects(tier)],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_msgs_per_subject=max_queued,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
+        max_age=REQUEST_MAX_AGE_S,
+        duplicate_window=120.0,
+    )
+
+
+def events_stream_config() -> StreamConfig:
+    """Short-lived operational events (429s per model and tier) that `tiers show` counts."""
+    return StreamConfig(
+        name=subjects.EVENTS_STREAM,
+        subjects=[f"{subjects.EVENTS_PREFIX}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY,
+        max_age=EVENTS_MAX_AGE_S,
+    )
+
+
+def usage_stream_config() -> StreamConfig:
+    return StreamConfig(
+        name=subjects.USAGE_STREAM,
+        subjects=[subjects.USAGE_SUBJECT],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=USAGE_MAX_AGE_S,
+        duplicate_window=600.0,
+    )
+
+
+def batch_results_stream_config() -> StreamConfig:
+    """Batch lines' outcomes, kept until the batch runner has written them to Postgres (and a while after)."""
+    return StreamConfig(
+        name=subjects.BATCH_RESULTS_STREAM,
+        subjects=[f"{subjects.RESULT_PREFIX}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=BATCH_RESULTS_MAX_AGE_S,
+        duplicate_window=600.0,
+    )

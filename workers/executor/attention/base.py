@@ -1,0 +1,95 @@
+"""What every attention backend shares: the paged cache layout, the step's row layout, and the slot plan.
+
+The cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``. A sequence owns
+a list of blocks (its block table); position ``p`` lives in block ``table[p // block_size]`` at offset
+``p % block_size``, i.e. at flat slot ``table[p // block_size] * block_size + p % block_size`` of the cache viewed
+as ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+
+A step is one flat batch of T new tokens, multi-token chunks (prefills) first, then the one-token chunks (decodes):
+
+    rows:  | prefill 0 (n0) | prefill 1 (n1) | ... | decode 0 | decode 1 | ... | decode B-1 |
+           <--------- num_prefill_tokens ---------> <------------ B rows, 1 each ----------->
+
+Everything that depends only on the step's shape (slots, positions, block tables, masks) is built once per step by
+``prepare()`` into the backend's own metadata type; ``forward()`` runs once per layer and only does tensor work.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+# (start_pos, num_tokens, block_table) of one chunk, in the step's row order (prefills first).
+ChunkShape = tuple[int, int, Sequence[int]]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step tensors every backend has; each backend's own metadata type adds what its kernels read."""
+
+    positions: torch.Tensor  # [T] long, position of each new token (for rotary embeddings)
+    slot_mapping: torch.Tensor  # [T] long, flat cache slot each new token's K/V is written to
+    num_prefill_tokens: int  # rows before the first decode
+
+
+class PagedAttention(Protocol):
+    """``prepare`` once per step (chunks ordered: multi-token ones first), then ``forward`` once per layer.
+
+    ``forward`` writes the new tokens' K/V into the layer's cache, then returns attention output ``[T, heads * d]``
+    for q ``[T, heads, d]`` and k/v ``[T, kv_heads, d]`` (rotary already applied).
+    """
+
+    name: str
+
+    def prepare(self, chunks: Sequence[ChunkShape]) -> AttentionMetadata: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class SlotPlan:
+    """Where a step's tokens sit: positions, cache slots, and the block tables of its chunks."""
+
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long
+    tables: torch.Tensor  # [C, max_blocks] long: each chunk's blocks up to its last position, zero-padded
+    num_blocks: list[int]  # per chunk: blocks covering positions [0, start_pos + num_tokens)
+    num_prefill_tokens: int
+
+
+def plan_slots(chunks: Sequence[ChunkShape], block_size: int, device: torch.device) -> SlotPlan:
+    """Positions, slots and the padded block tables of a step (only the blocks the step touches)."""
+    num_blocks = [(start + n + block_size - 1) // block_size for start, n, _ in chunks]
+    max_blocks = max(num_blocks)
+    rows = []
+    for (start, n, table), nb in zip(chunks, num_blocks):
+        if len(table) < nb:
+            raise ValueError(f"block table has {len(table)} blocks, positions up to {start + n - 1} need {nb}")
+        rows.append(itertools.chain(table[:nb], itertools.repeat(0, max_blocks - nb)))
+    tables = torch.tensor([list(r) for r in rows], dtype=torch.long).to(device)
+
+    starts = torch.tensor([c[0] for c in chunks], dtype=torch.long)
+    lens = torch.tensor([c[1] for c in chunks], dtype=torch.long)
+    if all(c[1] == 1 for c in chunks):  # all decodes: one token per chunk
+        chunk_of_row = torch.arange(len(chunks), device=device)
+        positions = starts.to(device)
+    else:
+        chunk_of_row = torch.repeat_interleave(torch.arange(len(chunks)), lens)
+        first_row = torch.cumsum(lens, 0) - lens
+        positions = (torch.arange(int(lens.sum())) - first_row[chunk_of_row] + starts[chunk_of_row]).to(device)
+        chunk_of_row = chunk_of_row.to(device)
+    slots = tables[chunk_of_row, positions // block_size] * block_size + positions % block_size
+    num_prefill_tokens = sum(n for _, n, _ in chunks if n > 1)
+    return SlotPlan(positions, slots, tables, num_blocks, num_prefill_tokens)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Store the step's new K/V ``[T, kv_heads, d]`` at their flat slots of one layer's cache."""
+    kv_heads, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, v)

@@ -1,0 +1,100 @@
+"""What a worker sends out: token deltas (core NATS), usage records and batch results (JetStream, durable)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from switchyard.shared import subjects
+from switchyard.shared.messages import (
+    BatchChoice,
+    BatchResult,
+    ErrorInfo,
+    GenerateRequest,
+    TokenDelta,
+    Usage,
+    UsageRecord,
+    encode,
+)
+
+log = logging.getLogger("switchyard.worker")
+
+
+@dataclass(slots=True)
+class Tracked:
+    """A request this worker has taken: its timings and counts so far, for its usage record."""
+
+    request: GenerateRequest
+    received_at: float
+    admitted_at: float = 0.0
+    first_token_at: float | None = None
+    num_finished: int = 0
+    prompt_tokens: int = 0
+    dropped_messages: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
+
+    def collect(self, delta: TokenDelta) -> None:
+        choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))
+        choice.text += delta.text
+        choice.finish_reason = delta.finish_reason or choice.finish_reason
+
+
+
+class Publisher:
+    """Publishes one worker's outputs; every method is safe to call whatever NATS is doing (errors are logged
+    where a retry happens elsewhere)."""
+
+    def __init__(self, nc, js, worker_id: str) -> None:
+        self._nc = nc
+        self._js = js
+        self.worker_id = worker_id
+
+    async def delta(self, delta: TokenDelta) -> None:
+        await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
+
+    async def error(self, request: GenerateRequest, error: ErrorInfo) -> None:
+        """Answer ``request`` with ``error`` instead of running (or finishing) it."""
+        await self.delta(TokenDelta(request.request_id, error=error))
+        if request.result_subject:
+            await self.batch_result(request, BatchResult(request.request_id, self.worker_id, error=error))
+
+    async def batch_result(self, request: GenerateRequest, result: BatchResult) -> None:
+        # Durable, and deduplicated by request id: a final result published twice is stored once.
+        headers = None if result.started else {"Nats-Msg-Id": request.request_id}
+        try:
+            await self._js.publish(request.result_subject, encode(result), headers=headers)
+        except Exception:  # the batch runner re-publishes a line whose result never comes
+            log.exception("could not publish the batch result of %s", request.request_id)
+
+    async def finished(self, tracked: Tracked, finish_reason: str, now: float) -> None:
+        """The usage record of a request whose every choice has ended, then (a batch line) its whole result."""
+        req = tracked.request
+        record = UsageRecord(
+            request_id=req.request_id,
+            model=req.model,
+            tier=req.tier,
+            prompt_tokens=tracked.prompt_tokens,
+            completion_tokens=tracked.completion_tokens,
+            cached_tokens=tracked.cached_tokens,
+            finish_reason=finish_reason,
+            created_at=req.created_at,
+            queue_ms=(tracked.admitted_at - req.created_at) * 1000,
+            first_token_ms=None if tracked.first_token_at is None else (tracked.first_token_at - req.created_at) * 1000,
+            total_ms=(now - req.created_at) * 1000,
+            tenant_id=req.tenant_id,
+            api_key_id=req.api_key_id,
+            worker_id=self.worker_id,
+        )
+        try:
+            # The message id makes JetStream drop a duplicate if this publish is retried.
+            await self._js.publish(subjects.USAGE_SUBJECT, encode(record), headers={"Nats-Msg-Id": req.request_id})
+        except Exception:
+            log.exception("could not record usage of %s", req.request_id)
+        if req.result_subject:  # after the usage record: a line is never done but unbilled
+            usage = Usage(tracked.prompt_tokens, tracked.completion_tokens, tracked.cached_tokens)
+            choices = [tracked.choices[i] for i in sorted(tracked.choices)]
+            await self.batch_result(req, BatchResult(req.request_id, self.worker_id, choices=choices,
+                                                              usage=usage))
+
