@@ -14,14 +14,12 @@ in its directory. ``stop()`` signals the recorded PID and falls back to SIGKILL.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import os
 import pwd
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -30,9 +28,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from switchyard.deploy.processes import die_with_parent, free_port, pid_alive, stop_process, tail_of
+
 __all__ = ["NatsServer", "PostgresServer", "ServerStartError", "docker_available"]
 
-_PR_SET_PDEATHSIG = 1
 _POSTGRES_RUN_AS = "nobody"  # postgres refuses to run as root
 _DATABASE = "switchyard"
 
@@ -50,65 +49,6 @@ def docker_available() -> bool:
         return True
     except Exception:
         return False
-
-
-def stop_process(proc: subprocess.Popen | None, sig: int, timeout: float) -> None:
-    """Send ``sig`` (a graceful stop), wait up to ``timeout`` s, then SIGKILL; nothing if it already ended."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def die_with_parent(sig: int):
-    """A preexec_fn that makes the child receive ``sig`` when the forking thread exits.
-
-    Resolved here, before fork, because the child must not load libraries. It runs after
-    subprocess drops privileges (``user=``), which matters: a later uid change would clear it.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # parent already gone before prctl took effect
-            os.kill(os.getpid(), sig)
-
-    return preexec
-
-
-def _pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 class _Server:
@@ -220,7 +160,7 @@ class NatsServer(_Server):
             return False
 
     def _fail(self, why: str):
-        raise ServerStartError(f"nats-server {why}; log {self.log_path}:\n{_tail(self.log_path)}")
+        raise ServerStartError(f"nats-server {why}; log {self.log_path}:\n{tail_of(self.log_path)}")
 
 
 # Where root keeps a copy of the Postgres install that `nobody` can run: a venv under a private directory (a
@@ -327,7 +267,7 @@ class PostgresServer(_Server):
         self._clear_stale_pidfile()
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            port = self.port or _free_port()
+            port = self.port or free_port()
             self._proc = self._spawn(self._server_args(port), self.log_path, **self._as_user())
             try:
                 self._wait_ready(port, deadline)
@@ -374,7 +314,7 @@ class PostgresServer(_Server):
             pid = int(pidfile.read_text().split("\n", 1)[0])
         except (OSError, ValueError):
             return
-        if _pid_alive(pid):
+        if pid_alive(pid):
             try:
                 cwd = os.readlink(f"/proc/{pid}/cwd")
             except OSError:
@@ -417,4 +357,4 @@ class PostgresServer(_Server):
             raise ServerStartError(f"creating database {_DATABASE} failed:\n{result.stderr}")
 
     def _fail(self, why: str):
-        raise ServerStartError(f"postgres {why}; log {self.log_path}:\n{_tail(self.log_path)}")
+        raise ServerStartError(f"postgres {why}; log {self.log_path}:\n{tail_of(self.log_path)}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from switchyard.deploy.launcher import die_with_parent, stop_process
+from switchyard.deploy.processes import die_with_parent, stop_process, tail_of
 
 
 class ServiceProcess:
@@ -55,14 +55,14 @@ class ServiceProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return tail_of(self.log_path, lines) if self.log_path else ""
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM (graceful: finish running requests), then SIGKILL after ``timeout``. Idempotent."""
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (graceful: finish running requests), then SIGKILL after ``timeout``; returns the exit status
+        (None when it was not running). Idempotent."""
         proc, self._proc = self._proc, None
         stop_process(proc, signal.SIGTERM, timeout)
+        return None if proc is None else proc.returncode
 
 
 def wait_until_ready(base_url: str, model: str | None, timeout_s: float, watch: list[ServiceProcess]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ValidationError
 
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from switchyard.gateway.serving import CHAT, TEXT, _usage_json
+from switchyard.gateway.serving import CHAT, TEXT, usage_json
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
@@ -144,7 +144,7 @@ def response_body(endpoint: str, request_id: str, model: str, created_at: float,
         choice = {"index": c.index, "message": {"role": "assistant", "content": c.text}} if kind.is_chat else \
             {"index": c.index, "text": c.text}
         choices.append({**choice, "logprobs": None, "finish_reason": c.finish_reason})
-    usage = _usage_json(result.usage) if result.usage is not None else None
+    usage = usage_json(result.usage) if result.usage is not None else None
     return {"id": kind.id_prefix + request_id, "object": kind.object_full, "created": int(created_at),
             "model": model, "choices": choices, "usage": usage}
 

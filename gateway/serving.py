@@ -41,7 +41,8 @@ CHAT = _Kind("chatcmpl-", "chat.completion", "chat.completion.chunk", True)
 TEXT = _Kind("cmpl-", "text_completion", "text_completion", False)
 
 
-def _usage_json(usage: Usage) -> dict:
+def usage_json(usage: Usage) -> dict:
+    """OpenAI's ``usage`` object (with cached prompt tokens), as every response and batch result line has it."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -181,7 +182,7 @@ class CompletionService:
             "created": int(req.created_at),
             "model": req.model,
             "choices": choices,
-            "usage": _usage_json(usage),
+            "usage": usage_json(usage),
         }
 
     async def _stream(
@@ -233,7 +234,7 @@ class CompletionService:
                 if delta.usage is not None:
                     usage = delta.usage
             if include_usage and usage is not None:
-                yield _sse({**base, "choices": [], "usage": _usage_json(usage)})
+                yield _sse({**base, "choices": [], "usage": usage_json(usage)})
             yield _sse("[DONE]")
         finally:
             # Reached on normal end, and on client disconnect (the response task is cancelled): a worker still

@@ -28,7 +28,6 @@ import logging
 import time
 
 import asyncpg
-import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
@@ -45,16 +44,17 @@ from switchyard.gateway.batch_format import (
     wire_request,
 )
 from switchyard.gateway.errors import model_not_found
-from switchyard.gateway.files import insert_file
 from switchyard.gateway.registry import ModelRegistry
+from switchyard.jobs import batch_store
+from switchyard.jobs.batch_store import BatchStore
+from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, ensure_batch_results_consumer
-from switchyard.shared.messages import BatchResult, ErrorInfo, decode, encode
+from switchyard.shared.messages import BatchResult, ErrorInfo, encode
 from switchyard.shared.tiers import BATCH_TIER
 
 log = logging.getLogger("switchyard.batch")
 
-LOCK_KEY = 0x5359_4241_5443_4852  # "SYBATCHR": one leader across all gateways
 LEAD_RETRY_S = 3.0
 TICK_S = 1.0
 MAX_IN_FLIGHT = 256  # lines of one batch queued or running at once: the rest wait in Postgres
@@ -69,16 +69,12 @@ _CANCELLED = json.dumps(CANCELLED)
 _EXPIRED = json.dumps(EXPIRED)
 
 
-def _json(value: dict | None) -> str | None:
-    return None if value is None else json.dumps(value)
-
-
 class BatchRunner:
     def __init__(self, nc, js: JetStreamContext, pool: asyncpg.Pool, registry: ModelRegistry,
                  database_url: str) -> None:
         self._nc = nc
         self._js = js
-        self._pool = pool
+        self._store = BatchStore(pool)
         self._registry = registry
         self._database_url = database_url
         self._missing_since: dict[str, float] = {}  # worker id → when first seen missing
@@ -96,11 +92,11 @@ class BatchRunner:
                 try:
                     if conn is None or conn.is_closed():
                         conn = await asyncpg.connect(self._database_url)
-                    if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
+                    if await batch_store.try_lead(conn):
                         log.info("this process now runs batches")
                         await self._lead(conn, stop)
                         with contextlib.suppress(Exception):
-                            await conn.execute("SELECT pg_advisory_unlock($1)", LOCK_KEY)
+                            await batch_store.step_down(conn)
                 except Exception as exc:  # Postgres or NATS away: step down, try again
                     log.warning("batch runner stepped down: %s", exc)
                     if conn is not None:
@@ -124,7 +120,7 @@ class BatchRunner:
                 await self._consume(sub)
                 now = time.monotonic()
                 if now >= next_tick:
-                    await lock_conn.fetchval("SELECT 1")  # raises once the lock's connection is gone
+                    await batch_store.check_alive(lock_conn)
                     await self._tick()
                     next_tick = now + TICK_S
                 if now >= next_check:
@@ -139,33 +135,15 @@ class BatchRunner:
 
     # -- results --------------------------------------------------------------------------------------------
     async def _consume(self, sub) -> None:
+        await consume_once(sub, BatchResult, self._record_all, "batch result", RESULTS_FETCH, timeout_s=0.5)
+
+    async def _record_all(self, results: list[BatchResult]) -> None:
         try:
-            msgs = await sub.fetch(batch=RESULTS_FETCH, timeout=0.5)
-        except (NatsTimeoutError, asyncio.TimeoutError):
-            return
-        results: list[BatchResult] = []
-        good = []
-        for msg in msgs:
-            try:
-                results.append(decode(msg.data, BatchResult))
-                good.append(msg)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.error("dropping a malformed batch result at seq %s", msg.metadata.sequence.stream)
-                await msg.term()
-        try:
-            try:
-                await self._record(results)
-            except asyncpg.DataError as exc:  # one result Postgres refuses must not hold back the others forever
-                log.error("could not record %d batch results together (%s); recording them one by one", len(good), exc)
-                for result in results:
-                    await self._record_alone(result)
-        except (OSError, asyncpg.PostgresError) as exc:
-            log.warning("could not record %d batch results (%s); they will be redelivered", len(good), exc)
-            for msg in good:
-                await msg.nak(delay=2.0)
-            return
-        for msg in good:
-            await msg.ack()
+            await self._record(results)
+        except asyncpg.DataError as exc:  # one result Postgres refuses must not hold back the others forever
+            log.error("could not record %d batch results together (%s); recording them one by one", len(results), exc)
+            for result in results:
+                await self._record_alone(result)
 
     async def _record_alone(self, result: BatchResult) -> None:
         """Record one result; one that Postgres still refuses fails its line with the reason instead."""
@@ -179,37 +157,11 @@ class BatchRunner:
     async def _record(self, results: list[BatchResult]) -> None:
         started = [(r.request_id, r.worker_id) for r in results if r.started]
         finals = {r.request_id: r for r in results if not r.started}
-        async with self._pool.acquire() as conn, conn.transaction():
-            if started:
-                await conn.executemany("UPDATE batch_lines SET worker_id = $2 WHERE request_id = $1 "
-                                       "AND status = 'queued'", started)
-            if not finals:
-                return
-            # A line of a cancelling batch may have been marked cancelled while a worker ran it to the end anyway:
-            # that result is kept (it ran and is billed) until the batch is finalized.
-            rows = await conn.fetch(
-                "SELECT l.request_id, l.status, l.body, extract(epoch FROM l.queued_at) AS "
-                "queued_at, b.endpoint, b.status AS batch_status FROM batch_lines l JOIN batches b "
-                "ON b.id = l.batch_id WHERE l.request_id = ANY($1) AND (l.status = 'queued' OR "
-                "(l.status = 'cancelled' AND b.status = 'cancelling'))", list(finals))
-            updates = []
-            for row in rows:
-                # The model is read here, not with ->> in SQL: Postgres cannot turn a U+0000 elsewhere in the body
-                # into text, and refuses the whole query.
-                model = json.loads(row["body"]).get("model")
-                status, response, error = line_outcome(row["endpoint"], row["request_id"], model,
-                                                       float(row["queued_at"] or 0), row["batch_status"],
-                                                       finals[row["request_id"]])
-                if row["status"] == "queued" or status == "completed":
-                    updates.append((row["request_id"], status, _json(response), _json(error), row["status"]))
-            await conn.executemany(
-                "UPDATE batch_lines SET status = $2, response = $3::json, error = $4::json, worker_id = NULL "
-                "WHERE request_id = $1 AND status = $5", updates)
+        await self._store.record_results(started, finals, _outcome)
 
     # -- the tick -------------------------------------------------------------------------------------------
     async def _tick(self) -> None:
-        rows = await self._pool.fetch("SELECT * FROM batches WHERE status IN ('validating', 'in_progress', "
-                                      "'finalizing', 'cancelling') ORDER BY created_at")
+        rows = await self._store.unfinished_batches()
         now = time.time()
         for batch in rows:
             status = batch["status"]
@@ -230,13 +182,12 @@ class BatchRunner:
                 log.exception("batch %s (%s) failed a step; retrying next tick", batch["id"], status)
 
     async def _validate(self, batch) -> None:
-        content = await self._pool.fetchval("SELECT content FROM files WHERE id = $1 AND tenant_id = $2 "
-                                            "AND deleted_at IS NULL", batch["input_file_id"], batch["tenant_id"])
+        content = await self._store.input_file(batch)
         if content is None:
             lines, errors = [], [{"code": "invalid_file", "message": "The input file does not exist any more.",
                                   "param": "input_file_id", "line": None}]
         else:  # parsing 50k lines takes a while: off the event loop
-            lines, errors = await asyncio.to_thread(parse_input, bytes(content), batch["endpoint"])
+            lines, errors = await asyncio.to_thread(parse_input, content, batch["endpoint"])
         if not errors:
             served = await self._registry.models(fresh=True)
             first_line: dict[str, int] = {}
@@ -245,35 +196,22 @@ class BatchRunner:
             errors = [{"code": "model_not_found", "message": model_not_found(m).message, "param": "body.model",
                        "line": n} for m, n in first_line.items() if m not in served]
         if errors:
-            await self._pool.execute(
-                "UPDATE batches SET status = 'failed', failed_at = now(), errors = $2::jsonb WHERE id = $1 "
-                "AND status = 'validating'", batch["id"], json.dumps({"object": "list", "data": errors}))
+            await self._store.fail_validation(batch["id"], errors)
             log.info("batch %s failed validation (%d errors)", batch["id"], len(errors))
             return
         models = {line.model for line in lines}
-        async with self._pool.acquire() as conn, conn.transaction():
-            status = await conn.execute(
-                "UPDATE batches SET status = 'in_progress', in_progress_at = now(), model = $2 WHERE id = $1 "
-                "AND status = 'validating'", batch["id"], models.pop() if len(models) == 1 else None)
-            if status.endswith(" 0"):
-                return  # cancelled while we parsed
-            await conn.copy_records_to_table(
-                "batch_lines", columns=["batch_id", "line_no", "custom_id", "body", "request_id"],
-                records=[(batch["id"], line.line_no, line.custom_id, json.dumps(line.body),
-                          request_id_for(batch["id"], line.custom_id)) for line in lines])
+        records = [(line.line_no, line.custom_id, json.dumps(line.body), request_id_for(batch["id"], line.custom_id))
+                   for line in lines]
+        if not await self._store.start(batch["id"], models.pop() if len(models) == 1 else None, records):
+            return  # cancelled while we parsed
         log.info("batch %s in progress: %d lines", batch["id"], len(lines))
 
     async def _advance(self, batch) -> None:
-        counts = {r["status"]: r["n"] for r in await self._pool.fetch(
-            "SELECT status, count(*) AS n FROM batch_lines WHERE batch_id = $1 AND status IN ('pending', 'queued') "
-            "GROUP BY status", batch["id"])}
-        pending, queued = counts.get("pending", 0), counts.get("queued", 0)
+        pending, queued = await self._store.count_waiting(batch["id"])
         if not pending and not queued:
             await self._finalize(batch, "completed", "in_progress")
         elif pending and queued < MAX_IN_FLIGHT:
-            lines = await self._pool.fetch(
-                "SELECT custom_id, body, request_id, attempts FROM batch_lines WHERE batch_id = $1 "
-                "AND status = 'pending' ORDER BY line_no LIMIT $2", batch["id"], MAX_IN_FLIGHT - queued)
+            lines = await self._store.pending_lines(batch["id"], MAX_IN_FLIGHT - queued)
             await self._publish_lines(batch, lines, "pending")
 
     async def _publish_lines(self, batch, lines, from_status: str) -> None:
@@ -292,12 +230,7 @@ class BatchRunner:
                 published.append((line["request_id"], seq, from_status))
         finally:
             if published or failed:
-                async with self._pool.acquire() as conn, conn.transaction():
-                    await conn.executemany(
-                        "UPDATE batch_lines SET status = 'queued', stream_seq = $2, queued_at = now(), "
-                        "worker_id = NULL, attempts = attempts + 1 WHERE request_id = $1 AND status = $3", published)
-                    await conn.executemany("UPDATE batch_lines SET status = 'failed', response = $2::json "
-                                           "WHERE request_id = $1", failed)
+                await self._store.mark_published(published, failed)
 
     async def _publish(self, batch, line) -> int | None:
         """Publish one line; returns its stream sequence, or None when the batch queue is full."""
@@ -325,8 +258,7 @@ class BatchRunner:
         Returns how many still run (their results come back as cancelled); with ``wait`` false they are marked
         stopped now and a late result is ignored.
         """
-        lines = await self._pool.fetch("SELECT request_id, stream_seq FROM batch_lines WHERE batch_id = $1 "
-                                       "AND status = 'queued' ORDER BY stream_seq", batch_id)
+        lines = await self._store.queued_lines(batch_id)
         # Cancels first: a running line stops, and a worker that fetched a message just before its delete
         # remembers the cancel and refuses the request when it arrives. Then the deletes, front of the queue
         # first and concurrently, since workers keep pulling meanwhile.
@@ -337,8 +269,7 @@ class BatchRunner:
         for i in range(0, len(lines), 64):
             deleted += await asyncio.gather(*(self._unqueue(line["stream_seq"]) for line in lines[i:i + 64]))
         unqueued = [(line["request_id"], error) for line, gone in zip(lines, deleted) if gone or not wait]
-        await self._pool.executemany("UPDATE batch_lines SET status = 'cancelled', error = $2::json "
-                                     "WHERE request_id = $1 AND status = 'queued'", unqueued)
+        await self._store.cancel_queued(unqueued)
         return len(lines) - len(unqueued)
 
     async def _unqueue(self, seq: int) -> bool:
@@ -351,15 +282,13 @@ class BatchRunner:
             raise
 
     async def _cancel(self, batch) -> None:
-        await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::json WHERE batch_id = $1 "
-                                 "AND status = 'pending'", batch["id"], _CANCELLED)
+        await self._store.cancel_pending(batch["id"], _CANCELLED)
         waited = time.time() - batch["cancelling_at"].timestamp()
         if await self._stop_queued(batch["id"], _CANCELLED, wait=waited < CANCEL_GRACE_S) == 0:
             await self._finalize(batch, "cancelled", "cancelling")
 
     async def _expire(self, batch) -> None:
-        await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::json WHERE batch_id = $1 "
-                                 "AND status = 'pending'", batch["id"], _EXPIRED)
+        await self._store.cancel_pending(batch["id"], _EXPIRED)
         await self._stop_queued(batch["id"], _EXPIRED, wait=False)
         await self._finalize(batch, "expired", batch["status"])
 
@@ -368,33 +297,16 @@ class BatchRunner:
         """Write the output and error files and move to ``final``, if the batch is still ``from_status``."""
         batch_id = batch["id"]
         if final == "completed" and from_status == "in_progress":
-            status = await self._pool.execute("UPDATE batches SET status = 'finalizing', finalizing_at = now() "
-                                              "WHERE id = $1 AND status = 'in_progress'", batch_id)
-            if status.endswith(" 0"):
+            if not await self._store.begin_finalizing(batch_id):
                 return
             from_status = "finalizing"
-        rows = await self._pool.fetch("SELECT custom_id, request_id, status, response, error FROM batch_lines "
-                                      "WHERE batch_id = $1 ORDER BY line_no", batch_id)
         files = ResultFiles()
-        for row in rows:
+        for row in await self._store.all_lines(batch_id):
             files.add(row["custom_id"], row["request_id"], row["status"],
                       json.loads(row["response"]) if row["response"] else None,
                       json.loads(row["error"]) if row["error"] else None)
-        async with self._pool.acquire() as conn, conn.transaction():
-            if await conn.fetchval("SELECT status FROM batches WHERE id = $1 FOR UPDATE", batch_id) != from_status:
-                return
-            output_id = error_id = None
-            if files.output:
-                output_id = (await insert_file(conn, batch["tenant_id"], "batch_output", f"{batch_id}_output.jsonl",
-                                               bytes(files.output)))["id"]
-            if files.errors:
-                error_id = (await insert_file(conn, batch["tenant_id"], "batch_output", f"{batch_id}_error.jsonl",
-                                              bytes(files.errors)))["id"]
-            await conn.execute(
-                f"UPDATE batches SET status = $2, {final}_at = now(), output_file_id = $3, error_file_id = $4, "
-                "request_counts = $5::jsonb, usage = $6::jsonb WHERE id = $1", batch_id, final, output_id, error_id,
-                json.dumps(files.counts), json.dumps(files.usage))
-        log.info("batch %s %s: %s", batch_id, final, files.counts)
+        if await self._store.finish(batch, final, from_status, files):
+            log.info("batch %s %s: %s", batch_id, final, files.counts)
 
     # -- lost lines -----------------------------------------------------------------------------------------
     async def _check_lost(self) -> None:
@@ -405,11 +317,7 @@ class BatchRunner:
         now = time.monotonic()
         for worker_id in [w for w in self._missing_since if w in live or now - self._missing_since[w] > 3600]:
             del self._missing_since[worker_id]
-        rows = await self._pool.fetch(
-            "SELECT l.custom_id, l.body, l.request_id, l.attempts, l.stream_seq, l.worker_id, b.id, b.status, "
-            "b.endpoint, b.tenant_id, b.api_key_id, b.expires_at FROM batch_lines l JOIN batches b "
-            "ON b.id = l.batch_id WHERE l.status = 'queued' AND b.status IN ('in_progress', 'cancelling') "
-            "AND (l.worker_id IS NOT NULL OR l.queued_at < now() - make_interval(secs => $1))", STALE_S)
+        rows = await self._store.maybe_lost_lines(STALE_S)
         lost = []
         for row in rows:
             if row["worker_id"] is not None:
@@ -420,8 +328,7 @@ class BatchRunner:
             else:
                 try:
                     await self._js.get_msg(_BATCH_STREAM, row["stream_seq"])
-                    await self._pool.execute("UPDATE batch_lines SET queued_at = now() WHERE request_id = $1",
-                                             row["request_id"])
+                    await self._store.still_queued(row["request_id"])
                     continue  # still waiting its turn in the queue: look again in STALE_S
                 except APIError as exc:
                     if not isinstance(exc, NotFoundError) and exc.err_code != ERR_NO_MESSAGE:
@@ -431,7 +338,19 @@ class BatchRunner:
             log.warning("batch %s: line %s was lost (worker %s); publishing it again", row["id"], row["custom_id"],
                         row["worker_id"] or "unknown")
             if row["status"] == "cancelling":
-                await self._pool.execute("UPDATE batch_lines SET status = 'cancelled', error = $2::json "
-                                         "WHERE request_id = $1 AND status = 'queued'", row["request_id"], _CANCELLED)
+                await self._store.cancel_queued([(row["request_id"], _CANCELLED)])
             else:
                 await self._publish_lines(row, [row], "queued")
+
+
+def _outcome(row, result: BatchResult) -> tuple[str, dict | None, dict | None] | None:
+    """A final result's effect on its line: the line's outcome, unless the line was already cancelled (its batch
+    is cancelling) and the result is not a completion worth keeping."""
+    # The model is read here, not with ->> in SQL: Postgres cannot turn a U+0000 elsewhere in the body into text,
+    # and refuses the whole query.
+    model = json.loads(row["body"]).get("model")
+    status, response, error = line_outcome(row["endpoint"], row["request_id"], model, float(row["queued_at"] or 0),
+                                           row["batch_status"], result)
+    if row["status"] == "queued" or status == "completed":
+        return status, response, error
+    return None

@@ -11,13 +11,12 @@ import datetime as dt
 import logging
 
 import asyncpg
-import msgspec
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
+from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_usage_consumer
-from switchyard.shared.messages import UsageRecord, decode
+from switchyard.shared.messages import UsageRecord
 
 log = logging.getLogger("switchyard.usage")
 
@@ -47,30 +46,13 @@ async def run_usage_writer(js: JetStreamContext, pool: asyncpg.Pool, stop: async
     """Consume until ``stop`` is set. Postgres errors delay records (redelivered later), never drop them."""
     await ensure_usage_consumer(js)
     sub = await js.pull_subscribe_bind(subjects.USAGE_CONSUMER, stream=subjects.USAGE_STREAM)
+    async def write(records: list[UsageRecord]) -> None:
+        async with pool.acquire() as conn:
+            await conn.executemany(INSERT_SQL, [_row(r) for r in records])
+
     try:
         while not stop.is_set():
-            try:
-                msgs = await sub.fetch(batch=batch, timeout=1.0)
-            except (NatsTimeoutError, asyncio.TimeoutError):
-                continue
-            rows, good = [], []
-            for msg in msgs:
-                try:
-                    rows.append(_row(decode(msg.data, UsageRecord)))
-                    good.append(msg)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    log.error("dropping malformed usage record at seq %s", msg.metadata.sequence.stream)
-                    await msg.term()
-            try:
-                async with pool.acquire() as conn:
-                    await conn.executemany(INSERT_SQL, rows)
-            except (OSError, asyncpg.PostgresError) as exc:
-                log.warning("usage insert failed (%s); %d records will be redelivered", exc, len(good))
-                for msg in good:
-                    await msg.nak(delay=2.0)
-                continue
-            for msg in good:
-                await msg.ack()
+            await consume_once(sub, UsageRecord, write, "usage record", batch, timeout_s=1.0)
     finally:
         try:
             await sub.unsubscribe()

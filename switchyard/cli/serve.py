@@ -58,7 +58,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             try:
                 await jobs.wait()
             finally:  # Ctrl-C / SIGTERM cancel the wait: let each job finish its record
-                await asyncio.shield(jobs.stop())
+                await jobs.stop()
         finally:
             if pool is not None:
                 await pool.close()

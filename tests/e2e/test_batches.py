@@ -18,6 +18,7 @@ import pytest
 from openai import OpenAI
 
 from switchyard.deploy.services import wait_until_ready
+from tests.support.system import poll
 
 MODEL = "tiny"  # the session's worker (4 slots)
 SLOW = "tiny-batch"  # this module's own worker: one slot, so a big batch really queues
@@ -44,14 +45,9 @@ def submit(client: OpenAI, lines: list, endpoint: str = "/v1/chat/completions", 
 
 async def wait_batch(client: OpenAI, batch_id: str, until, timeout_s: float = 120.0, what: str = "state"):
     """Poll the batch until ``until(batch)``; the client is synchronous, so each poll runs in a thread."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = await asyncio.to_thread(client.batches.retrieve, batch_id)
-        if until(batch):
-            return batch
-        assert time.monotonic() < deadline, f"batch {batch_id} did not reach {what}: {batch.status} " \
-                                            f"{batch.request_counts}"
-        await asyncio.sleep(0.2)
+    return await poll(lambda: asyncio.to_thread(client.batches.retrieve, batch_id), until, timeout_s,
+                      interval_s=0.2,
+                      what=lambda b: f"batch {batch_id} did not reach {what}: {b.status} {b.request_counts}")
 
 
 def finished(batch) -> bool:

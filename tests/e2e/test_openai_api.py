@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import asyncpg
 import httpx
 import openai
 import pytest
+
+from tests.support.system import poll
 
 TINY = "tiny"  # the name the e2e worker serves the tiny model as (see conftest)
 
@@ -98,13 +99,8 @@ async def _request_row(database_url: str, request_id: str, timeout_s: float = 20
     """Poll until the usage writer has recorded ``request_id`` (it is asynchronous by design)."""
     conn = await asyncpg.connect(database_url)
     try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            row = await conn.fetchrow("SELECT * FROM requests WHERE request_id = $1", request_id)
-            if row is not None:
-                return row
-            await asyncio.sleep(0.1)
-        raise AssertionError(f"no usage row for {request_id} after {timeout_s} s")
+        return await poll(lambda: conn.fetchrow("SELECT * FROM requests WHERE request_id = $1", request_id),
+                          lambda row: row is not None, timeout_s, what=f"a usage row for {request_id}")
     finally:
         await conn.close()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -16,7 +15,7 @@ import pytest
 from switchyard.deploy.services import ServiceProcess, wait_until_ready
 from switchyard.shared import subjects
 from switchyard.shared.messages import UsageRecord, encode
-from tests.support.system import free_port
+from tests.support.system import free_port, poll
 
 MODEL = "tiny"
 
@@ -29,17 +28,6 @@ def bearer(secret: str) -> dict[str, str]:
 def chat_body(max_tokens: int = 4, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, **extra}
-
-
-async def poll(check, timeout_s: float = 20.0, what: str = "condition"):
-    """Re-evaluate ``check`` until it is truthy: for effects that are asynchronous by design (caches, billing)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
-        await asyncio.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from tests.support.system import poll
+
 ADMIN_KEY = "test-admin-key"  # the gateway's admin key (see conftest)
 MODEL = "tiny-tiers"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -51,10 +53,8 @@ async def queued(http: httpx.AsyncClient, tier: str) -> int:
 
 
 async def wait_queued(http: httpx.AsyncClient, tier: str, n: int, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (got := await queued(http, tier)) != n:
-        assert time.monotonic() < deadline, f"{tier} queue has {got}, expected {n}"
-        await asyncio.sleep(0.05)
+    await poll(lambda: queued(http, tier), lambda got: got == n, timeout_s, interval_s=0.05,
+               what=lambda got: f"{tier} queue has {got}, expected {n}")
 
 
 class Hog:

@@ -1,19 +1,20 @@
-"""Helpers for tests and benchmarks that run real servers: free ports and API keys."""
+"""Helpers for tests and benchmarks that run real servers: free ports, API keys, polling."""
 
 from __future__ import annotations
 
-import socket
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import asyncpg
 
+from switchyard.deploy.processes import free_port
 from switchyard.gateway.tenancy import create_key, create_tenant
 
+__all__ = ["free_port", "make_key", "poll"]
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+T = TypeVar("T")
 
 
 async def make_key(database_url: str, tenant: str, tier: str = "pro", **limits) -> str:
@@ -25,3 +26,17 @@ async def make_key(database_url: str, tenant: str, tier: str = "pro", **limits) 
         return (await create_key(conn, tenant)).secret
     finally:
         await conn.close()
+
+
+async def poll(fetch: Callable[[], Awaitable[T]], until: Callable[[T], object] = bool, timeout_s: float = 20.0,
+               what: str | Callable[[T], str] = "condition", interval_s: float = 0.1) -> T:
+    """Await ``fetch()`` until ``until(value)`` holds and return that value: for effects that are asynchronous by
+    design (billing, caches, queues). Fails the test after ``timeout_s`` with ``what`` (or ``what(last value)``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await fetch()
+        if until(value):
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(what(value) if callable(what) else f"{what} not reached within {timeout_s} s")
+        await asyncio.sleep(interval_s)
