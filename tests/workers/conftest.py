@@ -35,6 +35,25 @@ def compiled() -> Callable:
     return require
 
 
+@pytest.fixture
+def no_installed_build(monkeypatch):
+    """As on a machine where the install built no kernels (no compiler then, or another CPU)."""
+    from switchyard.workers.executor import kernels
+
+    monkeypatch.setattr(kernels, "installed_library", lambda name: None)
+    kernels.load_library.cache_clear()
+    yield
+    kernels.load_library.cache_clear()
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path, no_installed_build) -> Path:
+    """No installed kernels and no compiler either; returns the (empty) runtime kernel cache."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SWITCHYARD_KERNEL_CACHE", str(tmp_path / "kernels"))
+    return tmp_path / "kernels"
+
+
 def model_cache_dir() -> Path:
     if data_dir := os.environ.get("SWITCHYARD_DATA_DIR"):
         return Path(data_dir) / "models"

@@ -10,6 +10,7 @@ import torch
 
 from switchyard.workers.executor.attention import SdpaAttention, make_attention
 from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention, load_kernel
+from switchyard.workers.executor import kernels
 from switchyard.workers.executor.kernels import load_library
 
 CPU = torch.device("cpu")
@@ -103,29 +104,51 @@ def test_default_backend_on_cpu(kernel):
     assert type(bf16) is SdpaAttention  # the kernel is fp32 only
 
 
-def test_no_compiler_falls_back_to_sdpa(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("SWITCHYARD_KERNEL_CACHE", str(tmp_path / "kernels"))  # nothing built there yet
-    load_library.cache_clear()
-    try:
-        assert load_kernel() is None
-        assert type(make_attention(9, 3, 64, 16, CPU)) is SdpaAttention
-        assert "paged_decode.c" in caplog.text
-    finally:
-        load_library.cache_clear()
-    assert not list((tmp_path / "kernels").glob("*.so*"))  # a failed build leaves no file behind
+def test_no_compiler_falls_back_to_sdpa(no_compiler, caplog):
+    assert load_kernel() is None
+    assert type(make_attention(9, 3, 64, 16, CPU)) is SdpaAttention
+    assert "paged_decode.c" in caplog.text
+    assert not list(no_compiler.glob("*.so*"))  # a failed build leaves no file behind
 
 
-def test_kernel_is_built_once_per_cache(monkeypatch, tmp_path, kernel):
+def test_kernel_is_built_once_per_cache(monkeypatch, tmp_path, kernel, no_installed_build):
     monkeypatch.setenv("SWITCHYARD_KERNEL_CACHE", str(tmp_path))
+    assert load_kernel() is not None
+    built = list(tmp_path.glob("paged_decode-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
     load_library.cache_clear()
-    try:
-        assert load_kernel() is not None
-        built = list(tmp_path.glob("paged_decode-*.so"))
-        assert len(built) == 1
-        mtime = built[0].stat().st_mtime_ns
-        load_library.cache_clear()
-        assert load_kernel() is not None
-        assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
-    finally:
-        load_library.cache_clear()
+    assert load_kernel() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_the_install_built_every_kernel_for_this_machine(kernel):
+    # `pip install` (setup.py) builds them where a compiler is present, as `kernel` showed one is.
+    assert all(kernels.installed_library(name) is not None for name in kernels.KERNELS)
+
+
+def test_an_install_built_for_another_cpu_is_not_loaded(monkeypatch, kernel, caplog):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : sse2")
+    assert kernels.installed_library("paged_decode") is None
+    assert "another source or for another CPU" in caplog.text
+
+
+def test_infinite_scores_get_no_weight_as_in_sdpa(kernel):
+    # The kernels start their running maximum at -INFINITY: built with fast math, they must still treat an
+    # infinite score as one (a key whose score overflows to -inf gets weight 0). Key 0 of each decode is huge
+    # and opposite to its query, so its score is -inf.
+    shape = (4, 2, 16, 4)
+    chunks, (k_cache, v_cache), q, k, v = _step(*shape, decode_contexts=[5, 9], prefill=(0, 6), seed=3)
+    heads, kv_heads = shape[0], shape[1]
+    group = heads // kv_heads
+    row = chunks[0][1]  # decodes follow the prefill's rows
+    for start, n, table in chunks[1:]:
+        for h in range(kv_heads):
+            q[row, h * group : (h + 1) * group] = q[row, h * group]  # the group's heads ask the same question
+            k_cache[table[0], 0, h] = -3e38 * torch.sign(q[row, h * group])
+        row += 1
+    step = (chunks, (k_cache, v_cache), q, k, v)
+    got, _, _ = _attend(CpuPagedAttention, shape, step)
+    want, _, _ = _attend(SdpaAttention, shape, step)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from switchyard.workers.executor.kernels import load_library
 from switchyard.workers.executor.linear import Linear, load_gemm_kernel, uses_packed_kernel
 
 CPU = torch.device("cpu")
@@ -76,12 +75,6 @@ def test_unpacked_fallback_matches_f_linear(rows):
     torch.testing.assert_close(Linear(weight, bias)(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_no_compiler_means_no_packing(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("SWITCHYARD_KERNEL_CACHE", str(tmp_path / "kernels"))
-    load_library.cache_clear()
-    try:
-        assert not uses_packed_kernel(CPU, torch.float32)
-        assert "packed_gemm.c" in caplog.text
-    finally:
-        load_library.cache_clear()
+def test_no_compiler_means_no_packing(no_compiler, caplog):
+    assert not uses_packed_kernel(CPU, torch.float32)
+    assert "packed_gemm.c" in caplog.text
