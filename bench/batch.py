@@ -253,47 +253,37 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command = command_line()
-    from switchyard.deploy.launcher import NatsServer, PostgresServer
-    from switchyard.deploy.services import ServiceProcess, wait_until_ready
-    from switchyard.shared.config import SwitchyardConfig
+    from switchyard.deploy.system import LocalSystem
+    from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
 
     model = Path(args.model or SwitchyardConfig().model_cache_dir / MODEL)
     if not (model / "config.json").exists():
         sys.exit(f"no model at {model}: run `switchyard models pull {MODEL}` or pass --model")
-    stack, work, out = [], Path(tempfile.mkdtemp(prefix="switchyard-batchbench-")), None
+    work, out, admin_key = Path(tempfile.mkdtemp(prefix="switchyard-batchbench-")), None, secrets.token_urlsafe(16)
+    os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
+    worker = WorkerConfig(model=str(model), served_model_name=MODEL, max_num_seqs=args.max_num_seqs)
+    if args.batch_seqs_when_busy is not None:
+        worker.batch_seqs_when_busy = args.batch_seqs_when_busy
+    system = LocalSystem(SwitchyardConfig(data_dir=work, gateway=GatewayConfig(port=free_port(), admin_key=admin_key),
+                                          worker=worker), log_dir=work, log_level="WARNING", ephemeral=True)
     try:
-        os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
-        stack.append(NatsServer(work / "nats").start())
-        stack.append(PostgresServer(work / "postgres", ephemeral=True).start())
-        nats_url, database_url = stack[0].url, stack[1].url
-        api_key, admin_key = asyncio.run(make_key(database_url)), secrets.token_urlsafe(16)
-        common = ["--data-dir", str(work), "--nats-url", nats_url, "--database-url", database_url,
-                  "--log-level", "WARNING"]
-        stack.append(ServiceProcess("worker", ["worker", *common, "--model", str(model), "--served-model-name", MODEL,
-                                               "--max-num-seqs", str(args.max_num_seqs),
-                                               *([] if args.batch_seqs_when_busy is None else
-                                                 ["--batch-seqs-when-busy", str(args.batch_seqs_when_busy)])],
-                                    log_path=work / "worker.log").start())
-        port = free_port()
-        stack.append(ServiceProcess("gateway", ["gateway", *common, "--port", str(port)], log_path=work / "gateway.log",
-                                    env={"SWITCHYARD_GATEWAY__ADMIN_KEY": admin_key}).start())
-        base_url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
-        wait_until_ready(base_url, MODEL, timeout_s=300, watch=stack[2:])
+        system.start_servers()
+        database_url = system.config.database_url
+        api_key = asyncio.run(make_key(database_url))
+        worker_proc, gateway_proc = system.start_worker(), system.start_gateway()
+        base_url, t0 = system.url(), time.monotonic()
+        system.wait_until_ready(MODEL, timeout_s=300)
         print(f"system up in {time.monotonic() - t0:.1f} s at {base_url}", flush=True)
-        args.pids = [stack[2].pid, stack[3].pid, os.getpid()]
+        args.pids = [worker_proc.pid, gateway_proc.pid, os.getpid()]
         out = asyncio.run(run(args, base_url, api_key, admin_key))
         time.sleep(2)  # the usage writer is asynchronous
         out["server"] = asyncio.run(server_times(database_url, {"A": (out["a_since"], out["a_until"]),
                                                                 "B": (out["b_since"], out["b_until"])}))
     finally:
         if out is None:
-            for svc in stack[2:]:
+            for svc in system.services:
                 print(f"--- {svc.name} log tail ---\n{svc.log_tail(30)}")
-        for item in reversed(stack):
-            try:
-                item.stop()
-            except Exception as exc:  # keep stopping the rest
-                print(f"could not stop {item}: {exc}", file=sys.stderr)
+        system.stop()
         shutil.rmtree(work, ignore_errors=True)
     text = report(args, out, command)
     print("\n" + text)

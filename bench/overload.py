@@ -300,36 +300,30 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command = command_line()
-    stack, work, database_url = [], None, None
+    system, work, database_url = None, None, None
     try:
         if not args.base_url:
-            from switchyard.deploy.launcher import NatsServer, PostgresServer
-            from switchyard.deploy.services import ServiceProcess, wait_until_ready
-            from switchyard.shared.config import SwitchyardConfig
+            from switchyard.deploy.system import LocalSystem
+            from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
 
             model = Path(args.model or SwitchyardConfig().model_cache_dir / MODEL)
             if not (model / "config.json").exists():
                 sys.exit(f"no model at {model}: run `switchyard models pull {MODEL}` or pass --model")
             work = Path(tempfile.mkdtemp(prefix="switchyard-overload-"))
             os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
-            stack.append(NatsServer(work / "nats").start())
-            stack.append(PostgresServer(work / "postgres", ephemeral=True).start())
-            nats_url, database_url = stack[0].url, stack[1].url
-            args.api_key = asyncio.run(make_key(database_url))
             args.admin_key = secrets.token_urlsafe(16)
-            common = ["--data-dir", str(work), "--nats-url", nats_url, "--database-url", database_url,
-                      "--log-level", "WARNING"]
-            stack.append(ServiceProcess("worker", ["worker", *common, "--model", str(model), "--served-model-name",
-                                                   MODEL, "--max-num-seqs", str(args.max_num_seqs)],
-                                        log_path=work / "worker.log").start())
-            port = free_port()
-            stack.append(ServiceProcess("gateway", ["gateway", *common, "--port", str(port)],
-                                        log_path=work / "gateway.log",
-                                        env={"SWITCHYARD_GATEWAY__ALLOW_TIER_HEADER": "true",
-                                             "SWITCHYARD_GATEWAY__ADMIN_KEY": args.admin_key}).start())
-            args.base_url = f"http://127.0.0.1:{port}"
+            config = SwitchyardConfig(
+                data_dir=work, gateway=GatewayConfig(port=free_port(), allow_tier_header=True, admin_key=args.admin_key),
+                worker=WorkerConfig(model=str(model), served_model_name=MODEL, max_num_seqs=args.max_num_seqs))
+            system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
+            system.start_servers()
+            database_url = config.database_url
+            args.api_key = asyncio.run(make_key(database_url))
+            system.start_worker()
+            system.start_gateway()
+            args.base_url = system.url()
             t0 = time.monotonic()
-            wait_until_ready(args.base_url, MODEL, timeout_s=300, watch=stack[2:])
+            system.wait_until_ready(MODEL, timeout_s=300)
             print(f"system up in {time.monotonic() - t0:.1f} s at {args.base_url} (work dir {work})", flush=True)
         elif not (args.api_key and args.admin_key):
             p.error("--base-url needs --api-key and --admin-key")
@@ -337,15 +331,12 @@ def main() -> int:
         if database_url:
             time.sleep(2)  # the usage writer is asynchronous
             out["usage"], out["server_times"] = asyncio.run(usage_rows(database_url, out["overload_since"]))
-        if work and any(s["other err"] or s["lost"] for s in out["rows"]):
-            for svc in stack[2:]:
+        if system and any(s["other err"] or s["lost"] for s in out["rows"]):
+            for svc in system.services:
                 print(f"--- {svc.name} log tail ---\n{svc.log_tail(30)}")
     finally:
-        for item in reversed(stack):
-            try:
-                item.stop()
-            except Exception as exc:  # keep stopping the rest
-                print(f"could not stop {item}: {exc}", file=sys.stderr)
+        if system:
+            system.stop()
         if work:
             shutil.rmtree(work, ignore_errors=True)
     report(args, out, command)

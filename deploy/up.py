@@ -1,7 +1,7 @@
 """``switchyard up``: the whole system on one machine.
 
 Order: NATS (embedded unless --nats-url) → Postgres (embedded unless --database-url) → migrations → model pull
-→ worker → gateway → ready banner. Ctrl-C (or SIGTERM) stops everything in reverse order, by PID.
+→ worker → gateway → ready banner (``LocalSystem``). Ctrl-C (or SIGTERM) stops everything in reverse order, by PID.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from switchyard.deploy.launcher import NatsServer, PostgresServer
-from switchyard.deploy.services import ServiceProcess, wait_until_ready
-from switchyard.migrations import apply_migrations
-from switchyard.shared.config import SwitchyardConfig, settings_env
+from switchyard.deploy.system import LocalSystem
+from switchyard.shared.config import SwitchyardConfig
 from switchyard.workers import model_store
 
 RUN_FILE = "run.json"
@@ -72,37 +70,20 @@ Press Ctrl-C to stop.
 def run_up(config: SwitchyardConfig) -> int:
     t0 = time.monotonic()
     data = config.data_dir
-    data.mkdir(parents=True, exist_ok=True)
-    (data / "logs").mkdir(exist_ok=True)
-    stack: list = []  # things to stop, in start order
+    system = LocalSystem(config)  # the children write to this terminal
     try:
-        if not config.nats_url:
-            nats_server = NatsServer(data / "nats").start()
-            stack.append(nats_server)
-            config.nats_url = nats_server.url
-            print(f"nats      {nats_server.url} (pid {nats_server.pid})", file=sys.stderr)
-        if not config.database_url:
-            pg = PostgresServer(data / "postgres").start()
-            stack.append(pg)
-            config.database_url = pg.url
-            print(f"postgres  {pg.url} (pid {pg.pid})", file=sys.stderr)
+        for line in system.start_servers():
+            print(line, file=sys.stderr)
         write_run_file(data, config.nats_url, config.database_url)
-        applied = asyncio.run(apply_migrations(config.database_url))
-        print(f"migrate   {', '.join(applied) if applied else 'up to date'}", file=sys.stderr)
         api_key = asyncio.run(_default_key(config.database_url, data))
         model_path = model_store.resolve(config.worker.model, config.model_cache_dir)
         model = config.worker.served_name
-        children = settings_env(config.model_copy(update={"worker": config.worker.model_copy(
-            update={"model": str(model_path), "served_model_name": model})}))
-        worker = ServiceProcess("worker", ["worker"], env=children).start()
-        stack.append(worker)
-        gateway = ServiceProcess("gateway", ["gateway"], env=children).start()
-        stack.append(gateway)
-        base_url = f"http://{config.gateway.host}:{config.gateway.port}"
-        wait_until_ready(base_url, model, timeout_s=300, watch=[worker, gateway])
-        print(_banner(base_url, model, api_key))
+        system.start_worker(model=str(model_path), served_model_name=model)
+        system.start_gateway()
+        system.wait_until_ready(model, timeout_s=300)
+        print(_banner(system.url(), model, api_key))
         print(f"(started in {time.monotonic() - t0:.1f} s; data in {data})", file=sys.stderr)
-        while all(svc.is_running() for svc in (worker, gateway)):
+        while system.all_running():
             time.sleep(0.5)
         print("a service exited; stopping everything", file=sys.stderr)
         return 1
@@ -111,8 +92,4 @@ def run_up(config: SwitchyardConfig) -> int:
         return 0
     finally:
         (data / RUN_FILE).unlink(missing_ok=True)
-        for item in reversed(stack):
-            try:
-                item.stop()
-            except Exception as exc:  # keep stopping the rest: leaving a server behind is worse
-                print(f"could not stop {item}: {exc}", file=sys.stderr)
+        system.stop()

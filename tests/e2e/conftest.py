@@ -7,12 +7,13 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from switchyard.deploy.services import ServiceProcess, wait_until_ready
+from switchyard.deploy.services import ServiceProcess
+from switchyard.deploy.system import LocalSystem
+from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
 from tests.support.system import free_port, make_key
 from tests.support.tiny_model import save_tiny_model
 
@@ -23,24 +24,20 @@ _running_system: "System | None" = None  # for failure reports of tests that use
 
 
 
-@dataclass
-class System:
-    """A running gateway (``base_url``) and what it takes to add workers to it."""
-
-    base_url: str
-    work: Path
-    model_dir: Path
-    common_args: list[str]
-    services: list[ServiceProcess]
+class System(LocalSystem):
+    """The running e2e system: a gateway (``base_url``) on the tiny model, and more workers or gateways on demand."""
 
     def start_worker(self, served_name: str, max_num_seqs: int) -> ServiceProcess:
-        worker = ServiceProcess(
-            f"worker-{served_name}",
-            ["worker", *self.common_args, "--model", str(self.model_dir), "--served-model-name", served_name,
-             "--dtype", "float32", "--max-num-seqs", str(max_num_seqs)],
-            log_path=self.work / f"worker-{served_name}.log").start()
-        self.services.append(worker)
-        return worker
+        return super().start_worker(f"worker-{served_name}", served_model_name=served_name,
+                                    max_num_seqs=max_num_seqs)
+
+    @property
+    def work(self) -> Path:
+        return self.config.data_dir
+
+    @property
+    def base_url(self) -> str:
+        return self.url()
 
 
 @pytest.fixture(scope="session")
@@ -48,27 +45,22 @@ def e2e(nats_url: str, database_url: str):
     """A running gateway with one worker serving the tiny model as ``tiny``."""
     global _running_system
     work = Path(tempfile.mkdtemp(prefix="switchyard-e2e-"))
-    services: list[ServiceProcess] = []
+    # A long context, so a stream can be cancelled long before it could finish on its own.
+    model_dir = save_tiny_model(work / "tiny-model", max_context=TINY_CONTEXT)
+    config = SwitchyardConfig(
+        data_dir=work, nats_url=nats_url, database_url=database_url,
+        gateway=GatewayConfig(port=free_port(), queue_timeout_s=20, admin_key=ADMIN_KEY, allow_tier_header=True),
+        worker=WorkerConfig(model=str(model_dir), dtype="float32"))
+    system = System(config, log_dir=work, log_level=os.environ.get("SWITCHYARD_E2E_LOG_LEVEL", "WARNING"))
     try:
-        # A long context, so a stream can be cancelled long before it could finish on its own.
-        model_dir = save_tiny_model(work / "tiny-model", max_context=TINY_CONTEXT)
-        common = ["--data-dir", str(work), "--nats-url", nats_url, "--database-url", database_url,
-                  "--log-level", os.environ.get("SWITCHYARD_E2E_LOG_LEVEL", "WARNING")]
-        system = System("", work, model_dir, common, services)
         system.start_worker(TINY, max_num_seqs=4)
-        port = free_port()
-        services.append(ServiceProcess(
-            "gateway", ["gateway", *common, "--port", str(port)], log_path=work / "gateway.log",
-            env={"SWITCHYARD_GATEWAY__QUEUE_TIMEOUT_S": "20", "SWITCHYARD_GATEWAY__ADMIN_KEY": ADMIN_KEY,
-                 "SWITCHYARD_GATEWAY__ALLOW_TIER_HEADER": "true"}).start())
-        system.base_url = f"http://127.0.0.1:{port}"
+        system.start_gateway()
         _running_system = system
-        wait_until_ready(system.base_url, TINY, timeout_s=120, watch=services)
+        system.wait_until_ready(TINY, timeout_s=120)
         yield system
     finally:
         _running_system = None
-        for svc in reversed(services):
-            svc.stop()
+        system.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -12,7 +12,7 @@ import httpx
 import nats
 import pytest
 
-from switchyard.deploy.services import ServiceProcess, wait_until_ready
+from switchyard.deploy.services import wait_until_ready
 from switchyard.shared import subjects
 from switchyard.shared.messages import UsageRecord, encode
 from tests.support.system import free_port, poll
@@ -34,8 +34,7 @@ def chat_body(max_tokens: int = 4, **extra) -> dict:
 def second_gateway(e2e):
     """Another gateway process on the same NATS and Postgres."""
     port = free_port()
-    gw = ServiceProcess("gateway-2", ["gateway", *e2e.common_args, "--port", str(port)],
-                        log_path=e2e.work / "gateway-2.log").start()
+    gw = e2e.start_gateway("gateway-2", port=port)
     try:
         wait_until_ready(f"http://127.0.0.1:{port}", MODEL, timeout_s=60, watch=[gw])
         yield f"http://127.0.0.1:{port}", gw

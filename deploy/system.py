@@ -1,0 +1,102 @@
+"""The whole system on this machine, started one way for ``switchyard up``, the end-to-end tests and the benchmarks.
+
+    NATS, Postgres   embedded (in the data dir) unless the settings name servers, then migrations
+    workers          ``switchyard worker`` children
+    gateways         ``switchyard gateway`` children
+
+Every child is handed the settings object itself (as ``SWITCHYARD_*`` variables, see ``settings_env``), with the
+overrides it was started with, so whatever the caller set reaches it. ``stop()`` (or leaving the ``with``) stops
+everything by PID, the last started first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from switchyard.deploy.launcher import NatsServer, PostgresServer
+from switchyard.deploy.services import ServiceProcess, wait_until_ready
+from switchyard.migrations import apply_migrations
+from switchyard.shared.config import SwitchyardConfig, settings_env
+
+
+class LocalSystem:
+    """See the module docstring. ``log_dir``: children log to ``<log_dir>/<name>.log`` (default: the terminal)."""
+
+    def __init__(self, config: SwitchyardConfig, log_dir: Path | None = None, log_level: str | None = None,
+                 ephemeral: bool = False) -> None:
+        """``ephemeral``: an embedded Postgres without durability (tests and benchmarks)."""
+        self.config = config
+        self.log_dir = log_dir
+        self.log_level = log_level
+        self.ephemeral = ephemeral
+        self.services: list[ServiceProcess] = []
+        self._stack: list = []  # everything started, servers and services, in start order
+
+    def __enter__(self) -> LocalSystem:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # -- starting -------------------------------------------------------------------------------------------------
+    def start_servers(self) -> list[str]:
+        """Embedded NATS and Postgres where the settings name none (their URLs go into the settings), then the
+        migrations; returns what happened, a line each, for the caller to show."""
+        config, data, said = self.config, self.config.data_dir, []
+        data.mkdir(parents=True, exist_ok=True)
+        if not config.nats_url:
+            nats = self._started(NatsServer(data / "nats"))
+            config.nats_url = nats.url
+            said.append(f"nats      {nats.url} (pid {nats.pid})")
+        if not config.database_url:
+            pg = self._started(PostgresServer(data / "postgres", ephemeral=self.ephemeral))
+            config.database_url = pg.url
+            said.append(f"postgres  {pg.url} (pid {pg.pid})")
+        applied = asyncio.run(apply_migrations(config.database_url))
+        said.append(f"migrate   {', '.join(applied) if applied else 'up to date'}")
+        return said
+
+    def start_worker(self, name: str = "worker", **settings) -> ServiceProcess:
+        """A worker with the system's worker settings, ``settings`` overriding some of them."""
+        return self._start_service(name, "worker", {"worker": self.config.worker.model_copy(update=settings)})
+
+    def start_gateway(self, name: str = "gateway", **settings) -> ServiceProcess:
+        """A gateway with the system's gateway settings, ``settings`` overriding some (a second one needs
+        another ``port``)."""
+        return self._start_service(name, "gateway", {"gateway": self.config.gateway.model_copy(update=settings)})
+
+    def url(self, port: int | None = None) -> str:
+        """The base URL of the gateway on ``port`` (default: the settings')."""
+        return f"http://{self.config.gateway.host}:{port or self.config.gateway.port}"
+
+    def wait_until_ready(self, model: str | None, timeout_s: float = 300, port: int | None = None) -> None:
+        """Until the gateway (on ``port``, default the settings') serves ``model``; fails fast if a child died."""
+        wait_until_ready(self.url(port), model, timeout_s, watch=self.services)
+
+    def all_running(self) -> bool:
+        return all(svc.is_running() for svc in self.services)
+
+    # -- stopping -------------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop everything, the last started first; a failure to stop one does not keep the others running."""
+        while self._stack:
+            item = self._stack.pop()
+            try:
+                item.stop()
+            except Exception as exc:  # leaving a server behind is worse than a noisy stop
+                print(f"could not stop {item}: {exc}", file=sys.stderr)
+        self.services.clear()
+
+    def _started(self, item):
+        self._stack.append(item)  # before start(): a half-started server is stopped too
+        return item.start()
+
+    def _start_service(self, name: str, command: str, section: dict) -> ServiceProcess:
+        args = [command] + (["--log-level", self.log_level] if self.log_level else [])
+        log_path = self.log_dir / f"{name}.log" if self.log_dir else None
+        env = settings_env(self.config.model_copy(update=section))
+        service = ServiceProcess(name, args, log_path=log_path, env=env)
+        self.services.append(service)
+        return self._started(service)
