@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import asyncpg
 import openai
@@ -18,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from switchyard.deploy.services import wait_until_ready
-from tests.support.system import poll
+from tests.support.system import poll, wait_usage_written
 
 MODEL = "tiny"  # the session's worker (4 slots)
 SLOW = "tiny-batch"  # this module's own worker: one slot, so a big batch really queues
@@ -107,11 +106,8 @@ async def test_batch_runs_to_completion_with_openai_client(tenant_client, databa
     ids = [r["id"] for r in results]
     conn = await asyncpg.connect(database_url)
     try:
-        deadline = time.monotonic() + 20
-        while (rows := await conn.fetch("SELECT tier, tenant_id FROM requests WHERE request_id = ANY($1)", ids)) \
-                and len(rows) < 6:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.2)
+        rows = await poll(lambda: conn.fetch("SELECT tier, tenant_id FROM requests WHERE request_id = ANY($1)", ids),
+                          lambda rows: len(rows) >= 6, what=lambda rows: f"{len(rows)} of 6 lines billed")
         assert len(rows) == 6 and {r["tier"] for r in rows} == {"batch"} and None not in {r["tenant_id"] for r in rows}
     finally:
         await conn.close()
@@ -194,7 +190,7 @@ async def test_a_nul_character_in_a_line_is_no_obstacle(tenant_client):
     assert done.status == "completed" and done.request_counts.completed == 1, done
 
 
-async def test_cancel_stops_a_running_batch(slow_worker, tenant_client, database_url):
+async def test_cancel_stops_a_running_batch(slow_worker, tenant_client, database_url, nats_url):
     client = tenant_client
     lines = [chat_line(f"c-{i}", max_tokens=40, model=SLOW) for i in range(80)]
     _, batch = submit(client, lines)
@@ -213,16 +209,18 @@ async def test_cancel_stops_a_running_batch(slow_worker, tenant_client, database
     assert {r["error"]["code"] for r in cancelled} == {"batch_cancelled"}
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: the same answer, no error
 
-    # A cancelled line never ran to its end: it was never started, or stopped part-way (and billed for that).
+    # Billing: every completed line ran to its end; a cancelled line never did (it never started, or stopped
+    # part-way and is billed for that part).
+    await wait_usage_written(nats_url)
     conn = await asyncpg.connect(database_url)
     try:
-        ids = [r["id"] for r in cancelled]
-        await asyncio.sleep(1.0)  # a stopped line's usage record may still be on its way
-        reasons = {r["finish_reason"] for r in await conn.fetch(
-            "SELECT finish_reason FROM requests WHERE request_id = ANY($1)", ids)}
-        assert reasons <= {"cancelled"}
+        rows = await conn.fetch("SELECT request_id, finish_reason FROM requests WHERE request_id = ANY($1)",
+                                [r["id"] for r in completed + cancelled])
     finally:
         await conn.close()
+    reasons = {r["request_id"]: r["finish_reason"] for r in rows}
+    assert [reasons.get(r["id"]) for r in completed] == ["length"] * len(completed)
+    assert {reasons[r["id"]] for r in cancelled if r["id"] in reasons} <= {"cancelled"}
 
 
 async def test_expired_batch_keeps_finished_lines(slow_worker, tenant_client, database_url):
@@ -270,13 +268,12 @@ async def test_worker_killed_mid_batch_every_line_once(e2e, slow_worker, tenant_
         ids = [r["id"] for r in results]
         conn = await asyncpg.connect(database_url)
         try:
-            deadline = time.monotonic() + 30
-            while (n := await conn.fetchval("SELECT count(*) FROM requests WHERE request_id = ANY($1)", ids)) < 12:
-                assert time.monotonic() < deadline, f"{n} of 12 lines billed"
-                await asyncio.sleep(0.2)
-            rows = await conn.fetch("SELECT request_id, count(*) AS n FROM requests WHERE request_id = ANY($1) "
-                                    "GROUP BY request_id", ids)
-            assert len(rows) == 12 and all(r["n"] == 1 for r in rows)
+            rows = await poll(lambda: conn.fetch("SELECT request_id, completion_tokens FROM requests "
+                                                 "WHERE request_id = ANY($1)", ids),
+                              lambda rows: len(rows) >= 12, timeout_s=30, what=lambda rows: f"{len(rows)} of 12 billed")
+            # Every line billed for exactly the tokens its result reports, the one that ran twice included.
+            assert sorted(r["request_id"] for r in rows) == sorted(ids)
+            assert [r["completion_tokens"] for r in rows] == [60] * 12
             # At most the line the dead worker was running went out twice (if it died between two lines, none).
             assert await conn.fetchval("SELECT count(*) FROM batch_lines WHERE batch_id = $1 AND attempts > 1",
                                        batch.id) <= 1

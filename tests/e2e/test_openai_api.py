@@ -105,7 +105,7 @@ async def _request_row(database_url: str, request_id: str, timeout_s: float = 20
         await conn.close()
 
 
-async def test_finished_request_is_recorded_once_in_postgres(client, database_url):
+async def test_finished_request_is_recorded_in_postgres(client, database_url):
     r = await asyncio.to_thread(greedy, client, max_tokens=5, extra_body={"ignore_eos": True})
     request_id = r.id.removeprefix("chatcmpl-")
     row = await _request_row(database_url, request_id)

@@ -1,4 +1,4 @@
-"""Helpers for tests and benchmarks that run real servers: free ports, API keys, polling."""
+"""Helpers for tests and benchmarks that run real servers: free ports, API keys, polling, billing."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import asyncpg
+import nats
 
 from switchyard.deploy.processes import free_port
 from switchyard.gateway.tenancy import create_key, create_tenant
+from switchyard.shared import subjects
 
-__all__ = ["free_port", "make_key", "poll"]
+__all__ = ["free_port", "make_key", "poll", "wait_usage_written"]
 
 T = TypeVar("T")
 
@@ -40,3 +42,18 @@ async def poll(fetch: Callable[[], Awaitable[T]], until: Callable[[T], object] =
         if time.monotonic() >= deadline:
             raise AssertionError(what(value) if callable(what) else f"{what} not reached within {timeout_s} s")
         await asyncio.sleep(interval_s)
+
+
+async def wait_usage_written(nats_url: str, timeout_s: float = 20.0) -> None:
+    """Until the billing writer has written (and acked) every usage record published so far."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+
+        async def drained() -> bool:
+            info = await js.consumer_info(subjects.USAGE_STREAM, subjects.USAGE_CONSUMER)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await poll(drained, timeout_s=timeout_s, what="usage records written")
+    finally:
+        await nc.close()
