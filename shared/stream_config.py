@@ -44,24 +44,18 @@ def events_stream_config() -> StreamConfig:
     )
 
 
+def _durable_log(name: str, subject: str, max_age_s: float) -> StreamConfig:
+    """A file-backed record stream whose publishes are deduplicated by ``Nats-Msg-Id`` for ten minutes, so a
+    retried publish of the same record is stored once."""
+    return StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                        max_age=max_age_s, duplicate_window=600.0)
+
+
 def usage_stream_config() -> StreamConfig:
-    return StreamConfig(
-        name=subjects.USAGE_STREAM,
-        subjects=[subjects.USAGE_SUBJECT],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        max_age=USAGE_MAX_AGE_S,
-        duplicate_window=600.0,
-    )
+    """One usage record per finished request, for the billing writer."""
+    return _durable_log(subjects.USAGE_STREAM, subjects.USAGE_SUBJECT, USAGE_MAX_AGE_S)
 
 
 def batch_results_stream_config() -> StreamConfig:
     """Batch lines' outcomes, kept until the batch runner has written them to Postgres (and a while after)."""
-    return StreamConfig(
-        name=subjects.BATCH_RESULTS_STREAM,
-        subjects=[f"{subjects.RESULT_PREFIX}.>"],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        max_age=BATCH_RESULTS_MAX_AGE_S,
-        duplicate_window=600.0,
-    )
+    return _durable_log(subjects.BATCH_RESULTS_STREAM, f"{subjects.RESULT_PREFIX}.>", BATCH_RESULTS_MAX_AGE_S)
