@@ -35,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.overload import MODEL, PROMPTS, drain, ms, one, pct, poisson  # noqa: E402
-from bench.results import RESULTS, append_section, command_line  # noqa: E402
+from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 from tests.support import system as support  # noqa: E402
 from tests.support.system import free_port  # noqa: E402
 
@@ -208,13 +208,15 @@ def report(args, out: dict, command: str) -> str:
         f"gateway, embedded NATS + Postgres. Pro: streaming chat, max_tokens={args.max_tokens}, ignore_eos, Poisson "
         f"{args.rate} req/s for {args.duration:.0f} s (seed {args.seed}, same arrivals in both phases). Batch: "
         f"{args.lines} chat lines, max_tokens={args.max_tokens}, ignore_eos, via the openai client; phase B started "
-        f"{out['settle_s']:.0f} s after create (status {out['batch_status_at_b']}).", "",
-        "| phase | pro sent | completed | TTFT p50 ms | TTFT p95 ms | TTFT max ms | TPOT p50 ms | worker queue_ms p50/p95 "
-        "| worker first_token_ms p50/p95 | admitted→first token p50/p95 |", "|---|---|---|---|---|---|---|---|---|---|"]
+        f"{out['settle_s']:.0f} s after create (status {out['batch_status_at_b']}).", ""]
+    rows = []
     for name, s in (("A: pro alone", a), ("B: pro + batch", b)):
         st = out.get("server", {}).get(name[0], (0,) + (None,) * 6)
-        lines.append(f"| {name} | {s['sent']} | {s['completed']} | {ms(s['p50'])} | {ms(s['p95'])} | {ms(s['max'])} "
-                     f"| {ms(s['tpot'])} | {st[1]}/{st[2]} | {st[3]}/{st[4]} | {st[5]}/{st[6]} |")
+        rows.append((name, s["sent"], s["completed"], ms(s["p50"]), ms(s["p95"]), ms(s["max"]), ms(s["tpot"]),
+                     f"{st[1]}/{st[2]}", f"{st[3]}/{st[4]}", f"{st[5]}/{st[6]}"))
+    lines.append(markdown_table(("phase", "pro sent", "completed", "TTFT p50 ms", "TTFT p95 ms", "TTFT max ms",
+                                 "TPOT p50 ms", "worker queue_ms p50/p95", "worker first_token_ms p50/p95",
+                                 "admitted→first token p50/p95"), rows))
     bs = out["batch_seats"]
     lines += [
         "",

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.results import append_section  # noqa: E402
+from bench.results import append_section, markdown_table  # noqa: E402
 
 SYSTEM = ("You are a meticulous railway operations assistant. " * 60).strip()  # a long shared prefix
 QUESTION = ("Describe, in detail, how a classification yard sorts freight cars onto outbound tracks, "
@@ -66,13 +66,12 @@ def main() -> None:
         cid = http.post("/v1/conversations", json={"model": args.model, "system": SYSTEM}).json()["id"]
         rows = [turn(http, cid, f"Turn {i + 1}. {QUESTION}", args.max_tokens) for i in range(args.turns)]
 
-    lines = ["| turn | prompt tokens | cached tokens | TTFT ms | total ms |", "|---|---|---|---|---|"]
-    for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_ms']:.0f} | {r['total_ms']:.0f} |")
+    table = markdown_table(("turn", "prompt tokens", "cached tokens", "TTFT ms", "total ms"),
+                           [(i, r["prompt_tokens"], r["cached_tokens"], f"{r['ttft_ms']:.0f}", f"{r['total_ms']:.0f}")
+                            for i, r in enumerate(rows, 1)])
     ratio = rows[-1]["ttft_ms"] / rows[0]["ttft_ms"]
     summary = (f"TTFT turn {args.turns} / turn 1 = {ratio:.2f} with a {rows[-1]['prompt_tokens']}-token prompt "
                f"at turn {args.turns} vs {rows[0]['prompt_tokens']} at turn 1")
-    table = "\n".join(lines)
     print(table + "\n\n" + summary)
     append_section(f"## Conversation turns and prefix caching ({dt.date.today()})\n\n"
                    f"`{' '.join(['.venv/bin/python', 'bench/conversation.py', '--api-key', '...'])}` against "

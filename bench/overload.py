@@ -42,7 +42,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.results import RESULTS, append_section, command_line  # noqa: E402
+from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 from tests.support import system as support  # noqa: E402
 from tests.support.system import free_port  # noqa: E402
 
@@ -167,10 +167,7 @@ COLS = ("phase", "tier", "sent", "accepted", "429 queue_full", "503 queue_timeou
 
 def table(rows: list[dict]) -> str:
     head = [c + (" ms" if c.startswith(("TTFT", "TPOT")) else "") for c in COLS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(COLS)]
-    for s in rows:
-        lines.append("| " + " | ".join(ms(s[c]) if c.startswith(("TTFT", "TPOT")) else str(s[c]) for c in COLS) + " |")
-    return "\n".join(lines)
+    return markdown_table(head, [[ms(s[c]) if c.startswith(("TTFT", "TPOT")) else s[c] for c in COLS] for s in rows])
 
 
 async def admin(http: httpx.AsyncClient, args, method: str, path: str, **kw):

@@ -70,3 +70,36 @@ def test_a_flag_wins_over_the_environment_and_unset_flags_keep_it(clean_env):
 def test_gateway_no_jobs_flag(clean_env):
     assert load_config(build_parser().parse_args(["gateway", "--no-jobs"])).gateway.run_jobs is False
     assert load_config(build_parser().parse_args(["gateway"])).gateway.run_jobs is True
+
+
+def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env, monkeypatch, tmp_path):
+    from switchyard.deploy import system as system_module
+
+    started = []
+
+    class Child:  # stands in for the process: what it would be started with
+        def __init__(self, name, args, log_path=None, env=None):
+            started.append((name, args, env))
+
+        def start(self):
+            return self
+
+    monkeypatch.setattr(system_module, "ServiceProcess", Child)
+    config = SwitchyardConfig(data_dir=tmp_path, nats_url="nats://127.0.0.1:4333",
+                              database_url="postgresql://u@127.0.0.1:5433/db",
+                              worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY))
+    local = system_module.LocalSystem(config, log_level="DEBUG")
+    local.start_worker("worker-b", served_model_name="b", max_num_seqs=2)
+    local.start_gateway("gateway-2", port=9002)
+    expected = {
+        "worker-b": config.model_copy(update={"worker": config.worker.model_copy(
+            update={"served_model_name": "b", "max_num_seqs": 2})}),
+        "gateway-2": config.model_copy(update={"gateway": config.gateway.model_copy(update={"port": 9002})}),
+    }
+    assert [(name, args) for name, args, _ in started] == [("worker-b", ["worker", "--log-level", "DEBUG"]),
+                                                           ("gateway-2", ["gateway", "--log-level", "DEBUG"])]
+    for name, _, env in started:
+        with monkeypatch.context() as child:
+            for key, value in env.items():
+                child.setenv(key, value)
+            assert SwitchyardConfig() == expected[name]
