@@ -42,7 +42,6 @@ def test_the_wheel_installs_one_top_level_name_with_its_data(wheel):
     assert "switchyard/workers/executor/csrc/gemm_tile.h" in names
     if shutil.which("gcc") or shutil.which("cc"):  # the kernels are built at install time where they can be
         assert {f"switchyard/workers/executor/_c_{name}" for name in KERNELS} <= {n.split(".")[0] for n in names}
-        assert "switchyard/workers/executor/_c_kernels.json" in names
     # Every Python file of the mapped folders is in the wheel: a subpackage missing from pyproject's list would
     # install without its modules.
     sources = {f"{'switchyard' if folder == 'switchyard' else 'switchyard/' + folder}/{p.relative_to(ROOT / folder)}"

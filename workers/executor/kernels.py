@@ -7,8 +7,8 @@ GIL, so the worker's event loop keeps going while a kernel runs. The kernels use
 ``libgomp.so.1``, so both share one thread pool.
 
 ``pip install`` builds each kernel as ``_c_<name>`` beside this file (``setup.py``, optional: an install without a
-compiler still succeeds) and records what it was built from: the source, the flags and, for ``-march=native``, the
-CPU. At run time:
+compiler still succeeds); every build answers ``switchyard_build_id()``, what it was built from: the source, the flags
+and, for ``-march=native``, the CPU. At run time:
 
     the installed build, if it was built from this source for this CPU
     else <cache>/<name>-<that identity>.so, built now (about a second) and logged as a warning
@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.machinery
-import json
 import logging
 import os
 import shutil
@@ -36,11 +35,11 @@ log = logging.getLogger("switchyard.cpu_kernels")
 
 KERNELS = ("paged_decode", "prefill_attention", "packed_gemm", "cpu_ops")
 SOURCES = Path(__file__).with_name("csrc")
-# -fno-wrapv undoes the -fwrapv Python adds to extension builds, which keeps gcc from vectorising some index math.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fno-wrapv", "-fopenmp", "-std=c11")
-LINK_FLAGS = ("-fopenmp", "-lm")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared",
+                 "-std=c11")
+LINK_FLAGS = ("-lm",)
 INSTALLED_PREFIX = "_c_"  # the installed build of <name> is the extension module _c_<name>
-BUILT_FOR = "_c_kernels.json"  # beside the installed builds: {name: build identity}
+BUILD_ID_SOURCE = "build_id.c"  # linked into every kernel: switchyard_build_id() answers its build identity
 
 
 def cache_dir() -> Path:
@@ -61,7 +60,8 @@ def cpu_flags() -> str:
 
 def build_identity(name: str) -> str:
     """What a build of ``name`` depends on: its source, the shared headers, the flags and this CPU."""
-    source = (SOURCES / f"{name}.c").read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
+    source = b"".join(p.read_bytes() for p in (SOURCES / f"{name}.c", SOURCES / BUILD_ID_SOURCE,
+                                               *sorted(SOURCES.glob("*.h"))))
     flags = " ".join((*COMPILE_FLAGS, *LINK_FLAGS)).encode()
     return hashlib.sha256(source + flags + cpu_flags().encode()).hexdigest()[:16]
 
@@ -74,8 +74,10 @@ def installed_library(name: str) -> Path | None:
     if path is None:
         return None
     try:
-        built_as = json.loads((here / BUILT_FOR).read_text()).get(name)
-    except (OSError, ValueError):
+        build_id = ctypes.CDLL(str(path)).switchyard_build_id
+        build_id.restype = ctypes.c_char_p
+        built_as = build_id().decode()
+    except (OSError, AttributeError):  # not loadable here (another CPU), or from before build ids
         built_as = None
     if built_as != build_identity(name):
         log.warning("the installed %s kernel was built from another source or for another CPU", name)
@@ -92,28 +94,38 @@ def load_library(name: str) -> ctypes.CDLL | None:
     return None if path is None else ctypes.CDLL(str(path))
 
 
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def compile_kernel(name: str, target: Path, compiler: str) -> None:
+    """Build ``csrc/<name>.c`` into the shared library ``target``, atomically (concurrent builders each install a
+    whole file). The one build command, used at install time (``setup.py``) and at run time alike."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *COMPILE_FLAGS, f'-DSWITCHYARD_BUILD_ID="{build_identity(name)}"',
+                        str(SOURCES / f"{name}.c"), str(SOURCES / BUILD_ID_SOURCE), "-o", tmp, *LINK_FLAGS],
+                       check=True, capture_output=True, text=True, timeout=120)
+        os.chmod(tmp, 0o755)  # mkstemp makes it owner-only; a worker may run as another user
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _runtime_build(name: str) -> Path | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = find_compiler()
     if compiler is None:
         log.warning("no C compiler found: %s.c is not built, its torch fallback is used (slower)", name)
         return None
-    source_path = SOURCES / f"{name}.c"
     target = cache_dir() / f"{name}-{build_identity(name)}.so"
     if target.exists():
         return target
     log.warning("%s.c was not built at install time: building it now into %s", name, target.parent)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *COMPILE_FLAGS, "-fPIC", "-shared", str(source_path), "-o", tmp, *LINK_FLAGS],
-                           check=True,
-                           capture_output=True, text=True, timeout=120)
-            os.replace(tmp, target)  # atomic: concurrent builders each install a whole file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        compile_kernel(name, target, compiler)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building %s.c failed, its torch fallback is used (slower): %s", name, detail)
