@@ -134,9 +134,8 @@ def test_an_install_built_for_another_cpu_is_not_loaded(monkeypatch, kernel, cap
 
 
 def test_infinite_scores_get_no_weight_as_in_sdpa(kernel):
-    # The kernels start their running maximum at -INFINITY: built with fast math, they must still treat an
-    # infinite score as one (a key whose score overflows to -inf gets weight 0). Key 0 of each decode is huge
-    # and opposite to its query, so its score is -inf.
+    # Built with fast math (which assumes no infinities), the kernels must still give a key whose score overflows
+    # to -inf no weight, as SDPA does. Key 0 of each decode is huge and opposite to its query: its score is -inf.
     shape = (4, 2, 16, 4)
     chunks, (k_cache, v_cache), q, k, v = _step(*shape, decode_contexts=[5, 9], prefill=(0, 6), seed=3)
     heads, kv_heads = shape[0], shape[1]

@@ -9,6 +9,7 @@
  * Two passes over the context: scores (q.k * scale) into a per-thread buffer, then softmax weights times V. The
  * work items (b, kh) are spread over OpenMP threads; torch ships the same libgomp, so they share one thread pool.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,7 +32,7 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
 #define DECODE_ONE(HD)                                                                                              \
     do {                                                                                                            \
         float mx[MAX_GROUP], sum[MAX_GROUP];                                                                        \
-        for (int g = 0; g < group; g++) mx[g] = -INFINITY, sum[g] = 0.f;                                            \
+        for (int g = 0; g < group; g++) mx[g] = -FLT_MAX, sum[g] = 0.f;                                              \
         for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {                                                          \
             const int64_t base = table[j0 / block_size] * block_size;                                               \
             const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                                        \

@@ -14,6 +14,7 @@
  * The chunk's own K/V are already in the cache (the caller writes them first), so a fresh prompt and a later chunk
  * of a long one are the same case: queries i = 0..n-1 sit at positions start + i and see positions <= start + i.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 
@@ -82,7 +83,7 @@ int prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_c
                 rows_times_panel(rows, hd, q_tile, hd, k_packed + (kh * num_key_panels + p) * hd * NR, NR,
                                  scores + p * NR, ctx_pad, NR, 0);
             for (int64_t r = 0; r < rows; r++) {
-                float *s = scores + r * ctx_pad, mx = -INFINITY, sum = 0.f;
+                float *s = scores + r * ctx_pad, mx = -FLT_MAX, sum = 0.f;
                 const int64_t seen = start + i0 + r / group + 1; /* causal: positions <= start + i */
                 for (int64_t j = 0; j < seen; j++) mx = s[j] > mx ? s[j] : mx;
                 for (int64_t j = 0; j < seen; j++) {
