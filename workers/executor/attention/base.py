@@ -61,30 +61,32 @@ class SlotPlan:
     num_prefill_tokens: int
 
 
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(data)`` on ``device``: on CUDA built in pinned memory and copied without blocking, since a
+    copy from pageable memory waits for the stream (a host sync in the middle of a step)."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def plan_slots(chunks: Sequence[ChunkShape], block_size: int, device: torch.device) -> SlotPlan:
-    """Positions, slots and the padded block tables of a step (only the blocks the step touches)."""
+    """Positions, slots and the padded block tables of a step (only the blocks the step touches).
+
+    Built on the host (every input is a Python list) and copied once per tensor, so the device never waits for
+    the host nor the host for the device.
+    """
     num_blocks = [(start + n + block_size - 1) // block_size for start, n, _ in chunks]
     max_blocks = max(num_blocks)
-    rows = []
+    rows, positions, slots = [], [], []
     for (start, n, table), nb in zip(chunks, num_blocks):
         if len(table) < nb:
             raise ValueError(f"block table has {len(table)} blocks, positions up to {start + n - 1} need {nb}")
-        rows.append(itertools.chain(table[:nb], itertools.repeat(0, max_blocks - nb)))
-    tables = torch.tensor([list(r) for r in rows], dtype=torch.long).to(device)
-
-    starts = torch.tensor([c[0] for c in chunks], dtype=torch.long)
-    lens = torch.tensor([c[1] for c in chunks], dtype=torch.long)
-    if all(c[1] == 1 for c in chunks):  # all decodes: one token per chunk
-        chunk_of_row = torch.arange(len(chunks), device=device)
-        positions = starts.to(device)
-    else:
-        chunk_of_row = torch.repeat_interleave(torch.arange(len(chunks)), lens)
-        first_row = torch.cumsum(lens, 0) - lens
-        positions = (torch.arange(int(lens.sum())) - first_row[chunk_of_row] + starts[chunk_of_row]).to(device)
-        chunk_of_row = chunk_of_row.to(device)
-    slots = tables[chunk_of_row, positions // block_size] * block_size + positions % block_size
+        rows.append([*table[:nb], *itertools.repeat(0, max_blocks - nb)])
+        positions.extend(range(start, start + n))
+        slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + n))
     num_prefill_tokens = sum(n for _, n, _ in chunks if n > 1)
-    return SlotPlan(positions, slots, tables, num_blocks, num_prefill_tokens)
+    return SlotPlan(to_device(positions, torch.long, device), to_device(slots, torch.long, device),
+                    to_device(rows, torch.long, device), num_blocks, num_prefill_tokens)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
