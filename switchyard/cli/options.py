@@ -25,6 +25,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (prefill chunks + decodes)")
     p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default: 2 GiB on CPU, 80%% of free GPU memory)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+                   help="run every GPU step eagerly (no CUDA graphs captured at start)")
     p.add_argument("--batch-seqs-when-busy", type=int,
                    help="batch-tier sequences a worker runs per step while interactive traffic is about "
                         "(default: 2 on CPU, no limit on GPU; 0: no limit)")

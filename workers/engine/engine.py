@@ -17,6 +17,7 @@ instead of computing them n times.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from switchyard.workers.engine.prompts import (
 )
 from switchyard.workers.engine.sampling import make_generator, sample
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
+from switchyard.workers.executor.transfers import to_host_list
 
 log = logging.getLogger("switchyard.engine")
 
@@ -53,6 +55,8 @@ class EngineConfig:
     # A step of background (batch) sequences only runs this many layers per step() call, so an interactive request
     # added between two calls drops it instead of waiting for it to finish (see Engine.step).
     background_layers_per_call: int = 1
+    # CUDA with triton attention: replay decode steps from CUDA graphs captured at start (off: every step eager).
+    cuda_graphs: bool = True
 
 
 @dataclass(slots=True)
@@ -62,7 +66,7 @@ class _Choice:
     request: "_Request"
     index: int
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    generator: random.Random | None  # a seeded request's uniforms (sampling.make_generator)
     num_unreported_tokens: int = 0
     unreported_logprobs: list[TokenLogprob] | None = None  # only when the request asked for logprobs
 
@@ -98,6 +102,8 @@ class Engine:
         num_blocks = min(num_blocks, 2 * config.max_num_seqs * blocks_per_seq)
         num_blocks = max(num_blocks, blocks_per_seq + 1)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device=device, dtype=dtype)
+        if config.cuda_graphs and device.type == "cuda" and self.runner.attention.name == "triton":
+            self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_context)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
@@ -118,11 +124,11 @@ class Engine:
         bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
         log.info(
             "KV cache: %d bytes/token, %d blocks of %d tokens (%.1f MiB), %d tokens, max %d sequences at full "
-            "context %d; attention backend %s; linear layers %s (%.0f MiB packed); elementwise ops %s",
+            "context %d; attention backend %s; linear layers %s (%.0f MiB packed); elementwise ops %s; CUDA graphs %s",
             bytes_per_token, num_blocks, config.block_size, num_blocks * config.block_size * bytes_per_token / 2**20,
             num_blocks * config.block_size, num_blocks * config.block_size // self.max_context, self.max_context,
             self.runner.attention.name, self.runner.linear_kernel, self.runner.packed_weight_bytes / 2**20,
-            self.runner.ops.name)
+            self.runner.ops.name, "on" if self.runner.graphs is not None else "off")
 
     # -- admission ----------------------------------------------------------------------------------------
     @property
@@ -172,7 +178,7 @@ class Engine:
             seed = None if params.seed is None else params.seed + index
             choice = _Choice(state, index,
                              IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
-                             make_generator(seed, self.runner.device),
+                             make_generator(seed),
                              unreported_logprobs=[] if params.logprobs else None)
             seq = Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice)
             if index == 0:
@@ -244,7 +250,8 @@ class Engine:
                 [c.generator for c in choices],
                 prompt_token_ids=[seq.prompt_token_ids for seq in to_sample],
                 output_token_ids=[seq.output_token_ids for seq in to_sample],
-            ).tolist()
+            )
+            token_ids = to_host_list(token_ids)  # the step's one wait for the device
             sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
             logprobs = self._logprobs(logits, to_sample, token_ids)
         for seq in self.scheduler.update_from_output(plan, sampled):

@@ -11,11 +11,13 @@ order, so filtering other tokens never shifts the noise of the kept ones) and no
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
 
 from switchyard.shared.messages import SamplingParams
+from switchyard.workers.executor.transfers import to_device
 
 # Below this temperature, sampling is greedy: dividing by it would overflow the logits to inf (then NaN).
 GREEDY_TEMPERATURE = 1e-5
@@ -31,13 +33,13 @@ def apply_penalties(
     and generated tokens) applied in place to float ``logits [B, V]``; returns ``logits``."""
     batch, vocab = logits.shape
     device = logits.device
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)
-    use_additive = bool((presence != 0).any() or (frequency != 0).any())
-    use_repetition = bool((repetition != 1).any())
+    use_additive = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
+    use_repetition = any(p.repetition_penalty != 1 for p in params)
     if not (use_additive or use_repetition):
         return logits
+    columns = to_device([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
+                        logits.dtype, device)
+    presence, frequency, repetition = columns.unbind(1)
 
     output_counts = _token_counts(output_token_ids, batch, vocab, device)
     if use_additive:
@@ -56,8 +58,8 @@ def _token_counts(token_ids: Sequence[Sequence[int]], batch: int, vocab: int, de
     lengths = [len(ids) for ids in token_ids]
     if sum(lengths) == 0:
         return torch.zeros(batch, vocab, device=device)
-    flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(torch.arange(batch, device=device), torch.tensor(lengths, device=device))
+    flat = to_device([t for ids in token_ids for t in ids], torch.long, device)
+    rows = to_device([row for row, n in enumerate(lengths) for _ in range(n)], torch.long, device)
     return torch.bincount(rows * vocab + flat, minlength=batch * vocab).view(batch, vocab).float()
 
 
@@ -67,8 +69,8 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     Returns logits with filtered-out entries at ``-inf``. Greedy rows pass through unchanged.
     """
     device = logits.device
-    temperature = torch.tensor([max(p.temperature, GREEDY_TEMPERATURE) for p in params], device=device)
-    logits = logits / temperature[:, None].to(logits.dtype)
+    temperature = to_device([max(p.temperature, GREEDY_TEMPERATURE) for p in params], logits.dtype, device)
+    logits = logits / temperature[:, None]
 
     vocab = logits.shape[1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -77,17 +79,18 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         # One descending sort serves both: top-k is a rank cut, top-p a cut on the cumulative sum.
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)
-        remove = ranks[None, :] >= torch.tensor(top_k, device=device)[:, None]
+        cuts = to_device([top_k, top_p], torch.float32, device)
+        remove = ranks[None, :] >= cuts[0, :, None]
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens ranked above it already reach top_p; the first token always stays.
         mass_above = probs.cumsum(dim=-1) - probs
-        remove = mass_above >= torch.tensor(top_p, device=device, dtype=probs.dtype)[:, None]
+        remove = mass_above >= cuts[1, :, None].to(probs.dtype)
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device([p.min_p for p in params], logits.dtype, device)
         probs = logits.softmax(dim=-1)
         threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -97,15 +100,15 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[random.Random | None],
     prompt_token_ids: Sequence[Sequence[int]] | None = None,
     output_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Pick one token per row of ``logits [B, V]``; returns a ``[B]`` long tensor on the logits' device.
 
-    ``params[i]`` and ``generators[i]`` belong to row ``i``; a ``None`` generator draws from torch's global RNG.
-    ``temperature == 0`` (anything below ``GREEDY_TEMPERATURE``) is greedy: argmax after penalties. Token
-    histories are needed only for penalties.
+    ``params[i]`` and ``generators[i]`` belong to row ``i``; a ``None`` generator draws from torch's global CPU
+    RNG. ``temperature == 0`` (anything below ``GREEDY_TEMPERATURE``) is greedy: argmax after penalties. Token
+    histories are needed only for penalties. Nothing here waits for the device.
     """
     batch = logits.shape[0]
     if not (len(params) == len(generators) == batch):
@@ -115,24 +118,31 @@ def sample(
         empty: list[list[int]] = [[] for _ in range(batch)]
         logits = apply_penalties(logits, params, prompt_token_ids or empty, output_token_ids or empty)
 
-    greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
+    sampled_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
     tokens = logits.argmax(dim=-1)
-    if all(greedy):
+    if not sampled_rows:
         return tokens
+    unseeded = iter(torch.rand(sum(generators[i] is None for i in sampled_rows), dtype=torch.float64).tolist())
+    # Capped below 1 so that in float32 u * total stays under the total (else the clamp could pick a filtered tail).
+    uniforms = [min(next(unseeded) if generators[i] is None else generators[i].random(), 1 - 2**-20)
+                for i in sampled_rows]
+    if len(sampled_rows) == batch:
+        rows, chosen = None, logits
+    else:
+        rows = to_device(sampled_rows, torch.long, logits.device)
+        chosen = logits.index_select(0, rows)
+    cdf = filter_logits(chosen, [params[i] for i in sampled_rows]).softmax(dim=-1).cumsum_(dim=-1)
+    # u scaled by the row's total mass (1 up to rounding): the first token whose cumulative mass exceeds it. A
+    # filtered-out token adds no mass, so it is never the first to exceed anything.
+    targets = to_device(uniforms, torch.float32, logits.device)[:, None] * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, targets, right=True).view(-1).clamp_max_(cdf.shape[1] - 1)
+    if rows is None:
+        return picked
+    return tokens.index_copy_(0, rows, picked)
 
-    sampled_rows = [i for i, g in enumerate(greedy) if not g]
-    rows = torch.tensor(sampled_rows, device=logits.device)
-    probs = filter_logits(logits[rows], [params[i] for i in sampled_rows]).softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    for j, i in enumerate(sampled_rows):
-        noise[j].exponential_(generator=generators[i])
-    # Exp(1) may return exactly 0 in float32; the clamp keeps p / E finite and still favours that token.
-    tokens[rows] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
-    return tokens
 
-
-def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """A generator for a seeded request, ``None`` (the global RNG) for an unseeded one."""
+def make_generator(seed: int | None) -> random.Random | None:
+    """The uniform source of a seeded request, ``None`` (torch's global CPU RNG) for an unseeded one."""
     if seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(seed)
+    return random.Random(seed)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from switchyard.workers.executor.attention import AttentionMetadata, PagedAttention, make_attention
+from switchyard.workers.executor.transfers import to_device
+from switchyard.workers.executor.cuda_graphs import DecodeGraphs, GraphPass
 from switchyard.workers.executor.fused_ops import make_ops
 from switchyard.workers.executor.linear import Linear, uses_packed_kernel
 
@@ -208,13 +210,16 @@ class ModelRunner:
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (SwiGLU uses silu)")
         self.ops = make_ops(dev, dt)
 
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # On CUDA one spare block past the pool takes the K/V writes of a CUDA graph's padding rows.
+        self.spare_block = num_blocks if self.device.type == "cuda" else None
+        shape = (num_blocks + (self.device.type == "cuda"), block_size, self.num_kv_heads, self.head_dim)
         # Zeroed, not empty: padded gather rows are masked out, but 0 * NaN from garbage memory would still be NaN.
         self.k_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
         self.attention: PagedAttention = make_attention(
             self.num_heads, self.num_kv_heads, self.head_dim, block_size, dev, attention_backend, dt
         )
+        self.graphs: DecodeGraphs | None = None
 
     @staticmethod
     def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
@@ -238,7 +243,7 @@ class ModelRunner:
         return self.advance(self.begin(chunks))
 
     @torch.inference_mode()
-    def begin(self, chunks: list[SeqChunk]) -> ForwardPass:
+    def begin(self, chunks: list[SeqChunk]) -> ForwardPass | GraphPass:
         """Start a step's forward pass; ``advance`` runs its layers, all at once or a few per call.
 
         A pass dropped part-way wrote only K/V at positions past each sequence's computed tokens, in blocks no
@@ -260,18 +265,25 @@ class ModelRunner:
         last_row = {i: end - 1 for i, end in zip(order, row_end)}
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
 
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in ordered))).to(self.device)
+        if self.graphs is not None and self.graphs.fits(ordered):
+            return self.graphs.stage(chunks)
+        input_ids = to_device(list(itertools.chain.from_iterable(c.token_ids for c in ordered)), torch.long,
+                              self.device)
         meta = self.attention.prepare([(c.start_pos, len(c.token_ids), c.block_table) for c in ordered])
-        # cos/sin exactly as HF: fp32 angles, then rounded to the model dtype.
-        freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
-        cos = (freqs.cos() * self.rope_scale).to(self.dtype)
-        sin = (freqs.sin() * self.rope_scale).to(self.dtype)
+        cos, sin = self._rotary(meta.positions)
         return ForwardPass(F.embedding(input_ids, self.embed), meta, cos, sin, logit_rows)
 
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # cos/sin exactly as HF: fp32 angles, then rounded to the model dtype.
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return (freqs.cos() * self.rope_scale).to(self.dtype), (freqs.sin() * self.rope_scale).to(self.dtype)
+
     @torch.inference_mode()
-    def advance(self, fwd: ForwardPass, num_layers: int | None = None) -> torch.Tensor | None:
+    def advance(self, fwd: ForwardPass | GraphPass, num_layers: int | None = None) -> torch.Tensor | None:
         """Run the pass's next ``num_layers`` decoder layers (None: all that are left); returns the logits (as
-        ``execute``) once the last layer has run, else None."""
+        ``execute``) once the last layer has run, else None. A step replayed from a CUDA graph runs whole."""
+        if isinstance(fwd, GraphPass):
+            return self.graphs.replay(fwd)
         end = len(self.layers) if num_layers is None else min(len(self.layers), fwd.next_layer + num_layers)
         for index in range(fwd.next_layer, end):
             fwd.hidden = self._layer(index, fwd.hidden, fwd.meta, fwd.cos, fwd.sin)
@@ -280,9 +292,29 @@ class ModelRunner:
             return None
         if not fwd.logit_rows:
             return torch.empty(0, self.vocab_size)
-        rows = torch.tensor(fwd.logit_rows).to(self.device)
-        hidden = self.ops.rms_norm(fwd.hidden.index_select(0, rows), self.final_norm, self.eps)
-        return self.lm_head(hidden).float().contiguous()
+        rows = to_device(fwd.logit_rows, torch.long, self.device)
+        return self._logits(fwd.hidden.index_select(0, rows))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ops.rms_norm(hidden, self.final_norm, self.eps)).float().contiguous()
+
+    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Every layer over ``input_ids`` and logits of every row: the body a CUDA graph records."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self._rotary(meta.positions)
+        for index in range(len(self.layers)):
+            hidden = self._layer(index, hidden, meta, cos, sin)
+        return self._logits(hidden)
+
+    def capture_cuda_graphs(self, max_batch: int, max_context: int | None = None) -> DecodeGraphs:
+        """Record decode steps of up to ``max_batch`` sequences with up to ``max_context`` positions (CUDA, triton
+        attention); later decode-only steps that fit replay them."""
+        if self.spare_block is None:
+            raise ValueError("CUDA graphs need a CUDA runner")
+        self.graphs = DecodeGraphs(self, max_batch, min(max_context or self.max_context, self.max_context),
+                                   self.spare_block)
+        self.graphs.capture()
+        return self.graphs
 
     def _layer(self, index: int, h: torch.Tensor, meta: AttentionMetadata, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:

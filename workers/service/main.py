@@ -36,6 +36,7 @@ def build_engine(config: SwitchyardConfig):
         kv_cache_bytes=None if w.kv_cache_gib is None else int(w.kv_cache_gib * 2**30),
         gpu_memory_fraction=w.gpu_memory_fraction,
         enable_prefix_caching=w.enable_prefix_caching,
+        cuda_graphs=w.cuda_graphs,
     ))
 
 

@@ -2,6 +2,7 @@
 
 * ``sdpa``: torch ``scaled_dot_product_attention`` over gathered blocks; any device, the fallback.
 * ``cpu_paged``: C kernels that read K/V in place through the block tables (CPU, fp32 caches).
+* ``triton``: Triton kernels that read K/V in place through the block tables (CUDA default, any block size).
 * ``flash``: flash-attn's varlen kernel over the paged cache (CUDA, when installed and the block size allows).
 
 Each backend's ``prepare()`` returns its own metadata type; the model runner only reads ``positions`` from it.
@@ -9,11 +10,15 @@ Each backend's ``prepare()`` returns its own metadata type; the model runner onl
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, PagedAttention
 from switchyard.workers.executor.attention.flash import FLASH_BLOCK_MULTIPLE, FlashAttention, flash_attn_varlen
 from switchyard.workers.executor.attention.sdpa import SdpaAttention
+
+log = logging.getLogger("switchyard.attention")
 
 __all__ = ["AttentionMetadata", "ChunkShape", "PagedAttention", "SdpaAttention", "make_attention"]
 
@@ -27,22 +32,40 @@ def make_attention(
     backend: str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> PagedAttention:
-    """``backend`` None picks flash-attn on CUDA when it is importable and the block size allows, the compiled
-    kernels on CPU for fp32 caches when they build, else SDPA."""
+    """``backend`` None picks, on CUDA, flash-attn when it is importable and the block size allows, else the Triton
+    kernels; on CPU the compiled kernels for fp32 caches when they build; else SDPA. The choice and its reason are
+    logged."""
     if backend is None:
-        backend = "sdpa"
-        if device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0 and flash_attn_varlen():
-            backend = "flash"
+        backend, reason = "sdpa", "no paged kernel for this device and dtype"
+        if device.type == "cuda":
+            from switchyard.workers.executor.attention.triton_paged import triton_available
+
+            if block_size % FLASH_BLOCK_MULTIPLE == 0 and flash_attn_varlen():
+                backend, reason = "flash", "flash-attn is installed and the block size is a multiple of 256"
+            elif triton_available():
+                backend = "triton"
+                reason = ("flash-attn is not installed" if not flash_attn_varlen() else
+                          f"flash-attn needs a block size that is a multiple of {FLASH_BLOCK_MULTIPLE}")
+            else:
+                reason = "neither flash-attn nor Triton is importable"
         elif device.type == "cpu" and dtype == torch.float32:
             from switchyard.workers.executor.attention.cpu_paged import load_kernel
 
-            backend = "cpu_paged" if load_kernel() is not None else "sdpa"
+            if load_kernel() is not None:
+                backend, reason = "cpu_paged", "fp32 cache on CPU and the C kernels built"
+            else:
+                reason = "the C kernels could not be built"
+        log.info("attention backend %s: %s", backend, reason)
     if backend == "flash":
         return FlashAttention(num_heads, num_kv_heads, head_dim, block_size, device)
     if backend == "cpu_paged":
         from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention
 
         return CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size, device)
+    if backend == "triton":
+        from switchyard.workers.executor.attention.triton_paged import TritonAttention
+
+        return TritonAttention(num_heads, num_kv_heads, head_dim, block_size, device, dtype)
     if backend == "sdpa":
         return SdpaAttention(num_heads, num_kv_heads, head_dim, block_size, device)
-    raise ValueError(f"unknown attention backend {backend!r} (expected 'sdpa', 'cpu_paged' or 'flash')")
+    raise ValueError(f"unknown attention backend {backend!r} (expected 'sdpa', 'cpu_paged', 'triton' or 'flash')")

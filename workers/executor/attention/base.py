@@ -22,6 +22,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from switchyard.workers.executor.transfers import to_device
+
 # (start_pos, num_tokens, block_table) of one chunk, in the step's row order (prefills first).
 ChunkShape = tuple[int, int, Sequence[int]]
 
@@ -59,14 +61,6 @@ class SlotPlan:
     tables: torch.Tensor  # [C, max_blocks] long: each chunk's blocks up to its last position, zero-padded
     num_blocks: list[int]  # per chunk: blocks covering positions [0, start_pos + num_tokens)
     num_prefill_tokens: int
-
-
-def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(data)`` on ``device``: on CUDA built in pinned memory and copied without blocking, since a
-    copy from pageable memory waits for the stream (a host sync in the middle of a step)."""
-    if device.type != "cuda":
-        return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def plan_slots(chunks: Sequence[ChunkShape], block_size: int, device: torch.device) -> SlotPlan:

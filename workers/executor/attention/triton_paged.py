@@ -15,7 +15,8 @@ from typing import Sequence
 
 import torch
 
-from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, plan_slots, to_device, write_kv
+from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, plan_slots, write_kv
+from switchyard.workers.executor.transfers import to_device
 
 PREFILL_BLOCK_M = 64  # query rows per prefill program
 PREFILL_BLOCK_N = 64  # key positions per inner-loop tile
