@@ -102,6 +102,8 @@ class Scheduler:
         self._chunk_cap = config.long_prefill_token_threshold or sys.maxsize
         self._num_steps = 0
         self._background_max_seqs: int | None = None
+        # After the device ran out of memory: at most this many running until a sequence finishes (shed_one).
+        self._memory_seats: int | None = None
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -296,6 +298,8 @@ class Scheduler:
                 if background_seats <= 0:
                     break  # the rest of the queue is background too
                 background_seats -= 1
+            if self._memory_seats is not None and len(self._running) >= self._memory_seats:
+                break  # the device ran out of memory with one more than this running
             if len(self._running) >= self.config.max_num_seqs:
                 # Seats full: only a strictly more important request takes the least important one's seat, so a
                 # pro request never waits for a free one to finish.
@@ -381,7 +385,19 @@ class Scheduler:
         seq.num_preemptions += 1
         self._waiting.push(seq)
 
+    def shed_one(self) -> Sequence | None:
+        """The step could not run (the device ran out of memory): preempt the least important running sequence
+        and admit no more than are left running until a sequence finishes. Returns the preempted sequence, or
+        None when at most one was running (shedding cannot help; the caller fails it instead)."""
+        if len(self._running) <= 1:
+            return None
+        victim = self._running.pop()
+        self._preempt(victim)
+        self._memory_seats = len(self._running)
+        return victim
+
     def _finish(self, seq: Sequence, status: RequestStatus) -> None:
+        self._memory_seats = None  # a finish frees memory: try the full batch again
         del self._requests[seq.seq_id]
         if seq.status == RequestStatus.RUNNING:
             self._running.remove(seq)

@@ -414,3 +414,63 @@ def test_logprobs_leave_out_the_eos_token(tiny, make_request, monkeypatch):
     res = run(engine)[req.request_id]
     assert res.final.finish_reason == "stop" and res.final.usage.completion_tokens == 3
     assert sum(len(d.logprobs or []) for d in res.deltas) == 2  # the two content tokens, not EOS
+
+
+class OutOfMemoryRunner:
+    """Wraps the engine's runner: a step raises the device's out-of-memory error when ``too_big(chunks)``."""
+
+    def __init__(self, runner, too_big) -> None:
+        self._runner = runner
+        self._too_big = too_big
+        self.num_raised = 0
+
+    def begin(self, chunks):
+        if self._too_big(chunks):
+            self.num_raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return self._runner.begin(chunks)
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+
+def test_out_of_memory_in_a_step_preempts_and_retries_without_losing_anyone(tiny, make_request):
+    model, tokenizer = tiny
+    reqs = [make_request(prompt=p, temperature=0.0, max_tokens=12) for p in PROMPTS]
+    expected = {}
+    reference = RecordingEngine(model, tokenizer, EngineConfig(max_num_seqs=8))
+    for req in reqs:
+        reference.add_request(req)
+    run(reference)
+
+    engine = RecordingEngine(model, tokenizer, EngineConfig(max_num_seqs=8))
+    # the "device" holds two sequences' steps at most
+    engine.runner = OutOfMemoryRunner(engine.runner, lambda chunks: len(chunks) > 2)
+    for req in reqs:
+        engine.add_request(req)
+    results = run(engine)
+
+    assert engine.runner.num_raised >= 1 and engine.num_out_of_memory_steps == engine.runner.num_raised
+    for req in reqs:
+        expected[req.request_id] = reference.token_ids[req.request_id]
+        assert results[req.request_id].final.finish_reason == "length"
+        assert results[req.request_id].final.error is None
+        assert engine.token_ids[req.request_id][-12:] == expected[req.request_id]
+
+
+def test_a_request_too_big_for_the_device_fails_alone(tiny, make_request):
+    model, tokenizer = tiny
+    big = make_request(prompt=PROMPTS[2], temperature=0.0, max_tokens=8)
+    small = make_request(prompt=PROMPTS[0], temperature=0.0, max_tokens=8)
+    engine = RecordingEngine(model, tokenizer, EngineConfig(max_num_seqs=8))
+    engine.runner = OutOfMemoryRunner(engine.runner, lambda chunks: any(len(c.token_ids) > 20 for c in chunks))
+    engine.add_request(big)
+    engine.add_request(small)
+    results = run(engine)
+
+    failed = results[big.request_id].final
+    assert failed.finish_reason == "error"
+    assert failed.error is not None and failed.error.code == "out_of_memory" and failed.error.status == 503
+    ok = results[small.request_id].final
+    assert ok.finish_reason == "length" and ok.error is None
+    assert ok.usage.completion_tokens == 8

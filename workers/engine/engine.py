@@ -118,6 +118,7 @@ class Engine:
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs
         self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
+        self.num_out_of_memory_steps = 0  # steps the device had no memory for (see _shed_for_memory)
         # A background-only step part-way through its layers, and whether it must be dropped at the next call.
         self._in_flight: tuple[SchedulerOutput, ForwardPass] | None = None
         self._drop_in_flight = False
@@ -230,14 +231,38 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 return outputs
+        else:
+            plan = self._in_flight[0]
+        try:
+            computed = self._compute(plan)
+        except torch.OutOfMemoryError:
+            # Nothing of this step happened but its scheduling, as for a dropped step: shed load and go on.
+            self._in_flight = None
+            outputs.extend(self._shed_for_memory(plan))
+            return outputs
+        if computed is None:
+            return outputs
+        sampled, logprobs = computed
+        for seq in self.scheduler.update_from_output(plan, sampled):
+            if seq.seq_id in logprobs:
+                seq.data.unreported_logprobs.append(logprobs[seq.seq_id])
+            delta = self._on_token(seq)
+            if delta is not None:
+                outputs.append(delta)
+        return outputs
+
+    def _compute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]] | None:
+        """Run the model for ``plan`` (or the next layers of the step in flight) and sample; None while a
+        batch-only step still has layers to run."""
+        if self._in_flight is None:
             chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample) for s in plan.scheduled]
             fwd = self.runner.begin(chunks)
         else:
-            plan, fwd = self._in_flight
+            fwd = self._in_flight[1]
         logits = self.runner.advance(fwd, self.config.background_layers_per_call if plan.is_background_only else None)
         if logits is None:
             self._in_flight = (plan, fwd)
-            return outputs
+            return None
         self._in_flight = None
         to_sample = [s.seq for s in plan.scheduled if s.needs_sample]
         sampled: dict[str, int] = {}
@@ -254,13 +279,38 @@ class Engine:
             token_ids = to_host_list(token_ids)  # the step's one wait for the device
             sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
             logprobs = self._logprobs(logits, to_sample, token_ids)
-        for seq in self.scheduler.update_from_output(plan, sampled):
-            if seq.seq_id in logprobs:
-                seq.data.unreported_logprobs.append(logprobs[seq.seq_id])
-            delta = self._on_token(seq)
-            if delta is not None:
-                outputs.append(delta)
-        return outputs
+        return sampled, logprobs
+
+    def _shed_for_memory(self, plan: SchedulerOutput) -> list[TokenDelta]:
+        """The device ran out of memory in a step: preempt the least important running sequence and retry with
+        fewer; when one sequence alone does not fit, fail its request and only it."""
+        self.num_out_of_memory_steps += 1
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        victim = self.scheduler.shed_one()
+        if victim is not None:
+            log.warning("device out of memory in a step of %d sequences: preempted %s, retrying with fewer",
+                        len(plan.scheduled), victim.seq_id)
+            return []
+        if not plan.scheduled:
+            return []
+        state = plan.scheduled[0].seq.data.request
+        log.error("device out of memory with %s alone running: failing it", state.request_id)
+        error = ErrorInfo("The request does not fit in the accelerator's memory.", code="out_of_memory",
+                          type="server_error", status=503)
+        return self._fail(state, error)
+
+    def _fail(self, state: "_Request", error: ErrorInfo) -> list[TokenDelta]:
+        """End every choice of a request with ``error``."""
+        held, state.held = state.held, []
+        live = held + [seq for seq_id in state.seq_ids
+                       if (seq := self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ERROR)) is not None]
+        finals = []
+        for seq in sorted(live, key=lambda s: s.data.index):
+            final = self._finish(seq, "error", "")
+            final.error = error
+            finals.append(final)
+        return finals
 
     def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> dict[str, TokenLogprob]:
         """Log-probabilities of the sampled tokens (and the top alternatives) for the rows that asked for them."""
