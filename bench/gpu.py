@@ -55,7 +55,6 @@ def device_ceilings() -> tuple[float, float]:
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() / timed(lambda: dst.copy_(src), 10)
-    del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     flops = 2 * 8192**3 / timed(lambda: a @ b, 10)
@@ -125,8 +124,6 @@ def bench_decode(model, bandwidth, batches, contexts, out):
                + markdown_table(("batch", "context", "graph ms", "eager ms", "floor ms", "graph / floor"), rows))
     out.append(f"CUDA graphs: sizes {graphs.sizes}, captured in {graphs.capture_seconds:.1f} s, "
                f"{graphs.capture_bytes / 2**20:.0f} MiB")
-    del runner, graphs
-    torch.cuda.empty_cache()
 
 
 def bench_prefill(model, flops, out, tokens: int = 2048):
@@ -144,8 +141,6 @@ def bench_prefill(model, flops, out, tokens: int = 2048):
         [(tokens, f"{t * 1e3:.1f}", f"{floor * 1e3:.1f}", f"{t / floor:.2f}x",
           f"{2 * params * tokens / t / 1e12:.0f}")]))
     print(out[-1], flush=True)
-    del runner
-    torch.cuda.empty_cache()
 
 
 class IdTokenizer:
@@ -188,10 +183,7 @@ def run_engine(model, tokenizer, requests, max_num_seqs: int) -> tuple[float, in
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     tokens = one_round(requests, "r")
-    wall = time.perf_counter() - t0
-    del engine
-    torch.cuda.empty_cache()
-    return wall, tokens
+    return time.perf_counter() - t0, tokens
 
 
 def run_hf(model, requests, batch: int) -> tuple[float, int]:
@@ -269,7 +261,7 @@ def bench_smollm2(wheel: Path, out, num_prompts: int = 32, num_tokens: int = 32)
         same = sum(got[f"p{i}"][:len(e)] == e[:len(got[f"p{i}"])] for i, e in enumerate(expected))
         rows.append((dtype, num_prompts, num_tokens, same, f"{same / num_prompts:.0%}"))
         print(rows[-1], flush=True)
-        del engine, model
+        engine = model = None  # free the GPU memory before the next dtype
         torch.cuda.empty_cache()
     out.append("Greedy SmolLM2-135M on the GPU, engine (triton attention, CUDA graphs) vs HF generate\n\n"
                + markdown_table(("dtype", "prompts", "tokens", "identical", "share"), rows))

@@ -194,8 +194,9 @@ def resolve(spec: str, cache_dir: str | os.PathLike, pull_missing: bool = True,
     )
 
 
-def resolve_dtype(dtype: str, device: str):
-    """``auto``: bfloat16 where the hardware does it natively, else float32."""
+def resolve_dtype(dtype: str, device: str, model_config=None):
+    """``auto``: on CUDA bfloat16 (float16 where bf16 is missing); on CPU the faster of float32 and bfloat16 for
+    this model on this chip (``executor.cpu_dtype``; without ``model_config``, bf16 wherever it is native)."""
     import torch
 
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -205,16 +206,11 @@ def resolve_dtype(dtype: str, device: str):
         return names[dtype]
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    from switchyard.workers.executor.cpu_dtype import cpu_flags, fastest_cpu_dtype, has_native_bf16
 
-
-def _cpu_has_native_bf16() -> bool:
-    # Without avx512_bf16/AMX (x86) or the bf16 extension (arm) torch emulates bf16, slower than float32.
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16", "bf16"))
+    if model_config is None:
+        return torch.bfloat16 if has_native_bf16(cpu_flags()[1]) else torch.float32
+    return fastest_cpu_dtype(model_config.hidden_size, model_config.intermediate_size)
 
 
 def resolve_device(device: str) -> str:
@@ -230,10 +226,10 @@ def load(path: str | os.PathLike, dtype: str = "auto", device: str = "auto"):
 
     Never touches the network (``local_files_only``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device, AutoConfig.from_pretrained(path, local_files_only=True))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
     model.to(device)

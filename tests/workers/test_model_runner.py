@@ -134,8 +134,9 @@ def test_chunked_prefill_matches_full_prefill():
 
 
 # The runner tests run on CPU tensors: Triton takes them only interpreted (the GPU machine runs test_cuda_engine).
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="triton on CPU tensors needs TRITON_INTERPRET=1")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="triton on CPU tensors needs TRITON_INTERPRET=1")
 
 
 def test_prefix_shared_through_block_table():

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from switchyard.workers.executor.transfers import to_device
 from switchyard.workers.executor.attention.triton_paged import (
     TritonAttention,
     TritonMetadata,
     num_decode_splits,
     split_size,
 )
+from switchyard.workers.executor.transfers import to_device
 
 log = logging.getLogger("switchyard.cuda_graphs")
 

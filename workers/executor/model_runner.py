@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from switchyard.workers.executor.attention import AttentionMetadata, PagedAttention, make_attention
-from switchyard.workers.executor.transfers import to_device
 from switchyard.workers.executor.cuda_graphs import DecodeGraphs, GraphPass
 from switchyard.workers.executor.fused_ops import make_ops
 from switchyard.workers.executor.linear import Linear, uses_packed_kernel
+from switchyard.workers.executor.transfers import to_device
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 

@@ -87,8 +87,8 @@ def _decode_reduce_kernel(
     part = (seq * num_heads + head).to(tl.int64) * num_splits + s
     lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
     weight = tl.where(s_mask, tl.exp(lse - tl.max(lse, 0)), 0.0)
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
-                    other=0.0)
+    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     # A row with no context (a CUDA graph's padding) gets zeros, not NaN.
     o = tl.sum(parts * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
     tl.store(out_ptr + seq.to(tl.int64) * stride_out_tok + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty),

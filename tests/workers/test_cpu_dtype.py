@@ -1,0 +1,50 @@
+"""``--dtype auto`` on CPU: the faster of fp32 (compiled kernels) and bf16 (torch), measured once per CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from switchyard.workers.executor import cpu_dtype
+
+
+def fake_cpu(monkeypatch, flags, times):
+    calls = []
+    monkeypatch.setattr(cpu_dtype, "cpu_flags", lambda: ("Test CPU 9000", set(flags)))
+
+    def timed(dtype, hidden, intermediate):
+        calls.append(dtype)
+        return times[dtype]
+
+    monkeypatch.setattr(cpu_dtype, "_time_projections", timed)
+    return calls
+
+
+def test_without_native_bf16_fp32_is_taken_without_measuring(monkeypatch, tmp_path):
+    calls = fake_cpu(monkeypatch, {"avx2", "fma"}, {})
+    assert cpu_dtype.fastest_cpu_dtype(64, 128, cache=tmp_path) == torch.float32
+    assert calls == []
+
+
+def test_the_faster_dtype_wins_and_is_remembered_per_cpu(monkeypatch, tmp_path):
+    calls = fake_cpu(monkeypatch, {"avx512f", "avx512_bf16"}, {torch.float32: 2.0, torch.bfloat16: 1.0})
+    assert cpu_dtype.fastest_cpu_dtype(64, 128, cache=tmp_path) == torch.bfloat16
+    assert sorted(map(str, calls)) == ["torch.bfloat16", "torch.float32"]
+    assert cpu_dtype.fastest_cpu_dtype(64, 128, cache=tmp_path) == torch.bfloat16
+    assert len(calls) == 2  # the second answer came from the cache
+
+    calls = fake_cpu(monkeypatch, {"avx512f", "avx512_bf16"}, {torch.float32: 1.0, torch.bfloat16: 3.0})
+    assert cpu_dtype.fastest_cpu_dtype(64, 256, cache=tmp_path) == torch.float32  # another shape: measured anew
+    assert len(calls) == 2
+
+
+def test_a_damaged_cache_entry_is_measured_again(monkeypatch, tmp_path):
+    calls = fake_cpu(monkeypatch, {"amx_bf16"}, {torch.float32: 2.0, torch.bfloat16: 1.0})
+    cpu_dtype.fastest_cpu_dtype(64, 128, cache=tmp_path)
+    for entry in tmp_path.iterdir():
+        entry.write_text("{not json")
+    assert cpu_dtype.fastest_cpu_dtype(64, 128, cache=tmp_path) == torch.bfloat16
+    assert len(calls) == 4
+
+
+def test_the_real_measurement_answers_a_dtype(tmp_path):
+    assert cpu_dtype.fastest_cpu_dtype(64, 128, cache=tmp_path) in (torch.float32, torch.bfloat16)
