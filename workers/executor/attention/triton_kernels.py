@@ -22,6 +22,26 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_row, t, t_mask, visible, kv_head, d, d_mask, m_i, l_i, acc,
+                 scale, stride_cache_slot, stride_cache_head, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold positions ``t`` of one sequence (found through its block-table row) into the running softmax of the
+    query rows ``q``; ``visible`` masks the scores. Returns the new (running max, running sum, accumulator)."""
+    block = tl.load(table_row + t // BLOCK_SIZE, mask=t_mask, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
+    kv_off = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, split_size_ptr, part_out_ptr, part_lse_ptr,
     scale, num_heads, num_splits,
@@ -51,20 +71,9 @@ def _decode_split_kernel(
         for tile in range(start, end, BLOCK_N):
             t = tile + tl.arange(0, BLOCK_N)
             t_mask = t < end
-            block = tl.load(table_row + t // BLOCK_SIZE, mask=t_mask, other=0)
-            slot = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
-            kv_off = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table_row, t, t_mask, t_mask[None, :], kv_head,
+                                         d, d_mask, m_i, l_i, acc, scale, stride_cache_slot, stride_cache_head,
+                                         BLOCK_SIZE, PRECISION)
         part = (seq * num_heads + heads).to(tl.int64) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None],
                  mask=g_mask[:, None] & d_mask[None, :])
@@ -128,20 +137,10 @@ def _prefill_kernel(
     for tile_start in range(0, end, BLOCK_N):
         t = tile_start + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        block = tl.load(table_row + t // BLOCK_SIZE, mask=t_mask, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
-        kv_off = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where((t[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        visible = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table_row, t, t_mask, visible, kv_head, d, d_mask,
+                                     m_i, l_i, acc, scale, stride_cache_slot, stride_cache_head, BLOCK_SIZE,
+                                     PRECISION)
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out_tok + head * HEAD_DIM + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
