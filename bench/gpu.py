@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
+from tests.support.id_tokenizer import IdTokenizer  # noqa: E402
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -141,19 +142,6 @@ def bench_prefill(model, flops, out, tokens: int = 2048):
         [(tokens, f"{t * 1e3:.1f}", f"{floor * 1e3:.1f}", f"{t / floor:.2f}x",
           f"{2 * params * tokens / t / 1e12:.0f}")]))
     print(out[-1], flush=True)
-
-
-class IdTokenizer:
-    """A stand-in tokenizer for a random model that has none: a prompt is its ids, text is ids joined by spaces."""
-
-    eos_token_id = None
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=True):
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(f" {i}" for i in ids)
 
 
 def workload(num_requests: int, vocab: int, seed: int = 0):

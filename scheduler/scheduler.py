@@ -121,11 +121,12 @@ class Scheduler:
         self._requests[seq.seq_id] = seq
         self._waiting.push(seq)
 
-    def abort_request(self, seq_id: str) -> Sequence | None:
-        """Stop a sequence now (client gone): frees its blocks. Returns it, or None if it was not live."""
+    def abort_request(self, seq_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Sequence | None:
+        """Stop a live sequence now (client gone, or it failed) with ``status``: frees its blocks. Returns it, or None
+        if it was not live (a sequence already finished keeps its outcome)."""
         seq = self._requests.get(seq_id)
         if seq is not None:
-            self._finish(seq, RequestStatus.FINISHED_ABORTED)
+            self._finish(seq, status)
         return seq
 
     def finish_request(self, seq_id: str, status: RequestStatus) -> Sequence | None:

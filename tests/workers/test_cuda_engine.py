@@ -8,6 +8,7 @@ import torch
 from switchyard.shared.messages import GenerateRequest, SamplingParams
 from switchyard.workers.engine.engine import Engine, EngineConfig
 from switchyard.workers.executor.cuda_graphs import batch_ladder
+from tests.support.id_tokenizer import IdTokenizer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -16,17 +17,6 @@ def test_batch_ladder_covers_every_size_up_to_the_largest():
     assert batch_ladder(1) == [1]
     assert batch_ladder(20) == [1, 2, 4, 8, 16, 20]
     assert batch_ladder(32) == [1, 2, 4, 8, 16, 24, 32]
-
-
-class IdTokenizer:
-    eos_token_id = None
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=True):
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(f" {i}" for i in ids)
 
 
 def greedy_engine_tokens(model, prompts, num_tokens, cuda_graphs):

@@ -203,11 +203,16 @@ class Engine:
         if state is None:
             return False
         self._drop_in_flight = True  # the step in flight may hold its sequences
-        held, state.held = state.held, []
-        live = held + [seq for seq_id in state.seq_ids if (seq := self.scheduler.abort_request(seq_id)) is not None]
-        for seq in sorted(live, key=lambda s: s.data.index):
-            self._pending.append(self._finish(seq, "cancelled", ""))
+        self._pending.extend(self._end_request(state, RequestStatus.FINISHED_ABORTED))
         return True
+
+    def _end_request(self, state: _Request, status: RequestStatus, error: ErrorInfo | None = None) -> list[TokenDelta]:
+        """End every choice of a request that has not finished yet (held ones too) with ``status``; returns their
+        finals."""
+        held, state.held = state.held, []
+        live = held + [seq for seq_id in state.seq_ids
+                       if (seq := self.scheduler.abort_request(seq_id, status)) is not None]
+        return [self._finish(seq, finish_reason(status), "", error) for seq in sorted(live, key=lambda s: s.data.index)]
 
     # -- the step -----------------------------------------------------------------------------------------
     def step(self, background_limit: int | None = None) -> list[TokenDelta]:
@@ -298,19 +303,7 @@ class Engine:
         log.error("device out of memory with %s alone running: failing it", state.request_id)
         error = ErrorInfo("The request does not fit in the accelerator's memory.", code="out_of_memory",
                           type="server_error", status=503)
-        return self._fail(state, error)
-
-    def _fail(self, state: "_Request", error: ErrorInfo) -> list[TokenDelta]:
-        """End every choice of a request with ``error``."""
-        held, state.held = state.held, []
-        live = held + [seq for seq_id in state.seq_ids
-                       if (seq := self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ERROR)) is not None]
-        finals = []
-        for seq in sorted(live, key=lambda s: s.data.index):
-            final = self._finish(seq, "error", "")
-            final.error = error
-            finals.append(final)
-        return finals
+        return self._end_request(state, RequestStatus.FINISHED_ERROR, error)
 
     def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> dict[str, TokenLogprob]:
         """Log-probabilities of the sampled tokens (and the top alternatives) for the rows that asked for them."""
@@ -360,16 +353,17 @@ class Engine:
             return None  # held back (split character or possible stop string): nothing worth a message
         return self._delta(choice, text)
 
-    def _delta(self, choice: _Choice, text: str, reason: str | None = None, usage: Usage | None = None) -> TokenDelta:
+    def _delta(self, choice: _Choice, text: str, reason: str | None = None, usage: Usage | None = None,
+               error: ErrorInfo | None = None) -> TokenDelta:
         delta = TokenDelta(choice.request.request_id, text=text, num_tokens=choice.num_unreported_tokens,
                            index=choice.index, finish_reason=reason, usage=usage,
-                           logprobs=choice.unreported_logprobs or None)
+                           logprobs=choice.unreported_logprobs or None, error=error)
         choice.num_unreported_tokens = 0
         if choice.unreported_logprobs:
             choice.unreported_logprobs = []
         return delta
 
-    def _finish(self, seq: Sequence, reason: str, text: str) -> TokenDelta:
+    def _finish(self, seq: Sequence, reason: str, text: str, error: ErrorInfo | None = None) -> TokenDelta:
         choice: _Choice = seq.data
         state = choice.request
         state.num_finished += 1
@@ -378,7 +372,7 @@ class Engine:
         if state.num_finished == len(state.seq_ids):
             self._requests.pop(state.request_id, None)
         # Usage so far on every choice's final: the last one carries the request's total.
-        return self._delta(choice, text, reason, self._usage(state))
+        return self._delta(choice, text, reason, self._usage(state), error)
 
     @staticmethod
     def _usage(state: _Request) -> Usage:
