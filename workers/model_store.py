@@ -202,10 +202,10 @@ def resolve_dtype(dtype: str, device: str, model_config=None):
         return names[dtype]
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    from switchyard.workers.executor.cpu_dtype import cpu_flags, fastest_cpu_dtype, has_native_bf16
+    from switchyard.workers.executor.cpu_dtype import fastest_cpu_dtype, has_native_bf16
 
     if model_config is None:
-        return torch.bfloat16 if has_native_bf16(cpu_flags()[1]) else torch.float32
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     return fastest_cpu_dtype(model_config.hidden_size, model_config.intermediate_size)
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from switchyard.workers.executor import cpu_dtype
+from switchyard.workers.executor import cpu_dtype, kernels
 
 
 def fake_cpu(monkeypatch, flags, times):
     calls = []
-    monkeypatch.setattr(cpu_dtype, "cpu_flags", lambda: ("Test CPU 9000", set(flags)))
+    monkeypatch.setattr(kernels, "cpu_model", lambda: "Test CPU 9000")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: " ".join(sorted(flags)))
 
     def timed(dtype, hidden, intermediate):
         calls.append(dtype)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from switchyard.workers.executor.kernels import cache_dir as kernel_cache_dir
+from switchyard.workers.executor import kernels
 from switchyard.workers.executor.linear import Linear, uses_packed_kernel
 
 log = logging.getLogger("switchyard.cpu_dtype")
@@ -29,24 +29,9 @@ log = logging.getLogger("switchyard.cpu_dtype")
 DECODE_ROWS = (1, 8, 32)  # batch sizes a decode step runs at
 
 
-def cpu_flags() -> tuple[str, set[str]]:
-    """(model name, flags) from /proc/cpuinfo; empty where it cannot be read."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "", set()
-    model, flags = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and not model:
-            model = value.strip()
-        elif key.strip() in ("flags", "Features") and not flags:
-            flags = set(value.split())
-    return model, flags
-
-
-def has_native_bf16(flags: set[str]) -> bool:
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+def has_native_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic in hardware (x86 avx512_bf16 or AMX, Arm's bf16 extension)."""
+    return bool(set(kernels.cpu_flags().split()) & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _time_projections(dtype: torch.dtype, hidden: int, intermediate: int) -> float:
@@ -68,13 +53,12 @@ def _time_projections(dtype: torch.dtype, hidden: int, intermediate: int) -> flo
 
 def fastest_cpu_dtype(hidden: int, intermediate: int, cache: Path | None = None) -> torch.dtype:
     """float32 or bfloat16, whichever runs this model's projections faster on this CPU (see the module doc)."""
-    model, flags = cpu_flags()
-    if not has_native_bf16(flags):
+    if not has_native_bf16():
         return torch.float32
-    key_text = f"{model}|{sorted(flags & {'avx512_bf16', 'amx_bf16', 'amx_tile', 'avx512f'})}|{torch.__version__}|" \
-               f"{torch.get_num_threads()}|{hidden}x{intermediate}"
+    model = kernels.cpu_model()
+    key_text = f"{model}|{kernels.cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}|{hidden}x{intermediate}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    path = (cache or kernel_cache_dir().parent / "dtype") / f"{key}.json"
+    path = (cache or kernels.cache_dir().parent / "dtype") / f"{key}.json"
     try:
         return getattr(torch, json.loads(path.read_text())["dtype"])
     except (OSError, ValueError, KeyError, AttributeError):
@@ -86,7 +70,7 @@ def fastest_cpu_dtype(hidden: int, intermediate: int, cache: Path | None = None)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"dtype": best, "cpu": model, "key": key_text,
+        tmp.write_text(json.dumps({"dtype": best, "cpu": model, "threads": torch.get_num_threads(),
                                    "ms": {k: round(v * 1e3, 3) for k, v in times.items()}}))
         os.replace(tmp, path)
     except OSError as exc:

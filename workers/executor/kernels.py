@@ -51,12 +51,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "switchyard" / "kernels"
 
 
-def cpu_flags() -> str:
-    """This CPU's feature flags (``/proc/cpuinfo``): a ``-march=native`` build is valid only where they match."""
+@cache
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name: value`` line of ``/proc/cpuinfo`` (its value), "" where there is none."""
     try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return ""
+    return next((line.partition(":")[2].strip() for line in lines if line.partition(":")[0].strip() == name), "")
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags (``/proc/cpuinfo``): a ``-march=native`` build is valid only where they match."""
+    return _cpuinfo_field("flags") or _cpuinfo_field("Features")
+
+
+def cpu_model() -> str:
+    return _cpuinfo_field("model name")
 
 
 def build_identity(name: str) -> str:

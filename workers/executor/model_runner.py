@@ -99,23 +99,6 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
 
 
-def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """bf16 where its matmuls are native (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else fp32.
-
-    Without native support CPU bf16 matmuls are emulated row by row: on an AVX2-only EPYC a SmolLM2 decode step at
-    batch 32 took 890 ms in bf16 against 184 ms in fp32 (1 thread).
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu":
-        try:
-            return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-        except (AttributeError, RuntimeError):
-            return torch.float32
-    return torch.float32
-
-
 def _stack_linears(linears, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input.
 
