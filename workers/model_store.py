@@ -225,9 +225,10 @@ def load(path: str | os.PathLike, dtype: str = "auto", device: str = "auto"):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device, AutoConfig.from_pretrained(path, local_files_only=True))
+    config = AutoConfig.from_pretrained(path, local_files_only=True)  # read once: the dtype choice needs its shapes
+    torch_dtype = resolve_dtype(dtype, device, config)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=torch_dtype)
     model.to(device)
     model.eval()
     return model, tokenizer

@@ -90,10 +90,8 @@ class DecodeGraphs:
         """Record one graph per ladder size, largest first so the smaller ones reuse its memory."""
         torch.cuda.synchronize()
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
-        n = self.sizes[-1]
-        self._host[:] = 0
-        self._host[2 * n:3 * n] = self.spare_slot  # every row a padding row: writes go to the spare block
-        self._host[4 * n] = self.block_size
+        self._pad_all_rows()
+        self._host[4 * self.sizes[-1]] = self.block_size
         self.device_buffer.copy_(self.host)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
@@ -110,6 +108,13 @@ class DecodeGraphs:
         log.info("CUDA graphs: captured decode batch sizes %s in %.1f s, %.0f MiB", self.sizes,
                  self.capture_seconds, self.capture_bytes / 2**20)
 
+    def _pad_all_rows(self) -> None:
+        """Make every row of the host buffer a padding row: token 0 at position 0, no context, its K/V written to
+        the spare block (block tables keep stale ids: rows with no context read none)."""
+        n = self.sizes[-1]
+        self._host[:4 * n] = 0
+        self._host[2 * n:3 * n] = self.spare_slot
+
     def fits(self, chunks) -> bool:
         """Whether a step of these chunks replays a graph: decodes only, no more rows than the largest size."""
         return len(chunks) <= self.sizes[-1] and all(
@@ -120,8 +125,7 @@ class DecodeGraphs:
         rows = len(chunks)
         size = self.sizes[bisect.bisect_left(self.sizes, rows)]
         n, bs, host = self.sizes[-1], self.block_size, self._host
-        host[:4 * n] = 0
-        host[2 * n:3 * n] = self.spare_slot
+        self._pad_all_rows()
         tables = 4 * n + 1
         max_context = 1
         for i, c in enumerate(chunks):

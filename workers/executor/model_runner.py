@@ -240,6 +240,8 @@ class ModelRunner:
             if c.start_pos + len(c.token_ids) > self.max_context:
                 last = c.start_pos + len(c.token_ids) - 1
                 raise ValueError(f"position {last} is past max_context {self.max_context}")
+        if self.graphs is not None and self.graphs.fits(chunks):
+            return self.graphs.stage(chunks)
         # Multi-token chunks first, then the decodes, which attention handles as one batch.
         order = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
         order += [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
@@ -247,9 +249,6 @@ class ModelRunner:
         row_end = itertools.accumulate(len(c.token_ids) for c in ordered)
         last_row = {i: end - 1 for i, end in zip(order, row_end)}
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
-
-        if self.graphs is not None and self.graphs.fits(ordered):
-            return self.graphs.stage(chunks)
         input_ids = to_device(list(itertools.chain.from_iterable(c.token_ids for c in ordered)), torch.long,
                               self.device)
         meta = self.attention.prepare([(c.start_pos, len(c.token_ids), c.block_table) for c in ordered])
