@@ -154,6 +154,11 @@ class WorkerInfo(msgspec.Struct):
     max_context: int
     started_at: float
     running: dict[str, int] = msgspec.field(default_factory=dict)  # tier -> requests running now
+    # Since start: engine steps, seconds inside them, and seconds between back-to-back steps (the device idles
+    # there while the loop publishes and admits; bench/serve.py reports it as a share of step time).
+    num_steps: int = 0
+    step_s: float = 0.0
+    gap_s: float = 0.0
 
 
 _encoder = msgspec.msgpack.Encoder()

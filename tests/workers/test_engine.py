@@ -13,7 +13,7 @@ import torch
 
 from switchyard.shared.messages import TokenDelta
 from switchyard.workers.engine.engine import Engine, EngineConfig
-from switchyard.workers.engine.prompts import RequestRejected
+from switchyard.workers.engine.prompts import RequestRejected, prepare_prompt
 
 
 class RecordingEngine(Engine):
@@ -205,6 +205,49 @@ def test_context_length_exceeded_is_rejected_before_compute(tiny, make_request, 
     else:
         assert f"your prompt resulted in {n} tokens" in err.message
     assert chat_exc.value.error.param == "messages"
+
+
+def test_a_prompt_prepared_off_the_step_thread_runs_as_if_tokenized_by_the_engine(tiny, make_request):
+    """The worker tokenizes on its intake thread with a tokenizer of its own; the engine must then not touch its
+    tokenizer for the prompt, and the output must be what tokenizing in the engine gives."""
+    import copy
+
+    model, tokenizer = tiny
+    kw = dict(messages=[("system", "be brief"), ("user", PROMPTS[1])], temperature=0, max_tokens=8, ignore_eos=True)
+    inline = Engine(model, tokenizer)
+    inline.add_request(make_request(request_id="a", **kw))
+    expected = run(inline)["a"].text
+
+    class NoPromptTokenizing:  # detokenizing is still the engine's
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            if name in ("encode", "apply_chat_template", "__call__"):
+                raise AssertionError(f"the engine called tokenizer.{name} for a prepared prompt")
+            return getattr(self._inner, name)
+
+    engine = Engine(model, NoPromptTokenizing(tokenizer))
+    req = make_request(request_id="a", **kw)
+    prepared = prepare_prompt(copy.deepcopy(tokenizer), req, engine.max_context)
+    assert engine.add_request(req, prepared) == len(prepared.token_ids)
+    assert run(engine)["a"].text == expected
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny, make_request):
+    """A template's own check (``raise_exception``, as in "roles must alternate") is the client's mistake."""
+    import copy
+
+    _, tokenizer = tiny
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversation must start "
+                            "with a user message') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(RequestRejected) as exc:
+        prepare_prompt(strict, make_request(messages=[("assistant", "hi"), ("user", "x")]), 256)
+    err = exc.value.error
+    assert (err.status, err.param, err.type) == (400, "messages", "invalid_request_error")
+    assert "must start with a user message" in err.message
+    assert prepare_prompt(strict, make_request(messages=[("user", "x")]), 256).token_ids
 
 
 def test_n_choices_share_the_prompt_and_sample_independently(tiny, make_request):

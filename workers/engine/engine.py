@@ -27,20 +27,12 @@ from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sche
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
-from switchyard.workers.engine.prompts import (
-    RequestRejected,
-    eos_token_ids,
-    fit_history,
-    resolve_max_tokens,
-    tokenize_prompt,
-)
+from switchyard.workers.engine.prompts import PreparedPrompt, eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import make_generator, sample
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
 
 log = logging.getLogger("switchyard.engine")
-
-MAX_N = 16
 
 
 @dataclass(slots=True)
@@ -155,24 +147,18 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._in_flight is not None
 
-    def add_request(self, req: GenerateRequest) -> int:
-        """Tokenize and queue ``req``; returns its prompt token count. Raises ``RequestRejected`` before compute
+    def add_request(self, req: GenerateRequest, prepared: PreparedPrompt | None = None) -> int:
+        """Queue ``req``; returns its prompt token count. ``prepared``: its prompt as ``prepare_prompt`` made it
+        off the step thread; without it the prompt is tokenized here. Raises ``RequestRejected`` before compute
         for what can never run here (over the context, bad n)."""
-        params = req.sampling
-        if not 1 <= params.n <= MAX_N:
-            raise RequestRejected(ErrorInfo(f"n must be between 1 and {MAX_N}, got {params.n}.",
-                                            code="invalid_value", param="n"))
         if req.request_id in self._requests:
             raise ValueError(f"request {req.request_id!r} is already running")
-        dropped = 0
-        if req.truncate_history and req.messages:
-            prompt_ids, dropped = fit_history(self.tokenizer, req, self.max_context)
-            param = "messages"
-        else:
-            prompt_ids, param = tokenize_prompt(self.tokenizer, req)
-        max_tokens = resolve_max_tokens(req, len(prompt_ids), self.max_context, param)
+        if prepared is None:
+            prepared = prepare_prompt(self.tokenizer, req, self.max_context)
+        params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
-        state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[], num_dropped_messages=dropped)
+        state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[],
+                         num_dropped_messages=prepared.num_dropped_messages)
         arrival = time.monotonic()
         for index in range(params.n):
             seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"

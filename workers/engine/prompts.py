@@ -6,8 +6,13 @@ The chat template is applied here, on the worker: the gateway stays model-agnost
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest
+
+MAX_N = 16
 
 
 class RequestRejected(Exception):
@@ -19,7 +24,11 @@ class RequestRejected(Exception):
 
 
 def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # e.g. "roles must alternate": the template's own check of the conversation
+        raise RequestRejected(ErrorInfo(f"The model's chat template rejected the messages: {exc}",
+                                        code="invalid_request", param="messages")) from exc
     # The template already wrote every special token it wants (BOS included, if any).
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -53,6 +62,32 @@ def fit_history(tokenizer, req: GenerateRequest, max_context: int) -> tuple[list
         dropped += 1
         ids = _encode_chat(tokenizer, messages)
     return ids, dropped
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A request's prompt, tokenized and checked against the context: what ``Engine.add_request`` needs from the
+    tokenizer, made before the step thread sees the request (``prepare_prompt``)."""
+
+    token_ids: list[int]
+    max_tokens: int  # new tokens the request may produce
+    num_dropped_messages: int = 0  # conversation turns dropped to fit the context
+
+
+def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int) -> PreparedPrompt:
+    """Tokenize ``req`` (chat template included) and check it can run; raises ``RequestRejected`` for what never
+    can. Touches nothing but ``tokenizer``: the worker runs it on its intake thread with a tokenizer of its own,
+    so chat templates and tokenization stay out of the engine's step."""
+    if not 1 <= req.sampling.n <= MAX_N:
+        raise RequestRejected(ErrorInfo(f"n must be between 1 and {MAX_N}, got {req.sampling.n}.",
+                                        code="invalid_value", param="n"))
+    dropped = 0
+    if req.truncate_history and req.messages:
+        prompt_ids, dropped = fit_history(tokenizer, req, max_context)
+        param = "messages"
+    else:
+        prompt_ids, param = tokenize_prompt(tokenizer, req)
+    return PreparedPrompt(prompt_ids, resolve_max_tokens(req, len(prompt_ids), max_context, param), dropped)
 
 
 def resolve_max_tokens(req: GenerateRequest, num_prompt: int, max_context: int, param: str) -> int:

@@ -185,7 +185,7 @@ class ModelRunner:
                     down=Linear(_param(mlp.down_proj.weight, dev, dt), _param(mlp.down_proj.bias, dev, dt), pack),
                 )
             )
-        linears = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down))]
+        linears = [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         # Packed copies are extra memory next to the HF model's weights: the start-up log names their size.
         self.packed_weight_bytes = sum(x.packed.nbytes for x in linears if x.packed is not None)
         self.linear_kernel = "packed_gemm" if pack else "torch"

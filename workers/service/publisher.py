@@ -16,6 +16,7 @@ from switchyard.shared.messages import (
     UsageRecord,
     encode,
 )
+from switchyard.workers.engine.prompts import PreparedPrompt
 
 log = logging.getLogger("switchyard.worker")
 
@@ -34,6 +35,7 @@ class Tracked:
     completion_tokens: int = 0
     cached_tokens: int = 0
     choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
+    prepared: PreparedPrompt | None = None  # its prompt, tokenized at intake
 
     def collect(self, delta: TokenDelta) -> None:
         choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))

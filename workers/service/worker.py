@@ -1,25 +1,30 @@
 """The worker process's async loop: NATS in, ``Engine.step()`` in a thread, NATS out.
 
     intake task ── fetch (higher tiers first, only as many as the engine can admit) ──┐
-    doorbell sub  llm.req.<model>.>  (core NATS: wakes intake when work arrives)       │ pending adds
+                   └ tokenize + chat template on the intake thread (own tokenizer)     │ pending adds
+    doorbell sub  llm.req.<model>.>  (core NATS: wakes intake when work arrives)       │
     cancel sub    llm.cancel.>       ──────────────────────────────────────────────────┤ pending aborts
-    step loop ── to_thread(admit + engine.step()) ── publish llm.tok.<id>, llm.usage ◀─┘
+    step loop ── to_thread(admit + engine.step()) ─────────────────────────────────────┘
+              └─ step N's deltas go out (llm.tok.<id>, llm.usage) while step N+1 runs
     heartbeat task ── KV workers/<model>.<worker_id>
 
 A batch line (``result_subject`` set) also gets a durable ``BatchResult`` on that subject: a "started" marker when
 admitted, and its whole outcome (texts, usage or error) when it ends, for the gateway's batch runner.
 
-Model work runs off the event loop, so heartbeats, cancels and intake go on while a step runs. The engine is
-touched only from inside that one thread call, so it needs no locks.
+Model work runs off the event loop, so heartbeats, cancels, intake and publishing go on while a step runs. The
+engine is touched only from inside that one thread call, so it needs no locks; the intake thread has a tokenizer of
+its own (a fast tokenizer is not safe to share between threads).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -41,7 +46,7 @@ from switchyard.shared.messages import (
 )
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, get_tier, tiers_by_priority
-from switchyard.workers.engine.prompts import RequestRejected
+from switchyard.workers.engine.prompts import RequestRejected, prepare_prompt
 from switchyard.workers.service.publisher import Publisher, Tracked
 
 log = logging.getLogger("switchyard.worker")
@@ -87,6 +92,9 @@ class Worker:
         self._jump_headroom = max(1, engine.max_num_seqs // 8)
         self._intake_idle = asyncio.Event()  # the intake has nothing more to take right now
         self._background = background
+        self._intake_tokenizer = copy.deepcopy(engine.tokenizer)
+        self._intake_thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-intake")
+        self.num_steps, self.step_s, self.gap_s = 0, 0.0, 0.0  # see WorkerInfo
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _num_admittable(self) -> int:
@@ -152,6 +160,7 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
         finally:
+            self._intake_thread.shutdown(wait=False, cancel_futures=True)
             await nc.close()
 
     async def _on_doorbell(self, msg) -> None:
@@ -173,7 +182,8 @@ class Worker:
         running: dict[str, int] = {}
         for tracked in list(self._active.values()):
             running[tracked.request.tier] = running.get(tracked.request.tier, 0) + 1
-        info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at, running)
+        info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at, running,
+                          self.num_steps, self.step_s, self.gap_s)
         await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
 
     async def _heartbeat_loop(self, kv, stop: asyncio.Event) -> None:
@@ -271,6 +281,19 @@ class Worker:
                 code="queue_timeout", type="rate_limit_error", status=503))
             await msg.ack()
             return 0
+        try:
+            tracked.prepared = await asyncio.get_running_loop().run_in_executor(
+                self._intake_thread, prepare_prompt, self._intake_tokenizer, request, self.engine.max_context)
+        except RequestRejected as exc:
+            await self._out.error(request, exc.error)
+            await msg.ack()
+            return 0
+        except Exception:  # this request's alone: the others, and the intake, go on
+            log.exception("could not tokenize request %s", request.request_id)
+            await self._out.error(request, ErrorInfo("The worker could not tokenize the request.",
+                                                     code="internal_error", type="server_error", status=500))
+            await msg.ack()
+            return 0
         self._pending_adds.append((tracked, msg))
         self._work.set()
         return 1
@@ -284,7 +307,7 @@ class Worker:
                 result.rejected.append((tracked, msg, ErrorInfo("cancelled", code="cancelled", status=499)))
                 continue
             try:
-                tracked.prompt_tokens = self.engine.add_request(tracked.request)
+                tracked.prompt_tokens = self.engine.add_request(tracked.request, tracked.prepared)
                 tracked.dropped_messages = self.engine.num_dropped_messages(tracked.request.request_id)
             except RequestRejected as exc:
                 result.rejected.append((tracked, msg, exc.error))
@@ -298,9 +321,17 @@ class Worker:
         return result
 
     async def _step_loop(self, stop: asyncio.Event) -> None:
+        """Steps back to back while there is work. Step N's outcome is published while step N+1 runs (the
+        publishing of one step always ends before the next step's starts, so deltas stay in order)."""
+        publishing: asyncio.Task | None = None
+        ended_at: float | None = None  # when the previous step ended, if the loop went straight on
         while True:
             has_work = self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests()
             if not has_work:
+                if publishing is not None:
+                    await _published(publishing)
+                    publishing, ended_at = None, None
+                    continue  # publishing may have let the intake add work
                 if stop.is_set():
                     return
                 self._work.clear()
@@ -315,26 +346,36 @@ class Worker:
             for tracked, _ in adds:
                 self._active[tracked.request.request_id] = tracked
             self._num_admitting = len(adds)
+            started_at = time.perf_counter()
+            if ended_at is not None:
+                self.gap_s += started_at - ended_at
+            step = asyncio.ensure_future(asyncio.to_thread(self._step_sync, adds, aborts, self._background_limit()))
+            if publishing is not None:
+                await _published(publishing)
+                publishing = None
             try:
-                result = await asyncio.to_thread(self._step_sync, adds, aborts, self._background_limit())
+                result = await step
             except Exception:
                 log.exception("engine step failed; failing %d running requests", len(self._active))
                 await self._fail_all()
+                ended_at = None
                 continue
             finally:
                 self._num_admitting = 0
-            freed = await self._publish_result(result)
-            if not freed:
-                self._capacity.set()  # admissions change who may jump in: let the intake look again
+            ended_at = time.perf_counter()
+            self.num_steps += 1
+            self.step_s += ended_at - started_at
+            publishing = asyncio.create_task(self._publish_result(result))
+            freed = bool(result.rejected) or any(d.finish_reason for d in result.deltas)
+            self._capacity.set()  # freed seats, or admissions that change who may jump in: let the intake look
             if freed and self._maybe_pending:
                 # Let the intake refill the freed seats before the next step starts, not a whole step later;
                 # bounded, so an empty queue costs at most a few milliseconds.
                 self._intake_idle.clear()
-                self._capacity.set()
                 await _first_of(self._intake_idle, timeout=_REFILL_WAIT_S)
 
-    async def _publish_result(self, result: _StepResult) -> bool:
-        """Publish a step's outcome; True when a seat was freed (something finished or was rejected)."""
+    async def _publish_result(self, result: _StepResult) -> None:
+        """Publish a step's outcome: rejections, admissions, deltas, and the records of what finished."""
         for tracked, msg, error in result.rejected:
             self._active.pop(tracked.request.request_id, None)
             await self._out.error(tracked.request, error)
@@ -363,10 +404,6 @@ class Worker:
                 if tracked.num_finished >= tracked.request.sampling.n:
                     self._active.pop(tracked.request.request_id, None)
                     await self._out.finished(tracked, delta.finish_reason, now)
-        if result.rejected or any(d.finish_reason for d in result.deltas):
-            self._capacity.set()
-            return True
-        return False
 
     async def _fail_all(self) -> None:
         for request_id, tracked in list(self._active.items()):
@@ -378,6 +415,13 @@ class Worker:
             self._active.pop(request_id, None)
         self._capacity.set()
 
+
+async def _published(task: asyncio.Task) -> None:
+    """Wait for a step's publishing; a failure there (NATS gone) is logged, never taken for a failed step."""
+    try:
+        await task
+    except Exception:
+        log.exception("publishing a step's outcome failed")
 
 
 async def _first_of(*events: asyncio.Event, timeout: float) -> None:
