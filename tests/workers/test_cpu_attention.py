@@ -44,9 +44,9 @@ def _step(heads, kv_heads, head_dim, block_size, decode_contexts, prefill=(0, 0)
     return chunks, cache, q, k, v
 
 
-def _attend(backend_cls, shape, step):
+def _attend(backend_cls, shape, step, dtype=torch.float32):
     chunks, (k_cache, v_cache), q, k, v = step
-    attention = backend_cls(*shape, CPU)
+    attention = backend_cls(*shape, CPU) if dtype == torch.float32 else backend_cls(*shape, CPU, dtype)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     out = attention.forward(q, k, v, k_cache, v_cache, attention.prepare(chunks))
     return out, k_cache, v_cache
@@ -98,10 +98,31 @@ def test_kernel_decode_only_step_and_threads(kernel):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 128, 16), (6, 2, 32, 4)])
+def test_bf16_decodes_match_fp32_attention_over_the_same_values(kernel, heads, kv_heads, head_dim, block_size):
+    """bf16 caches: the decode kernel widens each row and computes in fp32, so it must equal fp32 attention over
+    the same (bf16) values up to the output's rounding; the step's prefill chunk goes through SDPA."""
+    shape = (heads, kv_heads, head_dim, block_size)
+    chunks, cache, q, k, v = _step(*shape, [0, 1, block_size, 3 * block_size + 5, 300, 11],
+                                   prefill=(block_size + 3, 9), seed=5)
+    bf16 = [t.to(torch.bfloat16) for t in (*cache, q, k, v)]
+    reference = (chunks, [t.float() for t in bf16[:2]], *(t.float() for t in bf16[2:]))
+    expected, k_ref, v_ref = _attend(SdpaAttention, shape, reference)
+    assert CpuPagedAttention(*shape, CPU, torch.bfloat16)._prefill_lib is None
+    got, k_got, v_got = _attend(CpuPagedAttention, shape, (chunks, bf16[:2], *bf16[2:]), torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    num_prefill = 9
+    # Decodes: one rounding of an fp32 result (bf16 keeps 8 bits); the prefill rows went through bf16 SDPA.
+    torch.testing.assert_close(got[num_prefill:].float(), expected[num_prefill:], atol=1e-2, rtol=2**-8)
+    torch.testing.assert_close(got[:num_prefill].float(), expected[:num_prefill], atol=3e-2, rtol=3e-2)
+    assert torch.equal(k_got.float(), k_ref) and torch.equal(v_got.float(), v_ref)
+
+
 def test_default_backend_on_cpu(kernel):
-    assert isinstance(make_attention(9, 3, 64, 16, CPU), CpuPagedAttention)  # fp32 cache: the kernel
+    assert isinstance(make_attention(9, 3, 64, 16, CPU), CpuPagedAttention)  # fp32 cache: the kernels
     bf16 = make_attention(9, 3, 64, 16, CPU, dtype=torch.bfloat16)
-    assert type(bf16) is SdpaAttention  # the kernel is fp32 only
+    assert isinstance(bf16, CpuPagedAttention) and bf16._prefill_lib is None  # bf16: decodes only
+    assert type(make_attention(9, 3, 64, 16, CPU, dtype=torch.float16)) is SdpaAttention
 
 
 def test_no_compiler_falls_back_to_sdpa(no_compiler, caplog):

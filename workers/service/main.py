@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -40,7 +41,13 @@ def build_engine(config: SwitchyardConfig):
     ))
 
 
-async def _serve(engine, config: SwitchyardConfig) -> None:
+def _load_and_warm(config: SwitchyardConfig) -> Engine:
+    engine = build_engine(config)
+    engine.runner.warmup()  # lazy kernel and allocator set-up before the first request, not in it
+    return engine
+
+
+async def _serve(engine, config: SwitchyardConfig, step_thread: ThreadPoolExecutor) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -50,11 +57,18 @@ async def _serve(engine, config: SwitchyardConfig) -> None:
     if batch_seqs is None:
         batch_seqs = 2 if engine.runner.device.type == "cpu" else 0
     background = BackgroundPolicy(seats_when_busy=batch_seqs or None, busy_window_s=w.interactive_busy_s)
-    worker = Worker(engine, config.worker.served_name, config.nats_url, background, heartbeat_s=w.heartbeat_s)
+    worker = Worker(engine, config.worker.served_name, config.nats_url, background, step_thread,
+                    heartbeat_s=w.heartbeat_s)
     await worker.run(stop)
 
 
 def serve_worker(config: SwitchyardConfig) -> int:
-    engine = build_engine(config)
-    asyncio.run(_serve(engine, config))
+    # Every torch call of the process on one OS thread, loading included: OpenMP gives each calling thread a pool of
+    # its own, and once two pools exist every matmul on 2 cores ran about 1.5x slower (bench/serve.py).
+    step_thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-step")
+    try:
+        engine = step_thread.submit(_load_and_warm, config).result()
+        asyncio.run(_serve(engine, config, step_thread))
+    finally:
+        step_thread.shutdown()
     return 0

@@ -4,7 +4,7 @@
                    └ tokenize + chat template on the intake thread (own tokenizer)     │ pending adds
     doorbell sub  llm.req.<model>.>  (core NATS: wakes intake when work arrives)       │
     cancel sub    llm.cancel.>       ──────────────────────────────────────────────────┤ pending aborts
-    step loop ── to_thread(admit + engine.step()) ─────────────────────────────────────┘
+    step loop ── step thread: admit + engine.step() ───────────────────────────────────┘
               └─ step N's deltas go out (llm.tok.<id>, llm.usage) while step N+1 runs
     heartbeat task ── KV workers/<model>.<worker_id>
 
@@ -68,8 +68,10 @@ class Worker:
     """Serves one model from the REQUESTS stream until ``stop`` is set, then drains running requests."""
 
     def __init__(self, engine, model_name: str, nats_url: str, background: BackgroundPolicy,
-                 heartbeat_s: float = 3.0) -> None:
-        """``background``: how much batch-tier work may hold seats and run while interactive traffic is about."""
+                 step_thread: ThreadPoolExecutor, heartbeat_s: float = 3.0) -> None:
+        """``background``: how much batch-tier work may hold seats and run while interactive traffic is about.
+        ``step_thread``: a one-thread executor, the thread that built ``engine``; every step runs there (torch's
+        OpenMP pool belongs to the calling thread, and a second pool slows every matmul down)."""
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
@@ -94,6 +96,7 @@ class Worker:
         self._background = background
         self._intake_tokenizer = copy.deepcopy(engine.tokenizer)
         self._intake_thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-intake")
+        self._step_thread = step_thread
         self.num_steps, self.step_s, self.gap_s = 0, 0.0, 0.0  # see WorkerInfo
 
     # -- capacity ---------------------------------------------------------------------------------------
@@ -349,7 +352,8 @@ class Worker:
             started_at = time.perf_counter()
             if ended_at is not None:
                 self.gap_s += started_at - ended_at
-            step = asyncio.ensure_future(asyncio.to_thread(self._step_sync, adds, aborts, self._background_limit()))
+            step = asyncio.get_running_loop().run_in_executor(
+                self._step_thread, self._step_sync, adds, aborts, self._background_limit())
             if publishing is not None:
                 await _published(publishing)
                 publishing = None

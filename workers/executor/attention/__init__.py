@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, one backend per module (``base`` says what they share):
 
 * ``sdpa``: torch ``scaled_dot_product_attention`` over gathered blocks; any device, the fallback.
-* ``cpu_paged``: C kernels that read K/V in place through the block tables (CPU, fp32 caches).
+* ``cpu_paged``: C kernels that read K/V in place through the block tables (CPU: decodes over fp32 and bf16 caches,
+  prefill chunks over fp32 ones).
 * ``triton``: Triton kernels that read K/V in place through the block tables (CUDA default, any block size).
 * ``flash``: flash-attn's varlen kernel over the paged cache (CUDA, when installed and the block size allows).
 
@@ -33,8 +34,8 @@ def make_attention(
     dtype: torch.dtype = torch.float32,
 ) -> PagedAttention:
     """``backend`` None picks, on CUDA, flash-attn when it is importable and the block size allows, else the Triton
-    kernels; on CPU the compiled kernels for fp32 caches when they build; else SDPA. The choice and its reason are
-    logged."""
+    kernels; on CPU the compiled kernels for fp32 and bf16 caches when they build; else SDPA. The choice and its
+    reason are logged."""
     if backend is None:
         backend, reason = "sdpa", "no paged kernel for this device and dtype"
         if device.type == "cuda":
@@ -48,11 +49,12 @@ def make_attention(
                           f"flash-attn needs a block size that is a multiple of {FLASH_BLOCK_MULTIPLE}")
             else:
                 reason = "neither flash-attn nor Triton is importable"
-        elif device.type == "cpu" and dtype == torch.float32:
+        elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             from switchyard.workers.executor.attention.cpu_paged import load_kernel
 
             if load_kernel() is not None:
-                backend, reason = "cpu_paged", "fp32 cache on CPU and the C kernels built"
+                cache = str(dtype).removeprefix("torch.")
+                backend, reason = "cpu_paged", f"a {cache} cache on CPU and the C kernels built"
             else:
                 reason = "the C kernels could not be built"
         log.info("attention backend %s: %s", backend, reason)
@@ -61,7 +63,7 @@ def make_attention(
     if backend == "cpu_paged":
         from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention
 
-        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size, device)
+        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size, device, dtype)
     if backend == "triton":
         from switchyard.workers.executor.attention.triton_paged import TritonAttention
 

@@ -28,8 +28,9 @@ def load_kernel() -> ctypes.CDLL | None:
     lib = load_library("paged_decode")
     if lib is not None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.paged_decode_f32.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-        lib.paged_decode_f32.restype = i32
+        for kernel in (lib.paged_decode_f32, lib.paged_decode_bf16):
+            kernel.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+            kernel.restype = i32
     return lib
 
 
@@ -54,12 +55,16 @@ class CpuPagedMetadata(AttentionMetadata):
 
 
 class CpuPagedAttention:
-    """C kernels for decodes (``csrc/paged_decode.c``) and prefill chunks (``csrc/prefill_attention.c``, where it
-    builds and takes the head size; SDPA otherwise), fp32 caches on CPU."""
+    """C kernels for decodes (``csrc/paged_decode.c``, fp32 and bf16 caches) and prefill chunks
+    (``csrc/prefill_attention.c``: fp32 caches, where it builds and takes the head size; SDPA otherwise), on CPU."""
 
     name = "cpu_paged"
+    dtypes = (torch.float32, torch.bfloat16)  # the caches the decode kernel reads
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32):
+        if dtype not in self.dtypes:
+            raise ValueError(f"the CPU decode kernel reads fp32 or bf16 caches, not {dtype}")
         lib = load_kernel()
         if lib is None:
             raise RuntimeError("the CPU decode kernel (csrc/paged_decode.c) could not be built")
@@ -67,8 +72,10 @@ class CpuPagedAttention:
         self.block_size = block_size
         self.device = device
         self.scale = head_dim**-0.5
-        self._decode_kernel = lib.paged_decode_f32
-        self._prefill_lib = load_prefill_kernel() if head_dim % PANEL_WIDTH == 0 else None
+        self._decode_kernel = lib.paged_decode_f32 if dtype == torch.float32 else lib.paged_decode_bf16
+        self._decode_kernel_name = self._decode_kernel.__name__
+        fp32_prefill = dtype == torch.float32 and head_dim % PANEL_WIDTH == 0
+        self._prefill_lib = load_prefill_kernel() if fp32_prefill else None
         self._sdpa = None if self._prefill_lib is not None else SdpaAttention(
             num_heads, num_kv_heads, head_dim, block_size, device)
         self._workspace = torch.empty(0)
@@ -130,5 +137,5 @@ class CpuPagedAttention:
             torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"paged_decode_f32 failed with status {status}")
+            raise RuntimeError(f"{self._decode_kernel_name} failed with status {status}")
         return out
