@@ -104,6 +104,7 @@ class CompletionService:
             deadline_at=now + min(policy.max_wait_s, self._config.queue_timeout_s),
             tenant_id=auth.tenant_id,
             api_key_id=auth.key_id,
+            shared_prefix_cache=self._config.shared_prefix_cache,
             **fields,
         )
 

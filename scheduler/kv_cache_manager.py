@@ -21,15 +21,24 @@ from switchyard.scheduler.block_pool import Block, BlockPool
 from switchyard.scheduler.request import Sequence
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str = "") -> int:
     """Hash of a full block given its parent's hash (None for the first block).
+
+    ``salt`` (the sequence's ``cache_salt``) goes into the first block's hash, so the whole chain differs between
+    salts: a prefix is shared only between sequences of one salt, and ``cached_tokens`` cannot tell one tenant
+    what another tenant's prompts were.
 
     blake2b-128 rather than ``hash()``: it is stable across processes, and a collision would let one
     request read another's KV, so it must be infeasible to craft one, not just unlikely by chance.
     """
     h = hashlib.blake2b(digest_size=16)
-    # The tag byte keeps "no parent" and "some parent" encodings from ever producing the same bytes.
-    h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little"))
+    # The tag byte keeps "no parent" and "some parent" encodings from ever producing the same bytes; the salt's
+    # length prefix keeps salt bytes from passing for token bytes.
+    if parent_hash is None:
+        salted = salt.encode()
+        h.update(b"\x00" + len(salted).to_bytes(4, "little") + salted)
+    else:
+        h.update(b"\x01" + parent_hash.to_bytes(16, "little"))
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
 
@@ -82,7 +91,7 @@ class KVCacheManager:
         for i in range(max_blocks):
             token_ids = self._block_tokens(seq, i)
             if i == len(hashes):
-                hashes.append(hash_block(hashes[i - 1] if i else None, token_ids))
+                hashes.append(hash_block(hashes[i - 1] if i else None, token_ids, seq.cache_salt))
             block = self.pool.get_cached_block(hashes[i], token_ids)
             if block is None:
                 break
@@ -94,7 +103,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(seq.seq_id, [])
         while len(hashes) <= index:
             i = len(hashes)
-            hashes.append(hash_block(hashes[i - 1] if i else None, self._block_tokens(seq, i)))
+            hashes.append(hash_block(hashes[i - 1] if i else None, self._block_tokens(seq, i), seq.cache_salt))
         return hashes[index]
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block] = ()) -> bool:
@@ -151,7 +160,7 @@ class KVCacheManager:
         for i in range(start, num_full):
             token_ids = self._block_tokens(seq, i)
             if i == len(hashes):
-                hashes.append(hash_block(hashes[i - 1] if i else None, token_ids))
+                hashes.append(hash_block(hashes[i - 1] if i else None, token_ids, seq.cache_salt))
             self.pool.cache_full_block(table[i], hashes[i], token_ids)
         self._num_registered[seq.seq_id] = num_full
 

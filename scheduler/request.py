@@ -67,6 +67,7 @@ class Sequence:
     priority: int = 0  # lower = more important
     arrival: float = 0.0
     data: object = None
+    cache_salt: str = ""  # prefix-cache scope: blocks are shared only between sequences of one salt
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (hits included)
     num_cached_tokens: int = 0  # prefix-cache hit on first admission, for usage reporting

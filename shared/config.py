@@ -44,6 +44,9 @@ class GatewayConfig(BaseModel):
     # Host the durable consumers (billing writer, batch runner, housekeeping) in the gateway process; off when they
     # run alone under `switchyard jobs`.
     run_jobs: bool = True
+    # Let every tenant's requests share one prefix cache (a single-tenant deployment, or prompts that are all
+    # public). Off: cached blocks are shared only within a tenant, so cached_tokens cannot probe others' prompts.
+    shared_prefix_cache: bool = False
 
 
 class WorkerConfig(BaseModel):

@@ -55,6 +55,10 @@ class GenerateRequest(msgspec.Struct):
     # A batch line: besides the token deltas, the worker publishes its outcome as one durable ``BatchResult``
     # to this JetStream subject (``llm.result.<batch_id>``), so results survive a restart of the batch runner.
     result_subject: str | None = None
+    # Prefix-cache scope: False (the default) shares cached blocks only within the tenant, so no tenant's
+    # cached_tokens reveals another's prompts; True (an operator's opt-in, GatewayConfig.shared_prefix_cache)
+    # shares them with every request that opted in too.
+    shared_prefix_cache: bool = False
 
 
 class Usage(msgspec.Struct):

@@ -16,7 +16,8 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", dtype="floa
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
               batch_seqs_when_busy=4, interactive_busy_s=2.5)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
-               max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False)
+               max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
+               shared_prefix_cache=True)
 
 
 def test_the_fixtures_cover_every_setting():

@@ -114,6 +114,33 @@ async def test_monthly_budget_exhausted_is_insufficient_quota(system, new_key):
         await poll(over_budget, what="quota exhaustion")
 
 
+async def test_the_prefix_cache_never_tells_one_tenant_about_anothers_prompt(system, new_key):
+    """Tenant A's long confidential system prompt is cached for A; B sending the very same text, or C a guess that
+    differs in one late word, computes it all and sees cached_tokens 0."""
+    _, a = await new_key()
+    _, b = await new_key()
+    _, c = await new_key()
+    secret = " ".join(f"secret{i}" for i in range(150))
+
+    def body(system_prompt: str) -> dict:
+        return {**chat_body(max_tokens=2), "messages": [{"role": "system", "content": system_prompt},
+                                                        {"role": "user", "content": "hello"}]}
+
+    async with httpx.AsyncClient(base_url=system, timeout=30) as http:
+        async def cached(key: str, system_prompt: str) -> tuple[int, int]:
+            r = await http.post("/v1/chat/completions", json=body(system_prompt), headers=bearer(key))
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+        prompt_tokens, _ = await cached(a, secret)
+        assert prompt_tokens > 64
+        assert (await cached(a, secret))[1] >= 64, "A's own second request finds A's prompt cached"
+        assert (await cached(b, secret))[1] == 0
+        assert (await cached(c, secret.replace("secret140", "guess140")))[1] == 0, "a guess right up to word 140"
+        assert (await cached(b, secret))[1] >= 64, "B's own blocks are B's to reuse"
+
+
 async def test_usage_is_per_tenant(system, new_key):
     _, a = await new_key()
     _, b = await new_key()

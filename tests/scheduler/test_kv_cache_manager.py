@@ -105,12 +105,20 @@ def test_eviction_takes_the_tail_of_a_prefix_first_then_lru() -> None:
 
 
 def test_colliding_hashes_are_caught_by_token_verification(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kv_module, "hash_block", lambda parent, tokens: 1234)  # every block collides
+    monkeypatch.setattr(kv_module, "hash_block", lambda parent, tokens, salt="": 1234)  # every block collides
     kv = KVCacheManager(num_blocks=8, block_size=4)
     computed(kv, Sequence("a", [1, 2, 3, 4, 5], max_tokens=1))
     assert kv.get_computed_blocks(Sequence("b", [9, 9, 9, 9, 5], max_tokens=1)) == ([], 0)
     blocks, num_hit = kv.get_computed_blocks(Sequence("c", [1, 2, 3, 4, 6], max_tokens=1))
     assert num_hit == 4 and blocks[0].token_ids == (1, 2, 3, 4)
+
+
+def test_a_salt_scopes_the_whole_chain() -> None:
+    """Same tokens, other salt: no block is found, the first or any later one (the salt is in the chain's root)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    computed(kv, Sequence("a", list(range(13)), max_tokens=1, cache_salt="tenant:a"))
+    assert kv.get_computed_blocks(Sequence("b", list(range(13)), max_tokens=1, cache_salt="tenant:b")) == ([], 0)
+    assert kv.get_computed_blocks(Sequence("c", list(range(13)), max_tokens=1, cache_salt="tenant:a"))[1] == 12
 
 
 def test_cache_blocks_registers_only_full_computed_blocks_incrementally() -> None:

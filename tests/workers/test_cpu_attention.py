@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
+from switchyard.workers.executor import kernels
 from switchyard.workers.executor.attention import SdpaAttention, make_attention
 from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention, load_kernel
-from switchyard.workers.executor import kernels
 from switchyard.workers.executor.kernels import load_library
 
 CPU = torch.device("cpu")
@@ -146,6 +146,26 @@ def test_kernel_is_built_once_per_cache(monkeypatch, tmp_path, kernel, no_instal
 def test_the_install_built_every_kernel_for_this_machine(kernel):
     # `pip install` (setup.py) builds them where a compiler is present, as `kernel` showed one is.
     assert all(kernels.installed_library(name) is not None for name in kernels.KERNELS)
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone(kernel):
+    """Fast math is for the kernels' own loops: linked with -ffast-math, a library turns on flush-to-zero for the
+    whole process as it loads, and torch's and Python's subnormals silently become zero. A fresh process, as the
+    test process may have loaded a build already."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from switchyard.workers.executor import kernels\n"
+        "assert all(kernels.load_library(n) is not None for n in kernels.KERNELS)\n"
+        "tiny = 5e-324\n"
+        "assert tiny * 1.0 > 0, 'Python floats flushed to zero'\n"
+        "t = torch.tensor([1e-40], dtype=torch.float32)\n"
+        "assert (t * 1.0).item() > 0, 'torch subnormals flushed to zero'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_an_install_built_for_another_cpu_is_not_loaded(monkeypatch, kernel, caplog):

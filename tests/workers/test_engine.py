@@ -250,6 +250,33 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny, make_request):
     assert prepare_prompt(strict, make_request(messages=[("user", "x")]), 256).token_ids
 
 
+def test_cached_blocks_are_shared_within_a_tenant_or_an_opted_in_scope_only(tiny, make_request):
+    import msgspec as ms
+
+    engine = Engine(*tiny)
+    prompt = PROMPTS[2] * 2  # several full blocks
+
+    def cached(tenant: str, shared: bool = False) -> int:
+        req = ms.structs.replace(make_request(prompt=prompt, temperature=0, max_tokens=1), tenant_id=tenant,
+                                 shared_prefix_cache=shared)
+        engine.add_request(req)
+        return run(engine)[req.request_id].final.usage.cached_tokens
+
+    assert cached("a") == 0
+    assert cached("a") >= 32
+    assert cached("b") == 0, "another tenant's identical prompt is not a hit"
+    assert cached("c", shared=True) == 0 and cached("d", shared=True) >= 32  # the opt-in scope is shared
+    assert cached("e") == 0
+
+
+def test_an_empty_prompt_is_refused_before_compute(tiny, make_request):
+    engine = Engine(*tiny)
+    with pytest.raises(RequestRejected) as exc:
+        engine.add_request(make_request(prompt=""))
+    assert (exc.value.error.status, exc.value.error.param) == (400, "prompt")
+    assert not engine.has_unfinished_requests()
+
+
 def test_n_choices_share_the_prompt_and_sample_independently(tiny, make_request):
     engine = Engine(*tiny)
     req = make_request(prompt=PROMPTS[2], n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)

@@ -111,6 +111,7 @@ class Engine:
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs
         self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
         self.num_out_of_memory_steps = 0  # steps the device had no memory for (see _shed_for_memory)
+        self.num_failed_steps = 0  # steps that raised and were run sequence by sequence (_compute_each_alone)
         # A background-only step part-way through its layers, and whether it must be dropped at the next call.
         self._in_flight: tuple[SchedulerOutput, ForwardPass] | None = None
         self._drop_in_flight = False
@@ -160,6 +161,10 @@ class Engine:
         state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[],
                          num_dropped_messages=prepared.num_dropped_messages)
         arrival = time.monotonic()
+        # vLLM's cache_salt idea: a tenant's blocks are found only by its own requests (see GenerateRequest).
+        cache_salt = "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
+        # Everything is built before the scheduler sees any of it: a request that fails here leaves nothing behind.
+        seqs = []
         for index in range(params.n):
             seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"
             seed = None if params.seed is None else params.seed + index
@@ -167,14 +172,13 @@ class Engine:
                              IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
                              make_generator(seed),
                              unreported_logprobs=[] if params.logprobs else None)
-            seq = Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice)
-            if index == 0:
-                self.scheduler.add_request(seq)
-                if not self.scheduler.is_background(seq):
-                    self._drop_in_flight = True  # it must not wait for a batch-only step to finish
-            else:
-                state.held.append(seq)
+            seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
+                                 cache_salt=cache_salt))
             state.seq_ids.append(seq_id)
+        self.scheduler.add_request(seqs[0])
+        state.held = seqs[1:]
+        if not self.scheduler.is_background(seqs[0]):
+            self._drop_in_flight = True  # it must not wait for a batch-only step to finish
         self._requests[req.request_id] = state
         return len(prompt_ids)
 
@@ -231,6 +235,11 @@ class Engine:
             self._in_flight = None
             outputs.extend(self._shed_for_memory(plan))
             return outputs
+        except Exception:
+            log.exception("a step of %d sequences failed; running each alone to find the one that fails",
+                          len(plan.scheduled))
+            self._in_flight = None
+            computed = self._compute_each_alone(plan, outputs)
         if computed is None:
             return outputs
         sampled, logprobs = computed
@@ -270,6 +279,31 @@ class Engine:
             token_ids = to_host_list(token_ids)  # the step's one wait for the device
             sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
             logprobs = self._logprobs(logits, to_sample, token_ids)
+        return sampled, logprobs
+
+    def _compute_each_alone(self, plan: SchedulerOutput, outputs: list[TokenDelta],
+                            ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """A step failed: compute each of its sequences alone. A sequence that fails alone fails its request (and
+        only it, with a 500); the others get their tokens as if the step had run. Rewriting a chunk's KV slots
+        writes the values the failed step may have written already."""
+        self.num_failed_steps += 1
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        error = ErrorInfo("The worker had an error processing your request.", code="internal_error",
+                          type="server_error", status=500)
+        for entry in plan.scheduled:
+            state = entry.seq.data.request
+            if state.request_id not in self._requests:
+                continue  # a sibling choice failed before it
+            try:
+                one = self._compute(SchedulerOutput(scheduled=[entry]))
+            except Exception:
+                log.exception("request %s fails on its own: failing it alone", state.request_id)
+                outputs.extend(self._end_request(state, RequestStatus.FINISHED_ERROR, error))
+                continue
+            if one is not None:
+                sampled.update(one[0])
+                logprobs.update(one[1])
         return sampled, logprobs
 
     def _shed_for_memory(self, plan: SchedulerOutput) -> list[TokenDelta]:

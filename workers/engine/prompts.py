@@ -87,6 +87,9 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int) -> Prepare
         param = "messages"
     else:
         prompt_ids, param = tokenize_prompt(tokenizer, req)
+    if not prompt_ids:  # nothing to continue from: no logits to sample a first token from (vLLM refuses it too)
+        raise RequestRejected(ErrorInfo(f"The {param} is empty: it has no tokens to continue from.",
+                                        code="invalid_value", param=param))
     return PreparedPrompt(prompt_ids, resolve_max_tokens(req, len(prompt_ids), max_context, param), dropped)
 
 

@@ -1,12 +1,11 @@
 """Turn a batch of next-token logits into token ids, each row under its own request's sampling parameters.
 
 Order, as in vLLM and HF: penalties → temperature → top-k → top-p → min-p → draw. Filtering is vectorised over
-the batch; only the random draw runs per row, because each seeded request owns a ``torch.Generator`` and must get
-the same tokens whatever else shares its batch.
+the batch; only the uniforms are per row, because each seeded request owns a ``random.Random`` and must get the
+same tokens whatever else shares its batch.
 
-The draw is an exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per vocabulary entry picks token
-``i`` with probability ``p_i``. It needs one noise vector per row (drawn from that row's generator, in vocabulary
-order, so filtering other tokens never shifts the noise of the kept ones) and no cumulative sums.
+The draw is the inverse CDF: the first token whose cumulative probability exceeds the row's uniform. The uniforms
+are made on the host, so nothing here waits for the device.
 """
 
 from __future__ import annotations

@@ -37,8 +37,10 @@ log = logging.getLogger("switchyard.cpu_kernels")
 
 KERNELS = ("paged_decode", "prefill_attention", "packed_gemm", "cpu_ops")
 SOURCES = Path(__file__).with_name("csrc")
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-LINK_FLAGS = ("-lm",)
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+# Linked in a step of its own, without -ffast-math: gcc would link crtfastmath.o, whose constructor turns on
+# flush-to-zero and denormals-are-zero for the whole process (torch and Python floats included) when it loads.
+LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 INSTALLED_PREFIX = "_c_"  # the installed build of <name> is the extension module _c_<name>
 BUILD_ID_SOURCE = "build_id.c"  # linked into every kernel: switchyard_build_id() answers its build identity
 
@@ -116,15 +118,21 @@ def compile_kernel(name: str, target: Path, compiler: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    try:
-        subprocess.run([compiler, *COMPILE_FLAGS, f'-DSWITCHYARD_BUILD_ID="{build_identity(name)}"',
-                        str(SOURCES / f"{name}.c"), str(SOURCES / BUILD_ID_SOURCE), "-o", tmp, *LINK_FLAGS],
-                       check=True, capture_output=True, text=True, timeout=120)
-        os.chmod(tmp, 0o755)  # mkstemp makes it owner-only; a worker may run as another user
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory() as objects:
+        try:
+            objs = []
+            for source in (f"{name}.c", BUILD_ID_SOURCE):
+                objs.append(str(Path(objects) / f"{Path(source).stem}.o"))
+                subprocess.run([compiler, *COMPILE_FLAGS, f'-DSWITCHYARD_BUILD_ID="{build_identity(name)}"', "-c",
+                                str(SOURCES / source), "-o", objs[-1]],
+                               check=True, capture_output=True, text=True, timeout=120)
+            subprocess.run([compiler, *objs, "-o", tmp, *LINK_FLAGS], check=True, capture_output=True, text=True,
+                           timeout=120)
+            os.chmod(tmp, 0o755)  # mkstemp makes it owner-only; a worker may run as another user
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def _runtime_build(name: str) -> Path | None:

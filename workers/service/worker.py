@@ -271,6 +271,13 @@ class Worker:
             log.error("terminating malformed request message on %s", msg.subject)
             await msg.term()
             return 0
+        if request.request_id in self._active or any(t.request.request_id == request.request_id
+                                                       for t, _ in self._pending_adds):
+            # JetStream redelivered a request this worker runs (its ack was lost): the copy is dropped, the
+            # original goes on; answering the copy would end the original's stream.
+            log.warning("dropping a redelivered copy of running request %s", request.request_id)
+            await msg.ack()
+            return 0
         now = time.time()
         tracked = Tracked(request, received_at=now)
         self._background.note_arrival(is_background=request.tier == BATCH_TIER)
@@ -314,6 +321,12 @@ class Worker:
                 tracked.dropped_messages = self.engine.num_dropped_messages(tracked.request.request_id)
             except RequestRejected as exc:
                 result.rejected.append((tracked, msg, exc.error))
+                continue
+            except Exception:  # this request's alone (add_request leaves nothing behind): the others go on
+                log.exception("could not add request %s", tracked.request.request_id)
+                result.rejected.append((tracked, msg, ErrorInfo(
+                    "The worker could not start your request.", code="internal_error", type="server_error",
+                    status=500)))
                 continue
             tracked.admitted_at = time.time()
             result.admitted.append((tracked, msg))
