@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from switchyard.gateway.admin import admin_router
 from switchyard.gateway.auth import AuthContext, Authenticator
 from switchyard.gateway.batches import batches_router
+from switchyard.gateway.body_limit import BodySizeLimit
 from switchyard.gateway.conversations import conversations_router
 from switchyard.gateway.errors import OpenAIError, install_error_handlers
 from switchyard.gateway.files import files_router
@@ -66,6 +67,7 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_request_bytes)
 
     def request_tier(request: Request) -> str | None:
         tier = request.headers.get(TIER_HEADER)

@@ -26,7 +26,7 @@ from switchyard.gateway.errors import OpenAIError
 
 MAX_FILE_BYTES = 50 * 1024 * 1024
 UPLOAD_PURPOSES = ("batch",)
-_MULTIPART_SLACK = 64 * 1024  # boundaries and the other form fields around the file
+MULTIPART_SLACK = 64 * 1024  # boundaries and the other form fields around the file
 
 
 def new_file_id() -> str:
@@ -73,7 +73,7 @@ def files_router(caller) -> APIRouter:
     async def upload(request: Request, auth: AuthContext = Depends(caller)):
         # The form is parsed here, after authentication, and refused by its declared size before it is read.
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_FILE_BYTES + _MULTIPART_SLACK:
+        if declared is not None and declared.isdigit() and int(declared) > MAX_FILE_BYTES + MULTIPART_SLACK:
             raise _too_large()
         async with request.form(max_files=1, max_fields=8) as form:
             purpose, upload = form.get("purpose"), form.get("file")

@@ -22,7 +22,7 @@ from nats.js.errors import APIError
 
 from switchyard.gateway.errors import OpenAIError, service_unavailable
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import QUEUE_FULL_CODES
+from switchyard.shared.jetstream import QUEUE_FULL_CODES, oversize_error
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
 
 # The worker must start a request before its deadline; this margin covers its reply's trip back.
@@ -109,13 +109,18 @@ class Relay:
         self._retry_after_s = retry_after_s
 
     async def submit(self, request: GenerateRequest) -> RelayedRequest:
-        """Publish ``request``; raises OpenAIError 429 ``queue_full`` when JetStream refuses it."""
+        """Publish ``request``; raises OpenAIError 429 ``queue_full`` when JetStream refuses it, 413
+        ``request_too_large`` when it does not fit in one NATS message."""
+        payload = encode(request)
+        too_large = oversize_error(self._nc, payload)
+        if too_large is not None:
+            raise OpenAIError.from_info(too_large)
         sub = await self._nc.subscribe(subjects.token_subject(request.request_id))
         relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s)
         try:
             await self._js.publish(
                 subjects.request_subject(request.model, request.tier),
-                encode(request),
+                payload,
                 headers={"Nats-Msg-Id": request.request_id},
             )
         except APIError as exc:

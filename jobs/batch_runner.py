@@ -49,11 +49,17 @@ from switchyard.jobs import batch_store
 from switchyard.jobs.batch_store import BatchStore
 from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import QUEUE_FULL_CODES, ensure_batch_results_consumer
+from switchyard.shared.jetstream import QUEUE_FULL_CODES, ensure_batch_results_consumer, oversize_error
 from switchyard.shared.messages import BatchResult, ErrorInfo, encode
 from switchyard.shared.tiers import BATCH_TIER
 
 log = logging.getLogger("switchyard.batch")
+
+
+class _LineTooLarge(Exception):
+    def __init__(self, error: ErrorInfo) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 LEAD_RETRY_S = 3.0
 TICK_S = 1.0
@@ -225,6 +231,9 @@ class BatchRunner:
                     error = ErrorInfo(f"Invalid request body: {exc.errors()[0].get('msg')}.", code="invalid_request")
                     failed.append((line["request_id"], json.dumps(error_response(line["request_id"], error))))
                     continue
+                except _LineTooLarge as exc:  # this line alone fails; the batch goes on
+                    failed.append((line["request_id"], json.dumps(error_response(line["request_id"], exc.error))))
+                    continue
                 if seq is None:
                     break  # the batch queue is at its cap: the rest waits for the next tick
                 published.append((line["request_id"], seq, from_status))
@@ -242,8 +251,12 @@ class BatchRunner:
         # publishes it again); a deliberate re-publish needs a new message id, or JetStream would drop it.
         attempts = line["attempts"]
         msg_id = request.request_id if attempts == 0 else f"{request.request_id}.{attempts}"
+        payload = encode(request)
+        too_large = oversize_error(self._nc, payload)
+        if too_large is not None:
+            raise _LineTooLarge(too_large)
         try:
-            ack = await self._js.publish(subjects.request_subject(request.model, BATCH_TIER), encode(request),
+            ack = await self._js.publish(subjects.request_subject(request.model, BATCH_TIER), payload,
                                          headers={"Nats-Msg-Id": msg_id})
         except APIError as exc:
             if exc.err_code in QUEUE_FULL_CODES:

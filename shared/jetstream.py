@@ -10,6 +10,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType, 
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from switchyard.shared import subjects
+from switchyard.shared.messages import ErrorInfo
 from switchyard.shared.stream_config import (
     QUEUE_FULL_CODES,
     batch_results_stream_config,
@@ -117,3 +118,16 @@ async def workers_bucket(js: JetStreamContext):
         return await js.create_key_value(
             KeyValueConfig(bucket=subjects.WORKERS_BUCKET, ttl=WORKER_TTL_S, storage=StorageType.MEMORY, history=1)
         )
+
+
+HEADER_ROOM = 1024  # bytes of a message kept for its headers (the dedup id, trace context)
+
+
+def oversize_error(nc, payload: bytes) -> ErrorInfo | None:
+    """The 413 for a request ``payload`` that (with its headers) does not fit the server's max_payload, else
+    None: the gateway answers it, a batch fails that line with it; never a 500."""
+    room = nc.max_payload - HEADER_ROOM
+    if len(payload) <= room:
+        return None
+    return ErrorInfo(f"The request is {len(payload)} bytes once encoded, more than one queue message holds "
+                     f"({room} bytes); shorten the prompt or conversation.", code="request_too_large", status=413)

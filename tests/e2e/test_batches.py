@@ -183,6 +183,17 @@ async def test_another_tenant_gets_404(client, tenant_client):
     await wait_batch(client, batch.id, finished, what="an end")
 
 
+async def test_a_line_too_large_for_one_queue_message_fails_alone(tenant_client):
+    lines = [chat_line("small"), chat_line("huge", content="word " * 230_000), chat_line("small-2")]
+    _, batch = submit(tenant_client, lines)
+    done = await wait_batch(tenant_client, batch.id, finished, what="an end")
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (2, 1), done
+    errors = parse_jsonl(tenant_client.files.content(done.error_file_id).read())
+    assert [e["custom_id"] for e in errors] == ["huge"]
+    assert errors[0]["response"]["status_code"] == 413
+    assert errors[0]["response"]["body"]["error"]["code"] == "request_too_large", errors[0]
+
+
 async def test_a_nul_character_in_a_line_is_no_obstacle(tenant_client):
     # JSON allows U+0000 in strings (a user may send it, a model may write it); Postgres jsonb does not.
     _, batch = submit(tenant_client, [chat_line("nul", content="before \u0000 after")])

@@ -89,6 +89,25 @@ def test_malformed_body_is_400_with_openai_error_shape(system, auth, body):
     assert err["type"] == "invalid_request_error" and err["message"]
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_413_before_it_is_parsed(system, auth, chunked):
+    big = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * (5 * 2**20) + b'"}]}'
+    content = (big[i:i + 2**16] for i in range(0, len(big), 2**16)) if chunked else big
+    r = httpx.post(f"{system}/v1/chat/completions", content=content,
+                   headers={"Content-Type": "application/json", **auth}, timeout=30)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large" and "4194304 bytes" in r.json()["error"]["message"]
+
+
+def test_a_prompt_too_large_for_one_queue_message_is_413_and_the_gateway_goes_on(client, system, auth):
+    """1.1 MB: under the 4 MiB body limit, over NATS's 1 MiB max_payload."""
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=TINY, prompt="word " * 230_000, max_tokens=4)
+    assert info.value.status_code == 413 and info.value.code == "request_too_large"
+    assert "once encoded" in info.value.message
+    assert greedy(client, max_tokens=3).choices[0].message.content is not None
+
+
 def test_prompt_over_context_is_400_context_length_exceeded(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=TINY, prompt="word " * 4000, max_tokens=4)

@@ -4,9 +4,10 @@ complete, and a request whose sampling or add fails ends alone, leaving its seat
 from __future__ import annotations
 
 from collections import defaultdict
+from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import switchyard.workers.engine.engine as engine_module
@@ -71,17 +72,24 @@ def engine(tiny):
     return Engine(*tiny, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_bytes=1, max_model_len=128))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+REAL_SAMPLE = engine_module.sample
+
+
+def _sample_or_fail(logits, params, *args, **kwargs):
+    if any(p.seed == POISON_SEED for p in params):
+        raise RuntimeError("injected sampling failure")
+    return REAL_SAMPLE(logits, params, *args, **kwargs)
+
+
+@settings(max_examples=40, deadline=None)
 @given(mix=requests, poison=st.integers(-1, 5))
-def test_random_requests_complete_and_a_failing_one_fails_alone(engine, monkeypatch, mix, poison):
-    real_sample = engine_module.sample
+def test_random_requests_complete_and_a_failing_one_fails_alone(engine, mix, poison):
+    # Patched per example (a function-scoped monkeypatch would last across all of them).
+    with mock.patch.object(engine_module, "sample", _sample_or_fail):
+        _check_mix(engine, mix, poison)
 
-    def sample(logits, params, *args, **kwargs):
-        if any(p.seed == POISON_SEED for p in params):
-            raise RuntimeError("injected sampling failure")
-        return real_sample(logits, params, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "sample", sample)
+def _check_mix(engine: Engine, mix, poison: int) -> None:
     arrivals: dict[int, list[GenerateRequest]] = defaultdict(list)
     for i, (params, words, chat, at_step) in enumerate(mix):
         if i == poison:
