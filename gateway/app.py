@@ -18,6 +18,7 @@ from switchyard.gateway.auth import AuthContext, Authenticator
 from switchyard.gateway.batches import batches_router
 from switchyard.gateway.body_limit import BodySizeLimit
 from switchyard.gateway.conversations import conversations_router
+from switchyard.gateway.drain import CountInFlight, InFlightCounter
 from switchyard.gateway.errors import OpenAIError, install_error_handlers
 from switchyard.gateway.files import files_router
 from switchyard.gateway.limits import Limiter, estimate_tokens
@@ -68,6 +69,9 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
     app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_request_bytes)
+    app.state.in_flight = InFlightCounter()
+    app.state.draining = False  # set by DrainingServer on SIGTERM
+    app.add_middleware(CountInFlight, counter=app.state.in_flight)
 
     def request_tier(request: Request) -> str | None:
         tier = request.headers.get(TIER_HEADER)
@@ -154,7 +158,8 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
             checks["postgres"] = False
         served = await request.app.state.registry.models()
         checks["models"] = sorted(served)
-        ready = checks["nats"] and checks["postgres"]
+        checks["draining"] = request.app.state.draining
+        ready = checks["nats"] and checks["postgres"] and not checks["draining"]
         return JSONResponse({"ready": ready, "checks": checks, "time": time.time()}, status_code=200 if ready else 503)
 
     return app

@@ -47,6 +47,8 @@ class GatewayConfig(BaseModel):
     # Let every tenant's requests share one prefix cache (a single-tenant deployment, or prompts that are all
     # public). Off: cached blocks are shared only within a tenant, so cached_tokens cannot probe others' prompts.
     shared_prefix_cache: bool = False
+    # SIGTERM: /readyz answers 503 and open requests and streams get this long to end before the gateway stops.
+    drain_timeout_s: float = Field(60.0, ge=0)
 
 
 class WorkerConfig(BaseModel):
@@ -62,6 +64,9 @@ class WorkerConfig(BaseModel):
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # CUDA: replay decode steps from graphs captured at start
     heartbeat_s: float = Field(3.0, gt=0)
+    # SIGTERM: stop pulling, keep heartbeating, give running requests this long to finish, then end the rest
+    # with 503 worker_shutdown and exit.
+    drain_timeout_s: float = Field(60.0, ge=0)
     torch_threads: int | None = None
     # While interactive traffic is about (a request here, or one in the last interactive_busy_s), batch-tier
     # requests hold at most this many seats and run at most this many per step. None: auto, 2 on CPU (where a

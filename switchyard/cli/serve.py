@@ -13,11 +13,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from switchyard.gateway.app import create_app
+    from switchyard.gateway.drain import DrainingServer
 
     config = load_config(args)
     app = create_app(config)
-    uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=5)
+    # After the drain nothing is open: uvicorn's own grace period only closes idle keep-alive connections.
+    server_config = uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port,
+                                   log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+    DrainingServer(server_config, app.state, app.state.in_flight, config.gateway.drain_timeout_s).run()
     return 0
 
 

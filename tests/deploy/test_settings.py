@@ -14,10 +14,10 @@ from switchyard.shared.config import ENV_PREFIX, GatewayConfig, SwitchyardConfig
 WORKER = dict(model="/models/some-llama", served_model_name="llama", dtype="float32", device="cpu", max_num_seqs=7,
               max_num_batched_tokens=96, block_size=32, kv_cache_gib=1.5, gpu_memory_fraction=0.5,
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
-              batch_seqs_when_busy=4, interactive_busy_s=2.5)
+              batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
-               shared_prefix_cache=True)
+               shared_prefix_cache=True, drain_timeout_s=7.0)
 
 
 def test_the_fixtures_cover_every_setting():

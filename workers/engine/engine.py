@@ -187,13 +187,15 @@ class Engine:
         state = self._requests.get(request_id)
         return 0 if state is None else state.num_dropped_messages
 
-    def abort_request(self, request_id: str) -> bool:
-        """Free the request's KV blocks now; its final ``cancelled`` deltas come with the next step."""
+    def abort_request(self, request_id: str, error: ErrorInfo | None = None) -> bool:
+        """Free the request's KV blocks now; its final deltas come with the next step: ``cancelled``, or with
+        ``error`` when one is given (the worker ending it, not the client)."""
         state = self._requests.get(request_id)
         if state is None:
             return False
         self._drop_in_flight = True  # the step in flight may hold its sequences
-        self._pending.extend(self._end_request(state, RequestStatus.FINISHED_ABORTED))
+        status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
+        self._pending.extend(self._end_request(state, status, error))
         return True
 
     def _end_request(self, state: _Request, status: RequestStatus, error: ErrorInfo | None = None) -> list[TokenDelta]:

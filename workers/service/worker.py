@@ -68,19 +68,21 @@ class Worker:
     """Serves one model from the REQUESTS stream until ``stop`` is set, then drains running requests."""
 
     def __init__(self, engine, model_name: str, nats_url: str, background: BackgroundPolicy,
-                 step_thread: ThreadPoolExecutor, heartbeat_s: float = 3.0) -> None:
+                 step_thread: ThreadPoolExecutor, heartbeat_s: float = 3.0, drain_timeout_s: float = 60.0) -> None:
         """``background``: how much batch-tier work may hold seats and run while interactive traffic is about.
         ``step_thread``: a one-thread executor, the thread that built ``engine``; every step runs there (torch's
-        OpenMP pool belongs to the calling thread, and a second pool slows every matmul down)."""
+        OpenMP pool belongs to the calling thread, and a second pool slows every matmul down).
+        ``drain_timeout_s``: once ``stop`` is set, how long running requests get to finish (see ``run``)."""
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
         self._started_at = time.time()
         self._nats_url = nats_url
         self._heartbeat_s = heartbeat_s
+        self._drain_timeout_s = drain_timeout_s
         self._active: dict[str, Tracked] = {}
         self._pending_adds: list[tuple[Tracked, object]] = []
-        self._pending_aborts: set[str] = set()
+        self._pending_aborts: dict[str, ErrorInfo | None] = {}  # None: the client cancelled
         # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
         # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
         self._early_cancels: dict[str, float] = {}
@@ -146,12 +148,16 @@ class Worker:
             cancels = await nc.subscribe(f"{subjects.CANCEL_PREFIX}.*", cb=self._on_cancel)
             kv = await workers_bucket(self._js)
             await self._beat(kv)
-            heartbeat = asyncio.create_task(self._heartbeat_loop(kv, stop))
+            # Heartbeats go on through the drain: a draining worker still serves its model, and the batch runner
+            # must not take its running lines for lost.
+            drained = asyncio.Event()
+            heartbeat = asyncio.create_task(self._heartbeat_loop(kv, drained))
             intake = asyncio.create_task(self._intake_loop(subs, stop))
             log.info("worker %s serving %s (context %d)", self.worker_id, self.model_name, self.engine.max_context)
             if ready is not None:
                 ready.set()
             await self._step_loop(stop)
+            drained.set()
             intake.cancel()
             heartbeat.cancel()
             for task in (intake, heartbeat):
@@ -173,7 +179,7 @@ class Worker:
     async def _on_cancel(self, msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
         if request_id in self._active or any(t.request.request_id == request_id for t, _ in self._pending_adds):
-            self._pending_aborts.add(request_id)
+            self._pending_aborts.setdefault(request_id, None)
             self._work.set()
             return
         now = time.monotonic()
@@ -189,12 +195,12 @@ class Worker:
                           self.num_steps, self.step_s, self.gap_s)
         await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
 
-    async def _heartbeat_loop(self, kv, stop: asyncio.Event) -> None:
+    async def _heartbeat_loop(self, kv, done: asyncio.Event) -> None:
         last_state = ""
-        while not stop.is_set():
+        while not done.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self._heartbeat_s)
-            if stop.is_set():
+                await asyncio.wait_for(done.wait(), timeout=self._heartbeat_s)
+            if done.is_set():
                 return
             try:
                 await self._beat(kv)
@@ -309,12 +315,13 @@ class Worker:
         return 1
 
     # -- steps ----------------------------------------------------------------------------------------------
-    def _step_sync(self, adds, aborts: set[str], background_limit: int | None) -> _StepResult:
+    def _step_sync(self, adds, aborts: dict[str, ErrorInfo | None], background_limit: int | None) -> _StepResult:
         """Runs in a worker thread: the only place the engine is touched."""
         result = _StepResult()
         for tracked, msg in adds:
             if tracked.request.request_id in aborts:
-                result.rejected.append((tracked, msg, ErrorInfo("cancelled", code="cancelled", status=499)))
+                error = aborts[tracked.request.request_id] or ErrorInfo("cancelled", code="cancelled", status=499)
+                result.rejected.append((tracked, msg, error))
                 continue
             try:
                 tracked.prompt_tokens = self.engine.add_request(tracked.request, tracked.prepared)
@@ -330,8 +337,8 @@ class Worker:
                 continue
             tracked.admitted_at = time.time()
             result.admitted.append((tracked, msg))
-        for request_id in aborts:
-            self.engine.abort_request(request_id)
+        for request_id, error in aborts.items():
+            self.engine.abort_request(request_id, error)
         if self.engine.has_unfinished_requests():
             result.deltas = self.engine.step(background_limit)
         return result
@@ -341,7 +348,15 @@ class Worker:
         publishing of one step always ends before the next step's starts, so deltas stay in order)."""
         publishing: asyncio.Task | None = None
         ended_at: float | None = None  # when the previous step ended, if the loop went straight on
+        drain_deadline: float | None = None
         while True:
+            if stop.is_set() and drain_deadline is None:
+                drain_deadline = time.monotonic() + self._drain_timeout_s
+                log.info("draining: %d requests running, up to %.0f s", len(self._active), self._drain_timeout_s)
+            if drain_deadline is not None and time.monotonic() > drain_deadline and self._active:
+                self._end_all(ErrorInfo("The worker shut down before your request finished; please retry.",
+                                        code="worker_shutdown", type="server_error", status=503))
+                drain_deadline = float("inf")  # once
             has_work = self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests()
             if not has_work:
                 if publishing is not None:
@@ -358,7 +373,7 @@ class Worker:
                 work_wait.cancel()
                 continue
             adds, self._pending_adds = self._pending_adds, []
-            aborts, self._pending_aborts = self._pending_aborts, set()
+            aborts, self._pending_aborts = self._pending_aborts, {}
             for tracked, _ in adds:
                 self._active[tracked.request.request_id] = tracked
             self._num_admitting = len(adds)
@@ -421,6 +436,11 @@ class Worker:
                 if tracked.num_finished >= tracked.request.sampling.n:
                     self._active.pop(tracked.request.request_id, None)
                     await self._out.finished(tracked, delta.finish_reason, now)
+
+    def _end_all(self, error: ErrorInfo) -> None:
+        """End every running request with ``error`` at the next step (its final deltas carry it)."""
+        log.warning("ending %d running requests: %s", len(self._active), error.code)
+        self._pending_aborts.update(dict.fromkeys(self._active, error))
 
     async def _fail_all(self) -> None:
         for request_id, tracked in list(self._active.items()):
