@@ -141,7 +141,7 @@ class BatchRunner:
 
     # -- results --------------------------------------------------------------------------------------------
     async def _consume(self, sub) -> None:
-        await consume_once(sub, BatchResult, self._record_all, "batch result", RESULTS_FETCH, timeout_s=0.5)
+        await consume_once(self._js, sub, BatchResult, self._record_all, "batch result", RESULTS_FETCH, timeout_s=0.5)
 
     async def _record_all(self, results: list[BatchResult]) -> None:
         try:

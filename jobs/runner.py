@@ -22,19 +22,36 @@ from switchyard.jobs.usage_writer import run_usage_writer
 log = logging.getLogger("switchyard.jobs")
 
 STOP_TIMEOUT_S = 5.0  # each job finishes its current record within this on stop
+RESTART_BACKOFF_S = (1.0, 30.0)  # a job that failed starts again after 1 s, doubling up to 30 s
 
 
 class Jobs:
     """The running consumers; ``stop()`` ends them."""
 
     def __init__(self, nc, js, pool: asyncpg.Pool, registry: ModelRegistry, database_url: str) -> None:
-        self._stop = asyncio.Event()
+        self._stop = stop = asyncio.Event()
+        runner = BatchRunner(nc, js, pool, registry, database_url)
         self._tasks = [
-            asyncio.create_task(run_usage_writer(js, pool, self._stop), name="usage-writer"),
-            asyncio.create_task(run_housekeeping(js, Limiter(pool), self._stop), name="housekeeping"),
-            asyncio.create_task(BatchRunner(nc, js, pool, registry, database_url).run(self._stop),
-                                name="batch-runner"),
+            asyncio.create_task(self._supervised("usage-writer", lambda: run_usage_writer(js, pool, stop))),
+            asyncio.create_task(self._supervised("housekeeping", lambda: run_housekeeping(js, Limiter(pool), stop))),
+            asyncio.create_task(self._supervised("batch-runner", lambda: runner.run(stop))),
         ]
+
+    async def _supervised(self, name: str, start) -> None:
+        """Run ``start()`` until stop; a job that raises is logged and started again after a backoff, so no
+        consumer dies quietly and a bad moment (NATS away at start, a bug on one record) is not fatal."""
+        backoff = RESTART_BACKOFF_S[0]
+        while not self._stop.is_set():
+            try:
+                await start()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("job %s failed; starting it again in %.0f s", name, backoff)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), backoff)
+            backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
 
     async def wait(self) -> None:
         """Until every job has ended (after ``stop()``, or one failing for good)."""

@@ -52,7 +52,7 @@ async def run_usage_writer(js: JetStreamContext, pool: asyncpg.Pool, stop: async
 
     try:
         while not stop.is_set():
-            await consume_once(sub, UsageRecord, write, "usage record", batch, timeout_s=1.0)
+            await consume_once(js, sub, UsageRecord, write, "usage record", batch, timeout_s=1.0)
     finally:
         try:
             await sub.unsubscribe()

@@ -14,6 +14,7 @@ from switchyard.shared.messages import ErrorInfo
 from switchyard.shared.stream_config import (
     QUEUE_FULL_CODES,
     batch_results_stream_config,
+    dead_letter_stream_config,
     events_stream_config,
     tier_stream_config,
     usage_stream_config,
@@ -70,6 +71,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
     await _ensure_stream(js, usage_stream_config())
     await _ensure_stream(js, events_stream_config())
     await _ensure_stream(js, batch_results_stream_config())
+    await _ensure_stream(js, dead_letter_stream_config())
 
 
 async def ensure_request_consumer(js: JetStreamContext, model: str, tier: str, ack_wait_s: float = 30.0) -> str:

@@ -15,6 +15,7 @@ REQUEST_MAX_AGE_S = 3600.0
 USAGE_MAX_AGE_S = 30 * 24 * 3600.0
 EVENTS_MAX_AGE_S = 300.0
 BATCH_RESULTS_MAX_AGE_S = 7 * 24 * 3600.0
+DEAD_LETTER_MAX_AGE_S = 30 * 24 * 3600.0
 
 
 def tier_stream_config(tier: str, max_queued: int) -> StreamConfig:
@@ -59,3 +60,9 @@ def usage_stream_config() -> StreamConfig:
 def batch_results_stream_config() -> StreamConfig:
     """Batch lines' outcomes, kept until the batch runner has written them to Postgres (and a while after)."""
     return _durable_log(subjects.BATCH_RESULTS_STREAM, f"{subjects.RESULT_PREFIX}.>", BATCH_RESULTS_MAX_AGE_S)
+
+
+def dead_letter_stream_config() -> StreamConfig:
+    """Records a durable writer could not write however often it tried (a value Postgres refuses, say): kept
+    with the reason in their headers, so nothing is dropped silently and the writer goes on."""
+    return _durable_log(subjects.DEAD_LETTER_STREAM, f"{subjects.DEAD_LETTER_PREFIX}.>", DEAD_LETTER_MAX_AGE_S)

@@ -28,6 +28,8 @@ WORKERS_BUCKET = "workers"
 RESULT_PREFIX = "llm.result"
 BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCH_RESULTS_CONSUMER = "batch-runner"
+DEAD_LETTER_STREAM = "DEAD_LETTERS"
+DEAD_LETTER_PREFIX = "llm.dead"  # llm.dead.<consumer>: records a durable writer could never write, kept for a human
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -69,6 +71,10 @@ def cancel_subject(request_id: str) -> str:
 
 def worker_key(model: str, worker_id: str) -> str:
     return f"{model_token(model)}.{worker_id}"
+
+
+def dead_letter_subject(consumer: str) -> str:
+    return f"{DEAD_LETTER_PREFIX}.{model_token(consumer)}"
 
 
 def result_subject(batch_id: str) -> str:
