@@ -155,14 +155,12 @@ async def worker_counters(nats_url: str, heartbeat_s: float) -> tuple[int, float
     """The worker's (steps, seconds in steps, seconds between back-to-back steps) after a fresh heartbeat."""
     import nats
 
-    from switchyard.shared.jetstream import workers_bucket
-    from switchyard.shared.messages import WorkerInfo, decode
+    from switchyard.shared.jetstream import live_workers
 
     await asyncio.sleep(heartbeat_s * 1.5)  # nothing runs between levels: the next beat has the final counts
     nc = await nats.connect(nats_url)
     try:
-        kv = await workers_bucket(nc.jetstream())
-        infos = [decode((await kv.get(k)).value, WorkerInfo) for k in await kv.keys()]
+        infos = await live_workers(nc.jetstream())
     finally:
         await nc.close()
     (info,) = infos  # one worker

@@ -9,10 +9,9 @@ from __future__ import annotations
 import time
 
 from nats.js import JetStreamContext
-from nats.js.errors import NoKeysError
 
-from switchyard.shared.jetstream import workers_bucket
-from switchyard.shared.messages import WorkerInfo, decode
+from switchyard.shared.jetstream import live_workers
+from switchyard.shared.messages import WorkerInfo
 
 _CACHE_S = 1.0
 
@@ -20,7 +19,6 @@ _CACHE_S = 1.0
 class ModelRegistry:
     def __init__(self, js: JetStreamContext) -> None:
         self._js = js
-        self._kv = None
         self._cached: dict[str, list[WorkerInfo]] = {}
         self._cached_at = 0.0
 
@@ -28,18 +26,8 @@ class ModelRegistry:
         """Served model name → the live workers serving it."""
         if not fresh and time.monotonic() - self._cached_at < _CACHE_S:
             return self._cached
-        if self._kv is None:
-            self._kv = await workers_bucket(self._js)
         found: dict[str, list[WorkerInfo]] = {}
-        try:
-            keys = await self._kv.keys()
-        except NoKeysError:
-            keys = []
-        for key in keys:
-            entry = await self._kv.get(key)
-            if entry is None or not entry.value:
-                continue
-            info = decode(entry.value, WorkerInfo)
+        for info in await live_workers(self._js):
             found.setdefault(info.model, []).append(info)
         self._cached, self._cached_at = found, time.monotonic()
         return found

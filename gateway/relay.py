@@ -12,6 +12,7 @@ Subscribing before publishing means no delta can be missed, however fast the wor
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -24,6 +25,8 @@ from switchyard.gateway.errors import OpenAIError, service_unavailable
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, oversize_error
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
+
+log = logging.getLogger("switchyard.gateway")
 
 # The worker must start a request before its deadline; this margin covers its reply's trip back.
 DEADLINE_GRACE_S = 2.0
@@ -39,11 +42,23 @@ class RelayedRequest:
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
         self._num_finished = 0
+        self._next_seq = 0
         self.is_finished = False
 
     async def _next(self, timeout: float) -> TokenDelta:
         msg = await self._sub.next_msg(timeout=timeout)
         delta = decode(msg.data, TokenDelta)
+        if delta.seq != self._next_seq:
+            # A delta was lost on the way (a slow consumer's messages are dropped): the text has a hole, so the
+            # request ends with an error rather than stream it.
+            log.error("request %s: delta %d arrived where %d was due; ending it", self.request.request_id,
+                      delta.seq, self._next_seq)
+            await self.cancel()
+            self.is_finished = True
+            return TokenDelta(self.request.request_id, error=ErrorInfo(
+                f"Part of the response was lost in transit (message {self._next_seq} of the stream never "
+                "arrived); please retry.", code="stream_gap", type="server_error", status=502))
+        self._next_seq += 1
         if delta.finish_reason is not None or delta.error is not None:
             self._num_finished += 1
             if self._num_finished >= self.request.sampling.n or delta.error is not None:

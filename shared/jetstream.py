@@ -7,10 +7,10 @@ import contextlib
 
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from switchyard.shared import subjects
-from switchyard.shared.messages import ErrorInfo
+from switchyard.shared.messages import ErrorInfo, WorkerInfo, decode
 from switchyard.shared.stream_config import (
     QUEUE_FULL_CODES,
     batch_results_stream_config,
@@ -133,3 +133,21 @@ def oversize_error(nc, payload: bytes) -> ErrorInfo | None:
         return None
     return ErrorInfo(f"The request is {len(payload)} bytes once encoded, more than one queue message holds "
                      f"({room} bytes); shorten the prompt or conversation.", code="request_too_large", status=413)
+
+
+async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
+    """Every worker heartbeat in the ``workers`` bucket. The keys come from the bucket's stream subjects (one
+    server-side query): nats-py's ``kv.keys()`` builds a consumer for it and was seen to answer "no keys" while
+    workers were beating, which would make served models read as gone."""
+    kv = await workers_bucket(js)
+    prefix = f"$KV.{subjects.WORKERS_BUCKET}."
+    info = await js.stream_info(f"KV_{subjects.WORKERS_BUCKET}", subjects_filter=f"{prefix}>")
+    workers = []
+    for subject in info.state.subjects or {}:
+        try:
+            entry = await kv.get(subject[len(prefix):])
+        except (KeyNotFoundError, KeyDeletedError):  # gone or deregistered since the listing
+            continue
+        if entry is not None and entry.value:
+            workers.append(decode(entry.value, WorkerInfo))
+    return workers

@@ -107,6 +107,9 @@ class TokenDelta(msgspec.Struct):
     dropped_messages: int = 0  # on the first message: turns dropped to fit the context (truncate_history)
     # When the request asked for logprobs: one entry per content token since the last delta (not the EOS token).
     logprobs: list[TokenLogprob] | None = None
+    # 0, 1, 2, ... per request, in publish order (the worker's Publisher numbers them): core NATS drops a message
+    # rather than block, so the gateway checks for a gap instead of streaming a text with a hole in it.
+    seq: int = 0
 
 
 class UsageRecord(msgspec.Struct):

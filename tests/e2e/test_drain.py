@@ -13,7 +13,7 @@ import nats
 
 from switchyard.deploy.services import wait_until_ready
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import workers_bucket
+from switchyard.shared.jetstream import live_workers, workers_bucket
 from tests.support.system import free_port, poll
 
 MODEL = "tiny"
@@ -71,10 +71,10 @@ async def _heartbeat_revision(nats_url: str, model: str) -> int:
     """The KV revision of ``model``'s one worker entry: every heartbeat writes a new one."""
     nc = await nats.connect(nats_url)
     try:
-        kv = await workers_bucket(nc.jetstream())
-        keys = [k for k in await kv.keys() if k.startswith(subjects.model_token(model) + ".")]
-        assert len(keys) == 1, keys
-        return (await kv.get(keys[0])).revision
+        js = nc.jetstream()
+        (worker,) = [w for w in await live_workers(js) if w.model == model]
+        kv = await workers_bucket(js)
+        return (await kv.get(subjects.worker_key(model, worker.worker_id))).revision
     finally:
         await nc.close()
 

@@ -52,13 +52,17 @@ class Publisher:
         self._nc = nc
         self._js = js
         self.worker_id = worker_id
+        self._next_seq: dict[str, int] = {}  # per request still publishing: the seq its next delta gets
 
     async def delta(self, delta: TokenDelta) -> None:
+        delta.seq = self._next_seq.get(delta.request_id, 0)
+        self._next_seq[delta.request_id] = delta.seq + 1
         await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
 
     async def error(self, request: GenerateRequest, error: ErrorInfo) -> None:
         """Answer ``request`` with ``error`` instead of running (or finishing) it."""
         await self.delta(TokenDelta(request.request_id, error=error))
+        self._next_seq.pop(request.request_id, None)
         if request.result_subject:
             await self.batch_result(request, BatchResult(request.request_id, self.worker_id, error=error))
 
@@ -73,6 +77,7 @@ class Publisher:
     async def finished(self, tracked: Tracked, finish_reason: str, now: float) -> None:
         """The usage record of a request whose every choice has ended, then (a batch line) its whole result."""
         req = tracked.request
+        self._next_seq.pop(req.request_id, None)  # its last delta is out
         record = UsageRecord(
             request_id=req.request_id,
             model=req.model,
