@@ -22,6 +22,7 @@ from switchyard.gateway.drain import CountInFlight, InFlightCounter
 from switchyard.gateway.errors import OpenAIError, install_error_handlers
 from switchyard.gateway.files import files_router
 from switchyard.gateway.limits import Limiter, estimate_tokens
+from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay
@@ -53,8 +54,10 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         app.state.policies = PolicyCache(js)
         app.state.authenticator = Authenticator(pool)
         app.state.limiter = Limiter(pool)
+        liveness = WorkerLiveness()
+        await liveness.start(nc)
         app.state.service = CompletionService(
-            Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s), registry,
+            Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s, liveness), registry,
             app.state.policies, app.state.limiter, config.gateway,
         )
         jobs = Jobs(nc, js, pool, registry, config.database_url) if config.gateway.run_jobs else None

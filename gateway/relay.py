@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from switchyard.gateway.errors import OpenAIError, service_unavailable
+from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, oversize_error
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
@@ -35,8 +36,11 @@ DEADLINE_GRACE_S = 2.0
 class RelayedRequest:
     """One published request: await ``first()``, then iterate the remaining deltas until the final one."""
 
-    def __init__(self, nc: NATS, request: GenerateRequest, sub, stall_timeout_s: float, retry_after_s: int) -> None:
+    def __init__(self, nc: NATS, request: GenerateRequest, sub, stall_timeout_s: float, retry_after_s: int,
+                 liveness: WorkerLiveness | None = None) -> None:
         self._nc = nc
+        self._liveness = liveness
+        self.worker_id: str | None = None  # from the first delta: who runs it
         self.request = request
         self._sub = sub
         self._stall_timeout_s = stall_timeout_s
@@ -59,6 +63,7 @@ class RelayedRequest:
                 f"Part of the response was lost in transit (message {self._next_seq} of the stream never "
                 "arrived); please retry.", code="stream_gap", type="server_error", status=502))
         self._next_seq += 1
+        self.worker_id = delta.worker_id or self.worker_id
         if delta.finish_reason is not None or delta.error is not None:
             self._num_finished += 1
             if self._num_finished >= self.request.sampling.n or delta.error is not None:
@@ -85,22 +90,28 @@ class RelayedRequest:
         return {"Retry-After": str(self._retry_after_s)} if status in (429, 503) else {}
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:
-        """Deltas after the first, ending with the final one(s); a silent worker ends it with an error delta."""
+        """Deltas after the first, ending with the final one(s); a dead or silent worker ends it with an error
+        delta: dead (no liveness ping for ``DEAD_AFTER_S``) within seconds, silent after ``stall_timeout_s``."""
         while not self.is_finished:
-            try:
-                yield await self._next(self._stall_timeout_s)
-            except (NatsTimeoutError, asyncio.TimeoutError):
-                await self.cancel()
-                self.is_finished = True
-                yield TokenDelta(
-                    request_id=self.request.request_id,
-                    error=ErrorInfo(
-                        "The worker stopped answering; the request was abandoned.",
-                        code="worker_timeout",
-                        type="server_error",
-                        status=503,
-                    ),
-                )
+            silent_since = time.monotonic()
+            while True:
+                try:
+                    delta = await self._next(ALIVE_INTERVAL_S)
+                    break
+                except (NatsTimeoutError, asyncio.TimeoutError):
+                    if self._liveness is not None and self.worker_id and self._liveness.is_dead(self.worker_id):
+                        error = ErrorInfo("The worker running the request stopped; please retry.",
+                                          code="worker_lost", type="server_error", status=503)
+                    elif time.monotonic() - silent_since > self._stall_timeout_s:
+                        error = ErrorInfo("The worker stopped answering; the request was abandoned.",
+                                          code="worker_timeout", type="server_error", status=503)
+                    else:
+                        continue
+                    await self.cancel()
+                    self.is_finished = True
+                    delta = TokenDelta(request_id=self.request.request_id, error=error)
+                    break
+            yield delta
 
     async def cancel(self) -> None:
         """Tell the worker to stop (client went away, or we gave up); safe to call more than once."""
@@ -117,9 +128,11 @@ class RelayedRequest:
 class Relay:
     """Submits requests; one per gateway process, shared by all handlers."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, stall_timeout_s: float, retry_after_s: int) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, stall_timeout_s: float, retry_after_s: int,
+                 liveness: WorkerLiveness | None = None) -> None:
         self._nc = nc
         self._js = js
+        self._liveness = liveness
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
 
@@ -131,7 +144,7 @@ class Relay:
         if too_large is not None:
             raise OpenAIError.from_info(too_large)
         sub = await self._nc.subscribe(subjects.token_subject(request.request_id))
-        relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s)
+        relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s, self._liveness)
         try:
             await self._js.publish(
                 subjects.request_subject(request.model, request.tier),

@@ -110,6 +110,7 @@ class TokenDelta(msgspec.Struct):
     # 0, 1, 2, ... per request, in publish order (the worker's Publisher numbers them): core NATS drops a message
     # rather than block, so the gateway checks for a gap instead of streaming a text with a hole in it.
     seq: int = 0
+    worker_id: str | None = None  # on the first message: the worker running the request (its liveness is watched)
 
 
 class UsageRecord(msgspec.Struct):

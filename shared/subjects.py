@@ -28,6 +28,8 @@ WORKERS_BUCKET = "workers"
 RESULT_PREFIX = "llm.result"
 BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCH_RESULTS_CONSUMER = "batch-runner"
+ALIVE_PREFIX = "llm.alive"  # llm.alive.<worker_id>: a worker's liveness ping (core NATS)
+ALIVE_INTERVAL_S = 1.0
 DEAD_LETTER_STREAM = "DEAD_LETTERS"
 DEAD_LETTER_PREFIX = "llm.dead"  # llm.dead.<consumer>: records a durable writer could never write, kept for a human
 
@@ -71,6 +73,10 @@ def cancel_subject(request_id: str) -> str:
 
 def worker_key(model: str, worker_id: str) -> str:
     return f"{model_token(model)}.{worker_id}"
+
+
+def alive_subject(worker_id: str) -> str:
+    return f"{ALIVE_PREFIX}.{worker_id}"
 
 
 def dead_letter_subject(consumer: str) -> str:

@@ -152,6 +152,7 @@ class Worker:
             # must not take its running lines for lost.
             drained = asyncio.Event()
             heartbeat = asyncio.create_task(self._heartbeat_loop(kv, drained))
+            alive = asyncio.create_task(self._alive_loop(drained))
             intake = asyncio.create_task(self._intake_loop(subs, stop))
             log.info("worker %s serving %s (context %d)", self.worker_id, self.model_name, self.engine.max_context)
             if ready is not None:
@@ -160,7 +161,8 @@ class Worker:
             drained.set()
             intake.cancel()
             heartbeat.cancel()
-            for task in (intake, heartbeat):
+            alive.cancel()
+            for task in (intake, heartbeat, alive):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             with contextlib.suppress(Exception):
@@ -194,6 +196,15 @@ class Worker:
         info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at, running,
                           self.num_steps, self.step_s, self.gap_s)
         await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
+
+    async def _alive_loop(self, done: asyncio.Event) -> None:
+        """Liveness pings for the gateways relaying this worker's requests (see gateway/liveness.py)."""
+        subject = subjects.alive_subject(self.worker_id)
+        while not done.is_set():
+            with contextlib.suppress(Exception):  # NATS away: the gateways' relays time out on their own
+                await self._nc.publish(subject, b"")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=subjects.ALIVE_INTERVAL_S)
 
     async def _heartbeat_loop(self, kv, done: asyncio.Event) -> None:
         last_state = ""
@@ -414,7 +425,8 @@ class Worker:
             await msg.ack()
         for tracked, msg in result.admitted:
             await msg.ack()
-            await self._out.delta(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages))
+            await self._out.delta(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages,
+                                             worker_id=self.worker_id))
             if tracked.request.result_subject:
                 await self._out.batch_result(tracked.request, BatchResult(
                     tracked.request.request_id, self.worker_id, started=True))
