@@ -54,6 +54,11 @@ class ServiceProcess:
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it exited; None while running or never started."""
+        return None if self._proc is None else self._proc.poll()
+
     def log_tail(self, lines: int = 40) -> str:
         return tail_of(self.log_path, lines) if self.log_path else ""
 

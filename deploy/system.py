@@ -75,9 +75,6 @@ class LocalSystem:
         """Until the gateway (on ``port``, default the settings') serves ``model``; fails fast if a child died."""
         wait_until_ready(self.url(port), model, timeout_s, watch=self.services)
 
-    def all_running(self) -> bool:
-        return all(svc.is_running() for svc in self.services)
-
     # -- stopping -------------------------------------------------------------------------------------------------
     def stop(self) -> None:
         """Stop everything, the last started first; a failure to stop one does not keep the others running."""

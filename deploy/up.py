@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from switchyard.deploy.restarts import Restarter
 from switchyard.deploy.system import LocalSystem
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.workers import model_store
@@ -83,10 +84,10 @@ def run_up(config: SwitchyardConfig) -> int:
         system.wait_until_ready(model, timeout_s=300)
         print(_banner(system.url(), model, api_key))
         print(f"(started in {time.monotonic() - t0:.1f} s; data in {data})", file=sys.stderr)
-        while system.all_running():
+        restarter = Restarter(system.services, lambda line: print(line, file=sys.stderr))
+        while True:  # until Ctrl-C; a service that exits is started again
+            restarter.poll()
             time.sleep(0.5)
-        print("a service exited; stopping everything", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("\nstopping...", file=sys.stderr)
         return 0

@@ -27,9 +27,9 @@ _running_system: "System | None" = None  # for failure reports of tests that use
 class System(LocalSystem):
     """The running e2e system: a gateway (``base_url``) on the tiny model, and more workers or gateways on demand."""
 
-    def start_worker(self, served_name: str, max_num_seqs: int) -> ServiceProcess:
+    def start_worker(self, served_name: str, max_num_seqs: int, **settings) -> ServiceProcess:
         return super().start_worker(f"worker-{served_name}", served_model_name=served_name,
-                                    max_num_seqs=max_num_seqs)
+                                    max_num_seqs=max_num_seqs, **settings)
 
     @property
     def work(self) -> Path:

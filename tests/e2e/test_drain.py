@@ -81,7 +81,8 @@ async def _heartbeat_revision(nats_url: str, model: str) -> int:
 
 async def test_a_worker_on_sigterm_keeps_its_heartbeat_and_finishes_its_request(e2e, system, auth, nats_url):
     name = "tiny-drain"
-    worker = e2e.start_worker(name, max_num_seqs=2)
+    # Beats every 0.2 s: several fall within the request's run, however fast the machine generates.
+    worker = e2e.start_worker(name, max_num_seqs=2, heartbeat_s=0.2)
     try:
         wait_until_ready(system, name, timeout_s=120, watch=[worker])
         started = asyncio.Event()

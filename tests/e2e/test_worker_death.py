@@ -3,7 +3,6 @@ timeout."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal

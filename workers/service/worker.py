@@ -321,6 +321,12 @@ class Worker:
                                                      code="internal_error", type="server_error", status=500))
             await msg.ack()
             return 0
+        if self._early_cancels.pop(request.request_id, None) is not None:
+            # Cancelled while it was being tokenized (a batch cancel deletes the queued message and counts the
+            # line as never started): it must not run.
+            await self._out.error(request, ErrorInfo("cancelled", code="cancelled", status=499))
+            await msg.ack()
+            return 0
         self._pending_adds.append((tracked, msg))
         self._work.set()
         return 1
