@@ -159,8 +159,10 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
             checks["postgres"] = True
         except Exception:  # any failure means not ready; the reason belongs in the DB's own logs
             checks["postgres"] = False
-        served = await request.app.state.registry.models()
-        checks["models"] = sorted(served)
+        try:
+            checks["models"] = sorted(await request.app.state.registry.models())
+        except OpenAIError:  # NATS unreachable: already not ready
+            checks["models"] = []
         checks["draining"] = request.app.state.draining
         ready = checks["nats"] and checks["postgres"] and not checks["draining"]
         return JSONResponse({"ready": ready, "checks": checks, "time": time.time()}, status_code=200 if ready else 503)

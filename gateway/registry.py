@@ -6,14 +6,19 @@ request path must not pay a KV scan, and a second of staleness only delays a 404
 
 from __future__ import annotations
 
+import logging
 import time
 
 from nats.js import JetStreamContext
 
+from switchyard.gateway.errors import service_unavailable
 from switchyard.shared.jetstream import live_workers
 from switchyard.shared.messages import WorkerInfo
 
 _CACHE_S = 1.0
+_UNREACHABLE_RETRY_AFTER_S = 5
+
+log = logging.getLogger("switchyard.gateway")
 
 
 class ModelRegistry:
@@ -23,11 +28,18 @@ class ModelRegistry:
         self._cached_at = 0.0
 
     async def models(self, fresh: bool = False) -> dict[str, list[WorkerInfo]]:
-        """Served model name → the live workers serving it."""
+        """Served model name → the live workers serving it. Raises OpenAIError 503 while NATS cannot be read
+        (restarting, unreachable): a client gets "retry", never a 500 or a false 404."""
         if not fresh and time.monotonic() - self._cached_at < _CACHE_S:
             return self._cached
         found: dict[str, list[WorkerInfo]] = {}
-        for info in await live_workers(self._js):
+        try:
+            workers = await live_workers(self._js)
+        except Exception as exc:
+            log.warning("cannot read the worker registry: %r", exc)
+            raise service_unavailable("The request queue is unreachable right now; please retry.",
+                                      _UNREACHABLE_RETRY_AFTER_S) from None
+        for info in workers:
             found.setdefault(info.model, []).append(info)
         self._cached, self._cached_at = found, time.monotonic()
         return found

@@ -10,6 +10,7 @@ Readers cache for ``CACHE_S`` so a change applies everywhere within about a seco
 
 from __future__ import annotations
 
+import logging
 import time
 
 from nats.js import JetStreamContext
@@ -23,6 +24,8 @@ from switchyard.shared.tiers import DEFAULT_POLICIES, TIER_NAMES, TierPolicy
 
 TIERS_BUCKET = "tiers"
 CACHE_S = 1.0
+
+log = logging.getLogger("switchyard.tiers")
 
 
 async def tiers_bucket(js: JetStreamContext):
@@ -101,7 +104,12 @@ class PolicyCache:
         self._read_at = float("-inf")
 
     async def get(self) -> dict[str, TierPolicy]:
+        """The policies; while NATS cannot be read (restarting, unreachable) the last ones read, so a request is
+        judged by yesterday's limits rather than failed."""
         if time.monotonic() - self._read_at >= CACHE_S:
-            self._policies = await read_policies(self._js)
+            try:
+                self._policies = await read_policies(self._js)
+            except Exception as exc:
+                log.warning("cannot read the tier policies, keeping the last ones: %r", exc)
             self._read_at = time.monotonic()
         return self._policies
