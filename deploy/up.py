@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,7 +69,15 @@ Press Ctrl-C to stop.
 """
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_up(config: SwitchyardConfig) -> int:
+    # Ctrl-C and SIGTERM (systemd, docker stop, kill) both stop everything in order. SIGINT is set explicitly: a
+    # shell starts background jobs with it ignored, and Python then never installs its own handler.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
     data = config.data_dir
     system = LocalSystem(config)  # the children write to this terminal
