@@ -91,10 +91,10 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         request.state.auth = auth
         return auth
 
-    async def admit(request: Request, auth: AuthContext, max_tokens: int | None, num_chars: int):
+    async def admit(request: Request, auth: AuthContext, max_tokens: int | None, num_chars: int, n: int = 1):
         tier = request_tier(request) or auth.tier
         policy = (await request.app.state.policies.get())[tier]
-        admission = await request.app.state.limiter.admit(auth, policy, estimate_tokens(num_chars, max_tokens))
+        admission = await request.app.state.limiter.admit(auth, policy, estimate_tokens(num_chars, max_tokens, n))
         request.state.rate_headers = admission.headers
         return tier, admission
 
@@ -108,12 +108,12 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         num_chars = sum(len(m.text()) for m in body.messages)
-        tier, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens, num_chars)
+        tier, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens, num_chars, body.n)
         return await request.app.state.service.chat(body, tier, auth, admission)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
-        tier, admission = await admit(request, auth, body.sampling().max_tokens, len(body.prompt_text))
+        tier, admission = await admit(request, auth, body.sampling().max_tokens, len(body.prompt_text), body.n)
         return await request.app.state.service.completion(body, tier, auth, admission)
 
     app.include_router(admin_router(config.gateway.admin_key))

@@ -2,8 +2,9 @@
 
 Shared state is Postgres: one atomic upsert per request on a (key, minute) row admits or refuses it, so the
 limits hold across any number of gateways without a lock or a read-then-write race; Postgres is already on the
-request path's host and durable. Tokens are reserved at admission (estimated prompt tokens + max_tokens) and the
-unused part is returned when the request ends.
+request path's host and durable. Tokens are reserved at admission (estimated prompt tokens
++ n x max_tokens) and settled to what was really used when the request ends: the unused part returned, use beyond
+the reservation charged.
 
 Response headers follow OpenAI: ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``.
 """
@@ -34,9 +35,10 @@ RETURNING requests, tokens
 """
 
 
-def estimate_tokens(text_chars: int, max_tokens: int | None) -> int:
-    """What to reserve before the worker has tokenized anything: ~4 characters a token, plus the completion."""
-    return math.ceil(text_chars / 4) + (max_tokens or DEFAULT_COMPLETION_RESERVE)
+def estimate_tokens(text_chars: int, max_tokens: int | None, n: int = 1) -> int:
+    """What to reserve before the worker has tokenized anything: ~4 characters a token, plus the completion of each
+    of the ``n`` choices. An estimate: ``Limiter.settle`` charges what was really used, beyond it too."""
+    return math.ceil(text_chars / 4) + n * (max_tokens or DEFAULT_COMPLETION_RESERVE)
 
 
 @dataclass(slots=True)
@@ -99,15 +101,17 @@ class Limiter:
                                                                       reset_s))
 
     async def settle(self, admission: Admission, used_tokens: int) -> None:
-        """Return the unused part of the reservation (all of it for a request that never ran)."""
+        """Bring the window to what the request really used: the unused part of the reservation goes back (all of
+        it for a request that never ran), and use beyond it (a prompt that took more tokens than the ~4 characters
+        a token estimate) is charged, even past the limit, so the key's next requests wait for it."""
         if admission.settled:
             return
         admission.settled = True
-        refund = admission.reserved_tokens - used_tokens
-        if refund > 0:
+        difference = used_tokens - admission.reserved_tokens
+        if difference != 0:
             await self._pool.execute(
-                "UPDATE rate_windows SET tokens = greatest(tokens - $3, 0) WHERE key_id = $1 AND window_start = $2",
-                admission.key_id, admission.window_start, refund)
+                "UPDATE rate_windows SET tokens = greatest(tokens + $3, 0) WHERE key_id = $1 AND window_start = $2",
+                admission.key_id, admission.window_start, difference)
 
     async def _check_quota(self, auth: AuthContext) -> None:
         if auth.monthly_token_budget is None:

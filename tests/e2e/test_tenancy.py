@@ -103,6 +103,35 @@ async def test_rate_limit_headers_on_every_response_and_tokens_returned(system, 
         assert used < 2100
 
 
+async def test_the_reservation_counts_every_choice_and_use_beyond_it_is_charged(system, new_key, database_url):
+    _, secret = await new_key(tpm_limit=1000)
+    async with httpx.AsyncClient(base_url=system, headers=bearer(secret), timeout=30) as http:
+        # n=4 x 300 tokens may use 1200: over the limit before anything runs (one choice's 300 would fit).
+        r = await http.post("/v1/chat/completions", json=chat_body(max_tokens=300, n=4))
+        assert r.status_code == 429 and "may use up to" in r.json()["error"]["message"], r.text
+        assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=300))).status_code == 200
+
+    _, secret = await new_key(tpm_limit=10**6)
+    # 150 three-byte characters: the tiny byte-level tokenizer makes several tokens of each, far more than the
+    # ~4 characters a token the reservation assumed. The window must end up holding what was really used.
+    body = {**chat_body(max_tokens=2), "messages": [{"role": "user", "content": "語" * 150}]}
+    async with httpx.AsyncClient(base_url=system, headers=bearer(secret), timeout=30) as http:
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        used = r.json()["usage"]["total_tokens"]
+        assert used > 150 // 4 + 2 + 100, "the prompt really costs more than its reservation"
+
+        async def window_tokens() -> int:
+            conn = await asyncpg.connect(database_url)
+            try:
+                return await conn.fetchval(
+                    "SELECT sum(w.tokens) FROM rate_windows w JOIN api_keys k ON k.id = w.key_id "
+                    "JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = sha256($1::bytea)", secret.encode())
+            finally:
+                await conn.close()
+        assert await poll(window_tokens, lambda t: t == used, what="the window to hold the real use") == used
+
+
 async def test_monthly_budget_exhausted_is_insufficient_quota(system, new_key):
     _, secret = await new_key(monthly_token_budget=30)
     async with httpx.AsyncClient(base_url=system, headers=bearer(secret), timeout=30) as http:
