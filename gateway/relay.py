@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -51,7 +52,15 @@ class RelayedRequest:
 
     async def _next(self, timeout: float) -> TokenDelta:
         msg = await self._sub.next_msg(timeout=timeout)
-        delta = decode(msg.data, TokenDelta)
+        try:
+            delta = decode(msg.data, TokenDelta)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.error("request %s: an undecodable message on its token subject; ending it", self.request.request_id)
+            await self.cancel()
+            self.is_finished = True
+            return TokenDelta(self.request.request_id, error=ErrorInfo(
+                "The worker sent a message that could not be read; please retry.", code="bad_worker_message",
+                type="server_error", status=502))
         if delta.seq != self._next_seq:
             # A delta was lost on the way (a slow consumer's messages are dropped): the text has a hole, so the
             # request ends with an error rather than stream it.

@@ -32,3 +32,21 @@ async def test_a_gap_in_the_deltas_ends_the_request_with_an_error_and_a_cancel(n
         await relayed.close()
     finally:
         await nc.close()
+
+
+async def test_an_undecodable_delta_ends_the_request_with_an_error(nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
+                                  deadline_at=time.time() + 30, prompt="x")
+        sub = await nc.subscribe(subjects.token_subject(request.request_id))
+        relayed = RelayedRequest(nc, request, sub, stall_timeout_s=10, retry_after_s=1)
+        await nc.publish(subjects.token_subject(request.request_id), encode(TokenDelta(request.request_id)))
+        await nc.publish(subjects.token_subject(request.request_id), b"\xc1 not msgpack")
+        await nc.flush()
+        await relayed.first()
+        got = [d async for d in relayed.deltas()]
+        assert len(got) == 1 and got[0].error.code == "bad_worker_message" and relayed.is_finished
+        await relayed.close()
+    finally:
+        await nc.close()
