@@ -52,6 +52,21 @@ class PagedAttention(Protocol):
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
+class HeadLayout:
+    """What every backend keeps of the model's attention: query and KV heads (and their ratio), head size, the
+    cache's block size and device, and the softmax scale."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 device: torch.device) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.device = device
+        self.scale = head_dim**-0.5
+
+
 @dataclass(slots=True)
 class SlotPlan:
     """Where a step's tokens sit: positions, cache slots, and the block tables of its chunks."""

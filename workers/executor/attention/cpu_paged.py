@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, plan_slots, write_kv
+from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, HeadLayout, plan_slots, write_kv
 from switchyard.workers.executor.attention.sdpa import PrefillSpan, SdpaAttention, prefill_spans
 from switchyard.workers.executor.kernels import load_library
 
@@ -54,7 +54,7 @@ class CpuPagedMetadata(AttentionMetadata):
     decode_context_lens: torch.Tensor | None  # [B] long
 
 
-class CpuPagedAttention:
+class CpuPagedAttention(HeadLayout):
     """C kernels for decodes (``csrc/paged_decode.c``, fp32 and bf16 caches) and prefill chunks
     (``csrc/prefill_attention.c``: fp32 caches, where it builds and takes the head size; SDPA otherwise), on CPU."""
 
@@ -68,10 +68,7 @@ class CpuPagedAttention:
         lib = load_kernel()
         if lib is None:
             raise RuntimeError("the CPU decode kernel (csrc/paged_decode.c) could not be built")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.block_size = block_size
-        self.device = device
-        self.scale = head_dim**-0.5
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, device)
         self._decode_kernel = lib.paged_decode_f32 if dtype == torch.float32 else lib.paged_decode_bf16
         self._decode_kernel_name = self._decode_kernel.__name__
         fp32_prefill = dtype == torch.float32 and head_dim % PANEL_WIDTH == 0

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, plan_slots, write_kv
+from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, HeadLayout, plan_slots, write_kv
 
 FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2 paged KV: "Paged KV cache block size must be divisible by 256"
 
@@ -38,7 +38,7 @@ class FlashMetadata(AttentionMetadata):
     block_table: torch.Tensor  # [C, max_blocks] int32
 
 
-class FlashAttention:
+class FlashAttention(HeadLayout):
     """See the module docstring."""
 
     name = "flash"
@@ -49,11 +49,7 @@ class FlashAttention:
         self.varlen = flash_attn_varlen()
         if self.varlen is None:
             raise RuntimeError("flash_attn is not importable")
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.block_size = block_size
-        self.device = device
-        self.scale = head_dim**-0.5
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, device)
 
     def prepare(self, chunks: Sequence[ChunkShape]) -> FlashMetadata:
         plan = plan_slots(chunks, self.block_size, self.device)

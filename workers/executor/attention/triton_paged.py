@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, plan_slots, write_kv
+from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, HeadLayout, plan_slots, write_kv
 from switchyard.workers.executor.transfers import to_device
 
 PREFILL_BLOCK_M = 64  # query rows per prefill program
@@ -82,7 +82,7 @@ class TritonMetadata(AttentionMetadata):
     decode: DecodeBatch | None
 
 
-class TritonAttention:
+class TritonAttention(HeadLayout):
     """See the module docstring."""
 
     name = "triton"
@@ -91,14 +91,8 @@ class TritonAttention:
                  dtype: torch.dtype = torch.float32):
         from switchyard.workers.executor.attention import triton_kernels
 
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, device)
         self.kernels = triton_kernels
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
-        self.head_dim = head_dim
-        self.block_size = block_size
-        self.device = device
-        self.scale = head_dim**-0.5
         # fp32 dots in full precision (Triton would take tf32), so fp32 output matches fp32 references.
         self.precision = "ieee" if dtype == torch.float32 else "tf32"
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
