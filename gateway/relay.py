@@ -56,19 +56,14 @@ class RelayedRequest:
             delta = decode(msg.data, TokenDelta)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.error("request %s: an undecodable message on its token subject; ending it", self.request.request_id)
-            await self.cancel()
-            self.is_finished = True
-            return TokenDelta(self.request.request_id, error=ErrorInfo(
-                "The worker sent a message that could not be read; please retry.", code="bad_worker_message",
-                type="server_error", status=502))
+            return await self._abandon(ErrorInfo("The worker sent a message that could not be read; please retry.",
+                                                 code="bad_worker_message", type="server_error", status=502))
         if delta.seq != self._next_seq:
             # A delta was lost on the way (a slow consumer's messages are dropped): the text has a hole, so the
             # request ends with an error rather than stream it.
             log.error("request %s: delta %d arrived where %d was due; ending it", self.request.request_id,
                       delta.seq, self._next_seq)
-            await self.cancel()
-            self.is_finished = True
-            return TokenDelta(self.request.request_id, error=ErrorInfo(
+            return await self._abandon(ErrorInfo(
                 f"Part of the response was lost in transit (message {self._next_seq} of the stream never "
                 "arrived); please retry.", code="stream_gap", type="server_error", status=502))
         self._next_seq += 1
@@ -78,6 +73,12 @@ class RelayedRequest:
             if self._num_finished >= self.request.sampling.n or delta.error is not None:
                 self.is_finished = True
         return delta
+
+    async def _abandon(self, error: ErrorInfo) -> TokenDelta:
+        """Give up on the request: the worker is told to stop, and the client gets ``error`` as the last delta."""
+        await self.cancel()
+        self.is_finished = True
+        return TokenDelta(self.request.request_id, error=error)
 
     async def first(self) -> TokenDelta:
         """The worker's first message; raises OpenAIError (503) if no worker takes it before the deadline."""
@@ -101,26 +102,28 @@ class RelayedRequest:
     async def deltas(self) -> AsyncIterator[TokenDelta]:
         """Deltas after the first, ending with the final one(s); a dead or silent worker ends it with an error
         delta: dead (no liveness ping for ``DEAD_AFTER_S``) within seconds, silent after ``stall_timeout_s``."""
+        heard_at = time.monotonic()
         while not self.is_finished:
-            silent_since = time.monotonic()
-            while True:
-                try:
-                    delta = await self._next(ALIVE_INTERVAL_S)
-                    break
-                except (NatsTimeoutError, asyncio.TimeoutError):
-                    if self._liveness is not None and self.worker_id and self._liveness.is_dead(self.worker_id):
-                        error = ErrorInfo("The worker running the request stopped; please retry.",
-                                          code="worker_lost", type="server_error", status=503)
-                    elif time.monotonic() - silent_since > self._stall_timeout_s:
-                        error = ErrorInfo("The worker stopped answering; the request was abandoned.",
-                                          code="worker_timeout", type="server_error", status=503)
-                    else:
-                        continue
-                    await self.cancel()
-                    self.is_finished = True
-                    delta = TokenDelta(request_id=self.request.request_id, error=error)
-                    break
+            try:
+                # Woken each liveness interval, so a dead worker is noticed without a message from it.
+                delta = await self._next(ALIVE_INTERVAL_S)
+                heard_at = time.monotonic()
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                error = self._silence_error(time.monotonic() - heard_at)
+                if error is None:
+                    continue
+                delta = await self._abandon(error)
             yield delta
+
+    def _silence_error(self, silent_s: float) -> ErrorInfo | None:
+        """Why a request whose worker has said nothing for ``silent_s`` is given up on, or None to wait on."""
+        if self._liveness is not None and self.worker_id and self._liveness.is_dead(self.worker_id):
+            return ErrorInfo("The worker running the request stopped; please retry.", code="worker_lost",
+                             type="server_error", status=503)
+        if silent_s > self._stall_timeout_s:
+            return ErrorInfo("The worker stopped answering; the request was abandoned.", code="worker_timeout",
+                             type="server_error", status=503)
+        return None
 
     async def cancel(self) -> None:
         """Tell the worker to stop (client went away, or we gave up); safe to call more than once."""
