@@ -7,7 +7,7 @@ import contextlib
 
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import ErrorInfo, WorkerInfo, decode
@@ -136,18 +136,22 @@ def oversize_error(nc, payload: bytes) -> ErrorInfo | None:
 
 
 async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
-    """Every worker heartbeat in the ``workers`` bucket. The keys come from the bucket's stream subjects (one
-    server-side query): nats-py's ``kv.keys()`` builds a consumer for it and was seen to answer "no keys" while
-    workers were beating, which would make served models read as gone."""
-    kv = await workers_bucket(js)
-    prefix = f"$KV.{subjects.WORKERS_BUCKET}."
-    info = await js.stream_info(f"KV_{subjects.WORKERS_BUCKET}", subjects_filter=f"{prefix}>")
+    """Every worker heartbeat in the ``workers`` bucket: its keys from the bucket stream's subjects (one server-side
+    query; nats-py's ``kv.keys()`` builds a consumer for it and was seen to answer "no keys" while workers were
+    beating), then each key's last value. A restarted NATS has lost the in-memory bucket: it is made again, empty,
+    and the workers' next heartbeats fill it."""
+    stream, prefix = f"KV_{subjects.WORKERS_BUCKET}", f"$KV.{subjects.WORKERS_BUCKET}."
+    try:
+        info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
+    except NotFoundError:
+        await workers_bucket(js)
+        return []
     workers = []
     for subject in info.state.subjects or {}:
         try:
-            entry = await kv.get(subject[len(prefix):])
-        except (KeyNotFoundError, KeyDeletedError):  # gone or deregistered since the listing
+            msg = await js.get_last_msg(stream, subject)
+        except NotFoundError:  # expired since the listing
             continue
-        if entry is not None and entry.value:
-            workers.append(decode(entry.value, WorkerInfo))
+        if msg.data:  # a deregistered worker's key ends in a delete marker, which has none
+            workers.append(decode(msg.data, WorkerInfo))
     return workers

@@ -55,6 +55,7 @@ _FETCH_TIMEOUT_S = 0.05  # per fetch; only tiers that may have work are asked
 _IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
 _REFILL_WAIT_S = 0.02  # how long a step waits for the intake to refill freed seats
 _EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
+_CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
 
 
 @dataclass(slots=True)
@@ -180,7 +181,7 @@ class Worker:
 
     async def _on_cancel(self, msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
-        if request_id in self._active or any(t.request.request_id == request_id for t, _ in self._pending_adds):
+        if self._holds(request_id):
             self._pending_aborts.setdefault(request_id, None)
             self._work.set()
             return
@@ -200,19 +201,15 @@ class Worker:
     async def _alive_loop(self, done: asyncio.Event) -> None:
         """Liveness pings for the gateways relaying this worker's requests (see gateway/liveness.py)."""
         subject = subjects.alive_subject(self.worker_id)
-        while not done.is_set():
+        while True:
             with contextlib.suppress(Exception):  # NATS away: the gateways' relays time out on their own
                 await self._nc.publish(subject, b"")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), timeout=subjects.ALIVE_INTERVAL_S)
+            if await _set_within(done, subjects.ALIVE_INTERVAL_S):
+                return
 
     async def _heartbeat_loop(self, kv, done: asyncio.Event) -> None:
         last_state = ""
-        while not done.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), timeout=self._heartbeat_s)
-            if done.is_set():
-                return
+        while not await _set_within(done, self._heartbeat_s):
             try:
                 await self._beat(kv)
             except Exception as exc:  # NATS reconnecting: the next beat retries, the TTL tolerates a few misses
@@ -288,8 +285,7 @@ class Worker:
             log.error("terminating malformed request message on %s", msg.subject)
             await msg.term()
             return 0
-        if request.request_id in self._active or any(t.request.request_id == request.request_id
-                                                       for t, _ in self._pending_adds):
+        if self._holds(request.request_id):
             # JetStream redelivered a request this worker runs (its ack was lost): the copy is dropped, the
             # original goes on; answering the copy would end the original's stream.
             log.warning("dropping a redelivered copy of running request %s", request.request_id)
@@ -298,38 +294,36 @@ class Worker:
         now = time.time()
         tracked = Tracked(request, received_at=now)
         self._background.note_arrival(is_background=request.tier == BATCH_TIER)
-        if self._early_cancels.pop(request.request_id, None) is not None:
-            await self._out.error(request, ErrorInfo("cancelled", code="cancelled", status=499))
-            await msg.ack()
-            return 0
         if now > request.deadline_at:
-            await self._out.error(request, ErrorInfo(
+            return await self._refuse(request, msg, ErrorInfo(
                 f"The request waited in the {request.tier} queue past its deadline and was not run; retry later.",
                 code="queue_timeout", type="rate_limit_error", status=503))
-            await msg.ack()
-            return 0
         try:
             tracked.prepared = await asyncio.get_running_loop().run_in_executor(
                 self._intake_thread, prepare_prompt, self._intake_tokenizer, request, self.engine.max_context)
         except RequestRejected as exc:
-            await self._out.error(request, exc.error)
-            await msg.ack()
-            return 0
+            return await self._refuse(request, msg, exc.error)
         except Exception:  # this request's alone: the others, and the intake, go on
             log.exception("could not tokenize request %s", request.request_id)
-            await self._out.error(request, ErrorInfo("The worker could not tokenize the request.",
-                                                     code="internal_error", type="server_error", status=500))
-            await msg.ack()
-            return 0
+            return await self._refuse(request, msg, ErrorInfo(
+                "The worker could not tokenize the request.", code="internal_error", type="server_error", status=500))
+        # Checked after tokenizing: a cancel may have come before the request or while it was tokenized (a batch
+        # cancel deletes the queued message and counts the line as never started), and either way it must not run.
         if self._early_cancels.pop(request.request_id, None) is not None:
-            # Cancelled while it was being tokenized (a batch cancel deletes the queued message and counts the
-            # line as never started): it must not run.
-            await self._out.error(request, ErrorInfo("cancelled", code="cancelled", status=499))
-            await msg.ack()
-            return 0
+            return await self._refuse(request, msg, _CANCELLED)
         self._pending_adds.append((tracked, msg))
         self._work.set()
         return 1
+
+    async def _refuse(self, request: GenerateRequest, msg, error: ErrorInfo) -> int:
+        """Answer a request taken from the queue with ``error`` instead of running it; it is done with (acked)."""
+        await self._out.error(request, error)
+        await msg.ack()
+        return 0
+
+    def _holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` is running here or waiting for the next step."""
+        return request_id in self._active or any(t.request.request_id == request_id for t, _ in self._pending_adds)
 
     # -- steps ----------------------------------------------------------------------------------------------
     def _step_sync(self, adds, aborts: dict[str, ErrorInfo | None], background_limit: int | None) -> _StepResult:
@@ -337,7 +331,7 @@ class Worker:
         result = _StepResult()
         for tracked, msg in adds:
             if tracked.request.request_id in aborts:
-                error = aborts[tracked.request.request_id] or ErrorInfo("cancelled", code="cancelled", status=499)
+                error = aborts[tracked.request.request_id] or _CANCELLED
                 result.rejected.append((tracked, msg, error))
                 continue
             try:
@@ -477,6 +471,13 @@ async def _published(task: asyncio.Task) -> None:
         await task
     except Exception:
         log.exception("publishing a step's outcome failed")
+
+
+async def _set_within(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``event``; whether it is set."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+    return event.is_set()
 
 
 async def _first_of(*events: asyncio.Event, timeout: float) -> None:
