@@ -39,7 +39,8 @@ class InFlightCounter:
         except asyncio.TimeoutError:
             return False
 
-    async def _add(self, n: int) -> None:
+    async def add(self, n: int) -> None:
+        """``n`` more requests open (negative: ended)."""
         async with self._changed:
             self.count += n
             self._changed.notify_all()
@@ -55,11 +56,11 @@ class CountInFlight:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in _HEALTH_PATHS:
             return await self.app(scope, receive, send)
-        await self.counter._add(1)
+        await self.counter.add(1)
         try:
             await self.app(scope, receive, send)
         finally:
-            await self.counter._add(-1)
+            await self.counter.add(-1)
 
 
 class DrainingServer(uvicorn.Server):

@@ -55,12 +55,6 @@ from switchyard.shared.tiers import BATCH_TIER
 
 log = logging.getLogger("switchyard.batch")
 
-
-class _LineTooLarge(Exception):
-    def __init__(self, error: ErrorInfo) -> None:
-        super().__init__(error.message)
-        self.error = error
-
 LEAD_RETRY_S = 3.0
 TICK_S = 1.0
 MAX_IN_FLIGHT = 256  # lines of one batch queued or running at once: the rest wait in Postgres
@@ -73,6 +67,14 @@ ERR_NO_MESSAGE = 10057  # JetStream: no message at that sequence (taken by a wor
 _BATCH_STREAM = subjects.request_stream(BATCH_TIER)
 _CANCELLED = json.dumps(CANCELLED)
 _EXPIRED = json.dumps(EXPIRED)
+
+
+class _LineTooLarge(Exception):
+    """A line whose request does not fit in one NATS message: it fails alone, with ``error``."""
+
+    def __init__(self, error: ErrorInfo) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class BatchRunner:

@@ -41,6 +41,16 @@ async def _stream(http: httpx.AsyncClient, url: str, auth: dict, model: str, max
     return chunks, finish, done
 
 
+async def _sigterm_mid_stream(http: httpx.AsyncClient, url: str, auth: dict, model: str, max_tokens: int,
+                              pid: int) -> asyncio.Task:
+    """Start a stream, SIGTERM ``pid`` once its first chunk is in; returns the stream's task."""
+    started = asyncio.Event()
+    stream = asyncio.create_task(_stream(http, url, auth, model, max_tokens, started))
+    await asyncio.wait_for(started.wait(), 30)
+    os.kill(pid, signal.SIGTERM)
+    return stream
+
+
 async def _exited(pid_alive, timeout_s: float) -> None:
     await poll(lambda: asyncio.sleep(0, not pid_alive()), timeout_s=timeout_s, what="the process to exit")
 
@@ -51,11 +61,8 @@ async def test_a_gateway_on_sigterm_reports_not_ready_finishes_its_stream_then_e
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(url, MODEL, timeout_s=60, watch=[gw])
-        started = asyncio.Event()
         async with httpx.AsyncClient(timeout=60) as http:
-            stream = asyncio.create_task(_stream(http, url, auth, MODEL, 1500, started))
-            await asyncio.wait_for(started.wait(), 30)
-            os.kill(gw.pid, signal.SIGTERM)
+            stream = await _sigterm_mid_stream(http, url, auth, MODEL, 1500, gw.pid)
             ready = await poll(lambda: http.get(f"{url}/readyz"), lambda r: r.status_code == 503, timeout_s=10,
                                what="/readyz to answer 503")
             assert ready.json()["checks"]["draining"] is True
@@ -85,11 +92,8 @@ async def test_a_worker_on_sigterm_keeps_its_heartbeat_and_finishes_its_request(
     worker = e2e.start_worker(name, max_num_seqs=2, heartbeat_s=0.2)
     try:
         wait_until_ready(system, name, timeout_s=120, watch=[worker])
-        started = asyncio.Event()
         async with httpx.AsyncClient(timeout=60) as http:
-            stream = asyncio.create_task(_stream(http, system, auth, name, 4000, started))
-            await asyncio.wait_for(started.wait(), 30)
-            os.kill(worker.pid, signal.SIGTERM)
+            stream = await _sigterm_mid_stream(http, system, auth, name, 4000, worker.pid)
             before = await _heartbeat_revision(nats_url, name)
             # A beat after the signal, while the request still runs: the model does not read as gone.
             await poll(lambda: _heartbeat_revision(nats_url, name), lambda rev: rev > before, timeout_s=10,
