@@ -20,6 +20,7 @@ from switchyard.gateway.body_limit import BodySizeLimit
 from switchyard.gateway.conversations import conversations_router
 from switchyard.gateway.drain import CountInFlight, InFlightCounter
 from switchyard.gateway.errors import OpenAIError, install_error_handlers
+from switchyard.gateway.failover import Failover
 from switchyard.gateway.files import files_router
 from switchyard.gateway.limits import Limiter, estimate_tokens
 from switchyard.gateway.liveness import WorkerLiveness
@@ -57,7 +58,8 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         liveness = WorkerLiveness()
         await liveness.start(nc)
         app.state.service = CompletionService(
-            Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s, liveness), registry,
+            Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s, liveness,
+                  Failover(nc, js, registry, liveness)), registry,
             app.state.policies, app.state.limiter, config.gateway,
         )
         jobs = Jobs(nc, js, pool, registry, config.database_url) if config.gateway.run_jobs else None

@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from switchyard.gateway.errors import OpenAIError, service_unavailable
+from switchyard.gateway.failover import Failover
 from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, oversize_error
@@ -35,13 +36,19 @@ DEADLINE_GRACE_S = 2.0
 
 
 class RelayedRequest:
-    """One published request: await ``first()``, then iterate the remaining deltas until the final one."""
+    """One published request: await ``first()``, then iterate the remaining deltas until the final one.
+
+    It keeps what a continuation and a lost request's bill need (see gateway/failover.py): the worker running it,
+    the prompt's token count, choice 0's token ids and text length so far, and every choice's token count.
+    """
 
     def __init__(self, nc: NATS, request: GenerateRequest, sub, stall_timeout_s: float, retry_after_s: int,
-                 liveness: WorkerLiveness | None = None) -> None:
+                 liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
         self._nc = nc
         self._liveness = liveness
-        self.worker_id: str | None = None  # from the first delta: who runs it
+        self._failover = failover
+        self.worker_id: str | None = None  # who runs it (None: not taken yet, or a continuation not taken yet)
+        self._superseded: set[str] = set()  # workers it was taken from: their late deltas are ignored
         self.request = request
         self._sub = sub
         self._stall_timeout_s = stall_timeout_s
@@ -49,15 +56,26 @@ class RelayedRequest:
         self._num_finished = 0
         self._next_seq = 0
         self.is_finished = False
+        self._prompt_tokens = 0
+        self._num_tokens = 0  # every choice's, as streamed
+        self._token_ids: list[int] = []  # choice 0's, as streamed
+        self._text_len = 0  # choice 0's text streamed, in characters
+        self._taken_at: float | None = None
+        self._first_token_at: float | None = None
 
     async def _next(self, timeout: float) -> TokenDelta:
-        msg = await self._sub.next_msg(timeout=timeout)
-        try:
-            delta = decode(msg.data, TokenDelta)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            log.error("request %s: an undecodable message on its token subject; ending it", self.request.request_id)
-            return await self._abandon(ErrorInfo("The worker sent a message that could not be read; please retry.",
-                                                 code="bad_worker_message", type="server_error", status=502))
+        while True:
+            msg = await self._sub.next_msg(timeout=timeout)
+            try:
+                delta = decode(msg.data, TokenDelta)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.error("request %s: an undecodable message on its token subject; ending it",
+                          self.request.request_id)
+                return await self._abandon(ErrorInfo("The worker sent a message that could not be read; please "
+                                                     "retry.", code="bad_worker_message", type="server_error",
+                                                     status=502))
+            if delta.worker_id is None or delta.worker_id not in self._superseded:
+                break
         if delta.seq != self._next_seq:
             # A delta was lost on the way (a slow consumer's messages are dropped): the text has a hole, so the
             # request ends with an error rather than stream it.
@@ -67,12 +85,26 @@ class RelayedRequest:
                 f"Part of the response was lost in transit (message {self._next_seq} of the stream never "
                 "arrived); please retry.", code="stream_gap", type="server_error", status=502))
         self._next_seq += 1
-        self.worker_id = delta.worker_id or self.worker_id
+        self._account(delta)
         if delta.finish_reason is not None or delta.error is not None:
             self._num_finished += 1
             if self._num_finished >= self.request.sampling.n or delta.error is not None:
                 self.is_finished = True
+                if delta.error is not None and self._superseded:
+                    await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
         return delta
+
+    def _account(self, delta: TokenDelta) -> None:
+        if self.worker_id is None:
+            self.worker_id = delta.worker_id
+            self._taken_at = self._taken_at or time.time()
+        self._prompt_tokens = delta.prompt_tokens or self._prompt_tokens
+        self._num_tokens += delta.num_tokens
+        if delta.num_tokens and self._first_token_at is None:
+            self._first_token_at = time.time()
+        if delta.index == 0:
+            self._token_ids += delta.token_ids or ()
+            self._text_len += len(delta.text)
 
     async def _abandon(self, error: ErrorInfo) -> TokenDelta:
         """Give up on the request: the worker is told to stop, and the client gets ``error`` as the last delta."""
@@ -100,8 +132,9 @@ class RelayedRequest:
         return {"Retry-After": str(self._retry_after_s)} if status in (429, 503) else {}
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:
-        """Deltas after the first, ending with the final one(s); a dead or silent worker ends it with an error
-        delta: dead (no liveness ping for ``DEAD_AFTER_S``) within seconds, silent after ``stall_timeout_s``."""
+        """Deltas after the first, ending with the final one(s). A dead worker's request goes on on another
+        worker when it can (gateway/failover.py), else ends with an error delta within seconds; a silent one
+        ends with an error after ``stall_timeout_s``."""
         heard_at = time.monotonic()
         while not self.is_finished:
             try:
@@ -112,18 +145,43 @@ class RelayedRequest:
                 error = self._silence_error(time.monotonic() - heard_at)
                 if error is None:
                     continue
+                if error.code == "worker_lost":
+                    if self.worker_id is not None and await self._continue_elsewhere():
+                        heard_at = time.monotonic()
+                        continue
+                    await self._bill_lost()
                 delta = await self._abandon(error)
             yield delta
 
     def _silence_error(self, silent_s: float) -> ErrorInfo | None:
         """Why a request whose worker has said nothing for ``silent_s`` is given up on, or None to wait on."""
-        if self._liveness is not None and self.worker_id and self._liveness.is_dead(self.worker_id):
-            return ErrorInfo("The worker running the request stopped; please retry.", code="worker_lost",
-                             type="server_error", status=503)
+        lost = ErrorInfo("The worker running the request stopped; please retry.", code="worker_lost",
+                         type="server_error", status=503)
+        if self.worker_id is None:  # a continuation no worker has taken yet
+            return lost if time.time() > self.request.deadline_at + DEADLINE_GRACE_S else None
+        if self._liveness is not None and self._liveness.is_dead(self.worker_id):
+            return lost
         if silent_s > self._stall_timeout_s:
             return ErrorInfo("The worker stopped answering; the request was abandoned.", code="worker_timeout",
                              type="server_error", status=503)
         return None
+
+    async def _continue_elsewhere(self) -> bool:
+        if self._failover is None:
+            return False
+        continuation = await self._failover.continue_elsewhere(self.request, self.worker_id, self._token_ids,
+                                                               self._text_len)
+        if continuation is None:
+            return False
+        self._superseded.add(self.worker_id)
+        self.request, self.worker_id, self._next_seq = continuation, None, 0
+        return True
+
+    async def _bill_lost(self) -> None:
+        if self._failover is not None:
+            await self._failover.bill_lost(self.request, self.worker_id or next(iter(self._superseded), None),
+                                           self._prompt_tokens, self._num_tokens, self._taken_at,
+                                           self._first_token_at)
 
     async def cancel(self) -> None:
         """Tell the worker to stop (client went away, or we gave up); safe to call more than once."""
@@ -141,10 +199,11 @@ class Relay:
     """Submits requests; one per gateway process, shared by all handlers."""
 
     def __init__(self, nc: NATS, js: JetStreamContext, stall_timeout_s: float, retry_after_s: int,
-                 liveness: WorkerLiveness | None = None) -> None:
+                 liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
         self._nc = nc
         self._js = js
         self._liveness = liveness
+        self._failover = failover
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
 
@@ -156,7 +215,8 @@ class Relay:
         if too_large is not None:
             raise OpenAIError.from_info(too_large)
         sub = await self._nc.subscribe(subjects.token_subject(request.request_id))
-        relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s, self._liveness)
+        relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s, self._liveness,
+                                 self._failover)
         try:
             await self._js.publish(
                 subjects.request_subject(request.model, request.tier),

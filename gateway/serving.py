@@ -217,6 +217,8 @@ class CompletionService:
                 for i in range(req.sampling.n):
                     yield chunk(i, None, None, role=True)
             async for delta in self._all_deltas(relayed, first):
+                if delta.usage is not None:
+                    usage = delta.usage
                 if delta.error is not None:
                     err = OpenAIError.from_info(delta.error)
                     yield _sse(err.body())
@@ -232,8 +234,6 @@ class CompletionService:
                         # Tokens whose text was all cut (a stop string) still get their logprobs, here.
                         yield chunk(delta.index, None, delta.finish_reason,
                                     logprobs=None if delta.text else delta.logprobs)
-                if delta.usage is not None:
-                    usage = delta.usage
             if include_usage and usage is not None:
                 yield _sse({**base, "choices": [], "usage": usage_json(usage)})
             yield _sse("[DONE]")

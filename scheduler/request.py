@@ -122,6 +122,16 @@ class Sequence:
         """Scheduling order: priority first, then arrival; the id breaks ties deterministically."""
         return (self.priority, self.arrival, self.seq_id)
 
+    def resume(self, output_token_ids: list[int]) -> None:
+        """Continue from outputs another worker generated (a failover): they count as outputs (``max_tokens``,
+        penalties, usage) and are computed on admission like a preempted sequence's."""
+        if self.num_computed_tokens or self.num_output_tokens:
+            raise ValueError(f"sequence {self.seq_id!r} has started; only a new sequence can resume")
+        if len(output_token_ids) >= self.max_tokens:
+            raise ValueError(f"sequence {self.seq_id!r}: {len(output_token_ids)} resumed tokens leave none of "
+                             f"max_tokens={self.max_tokens}")
+        self.token_ids.extend(output_token_ids)
+
     def append_token(self, token_id: int) -> None:
         """Add a sampled token; its KV is written when the next step computes it."""
         self.token_ids.append(token_id)

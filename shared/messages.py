@@ -33,6 +33,19 @@ class SamplingParams(msgspec.Struct):
     n: int = 1
 
 
+class Resume(msgspec.Struct):
+    """A continuation: the request ran on a worker that died, and another goes on from where the client is.
+
+    ``token_ids`` are the tokens generated so far (their text was sent, or held back for a possible stop
+    string), ``text_len`` the characters of text the client has received. The new worker computes them like a
+    preempted sequence's outputs, sends only text beyond ``text_len``, and bills them with its own.
+    """
+
+    token_ids: list[int]
+    text_len: int
+    attempt: int = 1  # 1 for the first continuation, 2 if that worker died too, ...
+
+
 class GenerateRequest(msgspec.Struct):
     """Published by the gateway on ``llm.req.<model>.<tier>``.
 
@@ -59,6 +72,7 @@ class GenerateRequest(msgspec.Struct):
     # cached_tokens reveals another's prompts; True (an operator's opt-in, GatewayConfig.shared_prefix_cache)
     # shares them with every request that opted in too.
     shared_prefix_cache: bool = False
+    resume: Resume | None = None  # set on a continuation after its first worker died (gateway/failover.py)
 
 
 class Usage(msgspec.Struct):
@@ -110,7 +124,11 @@ class TokenDelta(msgspec.Struct):
     # 0, 1, 2, ... per request, in publish order (the worker's Publisher numbers them): core NATS drops a message
     # rather than block, so the gateway checks for a gap instead of streaming a text with a hole in it.
     seq: int = 0
-    worker_id: str | None = None  # on the first message: the worker running the request (its liveness is watched)
+    # The worker sending it (its liveness is watched; after a failover, a superseded worker's late deltas are told
+    # apart by it).
+    worker_id: str | None = None
+    token_ids: list[int] | None = None  # the ids of this delta's tokens, so a continuation can go on from them
+    prompt_tokens: int = 0  # on the first message: the prompt's tokens, for billing a request whose worker died
 
 
 class UsageRecord(msgspec.Struct):
@@ -167,6 +185,8 @@ class WorkerInfo(msgspec.Struct):
     num_steps: int = 0
     step_s: float = 0.0
     gap_s: float = 0.0
+    host: str = ""  # where the process runs, for an operator (and a test) to find it
+    pid: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

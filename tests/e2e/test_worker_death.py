@@ -1,41 +1,133 @@
-"""A worker killed mid-stream, on real processes: the client hears of it within seconds, not after the stall
-timeout."""
+"""A worker killed mid-stream, on real processes: with another worker of the model alive, the stream goes on there
+with no token repeated or missing and is billed once; with none, the client hears of it within seconds, and the
+tokens it got are billed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import time
 
+import asyncpg
 import httpx
+import nats
+import pytest
 
 from switchyard.deploy.services import wait_until_ready
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import live_workers
+from switchyard.shared.messages import TokenDelta, decode
+from tests.support.system import poll
 
 
-async def test_a_stream_whose_worker_is_killed_ends_with_an_error_within_5_s(e2e, system, auth):
+async def _stream(system: str, auth: dict, body: dict, on_text) -> tuple[list[dict], str]:
+    """POST a streamed completion; ``on_text(request_id)`` is awaited once, at the first text. Returns the events
+    (an error event ends them) and the request id."""
+    events, called = [], False
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{system}/v1/completions", json=body, headers=auth) as r:
+            assert r.status_code == 200
+            request_id = r.headers["X-Request-Id"]
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if "error" in events[-1]:
+                    break
+                if not called and events[-1]["choices"] and events[-1]["choices"][0]["text"]:
+                    called = True
+                    await on_text(request_id)
+    return events, request_id
+
+
+async def _usage_rows(database_url: str, request_id: str, timeout_s: float = 20.0) -> list:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await poll(lambda: conn.fetch("SELECT prompt_tokens, completion_tokens, finish_reason, worker_id "
+                                             "FROM requests "
+                                             "WHERE request_id = $1", request_id),
+                          timeout_s=timeout_s, what=f"the usage row of {request_id}")
+    finally:
+        await conn.close()
+
+
+async def test_a_stream_whose_worker_is_killed_ends_with_an_error_within_5_s_and_its_tokens_are_billed(
+        e2e, system, auth, database_url):
     name = "tiny-doomed"
     worker = e2e.start_worker(name, max_num_seqs=2)
+    killed_at = None
+
+    async def kill(_request_id: str) -> None:
+        nonlocal killed_at
+        os.kill(worker.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+
     try:
         wait_until_ready(system, name, timeout_s=120, watch=[worker])
         body = {"model": name, "prompt": "once upon a time", "max_tokens": 4000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        killed_at, error = None, None
-        async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", f"{system}/v1/completions", json=body, headers=auth) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        error = event["error"]
-                        break
-                    if killed_at is None and event["choices"][0]["text"]:
-                        os.kill(worker.pid, signal.SIGKILL)
-                        killed_at = time.monotonic()
-        assert killed_at is not None and error is not None
-        assert error["code"] == "worker_lost", error
+        events, request_id = await _stream(system, auth, body, kill)
+        assert killed_at is not None and "error" in events[-1]
+        assert events[-1]["error"]["code"] == "worker_lost", events[-1]
         assert time.monotonic() - killed_at < 5.0
+        # The tokens streamed before the worker died are billed (by the gateway, the worker being gone).
+        (row,) = await _usage_rows(database_url, request_id)
+        assert row["finish_reason"] == "error" and row["prompt_tokens"] > 0
+        assert row["completion_tokens"] >= sum(bool(e["choices"][0]["text"]) for e in events[:-1]) > 0
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+async def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker_exactly(
+        e2e, system, auth, nats_url, database_url, how):
+    """``stalled``: the worker is stopped (SIGSTOP) long enough to be taken for dead, then resumes while its
+    request streams from the other worker: it must stop at once, send nothing the client sees, and bill nothing."""
+    name = f"tiny-failover-{how}"
+    workers = [e2e.start_worker(name, max_num_seqs=2) for _ in range(2)]
+    nc = await nats.connect(nats_url)
+    try:
+        wait_until_ready(system, name, timeout_s=120, watch=workers)
+        js = nc.jetstream()
+        await poll(lambda: live_workers(js), until=lambda ws: sum(w.model == name for w in ws) == 2,
+                   timeout_s=60, what="both workers registered")
+        body = {"model": name, "prompt": "once upon a time", "max_tokens": 1500, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        killed: list[int] = []
+
+        async def kill_its_worker(request_id: str) -> None:
+            # Which worker runs it: the next delta says (every delta names its worker), the registry has its pid.
+            sub = await nc.subscribe(subjects.token_subject(request_id))
+            delta = decode((await sub.next_msg(timeout=10)).data, TokenDelta)
+            await sub.unsubscribe()
+            (info,) = [w for w in await live_workers(js) if w.worker_id == delta.worker_id]
+            killed.append(info.worker_id)
+            if how == "killed":
+                os.kill(info.pid, signal.SIGKILL)
+            else:
+                os.kill(info.pid, signal.SIGSTOP)
+                # Resumed once the gateway has given up on it (3 s) while the stream goes on elsewhere.
+                asyncio.get_running_loop().call_later(4.0, os.kill, info.pid, signal.SIGCONT)
+
+        events, request_id = await _stream(system, auth, body, kill_its_worker)
+        assert killed and "error" not in events[-1], events[-1]
+        streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+        assert events[-1]["usage"]["completion_tokens"] == 1500
+
+        # The same request on the surviving worker, uninterrupted: the continued stream is identical to it.
+        async with httpx.AsyncClient(timeout=120) as http:
+            r = await http.post(f"{system}/v1/completions", json={**body, "stream": False}, headers=auth)
+        assert r.status_code == 200, r.text
+        assert streamed == r.json()["choices"][0]["text"]
+        (row,) = await _usage_rows(database_url, request_id)
+        assert (row["completion_tokens"], row["finish_reason"]) == (1500, "length")
+        assert row["worker_id"] != killed[0]  # billed by the worker that finished it
+        if how == "stalled":
+            assert all(w.is_running() for w in workers)  # it resumed and serves on
+    finally:
+        await nc.close()
+        for worker in workers:
+            worker.stop()

@@ -27,8 +27,8 @@ from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sche
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
-from switchyard.workers.engine.prompts import PreparedPrompt, eos_token_ids, prepare_prompt
-from switchyard.workers.engine.sampling import make_generator, sample
+from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected, eos_token_ids, prepare_prompt
+from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator, sample
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
 
@@ -61,6 +61,19 @@ class _Choice:
     generator: random.Random | None  # a seeded request's uniforms (sampling.make_generator)
     num_unreported_tokens: int = 0
     unreported_logprobs: list[TokenLogprob] | None = None  # only when the request asked for logprobs
+    # A continuation (GenerateRequest.resume): characters of text the client has already received that the
+    # detokenizer will emit again (to drop), or text it emitted while primed that the client never got (to send).
+    skip_chars: int = 0
+    unsent_text: str = ""
+
+    def emittable(self, text: str) -> str:
+        """``text`` from the detokenizer, less what the client already has, plus what it is still owed."""
+        if self.skip_chars:
+            cut = min(self.skip_chars, len(text))
+            text, self.skip_chars = text[cut:], self.skip_chars - cut
+        if self.unsent_text:
+            text, self.unsent_text = self.unsent_text + text, ""
+        return text
 
 
 @dataclass(slots=True)
@@ -163,6 +176,9 @@ class Engine:
         arrival = time.monotonic()
         # vLLM's cache_salt idea: a tenant's blocks are found only by its own requests (see GenerateRequest).
         cache_salt = "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
+        if req.resume is not None and params.n != 1:
+            raise RequestRejected(ErrorInfo("Only a request with n=1 can be resumed.", code="invalid_value",
+                                            param="n"))
         # Everything is built before the scheduler sees any of it: a request that fails here leaves nothing behind.
         seqs = []
         for index in range(params.n):
@@ -175,12 +191,36 @@ class Engine:
             seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
                                  cache_salt=cache_salt))
             state.seq_ids.append(seq_id)
+        if req.resume is not None:
+            self._resume(seqs[0], req.resume.token_ids, req.resume.text_len)
         self.scheduler.add_request(seqs[0])
         state.held = seqs[1:]
         if not self.scheduler.is_background(seqs[0]):
             self._drop_in_flight = True  # it must not wait for a batch-only step to finish
         self._requests[req.request_id] = state
         return len(prompt_ids)
+
+    @staticmethod
+    def _resume(seq: Sequence, token_ids: list[int], text_len: int) -> None:
+        """Make a new sequence go on from ``token_ids`` generated elsewhere, of whose text the client has
+        ``text_len`` characters."""
+        choice: _Choice = seq.data
+        try:
+            seq.resume(token_ids)
+        except ValueError as exc:
+            raise RequestRejected(ErrorInfo(str(exc), code="invalid_value", param="resume")) from exc
+        primed = choice.detokenizer.add_tokens(token_ids)
+        if choice.detokenizer.is_stopped:
+            raise RequestRejected(ErrorInfo("The resumed tokens already contain a stop string.",
+                                            code="invalid_value", param="resume"))
+        # The same ids decode to the same text and hold back the same tail, so these differ only if the first
+        # worker decoded differently; either way the client gets each character once.
+        choice.skip_chars = max(0, text_len - len(primed))
+        choice.unsent_text = primed[text_len:]
+        if choice.generator is not None and choice.request.params.temperature >= GREEDY_TEMPERATURE:
+            # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
+            for _ in token_ids:
+                choice.generator.random()
 
     def num_dropped_messages(self, request_id: str) -> int:
         """Conversation turns dropped to fit the context when ``request_id`` was added."""
@@ -364,22 +404,27 @@ class Engine:
             if choice.unreported_logprobs:  # the EOS token ends the text; it is not part of it
                 choice.unreported_logprobs.pop()
             self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
-            return self._finish(seq, "stop", choice.detokenizer.flush())
+            return self._finish(seq, "stop", choice.emittable(choice.detokenizer.flush()))
         text = choice.detokenizer.add_token(token_id)
         if choice.detokenizer.is_stopped:
             self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
-            return self._finish(seq, "stop", text)
+            return self._finish(seq, "stop", choice.emittable(text))
         if seq.is_finished:  # the scheduler ended it: max_tokens or the model's context
-            return self._finish(seq, finish_reason(seq.status) or "length", text + choice.detokenizer.flush())
+            return self._finish(seq, finish_reason(seq.status) or "length",
+                                choice.emittable(text + choice.detokenizer.flush()))
+        text = choice.emittable(text)
         if not text:
             return None  # held back (split character or possible stop string): nothing worth a message
-        return self._delta(choice, text)
+        return self._delta(seq, text)
 
-    def _delta(self, choice: _Choice, text: str, reason: str | None = None, usage: Usage | None = None,
+    def _delta(self, seq: Sequence, text: str, reason: str | None = None, usage: Usage | None = None,
                error: ErrorInfo | None = None) -> TokenDelta:
-        delta = TokenDelta(choice.request.request_id, text=text, num_tokens=choice.num_unreported_tokens,
+        choice: _Choice = seq.data
+        num_tokens = choice.num_unreported_tokens
+        delta = TokenDelta(choice.request.request_id, text=text, num_tokens=num_tokens,
                            index=choice.index, finish_reason=reason, usage=usage,
-                           logprobs=choice.unreported_logprobs or None, error=error)
+                           logprobs=choice.unreported_logprobs or None, error=error,
+                           token_ids=seq.token_ids[len(seq.token_ids) - num_tokens:] if num_tokens else None)
         choice.num_unreported_tokens = 0
         if choice.unreported_logprobs:
             choice.unreported_logprobs = []
@@ -394,7 +439,7 @@ class Engine:
         if state.num_finished == len(state.seq_ids):
             self._requests.pop(state.request_id, None)
         # Usage so far on every choice's final: the last one carries the request's total.
-        return self._delta(choice, text, reason, self._usage(state), error)
+        return self._delta(seq, text, reason, self._usage(state), error)
 
     @staticmethod
     def _usage(state: _Request) -> Usage:

@@ -36,6 +36,7 @@ class Tracked:
     cached_tokens: int = 0
     choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
     prepared: PreparedPrompt | None = None  # its prompt, tokenized at intake
+    superseded: bool = False  # a gateway took this worker for dead and continued it elsewhere: not billed here
 
     def collect(self, delta: TokenDelta) -> None:
         choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))
@@ -56,6 +57,7 @@ class Publisher:
 
     async def delta(self, delta: TokenDelta) -> None:
         delta.seq = self._next_seq.get(delta.request_id, 0)
+        delta.worker_id = self.worker_id
         self._next_seq[delta.request_id] = delta.seq + 1
         await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
 
@@ -75,9 +77,12 @@ class Publisher:
             log.exception("could not publish the batch result of %s", request.request_id)
 
     async def finished(self, tracked: Tracked, finish_reason: str, now: float) -> None:
-        """The usage record of a request whose every choice has ended, then (a batch line) its whole result."""
+        """The usage record of a request whose every choice has ended, then (a batch line) its whole result.
+        A superseded request gets neither: the worker that continued it bills every token and answers."""
         req = tracked.request
         self._next_seq.pop(req.request_id, None)  # its last delta is out
+        if tracked.superseded:
+            return
         record = UsageRecord(
             request_id=req.request_id,
             model=req.model,

@@ -22,6 +22,8 @@ import asyncio
 import contextlib
 import copy
 import logging
+import os
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -181,6 +183,14 @@ class Worker:
 
     async def _on_cancel(self, msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
+        if msg.data:
+            # Addressed to one worker: a gateway took it for dead and continued the request on another. Only
+            # that worker stops (the continuation shares the request id), and it leaves the billing to the other.
+            if msg.data.decode(errors="replace") != self.worker_id:
+                return
+            tracked = self._active.get(request_id)
+            if tracked is not None:
+                tracked.superseded = True
         if self._holds(request_id):
             self._pending_aborts.setdefault(request_id, None)
             self._work.set()
@@ -195,7 +205,7 @@ class Worker:
         for tracked in list(self._active.values()):
             running[tracked.request.tier] = running.get(tracked.request.tier, 0) + 1
         info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at, running,
-                          self.num_steps, self.step_s, self.gap_s)
+                          self.num_steps, self.step_s, self.gap_s, host=socket.gethostname(), pid=os.getpid())
         await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
 
     async def _alive_loop(self, done: asyncio.Event) -> None:
@@ -426,7 +436,7 @@ class Worker:
         for tracked, msg in result.admitted:
             await msg.ack()
             await self._out.delta(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages,
-                                             worker_id=self.worker_id))
+                                             prompt_tokens=tracked.prompt_tokens))
             if tracked.request.result_subject:
                 await self._out.batch_result(tracked.request, BatchResult(
                     tracked.request.request_id, self.worker_id, started=True))
