@@ -102,10 +102,12 @@ class NatsServer(_Server):
     """
 
     def __init__(self, store_dir: str | os.PathLike, *, port: int | None = None,
-                 startup_timeout: float = 10.0) -> None:
+                 startup_timeout: float = 10.0, extra_args: list[str] | None = None) -> None:
+        """``extra_args``: more nats-server flags (a cluster's name and routes: see ``deploy.nats_cluster``)."""
         super().__init__()
         self.store_dir = Path(store_dir)
         self.port = port
+        self.extra_args = list(extra_args or [])
         self.startup_timeout = startup_timeout
         self.log_path = self.store_dir / "nats-server.log"
         self.url: str | None = None
@@ -121,21 +123,27 @@ class NatsServer(_Server):
 
     def start(self) -> NatsServer:
         """Start the server and block until JetStream reports healthy."""
-        if self._proc is not None:
-            raise RuntimeError("NatsServer already started")
-        self.url = self.monitor_url = None
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [self.binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1",
-                "-p", str(self.port or -1), "-m", "-1", "--ports_file_dir", str(self.store_dir)]
-        self._proc = self._spawn(args, self.log_path)
+        self.spawn()
         try:
-            self._wait_ready(self.store_dir / f"nats-server_{self._proc.pid}.ports")
+            self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self, ports_file: Path) -> None:
+    def spawn(self) -> None:
+        """Start the process without waiting (a cluster's servers must all be up before any is healthy)."""
+        if self._proc is not None:
+            raise RuntimeError("NatsServer already started")
+        self.url = self.monitor_url = None
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        args = [self.binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1",
+                "-p", str(self.port or -1), "-m", "-1", "--ports_file_dir", str(self.store_dir), *self.extra_args]
+        self._proc = self._spawn(args, self.log_path)
+
+    def wait_ready(self) -> None:
+        """Block until the server reports JetStream healthy; raises ServerStartError with its log if not."""
+        ports_file = self.store_dir / f"nats-server_{self._proc.pid}.ports"
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self._proc.poll() is not None:

@@ -9,7 +9,6 @@ import logging
 import time
 
 import asyncpg
-import nats
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -30,6 +29,7 @@ from switchyard.gateway.relay import Relay
 from switchyard.gateway.serving import CompletionService
 from switchyard.gateway.usage_report import usage_rows
 from switchyard.jobs.runner import Jobs
+from switchyard.shared import nats_client
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
 from switchyard.shared.tier_store import PolicyCache
@@ -46,9 +46,9 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        nc = await nats.connect(config.nats_url, name="switchyard-gateway", max_reconnect_attempts=-1)
+        nc = await nats_client.connect(config.nats_url, "switchyard-gateway")
         js = nc.jetstream()
-        await ensure_streams(js)
+        await ensure_streams(js, config.nats_replicas)
         pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
         registry = ModelRegistry(js)
         app.state.nc, app.state.js, app.state.pool, app.state.registry = nc, js, pool, registry
@@ -59,7 +59,7 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         await liveness.start(nc)
         app.state.service = CompletionService(
             Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s, liveness,
-                  Failover(nc, js, registry, liveness)), registry,
+                  Failover(js, registry, liveness)), registry,
             app.state.policies, app.state.limiter, config.gateway,
         )
         jobs = Jobs(nc, js, pool, registry, config.database_url) if config.gateway.run_jobs else None

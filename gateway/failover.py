@@ -1,8 +1,8 @@
 """What a gateway does when the worker running one of its requests dies mid-stream.
 
-    worker A dies ──(no liveness ping for 3 s)──▶ relay ──▶ Failover.continue_elsewhere
-        another live worker of the model?  yes: cancel addressed to A (if it only stalled, it stops and bills
-                                                nothing), then publish the request again with ``resume`` =
+    worker A dies ──(no liveness ping for 3 s)──▶ relay: cancel addressed to A (if it only stalled, it stops and
+                                                 bills nothing) ──▶ Failover.continue_elsewhere
+        another live worker of the model?  yes: publish the request again with ``resume`` =
                                                 the tokens streamed so far; worker B prefills prompt + those
                                                 tokens and streams on from the next one, and bills them all
                                            no:  Failover.bill_lost: a usage record for what A streamed, then
@@ -20,12 +20,12 @@ import logging
 import time
 
 import msgspec
-from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.shared import subjects
+from switchyard.shared.jetstream import publish_once
 from switchyard.shared.messages import GenerateRequest, Resume, UsageRecord, encode
 
 log = logging.getLogger("switchyard.gateway")
@@ -34,40 +34,38 @@ log = logging.getLogger("switchyard.gateway")
 class Failover:
     """Continues requests of dead workers on live ones; one per gateway, shared by every relayed request."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, registry: ModelRegistry, liveness: WorkerLiveness,
+    def __init__(self, js: JetStreamContext, registry: ModelRegistry, liveness: WorkerLiveness,
                  max_attempts: int = 2) -> None:
-        self._nc = nc
         self._js = js
         self._registry = registry
         self._liveness = liveness
         self._max_attempts = max_attempts
 
-    async def continue_elsewhere(self, request: GenerateRequest, dead_worker: str, token_ids: list[int],
+    async def continue_elsewhere(self, request: GenerateRequest, dead_worker: str | None, token_ids: list[int],
                                  text_len: int) -> GenerateRequest | None:
         """Publish ``request`` again to go on after ``token_ids`` (whose text the client has ``text_len``
-        characters of) on another worker; returns the continuation, or None when it cannot be continued."""
+        characters of) on a live worker other than ``dead_worker`` (None: any); returns the continuation, or None
+        when it cannot be continued."""
         attempt = request.resume.attempt + 1 if request.resume is not None else 1
         if request.sampling.n != 1 or attempt > self._max_attempts or not await self._has_other_worker(
                 request.model, dead_worker):
             return None
-        # A worker taken for dead may only be stalled: told by name, it stops without billing, and only it stops.
-        await self._nc.publish(subjects.cancel_subject(request.request_id), dead_worker.encode())
         now = time.time()
         continuation = msgspec.structs.replace(
             request, resume=Resume(list(token_ids), text_len, attempt),
             deadline_at=now + max(1.0, request.deadline_at - request.created_at))
         try:
             # Its own message id: the original's is still in the stream's duplicate window.
-            await self._js.publish(subjects.request_subject(request.model, request.tier), encode(continuation),
-                                   headers={"Nats-Msg-Id": f"{request.request_id}.resume{attempt}"})
+            await publish_once(self._js, subjects.request_subject(request.model, request.tier), encode(continuation),
+                               f"{request.request_id}.resume{attempt}", within_s=3.0)
         except Exception as exc:  # queue full, or NATS away: the request ends with worker_lost
             log.warning("could not continue request %s elsewhere: %r", request.request_id, exc)
             return None
-        log.warning("worker %s died running request %s: continuing it after %d tokens (attempt %d)",
-                    dead_worker, request.request_id, len(token_ids), attempt)
+        log.warning("continuing request %s after %d tokens (attempt %d; worker %s dead or its stream broken)",
+                    request.request_id, len(token_ids), attempt, dead_worker)
         return continuation
 
-    async def _has_other_worker(self, model: str, dead_worker: str) -> bool:
+    async def _has_other_worker(self, model: str, dead_worker: str | None) -> bool:
         try:
             workers = (await self._registry.models(fresh=True)).get(model, [])
         except Exception:  # NATS unreadable: nowhere to send it
@@ -86,7 +84,6 @@ class Failover:
             total_ms=(now - request.created_at) * 1000, tenant_id=request.tenant_id, api_key_id=request.api_key_id,
             worker_id=worker_id)
         try:
-            await self._js.publish(subjects.USAGE_SUBJECT, encode(record),
-                                   headers={"Nats-Msg-Id": request.request_id})
+            await publish_once(self._js, subjects.USAGE_SUBJECT, encode(record), request.request_id, within_s=30.0)
         except Exception:
             log.exception("could not record the usage of %s, whose worker died", request.request_id)

@@ -21,17 +21,28 @@ class WorkerLiveness:
 
     def __init__(self) -> None:
         self._last_heard: dict[str, float] = {}
-        self._started_at = time.monotonic()
+        self._listening_since = time.monotonic()
+        self._nc = None
+        self._num_reconnects = 0
         self._sub = None
 
     async def start(self, nc) -> None:
         async def heard(msg) -> None:
             self._last_heard[msg.subject.rsplit(".", 1)[-1]] = time.monotonic()
 
+        self._nc = nc
+        self._num_reconnects = nc.stats["reconnects"]
         self._sub = await nc.subscribe(f"{subjects.ALIVE_PREFIX}.*", cb=heard)
 
     def is_dead(self, worker_id: str) -> bool:
-        """True once ``worker_id`` has not been heard for ``DEAD_AFTER_S`` (counted from our start for one never
-        heard: it may have pinged just before we listened)."""
-        last = self._last_heard.get(worker_id, self._started_at)
+        """True once ``worker_id`` has not been heard for ``DEAD_AFTER_S`` while we were listening: pings missed
+        while this gateway was itself disconnected (its NATS server lost, a reconnect to another) say nothing
+        about the worker, so listening starts over at each reconnect, and at our start for one never heard."""
+        if self._nc is not None:
+            if not self._nc.is_connected:
+                return False
+            if self._nc.stats["reconnects"] != self._num_reconnects:
+                self._num_reconnects = self._nc.stats["reconnects"]
+                self._listening_since = time.monotonic()
+        last = max(self._last_heard.get(worker_id, 0.0), self._listening_since)
         return time.monotonic() - last > DEAD_AFTER_S

@@ -16,6 +16,9 @@ from switchyard.shared.jetstream import live_workers
 from switchyard.shared.messages import WorkerInfo
 
 _CACHE_S = 1.0
+# While the registry cannot be read (a NATS node lost and a new leader being elected, a reconnect), the last
+# listing stands in for this long: requests go on to the queue, which rides the same outage out (relay.submit).
+_STALE_OK_S = 30.0
 _UNREACHABLE_RETRY_AFTER_S = 5
 
 log = logging.getLogger("switchyard.gateway")
@@ -28,8 +31,8 @@ class ModelRegistry:
         self._cached_at = 0.0
 
     async def models(self, fresh: bool = False) -> dict[str, list[WorkerInfo]]:
-        """Served model name → the live workers serving it. Raises OpenAIError 503 while NATS cannot be read
-        (restarting, unreachable): a client gets "retry", never a 500 or a false 404."""
+        """Served model name → the live workers serving it. While NATS cannot be read, the last listing for up to
+        ``_STALE_OK_S``, then OpenAIError 503: a client gets "retry", never a 500 or a false 404."""
         if not fresh and time.monotonic() - self._cached_at < _CACHE_S:
             return self._cached
         found: dict[str, list[WorkerInfo]] = {}
@@ -37,6 +40,8 @@ class ModelRegistry:
             workers = await live_workers(self._js)
         except Exception as exc:
             log.warning("cannot read the worker registry: %r", exc)
+            if self._cached and time.monotonic() - self._cached_at < _STALE_OK_S:
+                return self._cached
             raise service_unavailable("The request queue is unreachable right now; please retry.",
                                       _UNREACHABLE_RETRY_AFTER_S) from None
         for info in workers:

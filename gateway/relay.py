@@ -26,13 +26,14 @@ from switchyard.gateway.errors import OpenAIError, service_unavailable
 from switchyard.gateway.failover import Failover
 from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import QUEUE_FULL_CODES, oversize_error
+from switchyard.shared.jetstream import QUEUE_FULL_CODES, is_transient, oversize_error, publish_once
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
 
 log = logging.getLogger("switchyard.gateway")
 
 # The worker must start a request before its deadline; this margin covers its reply's trip back.
 DEADLINE_GRACE_S = 2.0
+PUBLISH_RETRY_S = 15.0  # a JetStream cluster elects a new stream leader within about 4 s of losing a node
 
 
 class RelayedRequest:
@@ -48,7 +49,9 @@ class RelayedRequest:
         self._liveness = liveness
         self._failover = failover
         self.worker_id: str | None = None  # who runs it (None: not taken yet, or a continuation not taken yet)
-        self._superseded: set[str] = set()  # workers it was taken from: their late deltas are ignored
+        # Workers told to stop running it by name: one it was taken from (failover), or a second one that started
+        # it too (JetStream redelivered it while the first was stalled). Their deltas are ignored.
+        self._dismissed: set[str] = set()
         self.request = request
         self._sub = sub
         self._stall_timeout_s = stall_timeout_s
@@ -74,13 +77,23 @@ class RelayedRequest:
                 return await self._abandon(ErrorInfo("The worker sent a message that could not be read; please "
                                                      "retry.", code="bad_worker_message", type="server_error",
                                                      status=502))
-            if delta.worker_id is None or delta.worker_id not in self._superseded:
+            if delta.attempt != (0 if self.request.resume is None else self.request.resume.attempt):
+                continue  # a late delta of a run this request was taken from
+            if self.worker_id is None or delta.worker_id in (None, self.worker_id):
                 break
+            if delta.worker_id not in self._dismissed:
+                log.warning("request %s: worker %s runs it too (it runs on %s); telling it to stop",
+                            self.request.request_id, delta.worker_id, self.worker_id)
+                await self._dismiss(delta.worker_id)
         if delta.seq != self._next_seq:
-            # A delta was lost on the way (a slow consumer's messages are dropped): the text has a hole, so the
-            # request ends with an error rather than stream it.
-            log.error("request %s: delta %d arrived where %d was due; ending it", self.request.request_id,
-                      delta.seq, self._next_seq)
+            # A delta was lost on the way (a slow consumer's messages are dropped; a NATS node died and this
+            # gateway reconnected to another): the text would have a hole. The request goes on from what the client
+            # has, as after a worker's death (any live worker, this one too, takes the continuation); when it
+            # cannot, it ends with an error rather than stream a text with a hole.
+            log.warning("request %s: delta %d arrived where %d was due", self.request.request_id, delta.seq,
+                        self._next_seq)
+            if await self._continue_elsewhere(delta.worker_id, exclude_it=False):
+                return await self._next(max(timeout, DEADLINE_GRACE_S))
             return await self._abandon(ErrorInfo(
                 f"Part of the response was lost in transit (message {self._next_seq} of the stream never "
                 "arrived); please retry.", code="stream_gap", type="server_error", status=502))
@@ -90,7 +103,7 @@ class RelayedRequest:
             self._num_finished += 1
             if self._num_finished >= self.request.sampling.n or delta.error is not None:
                 self.is_finished = True
-                if delta.error is not None and self._superseded:
+                if delta.error is not None and self._dismissed:
                     await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
         return delta
 
@@ -146,7 +159,7 @@ class RelayedRequest:
                 if error is None:
                     continue
                 if error.code == "worker_lost":
-                    if self.worker_id is not None and await self._continue_elsewhere():
+                    if self.worker_id is not None and await self._continue_elsewhere(self.worker_id):
                         heard_at = time.monotonic()
                         continue
                     await self._bill_lost()
@@ -166,20 +179,29 @@ class RelayedRequest:
                              type="server_error", status=503)
         return None
 
-    async def _continue_elsewhere(self) -> bool:
+    async def _continue_elsewhere(self, worker_id: str | None, exclude_it: bool = True) -> bool:
+        """Dismiss ``worker_id`` and have the request go on from what the client has on another worker (or any,
+        this one included, unless ``exclude_it``); whether a continuation was published."""
+        if worker_id is not None:
+            await self._dismiss(worker_id)  # taken for dead, or its stream has a hole: it must not run on
         if self._failover is None:
             return False
-        continuation = await self._failover.continue_elsewhere(self.request, self.worker_id, self._token_ids,
-                                                               self._text_len)
+        continuation = await self._failover.continue_elsewhere(
+            self.request, worker_id if exclude_it else None, self._token_ids, self._text_len)
         if continuation is None:
             return False
-        self._superseded.add(self.worker_id)
         self.request, self.worker_id, self._next_seq = continuation, None, 0
         return True
 
+    async def _dismiss(self, worker_id: str) -> None:
+        """Tell one worker, by name, to stop running this request and bill none of it (see Worker._on_cancel)."""
+        self._dismissed.add(worker_id)
+        if self._nc.is_connected:
+            await self._nc.publish(subjects.cancel_subject(self.request.request_id), worker_id.encode())
+
     async def _bill_lost(self) -> None:
         if self._failover is not None:
-            await self._failover.bill_lost(self.request, self.worker_id or next(iter(self._superseded), None),
+            await self._failover.bill_lost(self.request, self.worker_id or next(iter(self._dismissed), None),
                                            self._prompt_tokens, self._num_tokens, self._taken_at,
                                            self._first_token_at)
 
@@ -218,13 +240,15 @@ class Relay:
         relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s, self._liveness,
                                  self._failover)
         try:
-            await self._js.publish(
-                subjects.request_subject(request.model, request.tier),
-                payload,
-                headers={"Nats-Msg-Id": request.request_id},
-            )
+            # Retried through a JetStream leader election (a cluster node lost) for a few seconds; the message id
+            # keeps a retried request from being queued twice.
+            await publish_once(self._js, subjects.request_subject(request.model, request.tier), payload,
+                               request.request_id, within_s=PUBLISH_RETRY_S)
         except APIError as exc:
             await relayed.close()
+            if exc.code == 503:
+                raise service_unavailable("The request queue is unavailable right now; please retry.",
+                                          self._retry_after_s) from None
             if exc.err_code in QUEUE_FULL_CODES:
                 # Counted by `switchyard tiers show`; core publish, so a refusal never waits on a second ack.
                 await self._nc.publish(subjects.rejected_subject(request.model, request.tier), b"")
@@ -236,8 +260,10 @@ class Relay:
                     headers={"Retry-After": str(self._retry_after_s)},
                 ) from None
             raise
-        except (NatsTimeoutError, asyncio.TimeoutError):
+        except Exception as exc:
             await relayed.close()
-            raise service_unavailable("The request queue did not answer; please retry.", self._retry_after_s)
+            if not is_transient(exc):
+                raise
+            raise service_unavailable("The request queue did not answer; please retry.", self._retry_after_s) from None
         return relayed
 

@@ -88,7 +88,11 @@ class SwitchyardConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="ignore")
 
     data_dir: Path = Field(default_factory=default_data_dir)
-    nats_url: str | None = None  # None: start an embedded nats-server
+    # None: start an embedded nats-server. Several servers of one cluster: comma-separated, tried in turn.
+    nats_url: str | None = None
+    # Servers of a JetStream cluster that hold each stream and bucket Switchyard creates (3: losing a node loses
+    # nothing accepted). 1 for a lone server.
+    nats_replicas: int = Field(1, ge=1, le=5)
     database_url: str | None = None  # None: start an embedded Postgres
     gateway: GatewayConfig = GatewayConfig()
     worker: WorkerConfig = WorkerConfig()

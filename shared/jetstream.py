@@ -3,11 +3,16 @@ consumers and the workers' heartbeat bucket. The streams' shapes are in ``stream
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import time
 
+from nats.errors import ConnectionReconnectingError, NoRespondersError, StaleConnectionError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NoStreamResponseError, NotFoundError
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import ErrorInfo, WorkerInfo, decode
@@ -23,11 +28,14 @@ from switchyard.shared.tier_store import read_policies, seed_policies
 from switchyard.shared.tiers import TIER_NAMES
 
 __all__ = ["QUEUE_FULL_CODES", "ensure_batch_results_consumer", "ensure_request_consumer", "ensure_streams",
-           "ensure_usage_consumer", "workers_bucket"]
+           "ensure_usage_consumer", "is_transient", "publish_once", "workers_bucket"]
+
+log = logging.getLogger("switchyard.jetstream")
 
 WORKER_TTL_S = 10.0  # a worker whose heartbeat is this old is gone
 
-async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig, replicas: int) -> None:
+    config.num_replicas = replicas
     try:
         await js.stream_info(config.name)
     except NotFoundError:
@@ -58,24 +66,35 @@ async def _drop_legacy_streams(js: JetStreamContext) -> None:
             await js.delete_stream(name)
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Create the per-tier request streams, USAGE and EVENTS if missing, and seed the tier policies.
+async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
+    """Create the per-tier request streams, USAGE, EVENTS, BATCH_RESULTS and DEAD_LETTERS, and the tiers and
+    workers buckets, if missing, and seed the tier policies.
 
-    Existing streams keep their live limits: ops changes are never undone by a restart.
+    ``replicas``: how many servers of a JetStream cluster hold each stream and bucket (3 survives losing one
+    node; ``SwitchyardConfig.nats_replicas``). It applies to what is created; existing streams keep their shape and
+    live limits, so ops changes are never undone by a restart.
     """
     await _drop_legacy_streams(js)
-    await seed_policies(js)
+    await seed_policies(js, replicas)
     policies = await read_policies(js)
     for tier in TIER_NAMES:
-        await _ensure_stream(js, tier_stream_config(tier, policies[tier].max_queued))
-    await _ensure_stream(js, usage_stream_config())
-    await _ensure_stream(js, events_stream_config())
-    await _ensure_stream(js, batch_results_stream_config())
-    await _ensure_stream(js, dead_letter_stream_config())
+        await _ensure_stream(js, tier_stream_config(tier, policies[tier].max_queued), replicas)
+    for config in (usage_stream_config(), events_stream_config(), batch_results_stream_config(),
+                   dead_letter_stream_config()):
+        await _ensure_stream(js, config, replicas)
+    await workers_bucket(js, replicas)
 
 
-async def ensure_request_consumer(js: JetStreamContext, model: str, tier: str, ack_wait_s: float = 30.0) -> str:
-    """Durable pull consumer shared by all workers of ``model`` for ``tier``; returns its name."""
+# How long a pulled request may go unacknowledged before JetStream hands it to another worker. A worker acks a
+# request once it is running (its stream has begun) and, until then, says "in progress" every second (its liveness
+# interval), so only a dead worker's pulled-but-not-started requests wait this long, not 30 s.
+REQUEST_ACK_WAIT_S = 5.0
+
+
+async def ensure_request_consumer(js: JetStreamContext, model: str, tier: str,
+                                  ack_wait_s: float = REQUEST_ACK_WAIT_S) -> str:
+    """Durable pull consumer shared by all workers of ``model`` for ``tier``; returns its name. An existing one
+    of an earlier configuration is updated (JetStream edits ack_wait in place)."""
     name = subjects.request_consumer(model, tier)
     config = ConsumerConfig(
         durable_name=name,
@@ -112,14 +131,15 @@ async def ensure_batch_results_consumer(js: JetStreamContext) -> str:
     return subjects.BATCH_RESULTS_CONSUMER
 
 
-async def workers_bucket(js: JetStreamContext):
-    """Open (creating if needed) the KV bucket of worker heartbeats: entries expire after ``WORKER_TTL_S``."""
+async def workers_bucket(js: JetStreamContext, replicas: int = 1):
+    """Open (creating if needed) the KV bucket of worker heartbeats: entries expire after ``WORKER_TTL_S``.
+    ``ensure_streams`` creates it with the configured replicas; one re-created after a lone server's restart (it is
+    in memory) has one."""
     try:
         return await js.key_value(subjects.WORKERS_BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(
-            KeyValueConfig(bucket=subjects.WORKERS_BUCKET, ttl=WORKER_TTL_S, storage=StorageType.MEMORY, history=1)
-        )
+        return await js.create_key_value(KeyValueConfig(bucket=subjects.WORKERS_BUCKET, ttl=WORKER_TTL_S,
+                                                        storage=StorageType.MEMORY, history=1, replicas=replicas))
 
 
 HEADER_ROOM = 1024  # bytes of a message kept for its headers (the dedup id, trace context)
@@ -155,3 +175,41 @@ async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
         if msg.data:  # a deregistered worker's key ends in a delete marker, which has none
             workers.append(decode(msg.data, WorkerInfo))
     return workers
+
+
+# What a publish meets while a stream has no leader (a cluster electing one after losing a node: seconds) or the
+# client is reconnecting: worth retrying. A full queue or a bad request is not.
+_TRANSIENT = (NoStreamResponseError, NoRespondersError, NatsTimeoutError, asyncio.TimeoutError,
+              ConnectionReconnectingError, StaleConnectionError)
+
+
+def is_transient(exc: Exception) -> bool:
+    """Whether a JetStream call that raised ``exc`` may succeed if tried again shortly."""
+    return isinstance(exc, _TRANSIENT) or (isinstance(exc, APIError) and exc.code == 503
+                                           and exc.err_code not in QUEUE_FULL_CODES)
+
+
+async def publish_once(js: JetStreamContext, subject: str, payload: bytes, msg_id: str, within_s: float = 10.0,
+                       headers: dict[str, str] | None = None):
+    """Publish to a stream, retrying transient failures for up to ``within_s`` seconds; returns the ack.
+
+    Every try carries ``msg_id`` (``Nats-Msg-Id``), so a try that was stored although its ack was lost is not
+    stored again: whatever happens, the record lands at most once, and at least once unless this raises.
+    """
+    started = time.monotonic()
+    deadline = started + within_s
+    delay, tries = 0.05, 0
+    while True:
+        tries += 1
+        try:
+            ack = await js.publish(subject, payload, timeout=max(0.2, min(2.0, deadline - time.monotonic())),
+                                   headers={"Nats-Msg-Id": msg_id, **(headers or {})})
+            if tries > 1:
+                log.warning("published %s to %s after %d tries, %.1f s", msg_id, subject, tries,
+                            time.monotonic() - started)
+            return ack
+        except Exception as exc:
+            if not is_transient(exc) or time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 1.0)

@@ -128,6 +128,7 @@ class TokenDelta(msgspec.Struct):
     # apart by it).
     worker_id: str | None = None
     token_ids: list[int] | None = None  # the ids of this delta's tokens, so a continuation can go on from them
+    attempt: int = 0  # the run it comes from: 0, then the ``resume.attempt`` of each continuation
     prompt_tokens: int = 0  # on the first message: the prompt's tokens, for billing a request whose worker died
 
 

@@ -10,6 +10,7 @@ Readers cache for ``CACHE_S`` so a change applies everywhere within about a seco
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -19,7 +20,6 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode, encode
-from switchyard.shared.stream_config import tier_stream_config
 from switchyard.shared.tiers import DEFAULT_POLICIES, TIER_NAMES, TierPolicy
 
 TIERS_BUCKET = "tiers"
@@ -28,16 +28,17 @@ CACHE_S = 1.0
 log = logging.getLogger("switchyard.tiers")
 
 
-async def tiers_bucket(js: JetStreamContext):
+async def tiers_bucket(js: JetStreamContext, replicas: int = 1):
     try:
         return await js.key_value(TIERS_BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(KeyValueConfig(bucket=TIERS_BUCKET, storage=StorageType.FILE, history=5))
+        return await js.create_key_value(KeyValueConfig(bucket=TIERS_BUCKET, storage=StorageType.FILE, history=5,
+                                                        replicas=replicas))
 
 
-async def seed_policies(js: JetStreamContext) -> None:
+async def seed_policies(js: JetStreamContext, replicas: int = 1) -> None:
     """Write the default policy of every tier that has none yet (an ops change is never overwritten)."""
-    kv = await tiers_bucket(js)
+    kv = await tiers_bucket(js, replicas)
     for tier, policy in DEFAULT_POLICIES.items():
         try:
             await kv.create(tier, encode(policy))
@@ -74,7 +75,8 @@ async def apply_queue_cap(js: JetStreamContext, tier: str, target: int) -> int:
     current = info.config.max_msgs_per_subject
     cap = target if target >= current else max(target, await _deepest_queue(js, tier))
     if cap != current:
-        await js.update_stream(tier_stream_config(tier, cap))
+        # From the stream's own config: replicas and anything else set at creation stay as they are.
+        await js.update_stream(dataclasses.replace(info.config, max_msgs_per_subject=cap))
     return cap
 
 

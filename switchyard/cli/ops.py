@@ -28,15 +28,15 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     import getpass
 
     import asyncpg
-    import nats
 
     from switchyard.gateway.registry import ModelRegistry
     from switchyard.gateway.tier_admin import TierChangeError, change_tier, tier_status
+    from switchyard.shared import nats_client
 
     config = _ops_config(args)
 
     async def run() -> int:
-        nc = await nats.connect(config.nats_url, max_reconnect_attempts=1)
+        nc = await nats_client.connect(config.nats_url, "switchyard-cli", reconnect_forever=False)
         js = nc.jetstream()
         try:
             if args.tiers_cmd == "set":

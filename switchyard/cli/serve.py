@@ -38,10 +38,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     """The durable consumers alone (billing writer, batch runner, housekeeping), until SIGTERM or Ctrl-C."""
     import asyncpg
-    import nats
 
     from switchyard.gateway.registry import ModelRegistry
     from switchyard.jobs.runner import Jobs
+    from switchyard.shared import nats_client
     from switchyard.shared.jetstream import ensure_streams
 
     config = load_config(args)
@@ -51,11 +51,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 2
 
     async def run() -> None:
-        nc = await nats.connect(config.nats_url, name="switchyard-jobs", max_reconnect_attempts=-1)
+        nc = await nats_client.connect(config.nats_url, "switchyard-jobs")
         js = nc.jetstream()
         pool = None
         try:
-            await ensure_streams(js)
+            await ensure_streams(js, config.nats_replicas)
             pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
             jobs = Jobs(nc, js, pool, ModelRegistry(js), config.database_url)
             try:

@@ -131,3 +131,37 @@ async def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker_exactly
         await nc.close()
         for worker in workers:
             worker.stop()
+
+
+async def test_a_request_pulled_by_a_worker_that_dies_before_starting_it_is_redelivered_within_seconds(
+        e2e, system, auth, nats_url):
+    """The worker that dies right after pulling is played by this test: it takes the request from the model's
+    durable consumer, as a worker's intake does, and disconnects without acking. The real worker is frozen
+    (SIGSTOP) meanwhile, so the test's pull is the one that gets it."""
+    name = "tiny-redeliver"
+    worker = e2e.start_worker(name, max_num_seqs=2)
+    nc = await nats.connect(nats_url)
+    try:
+        wait_until_ready(system, name, timeout_s=120, watch=[worker])
+        os.kill(worker.pid, signal.SIGSTOP)
+        async with httpx.AsyncClient(timeout=60) as http:
+            answer = asyncio.create_task(http.post(
+                f"{system}/v1/completions", headers=auth,
+                json={"model": name, "prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}))
+            js = nc.jetstream()
+            consumer = subjects.request_consumer(name, "pro")
+            puller = await js.pull_subscribe_bind(consumer, stream=subjects.request_stream("pro"))
+            (pulled,) = await puller.fetch(1, timeout=10)
+            await nc.close()  # the puller dies holding it
+            died_at = time.monotonic()
+            os.kill(worker.pid, signal.SIGCONT)
+            r = await answer
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        # Redelivered after the short ack wait (5 s), not the 30 s it used to take.
+        assert time.monotonic() - died_at < 10.0
+        assert pulled.metadata.num_delivered == 1
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        await nc.close()
+        worker.stop()

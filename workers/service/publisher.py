@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from switchyard.shared import subjects
+from switchyard.shared.jetstream import publish_once
 from switchyard.shared.messages import (
     BatchChoice,
     BatchResult,
@@ -19,6 +20,10 @@ from switchyard.shared.messages import (
 from switchyard.workers.engine.prompts import PreparedPrompt
 
 log = logging.getLogger("switchyard.worker")
+
+# How long a usage record or batch result is retried through a NATS outage (a cluster electing a leader takes
+# seconds, a restarted server about as long) before it is logged as lost. Deltas wait behind it meanwhile.
+RECORD_RETRY_S = 30.0
 
 
 @dataclass(slots=True)
@@ -45,6 +50,11 @@ class Tracked:
 
 
 
+def attempt_of(request: GenerateRequest) -> int:
+    """Which run of ``request`` this is (its deltas say it, so a gateway tells a superseded run's apart)."""
+    return 0 if request.resume is None else request.resume.attempt
+
+
 class Publisher:
     """Publishes one worker's outputs; every method is safe to call whatever NATS is doing (errors are logged
     where a retry happens elsewhere)."""
@@ -63,16 +73,18 @@ class Publisher:
 
     async def error(self, request: GenerateRequest, error: ErrorInfo) -> None:
         """Answer ``request`` with ``error`` instead of running (or finishing) it."""
-        await self.delta(TokenDelta(request.request_id, error=error))
+        await self.delta(TokenDelta(request.request_id, error=error, attempt=attempt_of(request)))
         self._next_seq.pop(request.request_id, None)
         if request.result_subject:
             await self.batch_result(request, BatchResult(request.request_id, self.worker_id, error=error))
 
     async def batch_result(self, request: GenerateRequest, result: BatchResult) -> None:
-        # Durable, and deduplicated by request id: a final result published twice is stored once.
-        headers = None if result.started else {"Nats-Msg-Id": request.request_id}
         try:
-            await self._js.publish(request.result_subject, encode(result), headers=headers)
+            if result.started:  # a hint for the batch runner, sent once per run: no retries, no dedup
+                await self._js.publish(request.result_subject, encode(result))
+            else:  # durable, and deduplicated by request id: a final result published twice is stored once
+                await publish_once(self._js, request.result_subject, encode(result), request.request_id,
+                                   within_s=RECORD_RETRY_S)
         except Exception:  # the batch runner re-publishes a line whose result never comes
             log.exception("could not publish the batch result of %s", request.request_id)
 
@@ -100,8 +112,8 @@ class Publisher:
             worker_id=self.worker_id,
         )
         try:
-            # The message id makes JetStream drop a duplicate if this publish is retried.
-            await self._js.publish(subjects.USAGE_SUBJECT, encode(record), headers={"Nats-Msg-Id": req.request_id})
+            await publish_once(self._js, subjects.USAGE_SUBJECT, encode(record), req.request_id,
+                               within_s=RECORD_RETRY_S)
         except Exception:
             log.exception("could not record usage of %s", req.request_id)
         if req.result_subject:  # after the usage record: a line is never done but unbilled

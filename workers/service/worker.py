@@ -30,13 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
-import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from switchyard.scheduler.background import BackgroundPolicy
 from switchyard.scheduler.tier_share import TierShare
-from switchyard.shared import subjects
-from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams, workers_bucket
+from switchyard.shared import nats_client, subjects
+from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams, is_transient, workers_bucket
 from switchyard.shared.messages import (
     BatchResult,
     ErrorInfo,
@@ -49,7 +48,7 @@ from switchyard.shared.messages import (
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, get_tier, tiers_by_priority
 from switchyard.workers.engine.prompts import RequestRejected, prepare_prompt
-from switchyard.workers.service.publisher import Publisher, Tracked
+from switchyard.workers.service.publisher import Publisher, Tracked, attempt_of
 
 log = logging.getLogger("switchyard.worker")
 
@@ -57,6 +56,7 @@ _FETCH_TIMEOUT_S = 0.05  # per fetch; only tiers that may have work are asked
 _IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
 _REFILL_WAIT_S = 0.02  # how long a step waits for the intake to refill freed seats
 _EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
+_ACK_RETRY_S = 10.0
 _CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
 
 
@@ -71,11 +71,13 @@ class Worker:
     """Serves one model from the REQUESTS stream until ``stop`` is set, then drains running requests."""
 
     def __init__(self, engine, model_name: str, nats_url: str, background: BackgroundPolicy,
-                 step_thread: ThreadPoolExecutor, heartbeat_s: float = 3.0, drain_timeout_s: float = 60.0) -> None:
+                 step_thread: ThreadPoolExecutor, heartbeat_s: float = 3.0, drain_timeout_s: float = 60.0,
+                 nats_replicas: int = 1) -> None:
         """``background``: how much batch-tier work may hold seats and run while interactive traffic is about.
         ``step_thread``: a one-thread executor, the thread that built ``engine``; every step runs there (torch's
         OpenMP pool belongs to the calling thread, and a second pool slows every matmul down).
-        ``drain_timeout_s``: once ``stop`` is set, how long running requests get to finish (see ``run``)."""
+        ``drain_timeout_s``: once ``stop`` is set, how long running requests get to finish (see ``run``).
+        ``nats_replicas``: the replication of the streams and buckets it creates if it starts first."""
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
@@ -83,9 +85,14 @@ class Worker:
         self._nats_url = nats_url
         self._heartbeat_s = heartbeat_s
         self._drain_timeout_s = drain_timeout_s
+        self._nats_replicas = nats_replicas
         self._active: dict[str, Tracked] = {}
         self._pending_adds: list[tuple[Tracked, object]] = []
         self._pending_aborts: dict[str, ErrorInfo | None] = {}  # None: the client cancelled
+        # Pulled requests not yet acked (not running yet): marked in progress each second, so JetStream hands them
+        # to another worker within its short ack wait only if this one dies. Keyed by id(msg): a redelivered copy
+        # of one request is a message of its own.
+        self._unacked: dict[int, object] = {}
         # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
         # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
         self._early_cancels: dict[str, float] = {}
@@ -135,11 +142,11 @@ class Worker:
 
     # -- main ---------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
-        nc = await nats.connect(self._nats_url, name=f"switchyard-worker-{self.worker_id}", max_reconnect_attempts=-1)
+        nc = await nats_client.connect(self._nats_url, f"switchyard-worker-{self.worker_id}")
         self._nc, self._js = nc, nc.jetstream()
         self._out = Publisher(nc, self._js, self.worker_id)
         try:
-            await ensure_streams(self._js)
+            await ensure_streams(self._js, self._nats_replicas)
             subs = {}
             for tier in tiers_by_priority():
                 name = await ensure_request_consumer(self._js, self.model_name, tier.name)
@@ -214,6 +221,8 @@ class Worker:
         while True:
             with contextlib.suppress(Exception):  # NATS away: the gateways' relays time out on their own
                 await self._nc.publish(subject, b"")
+                for msg in list(self._unacked.values()):
+                    await msg.in_progress()
             if await _set_within(done, subjects.ALIVE_INTERVAL_S):
                 return
 
@@ -295,12 +304,18 @@ class Worker:
             log.error("terminating malformed request message on %s", msg.subject)
             await msg.term()
             return 0
+        if request.resume is not None and self._holds(request.request_id):
+            # A continuation of a request this worker was just told to give up (its stream broke on the way to
+            # the gateway): taken back once the abort is through.
+            await msg.nak(delay=0.2)
+            return 0
         if self._holds(request.request_id):
             # JetStream redelivered a request this worker runs (its ack was lost): the copy is dropped, the
             # original goes on; answering the copy would end the original's stream.
             log.warning("dropping a redelivered copy of running request %s", request.request_id)
             await msg.ack()
             return 0
+        self._unacked[id(msg)] = msg
         now = time.time()
         tracked = Tracked(request, received_at=now)
         self._background.note_arrival(is_background=request.tier == BATCH_TIER)
@@ -327,9 +342,26 @@ class Worker:
 
     async def _refuse(self, request: GenerateRequest, msg, error: ErrorInfo) -> int:
         """Answer a request taken from the queue with ``error`` instead of running it; it is done with (acked)."""
-        await self._out.error(request, error)
-        await msg.ack()
+        try:
+            await self._out.error(request, error)
+        finally:
+            await self._ack(msg)  # dropped from the in-progress marks whatever happens: never held forever
         return 0
+
+    async def _ack(self, msg) -> None:
+        """Acknowledge a request for good: confirmed by the server, retried through a cluster's leader election
+        (an ack lost there would have JetStream hand a finished request to a worker again)."""
+        self._unacked.pop(id(msg), None)
+        deadline = time.monotonic() + _ACK_RETRY_S
+        while True:
+            try:
+                await msg.ack_sync(timeout=1.0)
+                return
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() > deadline:
+                    log.warning("could not acknowledge %s: %r", msg.subject, exc)
+                    return
+            await asyncio.sleep(0.2)
 
     def _holds(self, request_id: str) -> bool:
         """Whether ``request_id`` is running here or waiting for the next step."""
@@ -411,6 +443,9 @@ class Worker:
             except Exception:
                 log.exception("engine step failed; failing %d running requests", len(self._active))
                 await self._fail_all()
+                for _, msg in adds:  # answered with the error: done with, not for another worker to retry
+                    with contextlib.suppress(Exception):
+                        await self._ack(msg)
                 ended_at = None
                 continue
             finally:
@@ -432,11 +467,12 @@ class Worker:
         for tracked, msg, error in result.rejected:
             self._active.pop(tracked.request.request_id, None)
             await self._out.error(tracked.request, error)
-            await msg.ack()
+            await self._ack(msg)
         for tracked, msg in result.admitted:
-            await msg.ack()
+            await self._ack(msg)
             await self._out.delta(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages,
-                                             prompt_tokens=tracked.prompt_tokens))
+                                             prompt_tokens=tracked.prompt_tokens,
+                                             attempt=attempt_of(tracked.request)))
             if tracked.request.result_subject:
                 await self._out.batch_result(tracked.request, BatchResult(
                     tracked.request.request_id, self.worker_id, started=True))
@@ -447,6 +483,7 @@ class Worker:
                 continue
             if delta.num_tokens and tracked.first_token_at is None:
                 tracked.first_token_at = now
+            delta.attempt = attempt_of(tracked.request)
             await self._out.delta(delta)
             if tracked.request.result_subject:
                 tracked.collect(delta)

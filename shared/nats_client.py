@@ -1,0 +1,22 @@
+"""Connecting to NATS: one place for how a Switchyard process reaches its servers.
+
+``url`` may name several servers of one cluster, comma-separated (``nats://a:4222,nats://b:4222``); the client
+tries them in turn and, once connected, also learns the cluster's other servers from them, so losing the one it
+is connected to costs a reconnect, not the service.
+"""
+
+from __future__ import annotations
+
+import nats
+from nats.aio.client import Client as NATS
+
+
+def server_urls(url: str) -> list[str]:
+    """The servers named in ``url``, in order."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
+async def connect(url: str, name: str, *, reconnect_forever: bool = True) -> NATS:
+    """Connect as ``name`` (shown by the server's monitoring); by default keep reconnecting while servers are
+    away, as a long-running service must."""
+    return await nats.connect(server_urls(url), name=name, max_reconnect_attempts=-1 if reconnect_forever else 1)
