@@ -17,6 +17,7 @@ from switchyard.gateway.auth import AuthContext, Authenticator
 from switchyard.gateway.batches import batches_router
 from switchyard.gateway.body_limit import BodySizeLimit
 from switchyard.gateway.conversations import conversations_router
+from switchyard.gateway.database import POOL_OPTIONS, Database, DatabaseUnavailable, install_outage_handler
 from switchyard.gateway.drain import CountInFlight, InFlightCounter
 from switchyard.gateway.errors import OpenAIError, install_error_handlers
 from switchyard.gateway.failover import Failover
@@ -49,12 +50,14 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         nc = await nats_client.connect(config.nats_url, "switchyard-gateway")
         js = nc.jetstream()
         await ensure_streams(js, config.nats_replicas)
-        pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
+        pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4, **POOL_OPTIONS)
+        db = Database(pool)
         registry = ModelRegistry(js)
         app.state.nc, app.state.js, app.state.pool, app.state.registry = nc, js, pool, registry
         app.state.policies = PolicyCache(js)
-        app.state.authenticator = Authenticator(pool)
-        app.state.limiter = Limiter(pool)
+        app.state.db = db
+        app.state.authenticator = Authenticator(db)
+        app.state.limiter = Limiter(db, local_share=1 / config.gateway.num_gateways)
         liveness = WorkerLiveness()
         await liveness.start(nc)
         app.state.service = CompletionService(
@@ -73,6 +76,7 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    install_outage_handler(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_request_bytes)
     app.state.in_flight = InFlightCounter()
     app.state.draining = False  # set by DrainingServer on SIGTERM
@@ -156,17 +160,19 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
     async def readyz(request: Request):
         checks = {"nats": request.app.state.nc.is_connected}
         try:
-            async with request.app.state.pool.acquire(timeout=2) as conn:
-                await conn.fetchval("SELECT 1")
+            await request.app.state.db.run(lambda pool: pool.fetchval("SELECT 1"))
             checks["postgres"] = True
-        except Exception:  # any failure means not ready; the reason belongs in the DB's own logs
+        except DatabaseUnavailable:
             checks["postgres"] = False
         try:
             checks["models"] = sorted(await request.app.state.registry.models())
         except OpenAIError:  # NATS unreachable: already not ready
             checks["models"] = []
         checks["draining"] = request.app.state.draining
-        ready = checks["nats"] and checks["postgres"] and not checks["draining"]
-        return JSONResponse({"ready": ready, "checks": checks, "time": time.time()}, status_code=200 if ready else 503)
+        # Postgres away degrades the gateway (known keys served, limits local) but does not stop it: a load
+        # balancer pulling every gateway out for it would turn a degradation into an outage.
+        ready = checks["nats"] and not checks["draining"]
+        return JSONResponse({"ready": ready, "degraded": not checks["postgres"], "checks": checks,
+                             "time": time.time()}, status_code=200 if ready else 503)
 
     return app

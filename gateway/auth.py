@@ -1,7 +1,9 @@
 """API-key authentication: ``Authorization: Bearer <key>`` → the caller's tenant, key and tier.
 
 Lookups go by the key's sha256 (an index probe, so timing says nothing about how close a guess was) and are
-cached for ``CACHE_S`` seconds: a revoked key stops working on every gateway within that time.
+cached for ``CACHE_S`` seconds: a revoked key stops working on every gateway within that time. While Postgres is
+away, a key looked up in the last ``STALE_OK_S`` keeps its last answer (its tenant is served on), and a key never
+seen gets 503 with Retry-After: neither a 500 nor a hang, nor a 401 for a key that may be valid.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import asyncpg
 from fastapi import Request
 
+from switchyard.gateway.database import Database, DatabaseUnavailable, database_unavailable
 from switchyard.gateway.errors import OpenAIError
 from switchyard.gateway.tenancy import hash_key
 
 CACHE_S = 5.0
+STALE_OK_S = 3600.0
 _LAST_USED_EVERY_S = 60.0
 
 
@@ -38,8 +41,8 @@ def invalid_key() -> OpenAIError:
 
 
 class Authenticator:
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
+    def __init__(self, db: Database) -> None:
+        self._db = db
         self._cache: dict[bytes, tuple[AuthContext | None, float]] = {}
         self._last_used: dict[str, float] = {}
 
@@ -53,20 +56,30 @@ class Authenticator:
         cached = self._cache.get(digest)
         now = time.monotonic()
         if cached is None or now - cached[1] > CACHE_S:
-            cached = (await self._lookup(digest), now)
-            if len(self._cache) > 10_000:  # unbounded guessing must not grow memory without bound
-                self._cache.clear()
-            self._cache[digest] = cached
+            try:
+                cached = (await self._db.run(lambda pool: self._lookup(pool, digest)), now)
+            except DatabaseUnavailable:
+                if cached is None or now - cached[1] > STALE_OK_S:
+                    raise database_unavailable() from None
+            else:
+                if len(self._cache) > 10_000:  # unbounded guessing must not grow memory without bound
+                    self._cache.clear()
+                self._cache[digest] = cached
         auth = cached[0]
         if auth is None:
             raise invalid_key()
         if now - self._last_used.get(auth.key_id, float("-inf")) > _LAST_USED_EVERY_S:
             self._last_used[auth.key_id] = now
-            await self._pool.execute("UPDATE api_keys SET last_used_at = now() WHERE id = $1", auth.key_id)
+            try:  # bookkeeping: never worth failing a request for
+                await self._db.run(lambda pool: pool.execute("UPDATE api_keys SET last_used_at = now() WHERE id = $1",
+                                                             auth.key_id))
+            except DatabaseUnavailable:
+                pass
         return auth
 
-    async def _lookup(self, digest: bytes) -> AuthContext | None:
-        row = await self._pool.fetchrow(
+    @staticmethod
+    async def _lookup(pool, digest: bytes) -> AuthContext | None:
+        row = await pool.fetchrow(
             "SELECT k.id AS key_id, t.id AS tenant_id, t.name, t.tier, t.rpm_limit, t.tpm_limit, "
             "t.monthly_token_budget FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
             "WHERE k.key_hash = $1 AND k.revoked_at IS NULL", digest)

@@ -14,7 +14,9 @@ tenant's conversation answers 404, exactly like one that does not exist.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import secrets
 from typing import Literal
 
@@ -22,10 +24,15 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from switchyard.gateway.auth import AuthContext
+from switchyard.gateway.database import CALL_TIMEOUT_S, OUTAGE_ERRORS
 from switchyard.gateway.errors import OpenAIError
 from switchyard.gateway.protocol import ChatCompletionRequest
 from switchyard.gateway.serving import Outcome
-from switchyard.shared.messages import ChatMessage
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import publish_once
+from switchyard.shared.messages import ChatMessage, ConversationTurn, encode
+
+log = logging.getLogger("switchyard.gateway")
 
 
 class ConversationCreate(BaseModel):
@@ -52,6 +59,19 @@ def _conv_json(row) -> dict:
 def _msg_json(row) -> dict:
     return {"id": row["id"], "object": "conversation.message", "role": row["role"], "content": row["content"],
             "status": row["status"], "created_at": int(row["created_at"].timestamp())}
+
+
+async def write_turn(pool, turn: ConversationTurn) -> None:
+    """Store a turn's two messages in one transaction. Their ids come from the request id, so writing a turn
+    again (a held one redelivered) stores nothing twice."""
+    async with pool.acquire() as conn, conn.transaction():
+        for suffix, role, content, status in (("q", "user", turn.user_content, "completed"),
+                                              ("a", "assistant", turn.assistant_content, turn.status)):
+            await conn.execute(
+                "INSERT INTO conversation_messages (id, conversation_id, role, content, status, request_id) "
+                "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING",
+                f"msg_{turn.request_id}_{suffix}", turn.conversation_id, role, _storable(content), status,
+                turn.request_id)
 
 
 def _storable(text: str) -> str:
@@ -132,15 +152,14 @@ def conversations_router(caller, admit) -> APIRouter:
 
         async def store(outcome: Outcome) -> None:
             # Both turns land together, once the reply ended; a reply cut short is kept, marked incomplete.
-            status = "completed" if outcome.finish_reason in ("stop", "length") else "incomplete"
-            async with pool.acquire() as conn, conn.transaction():
-                await conn.execute(
-                    "INSERT INTO conversation_messages (id, conversation_id, role, content) VALUES ($1, $2, $3, $4)",
-                    f"msg_{secrets.token_hex(12)}", conversation_id, "user", _storable(body.content))
-                await conn.execute(
-                    "INSERT INTO conversation_messages (id, conversation_id, role, content, status) "
-                    "VALUES ($1, $2, $3, $4, $5)", f"msg_{secrets.token_hex(12)}", conversation_id, "assistant",
-                    _storable(outcome.text), status)
+            turn = ConversationTurn(outcome.request_id, conversation_id, body.content, outcome.text,
+                                    "completed" if outcome.finish_reason in ("stop", "length") else "incomplete")
+            try:
+                await asyncio.wait_for(write_turn(pool, turn), CALL_TIMEOUT_S)
+            except OUTAGE_ERRORS as exc:  # held in JetStream; jobs/held_writes.py writes it once Postgres is back
+                log.warning("conversation %s: Postgres unavailable (%r), turn %s held", conversation_id, exc,
+                            turn.request_id)
+                await publish_once(request.app.state.js, subjects.HELD_TURN_SUBJECT, encode(turn), turn.request_id)
 
         return await request.app.state.service.chat(body, tier, auth, admission, messages=history,
                                                     on_finish=store, extra={"conversation_id": conversation_id})

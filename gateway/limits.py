@@ -6,6 +6,10 @@ request path's host and durable. Tokens are reserved at admission (estimated pro
 + n x max_tokens) and settled to what was really used when the request ends: the unused part returned, use beyond
 the reservation charged.
 
+While Postgres is away, each gateway enforces its share of every key's limits in memory (gateway/local_limits.py)
+and monthly budgets are judged by the last total read (or not at all if none was: usage is still billed, and the
+budget holds again once Postgres is back).
+
 Response headers follow OpenAI: ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``.
 """
 
@@ -16,10 +20,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import asyncpg
-
 from switchyard.gateway.auth import AuthContext
+from switchyard.gateway.database import Database, DatabaseUnavailable
 from switchyard.gateway.errors import OpenAIError
+from switchyard.gateway.local_limits import LocalLimiter
 from switchyard.shared.tiers import TierPolicy
 
 UNLIMITED = 1 << 62
@@ -50,6 +54,7 @@ class Admission:
     reserved_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
+    local: bool = False  # admitted by the local limiter (Postgres away): settled there
 
 
 def _window(now: float) -> tuple[dt.datetime, float]:
@@ -72,8 +77,10 @@ def _headers(rpm: int, tpm: int, used_requests: int, used_tokens: int, reset_s: 
 
 
 class Limiter:
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
+    def __init__(self, db: Database, local_share: float = 1.0) -> None:
+        """``local_share``: the part of each key's limits this gateway enforces alone while Postgres is away."""
+        self._db = db
+        self._local = LocalLimiter(local_share)
         self._quota_cache: dict[str, tuple[int, float]] = {}
 
     async def admit(self, auth: AuthContext, policy: TierPolicy, tokens: int) -> Admission:
@@ -86,10 +93,15 @@ class Limiter:
             raise OpenAIError(429, f"Request too large: it may use up to {tokens} tokens, over your limit of {tpm} "
                               "tokens per minute. Lower max_tokens or the prompt.", type="rate_limit_error",
                               code="rate_limit_exceeded", headers=_headers(rpm, tpm, 0, 0, reset_s))
-        row = await self._pool.fetchrow(ADMIT_SQL, auth.key_id, window_start, tokens, rpm, tpm)
+        try:
+            row = await self._db.run(lambda pool: pool.fetchrow(ADMIT_SQL, auth.key_id, window_start, tokens, rpm, tpm))
+            if row is None:
+                used = await self._db.run(lambda pool: pool.fetchrow(
+                    "SELECT requests, tokens FROM rate_windows WHERE key_id = $1 AND window_start = $2",
+                    auth.key_id, window_start))
+        except DatabaseUnavailable:
+            return self._admit_locally(auth, rpm, tpm, tokens, window_start)
         if row is None:
-            used = await self._pool.fetchrow("SELECT requests, tokens FROM rate_windows WHERE key_id = $1 "
-                                             "AND window_start = $2", auth.key_id, window_start)
             which = "requests" if used["requests"] + 1 > rpm else "tokens"
             limit = rpm if which == "requests" else tpm
             headers = _headers(rpm, tpm, used["requests"], used["tokens"], reset_s)
@@ -100,6 +112,15 @@ class Limiter:
         return Admission(auth.key_id, window_start, tokens, _headers(rpm, tpm, row["requests"], row["tokens"],
                                                                       reset_s))
 
+    def _admit_locally(self, auth: AuthContext, rpm: int, tpm: int, tokens: int,
+                       window_start: dt.datetime) -> Admission:
+        wait_s = self._local.admit(auth.key_id, rpm, tpm, tokens)
+        if wait_s is not None:
+            raise OpenAIError(429, f"Rate limit reached (limits enforced per gateway while the database is away). "
+                              f"Please try again in {wait_s:.0f}s.", type="rate_limit_error",
+                              code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(wait_s))})
+        return Admission(auth.key_id, window_start, tokens, local=True)
+
     async def settle(self, admission: Admission, used_tokens: int) -> None:
         """Bring the window to what the request really used: the unused part of the reservation goes back (all of
         it for a request that never ran), and use beyond it (a prompt that took more tokens than the ~4 characters
@@ -107,11 +128,17 @@ class Limiter:
         if admission.settled:
             return
         admission.settled = True
+        if admission.local:
+            self._local.settle(admission.key_id, admission.reserved_tokens, used_tokens)
+            return
         difference = used_tokens - admission.reserved_tokens
         if difference != 0:
-            await self._pool.execute(
-                "UPDATE rate_windows SET tokens = greatest(tokens + $3, 0) WHERE key_id = $1 AND window_start = $2",
-                admission.key_id, admission.window_start, difference)
+            try:
+                await self._db.run(lambda pool: pool.execute(
+                    "UPDATE rate_windows SET tokens = greatest(tokens + $3, 0) WHERE key_id = $1 "
+                    "AND window_start = $2", admission.key_id, admission.window_start, difference))
+            except DatabaseUnavailable:  # the window keeps its reservation: a limit errs on the safe side
+                pass
 
     async def _check_quota(self, auth: AuthContext) -> None:
         if auth.monthly_token_budget is None:
@@ -119,11 +146,16 @@ class Limiter:
         cached = self._quota_cache.get(auth.tenant_id)
         now = time.monotonic()
         if cached is None or now - cached[1] > QUOTA_CACHE_S:
-            used = await self._pool.fetchval(
-                "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) FROM requests "
-                "WHERE tenant_id = $1 AND created_at >= date_trunc('month', now())", auth.tenant_id)
-            cached = (int(used), now)
-            self._quota_cache[auth.tenant_id] = cached
+            try:
+                used = await self._db.run(lambda pool: pool.fetchval(
+                    "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) FROM requests "
+                    "WHERE tenant_id = $1 AND created_at >= date_trunc('month', now())", auth.tenant_id))
+            except DatabaseUnavailable:
+                if cached is None:
+                    return  # never read: judged again once Postgres is back (the usage is billed meanwhile)
+            else:
+                cached = (int(used), now)
+                self._quota_cache[auth.tenant_id] = cached
         if cached[0] >= auth.monthly_token_budget:
             raise OpenAIError(429, f"You exceeded your monthly token budget ({auth.monthly_token_budget} tokens). "
                               "Ask your administrator to raise it.", type="insufficient_quota",
@@ -131,4 +163,5 @@ class Limiter:
 
     async def prune(self) -> None:
         """Drop windows older than an hour (called periodically)."""
-        await self._pool.execute("DELETE FROM rate_windows WHERE window_start < now() - interval '1 hour'")
+        self._local.forget_idle()
+        await self._db.pool.execute("DELETE FROM rate_windows WHERE window_start < now() - interval '1 hour'")

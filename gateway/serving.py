@@ -65,6 +65,7 @@ class Outcome:
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     parts: list[str] = field(default_factory=list)
+    request_id: str = ""
 
 
 OnFinish = Callable[[Outcome], Awaitable[None]]
@@ -126,7 +127,7 @@ class CompletionService:
         headers = {"X-Request-Id": request.request_id}
         if request.truncate_history:
             headers["X-Switchyard-Dropped-Messages"] = str(first.dropped_messages)
-        outcome = Outcome()
+        outcome = Outcome(request_id=request.request_id)
         if stream:
             return StreamingResponse(
                 self._stream(relayed, first, include_usage, kind, admission, outcome, on_finish, extra),

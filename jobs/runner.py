@@ -13,9 +13,11 @@ import logging
 
 import asyncpg
 
+from switchyard.gateway.database import Database
 from switchyard.gateway.limits import Limiter
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.jobs.batch_runner import BatchRunner
+from switchyard.jobs.held_writes import run_held_writer
 from switchyard.jobs.housekeeping import run_housekeeping
 from switchyard.jobs.usage_writer import run_usage_writer
 
@@ -33,8 +35,10 @@ class Jobs:
         runner = BatchRunner(nc, js, pool, registry, database_url)
         self._tasks = [
             asyncio.create_task(self._supervised("usage-writer", lambda: run_usage_writer(js, pool, stop))),
-            asyncio.create_task(self._supervised("housekeeping", lambda: run_housekeeping(js, Limiter(pool), stop))),
+            asyncio.create_task(self._supervised("housekeeping",
+                                                 lambda: run_housekeeping(js, Limiter(Database(pool)), stop))),
             asyncio.create_task(self._supervised("batch-runner", lambda: runner.run(stop))),
+            asyncio.create_task(self._supervised("held-writer", lambda: run_held_writer(js, pool, stop))),
         ]
 
     async def _supervised(self, name: str, start) -> None:

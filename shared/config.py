@@ -49,6 +49,8 @@ class GatewayConfig(BaseModel):
     shared_prefix_cache: bool = False
     # SIGTERM: /readyz answers 503 and open requests and streams get this long to end before the gateway stops.
     drain_timeout_s: float = Field(60.0, ge=0)
+    # Gateways sharing each key's rate limits: while Postgres is away each enforces 1/num_gateways of them alone.
+    num_gateways: int = Field(1, ge=1)
 
 
 class WorkerConfig(BaseModel):

@@ -21,13 +21,15 @@ from switchyard.shared.stream_config import (
     batch_results_stream_config,
     dead_letter_stream_config,
     events_stream_config,
+    held_writes_stream_config,
     tier_stream_config,
     usage_stream_config,
 )
 from switchyard.shared.tier_store import read_policies, seed_policies
 from switchyard.shared.tiers import TIER_NAMES
 
-__all__ = ["QUEUE_FULL_CODES", "ensure_batch_results_consumer", "ensure_request_consumer", "ensure_streams",
+__all__ = ["QUEUE_FULL_CODES", "ensure_batch_results_consumer", "ensure_held_writes_consumer",
+           "ensure_request_consumer", "ensure_streams",
            "ensure_usage_consumer", "is_transient", "publish_once", "workers_bucket"]
 
 log = logging.getLogger("switchyard.jetstream")
@@ -80,7 +82,7 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
     for tier in TIER_NAMES:
         await _ensure_stream(js, tier_stream_config(tier, policies[tier].max_queued), replicas)
     for config in (usage_stream_config(), events_stream_config(), batch_results_stream_config(),
-                   dead_letter_stream_config()):
+                   held_writes_stream_config(), dead_letter_stream_config()):
         await _ensure_stream(js, config, replicas)
     await workers_bucket(js, replicas)
 
@@ -116,6 +118,13 @@ async def ensure_usage_consumer(js: JetStreamContext) -> str:
     )
     await js.add_consumer(subjects.USAGE_STREAM, config)
     return subjects.USAGE_CONSUMER
+
+
+async def ensure_held_writes_consumer(js: JetStreamContext) -> str:
+    config = ConsumerConfig(durable_name=subjects.HELD_WRITES_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+                            max_deliver=-1)
+    await js.add_consumer(subjects.HELD_WRITES_STREAM, config)
+    return subjects.HELD_WRITES_CONSUMER
 
 
 async def ensure_batch_results_consumer(js: JetStreamContext) -> str:

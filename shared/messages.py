@@ -151,6 +151,17 @@ class UsageRecord(msgspec.Struct):
     worker_id: str | None = None
 
 
+class ConversationTurn(msgspec.Struct):
+    """A conversation's new user message and the reply, as stored when the reply ends; held on
+    ``llm.held.turn`` (durable) when Postgres could not take it then, and written exactly once when it returns."""
+
+    request_id: str
+    conversation_id: str
+    user_content: str
+    assistant_content: str
+    status: str  # completed | incomplete
+
+
 class BatchChoice(msgspec.Struct):
     index: int = 0
     text: str = ""

@@ -62,6 +62,11 @@ def batch_results_stream_config() -> StreamConfig:
     return _durable_log(subjects.BATCH_RESULTS_STREAM, f"{subjects.RESULT_PREFIX}.>", BATCH_RESULTS_MAX_AGE_S)
 
 
+def held_writes_stream_config() -> StreamConfig:
+    """Writes the gateway could not make while Postgres was away (conversation turns), until it takes them."""
+    return _durable_log(subjects.HELD_WRITES_STREAM, f"{subjects.HELD_TURN_SUBJECT}", USAGE_MAX_AGE_S)
+
+
 def dead_letter_stream_config() -> StreamConfig:
     """Records a durable writer could not write however often it tried (a value Postgres refuses, say): kept
     with the reason in their headers, so nothing is dropped silently and the writer goes on."""

@@ -30,6 +30,9 @@ BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCH_RESULTS_CONSUMER = "batch-runner"
 ALIVE_PREFIX = "llm.alive"  # llm.alive.<worker_id>: a worker's liveness ping (core NATS)
 ALIVE_INTERVAL_S = 1.0
+HELD_WRITES_STREAM = "HELD_WRITES"
+HELD_TURN_SUBJECT = "llm.held.turn"  # a conversation turn Postgres could not take when it ended (jobs/held_writes.py)
+HELD_WRITES_CONSUMER = "held-writer"
 DEAD_LETTER_STREAM = "DEAD_LETTERS"
 DEAD_LETTER_PREFIX = "llm.dead"  # llm.dead.<consumer>: records a durable writer could never write, kept for a human
 
