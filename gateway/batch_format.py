@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
 
+from switchyard.gateway.limits import estimate_tokens
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from switchyard.gateway.serving import CHAT, TEXT, usage_json
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
@@ -38,6 +39,7 @@ class InputLine:
     custom_id: str
     body: dict
     model: str
+    estimated_tokens: int = 0  # what it may use, as an interactive request reserves (limits.estimate_tokens)
 
 
 def request_id_for(batch_id: str, custom_id: str) -> str:
@@ -56,6 +58,13 @@ def _describe(exc: ValidationError) -> tuple[str, str]:
     if first.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     return f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.", param
+
+
+def _estimate(parsed: BaseModel) -> int:
+    if isinstance(parsed, ChatCompletionRequest):
+        return estimate_tokens(sum(len(m.text()) for m in parsed.messages),
+                               parsed.max_completion_tokens or parsed.max_tokens, parsed.n)
+    return estimate_tokens(len(parsed.prompt_text), parsed.sampling().max_tokens, parsed.n)
 
 
 def parse_input(content: bytes, endpoint: str) -> tuple[list[InputLine], list[dict]]:
@@ -117,7 +126,7 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[InputLine], list[di
             errors.append(_error(line_no, "invalid_request", "Streaming is not supported in a batch.",
                                  "body.stream"))
             continue
-        lines.append(InputLine(line_no, custom_id, body, parsed.model))
+        lines.append(InputLine(line_no, custom_id, body, parsed.model, _estimate(parsed)))
     if not lines and not errors:
         errors.append(_error(None, "empty_file", "The input file has no requests."))
     if len(lines) > MAX_LINES:

@@ -30,12 +30,29 @@ UNLIMITED = 1 << 62
 DEFAULT_COMPLETION_RESERVE = 1024  # reserved when a request sets no max_tokens
 QUOTA_CACHE_S = 5.0
 
+# A sliding minute, approximated from two fixed ones: the previous minute's counts weigh by how much of it still
+# lies within the last 60 s ($6, rounded up), so a key cannot spend its limit at 0:59 and again at 1:00 (a 2x
+# burst). The previous minute's row no longer changes, so the one statement stays atomic per key.
 ADMIT_SQL = """
-INSERT INTO rate_windows AS w (key_id, window_start, requests, tokens) VALUES ($1, $2, 1, $3)
+WITH prev AS (
+    SELECT ceil(coalesce(max(requests), 0) * $6::float8)::bigint AS requests,
+           ceil(coalesce(max(tokens), 0) * $6::float8)::bigint AS tokens
+    FROM rate_windows WHERE key_id = $1 AND window_start = $2::timestamptz - interval '1 minute'
+)
+INSERT INTO rate_windows AS w (key_id, window_start, requests, tokens)
+SELECT $1, $2, 1, $3 FROM prev WHERE prev.requests + 1 <= $4 AND prev.tokens + $3 <= $5
 ON CONFLICT (key_id, window_start) DO UPDATE
     SET requests = w.requests + 1, tokens = w.tokens + EXCLUDED.tokens
-    WHERE w.requests + 1 <= $4 AND w.tokens + EXCLUDED.tokens <= $5
-RETURNING requests, tokens
+    WHERE w.requests + 1 + (SELECT requests FROM prev) <= $4
+      AND w.tokens + EXCLUDED.tokens + (SELECT tokens FROM prev) <= $5
+RETURNING requests + (SELECT requests FROM prev) AS requests, tokens + (SELECT tokens FROM prev) AS tokens
+"""
+USED_SQL = """
+SELECT coalesce(max(requests) FILTER (WHERE window_start = $2), 0)
+           + ceil(coalesce(max(requests) FILTER (WHERE window_start < $2), 0) * $3::float8)::bigint AS requests,
+       coalesce(max(tokens) FILTER (WHERE window_start = $2), 0)
+           + ceil(coalesce(max(tokens) FILTER (WHERE window_start < $2), 0) * $3::float8)::bigint AS tokens
+FROM rate_windows WHERE key_id = $1 AND window_start IN ($2::timestamptz, $2::timestamptz - interval '1 minute')
 """
 
 
@@ -58,8 +75,14 @@ class Admission:
 
 
 def _window(now: float) -> tuple[dt.datetime, float]:
+    """The current fixed minute's start, and the seconds until it ends."""
     start = int(now // 60) * 60
     return dt.datetime.fromtimestamp(start, tz=dt.timezone.utc), start + 60 - now
+
+
+def _previous_weight(reset_s: float) -> float:
+    """How much of the previous minute still lies in the sliding minute ending now."""
+    return reset_s / 60
 
 
 def _headers(rpm: int, tpm: int, used_requests: int, used_tokens: int, reset_s: float) -> dict[str, str]:
@@ -94,11 +117,11 @@ class Limiter:
                               "tokens per minute. Lower max_tokens or the prompt.", type="rate_limit_error",
                               code="rate_limit_exceeded", headers=_headers(rpm, tpm, 0, 0, reset_s))
         try:
-            row = await self._db.run(lambda pool: pool.fetchrow(ADMIT_SQL, auth.key_id, window_start, tokens, rpm, tpm))
+            weight = _previous_weight(reset_s)
+            row = await self._db.run(lambda pool: pool.fetchrow(ADMIT_SQL, auth.key_id, window_start, tokens, rpm,
+                                                                tpm, weight))
             if row is None:
-                used = await self._db.run(lambda pool: pool.fetchrow(
-                    "SELECT requests, tokens FROM rate_windows WHERE key_id = $1 AND window_start = $2",
-                    auth.key_id, window_start))
+                used = await self._db.run(lambda pool: pool.fetchrow(USED_SQL, auth.key_id, window_start, weight))
         except DatabaseUnavailable:
             return self._admit_locally(auth, rpm, tpm, tokens, window_start)
         if row is None:

@@ -51,6 +51,7 @@ from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, ensure_batch_results_consumer, oversize_error
 from switchyard.shared.messages import BatchResult, ErrorInfo, encode
+from switchyard.shared.tier_store import read_policies
 from switchyard.shared.tiers import BATCH_TIER
 
 log = logging.getLogger("switchyard.batch")
@@ -60,6 +61,7 @@ TICK_S = 1.0
 MAX_IN_FLIGHT = 256  # lines of one batch queued or running at once: the rest wait in Postgres
 CHECK_EVERY_S = 5.0
 WORKER_GONE_S = 4.0  # missing from the heartbeats (already a 10 s TTL) in two checks this far apart
+ENQUEUED_MINUTES = 24 * 60  # a tenant's enqueued batch tokens: at most a day of its tokens-per-minute limit
 STALE_S = 120.0  # left the queue, and no worker said it took it: published again
 CANCEL_GRACE_S = 60.0  # a cancelling batch stops waiting for its running lines after this
 RESULTS_FETCH = 256
@@ -203,24 +205,63 @@ class BatchRunner:
                 first_line.setdefault(line.model, line.line_no)
             errors = [{"code": "model_not_found", "message": model_not_found(m).message, "param": "body.model",
                        "line": n} for m, n in first_line.items() if m not in served]
+        if not errors:
+            errors = await self._limit_errors(batch, sum(line.estimated_tokens for line in lines))
         if errors:
             await self._store.fail_validation(batch["id"], errors)
             log.info("batch %s failed validation (%d errors)", batch["id"], len(errors))
             return
         models = {line.model for line in lines}
-        records = [(line.line_no, line.custom_id, json.dumps(line.body), request_id_for(batch["id"], line.custom_id))
-                   for line in lines]
+        records = [(line.line_no, line.custom_id, json.dumps(line.body), request_id_for(batch["id"], line.custom_id),
+                    line.estimated_tokens) for line in lines]
         if not await self._store.start(batch["id"], models.pop() if len(models) == 1 else None, records):
             return  # cancelled while we parsed
         log.info("batch %s in progress: %d lines", batch["id"], len(lines))
 
+    async def _limit_errors(self, batch, estimated_tokens: int) -> list[dict]:
+        """Why the tenant's limits refuse a batch of ``estimated_tokens``: its monthly budget spent, or its enqueued
+        batch tokens (this batch's and those of its batches in progress) over the limit, a day of its
+        tokens-per-minute limit (OpenAI's code and wording). Batches count against the same limits as
+        interactive requests; their rate (tokens per minute) is the batch tier's to pace, not the tenant's."""
+        limits = await self._store.tenant_limits(batch["tenant_id"])
+        if limits is None:
+            return []
+        budget = limits["monthly_token_budget"]
+        if budget is not None and await self._store.month_usage(batch["tenant_id"]) >= budget:
+            return [{"code": "insufficient_quota", "line": None, "param": None,
+                     "message": f"You exceeded your monthly token budget ({budget} tokens)."}]
+        tpm = limits["tpm_limit"] or (await read_policies(self._js))[limits["tier"]].tpm
+        if not tpm:
+            return []
+        cap = tpm * ENQUEUED_MINUTES
+        enqueued = await self._store.enqueued_tokens(batch["tenant_id"])
+        if enqueued + estimated_tokens <= cap:
+            return []
+        return [{"code": "token_limit_exceeded", "line": None, "param": None, "message": (
+            f"Enqueued token limit reached: this batch may use {estimated_tokens} tokens and your batches in "
+            f"progress {enqueued}, over your limit of {cap} enqueued tokens. Please try again once some in-progress "
+            "batches have been completed.")}]
+
     async def _advance(self, batch) -> None:
         pending, queued = await self._store.count_waiting(batch["id"])
+        if pending and await self._budget_spent(batch):
+            # The budget ran out while the batch ran: what has not been published fails, the rest finishes.
+            error = ErrorInfo("You exceeded your monthly token budget.", code="insufficient_quota",
+                              type="insufficient_quota", status=429)
+            lines = await self._store.pending_lines(batch["id"], pending)
+            await self._store.mark_published([], [(line["request_id"], json.dumps(
+                error_response(line["request_id"], error))) for line in lines])
+            pending = 0
         if not pending and not queued:
             await self._finalize(batch, "completed", "in_progress")
         elif pending and queued < MAX_IN_FLIGHT:
             lines = await self._store.pending_lines(batch["id"], MAX_IN_FLIGHT - queued)
             await self._publish_lines(batch, lines, "pending")
+
+    async def _budget_spent(self, batch) -> bool:
+        limits = await self._store.tenant_limits(batch["tenant_id"])
+        budget = None if limits is None else limits["monthly_token_budget"]
+        return budget is not None and await self._store.month_usage(batch["tenant_id"]) >= budget
 
     async def _publish_lines(self, batch, lines, from_status: str) -> None:
         """Publish ``lines`` (stopping at a full queue) and record where each one sits in the stream."""

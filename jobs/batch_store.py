@@ -91,7 +91,8 @@ class BatchStore:
             "AND status = 'validating'", batch_id, json.dumps({"object": "list", "data": errors}))
 
     async def start(self, batch_id: str, model: str | None, lines: Sequence[tuple]) -> bool:
-        """validating → in_progress with its ``lines`` (line_no, custom_id, body json, request_id); False when the
+        """validating → in_progress with its ``lines`` (line_no, custom_id, body json, request_id, estimated
+        tokens); False when the
         batch left validating meanwhile (cancelled while it was parsed)."""
         async with self._pool.acquire() as conn, conn.transaction():
             status = await conn.execute(
@@ -100,7 +101,7 @@ class BatchStore:
             if status.endswith(" 0"):
                 return False
             await conn.copy_records_to_table(
-                "batch_lines", columns=["batch_id", "line_no", "custom_id", "body", "request_id"],
+                "batch_lines", columns=["batch_id", "line_no", "custom_id", "body", "request_id", "estimated_tokens"],
                 records=[(batch_id, *line) for line in lines])
         return True
 
@@ -131,6 +132,23 @@ class BatchStore:
         return True
 
     # -- lines ----------------------------------------------------------------------------------------------------
+    # -- limits -------------------------------------------------------------------------------------------------
+    async def tenant_limits(self, tenant_id: str) -> asyncpg.Record:
+        """The tenant's tier, tokens-per-minute limit and monthly budget (None: the tier's / unlimited)."""
+        return await self._pool.fetchrow("SELECT tier, tpm_limit, monthly_token_budget FROM tenants WHERE id = $1",
+                                         tenant_id)
+
+    async def month_usage(self, tenant_id: str) -> int:
+        return await self._pool.fetchval(
+            "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) FROM requests WHERE tenant_id = $1 "
+            "AND created_at >= date_trunc('month', now())", tenant_id)
+
+    async def enqueued_tokens(self, tenant_id: str) -> int:
+        """Estimated tokens of the tenant's batch lines still waiting to run, over all its batches."""
+        return await self._pool.fetchval(
+            "SELECT coalesce(sum(l.estimated_tokens), 0) FROM batch_lines l JOIN batches b ON b.id = l.batch_id "
+            "WHERE b.tenant_id = $1 AND b.status = 'in_progress' AND l.status IN ('pending', 'queued')", tenant_id)
+
     async def count_waiting(self, batch_id: str) -> tuple[int, int]:
         """(pending, queued) lines of a batch."""
         counts = {r["status"]: r["n"] for r in await self._pool.fetch(

@@ -314,3 +314,29 @@ async def test_cli_submit_wait_and_results(system, api_key, tmp_path):
         subprocess.run, [sys.executable, "-m", "switchyard", "batch", "status", batch_id, *common],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "completed" in proc.stdout
+
+
+async def test_batches_count_against_the_tenants_budget_and_enqueued_token_limit(system, new_key, database_url):
+    """A batch is refused (failed, with OpenAI's codes) when the tenant's monthly budget is spent, or when its
+    estimated tokens and those of the tenant's batches in progress exceed a day of its tokens-per-minute limit."""
+    _, secret = await new_key("pro", tpm_limit=10)  # enqueued limit: 10 x 1440 = 14,400 tokens
+    with OpenAI(base_url=f"{system}/v1", api_key=secret, max_retries=0) as client:
+        _, big = submit(client, [chat_line(f"r{i}", max_tokens=1000) for i in range(15)])  # ~15,000 tokens
+        big = await wait_batch(client, big.id, finished, what="failed")
+        assert big.status == "failed" and big.errors.data[0].code == "token_limit_exceeded", big.errors
+        _, small = submit(client, [chat_line("ok", max_tokens=4)])
+        assert (await wait_batch(client, small.id, finished, what="completed")).status == "completed"
+
+    tenant, secret = await new_key("pro", monthly_token_budget=10)
+    conn = await asyncpg.connect(database_url)
+    try:  # the month's usage already at the budget
+        await conn.execute(
+            "INSERT INTO requests (request_id, model, tier, tenant_id, prompt_tokens, completion_tokens, "
+            "finish_reason, queue_ms, total_ms, created_at) SELECT $1, 'tiny', 'pro', id, 5, 5, 'stop', 0, 0, now() "
+            "FROM tenants WHERE name = $2", f"spent-{tenant}", tenant)
+    finally:
+        await conn.close()
+    with OpenAI(base_url=f"{system}/v1", api_key=secret, max_retries=0) as client:
+        _, spent = submit(client, [chat_line("x")])
+        spent = await wait_batch(client, spent.id, finished, what="failed")
+        assert spent.status == "failed" and spent.errors.data[0].code == "insufficient_quota", spent.errors
