@@ -246,7 +246,7 @@ class Relay:
                                request.request_id, within_s=PUBLISH_RETRY_S)
         except APIError as exc:
             await relayed.close()
-            if exc.code == 503:
+            if exc.err_code not in QUEUE_FULL_CODES and exc.code == 503:  # (a full queue is a 503 too)
                 raise service_unavailable("The request queue is unavailable right now; please retry.",
                                           self._retry_after_s) from None
             if exc.err_code in QUEUE_FULL_CODES:

@@ -16,7 +16,7 @@ from pathlib import Path
 import asyncpg
 import httpx
 
-from switchyard.deploy.launcher import PostgresServer
+from switchyard.deploy.launcher import NatsServer, PostgresServer
 from switchyard.deploy.system import LocalSystem
 from switchyard.migrations import apply_migrations
 from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
@@ -59,12 +59,16 @@ async def _served_while_away(http: httpx.AsyncClient, known: dict, unknown: dict
     return ids
 
 
-async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_land_once(nats_url, tmp_path):
+async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_land_once(tmp_path):
     pg_dir = Path(tempfile.mkdtemp(prefix="switchyard-test-pg-outage-"))
     pg_dir.chmod(0o755)  # postgres runs as nobody under root: it must enter the directory
     pg_port = free_port()
     pg = PostgresServer(pg_dir, port=pg_port, ephemeral=True).start()
     url = pg.url
+    # A NATS of its own: the session's is shared with the e2e gateway, whose billing and held-write consumers would
+    # take this system's records into the session's database.
+    nats_server = NatsServer(tmp_path / "nats").start()
+    nats_url = nats_server.url
     try:
         await apply_migrations(url)
         known = {"Authorization": f"Bearer {await make_key(url, 'pg-known')}"}
@@ -119,4 +123,5 @@ async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_la
         for pid in _process_tree(pg.pid) if pg._proc is not None else []:
             os.kill(pid, signal.SIGCONT)
         pg.stop()
+        nats_server.stop()
         shutil.rmtree(pg_dir, ignore_errors=True)
