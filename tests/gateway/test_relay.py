@@ -1,17 +1,19 @@
 """The gateway's side of the token stream on a real NATS server: a lost or unreadable delta is reported, never
-streamed over, and the worker is told to stop."""
+streamed over, and the worker is told to stop; with a failover, a stream with a hole goes on from what the client
+has."""
 
 from __future__ import annotations
 
 import time
 import uuid
 
+import msgspec
 import nats
 import pytest
 
 from switchyard.gateway.relay import RelayedRequest
 from switchyard.shared import subjects
-from switchyard.shared.messages import GenerateRequest, SamplingParams, TokenDelta, encode
+from switchyard.shared.messages import GenerateRequest, Resume, SamplingParams, TokenDelta, encode
 
 
 def _delta(request_id: str, seq: int, text: str = "") -> bytes:
@@ -39,6 +41,53 @@ async def test_a_broken_token_stream_ends_the_request_with_an_error_and_a_cancel
         assert [d.text for d in got[:-1]] == texts
         assert got[-1].error is not None and got[-1].error.code == code and relayed.is_finished
         await cancels.next_msg(timeout=5)  # the worker is told to stop
+        await relayed.close()
+    finally:
+        await nc.close()
+
+
+class RecordingFailover:
+    """A failover that always finds a worker: records what it was asked to continue from."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str | None, list[int], int]] = []
+        self.billed: list[int] = []
+
+    async def continue_elsewhere(self, request, dead_worker, token_ids, text_len):
+        self.asked.append((dead_worker, list(token_ids), text_len))
+        return msgspec.structs.replace(request, resume=Resume(list(token_ids), text_len, len(self.asked)))
+
+    async def bill_lost(self, request, worker_id, prompt_tokens, completion_tokens, taken_at, first_token_at):
+        self.billed.append(completion_tokens)
+
+
+async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old_run_is_ignored(nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
+                                  deadline_at=time.time() + 30, prompt="x")
+        rid = request.request_id
+        sub = await nc.subscribe(subjects.token_subject(rid))
+        cancels = await nc.subscribe(subjects.cancel_subject(rid))
+        failover = RecordingFailover()
+        relayed = RelayedRequest(nc, request, sub, stall_timeout_s=10, retry_after_s=1, failover=failover)
+
+        def delta(seq, text="", ids=(), attempt=0, worker="w1", **kw):
+            return encode(TokenDelta(rid, text=text, num_tokens=len(ids), seq=seq, token_ids=list(ids) or None,
+                                     attempt=attempt, worker_id=worker, **kw))
+
+        for data in [delta(0), delta(1, "ab", [7, 8]), delta(3, "lost-before", [9]),  # seq 2 never came
+                     delta(4, "late", [10]),  # the first run goes on a moment: ignored
+                     delta(0, worker="w1", attempt=1), delta(1, "c", [11], attempt=1, worker="w1"),
+                     delta(2, "d", [12], attempt=1, worker="w1", finish_reason="length")]:
+            await nc.publish(subjects.token_subject(rid), data)
+        await nc.flush()
+        await relayed.first()
+        got = [d async for d in relayed.deltas()]
+        assert "".join(d.text for d in got) == "abcd" and got[-1].finish_reason == "length"
+        assert failover.asked == [(None, [7, 8], 2)]  # any worker (w1 too), from the ids and text the client has
+        assert (await cancels.next_msg(timeout=5)).data == b"w1"  # the broken run is told, by name, to stop
+        assert failover.billed == []  # the continuation bills everything
         await relayed.close()
     finally:
         await nc.close()
