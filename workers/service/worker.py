@@ -464,12 +464,13 @@ class Worker:
 
     async def _publish_result(self, result: _StepResult) -> None:
         """Publish a step's outcome: rejections, admissions, deltas, and the records of what finished."""
+        # Acks are confirmed round trips, retried through an outage: all of a step's at once, not one after another.
+        await asyncio.gather(*(self._ack(msg) for _, msg, _ in result.rejected),
+                             *(self._ack(msg) for _, msg in result.admitted))
         for tracked, msg, error in result.rejected:
             self._active.pop(tracked.request.request_id, None)
             await self._out.error(tracked.request, error)
-            await self._ack(msg)
         for tracked, msg in result.admitted:
-            await self._ack(msg)
             await self._out.delta(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages,
                                              prompt_tokens=tracked.prompt_tokens,
                                              attempt=attempt_of(tracked.request)))
