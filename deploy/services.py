@@ -22,11 +22,14 @@ class ServiceProcess:
     """One ``switchyard <command>`` child process, stopped by PID."""
 
     def __init__(self, name: str, args: list[str], log_path: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, stop_timeout_s: float = 15.0) -> None:
+        """``stop_timeout_s``: how long ``stop`` lets it drain before SIGKILL (its own drain deadline and a
+        margin, or a worker still finishing its requests would be killed half-way)."""
         self.name = name
         self.args = args
         self.log_path = log_path
         self.env = env
+        self.stop_timeout_s = stop_timeout_s
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -62,11 +65,11 @@ class ServiceProcess:
     def log_tail(self, lines: int = 40) -> str:
         return tail_of(self.log_path, lines) if self.log_path else ""
 
-    def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM (graceful: finish running requests), then SIGKILL after ``timeout``; returns the exit status
-        (None when it was not running). Idempotent."""
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM (graceful: finish running requests), then SIGKILL after ``timeout`` (default
+        ``stop_timeout_s``); returns the exit status (None when it was not running). Idempotent."""
         proc, self._proc = self._proc, None
-        stop_process(proc, signal.SIGTERM, timeout)
+        stop_process(proc, signal.SIGTERM, self.stop_timeout_s if timeout is None else timeout)
         return None if proc is None else proc.returncode
 
 

@@ -93,7 +93,9 @@ class LocalSystem:
     def _start_service(self, name: str, command: str, section: dict) -> ServiceProcess:
         args = [command] + (["--log-level", self.log_level] if self.log_level else [])
         log_path = self.log_dir / f"{name}.log" if self.log_dir else None
-        env = settings_env(self.config.model_copy(update=section))
-        service = ServiceProcess(name, args, log_path=log_path, env=env)
+        config = self.config.model_copy(update=section)
+        env = settings_env(config)
+        drain_s = getattr(config, command).drain_timeout_s  # the gateway's or the worker's
+        service = ServiceProcess(name, args, log_path=log_path, env=env, stop_timeout_s=drain_s + 10)
         self.services.append(service)
         return self._started(service)

@@ -76,11 +76,12 @@ def test_gateway_no_jobs_flag(clean_env):
 def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env, monkeypatch, tmp_path):
     from switchyard.deploy import system as system_module
 
-    started = []
+    started, stop_timeouts = [], {}
 
     class Child:  # stands in for the process: what it would be started with
-        def __init__(self, name, args, log_path=None, env=None):
+        def __init__(self, name, args, log_path=None, env=None, stop_timeout_s=None):
             started.append((name, args, env))
+            stop_timeouts[name] = stop_timeout_s
 
         def start(self):
             return self
@@ -99,6 +100,8 @@ def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env
     }
     assert [(name, args) for name, args, _ in started] == [("worker-b", ["worker", "--log-level", "DEBUG"]),
                                                            ("gateway-2", ["gateway", "--log-level", "DEBUG"])]
+    # Stopping waits for each child's own drain deadline (and a margin) before it kills.
+    assert stop_timeouts == {"worker-b": WORKER["drain_timeout_s"] + 10, "gateway-2": GATEWAY["drain_timeout_s"] + 10}
     for name, _, env in started:
         with monkeypatch.context() as child:
             for key, value in env.items():
