@@ -69,7 +69,12 @@ def files_router(caller) -> APIRouter:
             raise file_not_found(file_id)
         return row
 
-    @router.post("")
+    # The form is read by hand (after authentication, bounded by its declared size); the schema still describes it,
+    # so clients and fuzzers (tests/e2e/test_openapi_fuzz.py) see the real request body.
+    @router.post("", openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary"},
+                       "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)}}}}}}})
     async def upload(request: Request, auth: AuthContext = Depends(caller)):
         # The form is parsed here, after authentication, and refused by its declared size before it is read.
         declared = request.headers.get("content-length")
