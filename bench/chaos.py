@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -160,25 +161,27 @@ async def stream_one(http: httpx.AsyncClient, headers: dict, max_tokens: int, i:
     return s
 
 
-async def run_load(base_url: str, headers: dict, args, fault) -> tuple[list[Stream], float]:
-    """Closed-loop clients for ``args.duration`` s; ``fault()`` is awaited at ``args.fault_at`` s."""
+def run_load(base_url: str, headers: dict, args, fault) -> list[Stream]:
+    """Closed-loop clients for ``args.duration`` s on a thread of their own; ``fault()`` runs on this one at
+    ``args.fault_at`` s. Servers are (re)started on this thread: each dies with the thread that started it."""
     streams: list[Stream] = []
     stop_at = time.monotonic() + args.duration
     counter = iter(range(10**9))
 
-    async def client(http):
-        while time.monotonic() < stop_at:
-            streams.append(await stream_one(http, headers, args.max_tokens, next(counter)))
+    async def clients():
+        async def client(http):
+            while time.monotonic() < stop_at:
+                streams.append(await stream_one(http, headers, args.max_tokens, next(counter)))
 
-    async def injector():
-        await asyncio.sleep(args.fault_at)
-        started = time.monotonic()
-        await fault()
-        return time.monotonic() - started
+        async with httpx.AsyncClient(base_url=base_url, timeout=args.client_timeout) as http:
+            await asyncio.gather(*(client(http) for _ in range(args.clients)))
 
-    async with httpx.AsyncClient(base_url=base_url, timeout=args.client_timeout) as http:
-        results = await asyncio.gather(injector(), *(client(http) for _ in range(args.clients)))
-    return streams, results[0]
+    load = threading.Thread(target=asyncio.run, args=(clients(),))
+    load.start()
+    time.sleep(args.fault_at)
+    fault()
+    load.join()
+    return streams
 
 
 # -- the cases --------------------------------------------------------------------------------------------------
@@ -223,45 +226,45 @@ async def _wait_for_workers(url: str, count: int) -> None:
 
 
 def fault_for(case: str, servers: Servers):
-    async def worker_failover():
+    def worker_failover():
         os.kill(servers.workers[0].pid, signal.SIGKILL)
 
-    async def worker_kill():
+    def worker_kill():
         os.kill(servers.workers[0].pid, signal.SIGKILL)
-        await asyncio.sleep(3)
-        servers.workers.append(await asyncio.to_thread(servers.system.start_worker, "worker-again"))
+        time.sleep(3)
+        servers.workers.append(servers.system.start_worker("worker-again"))
 
-    async def worker_stall():
+    def worker_stall():
         os.kill(servers.workers[0].pid, signal.SIGSTOP)
-        await asyncio.sleep(6)
+        time.sleep(6)
         os.kill(servers.workers[0].pid, signal.SIGCONT)
 
-    async def nats_restart():
-        await asyncio.to_thread(servers.nats.stop)
-        await asyncio.sleep(3)
-        servers.nats = await asyncio.to_thread(NatsServer(servers.work / "nats", port=servers.nats_port).start)
+    def nats_restart():
+        servers.nats.stop()
+        time.sleep(3)
+        servers.nats = NatsServer(servers.work / "nats", port=servers.nats_port).start()
 
-    async def nats_node_kill():
-        nc = await nats_client.connect(servers.cluster.url, "chaos-probe", reconnect_forever=False)
-        try:
-            leader = (await nc.jetstream().stream_info(subjects.request_stream("pro"))).cluster.leader
-        finally:
-            await nc.close()
-        await asyncio.to_thread(servers.cluster.kill, leader)
+    def nats_node_kill():
+        async def leader() -> str:
+            nc = await nats_client.connect(servers.cluster.url, "chaos-probe", reconnect_forever=False)
+            try:
+                return (await nc.jetstream().stream_info(subjects.request_stream("pro"))).cluster.leader
+            finally:
+                await nc.close()
+        servers.cluster.kill(asyncio.run(leader()))
 
-    async def pg_hang():
+    def pg_hang():
         pids = _process_tree(servers.pg.pid)
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
-        await asyncio.sleep(10)
+        time.sleep(10)
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
 
-    async def pg_down():
-        await asyncio.to_thread(servers.pg.stop)
-        await asyncio.sleep(10)
-        servers.pg = await asyncio.to_thread(
-            PostgresServer(servers.pg_dir, port=servers.pg_port, ephemeral=True).start)
+    def pg_down():
+        servers.pg.stop()
+        time.sleep(10)
+        servers.pg = PostgresServer(servers.pg_dir, port=servers.pg_port, ephemeral=True).start()
 
     return {"worker-failover": worker_failover, "worker-kill": worker_kill, "worker-stall": worker_stall,
             "nats-restart": nats_restart, "nats-node-kill": nats_node_kill, "pg-hang": pg_hang,
@@ -294,8 +297,7 @@ def run_case(args, case: str) -> dict:
     servers = None
     try:
         servers, config, key = start(args, case)
-        streams, fault_s = asyncio.run(run_load(servers.system.url(), {"Authorization": f"Bearer {key}"}, args,
-                                                fault_for(case, servers)))
+        streams = run_load(servers.system.url(), {"Authorization": f"Bearer {key}"}, args, fault_for(case, servers))
         unbilled, misbilled, twice = asyncio.run(billing(servers.pg.url, streams))
     finally:
         if servers is not None:
@@ -307,7 +309,7 @@ def run_case(args, case: str) -> dict:
         case=case, sent=len(streams), completed=sum(s.done and s.finish is not None for s in streams),
         failed=failed, lost=sum(not s.done and s.error is None for s in accepted), unbilled=unbilled,
         misbilled=misbilled, twice=twice, stall=max((s.longest_gap_s for s in streams), default=0.0),
-        first=max((s.first_chunk_s or 0.0 for s in streams), default=0.0), fault_s=fault_s)
+        first=max((s.first_chunk_s or 0.0 for s in streams), default=0.0))
 
 
 COLUMNS = ["case", "sent", "completed", "failed (reason: count)", "lost", "unbilled", "misbilled", "billed twice",

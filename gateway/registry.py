@@ -19,6 +19,9 @@ _CACHE_S = 1.0
 # While the registry cannot be read (a NATS node lost and a new leader being elected, a reconnect), the last
 # listing stands in for this long: requests go on to the queue, which rides the same outage out (relay.submit).
 _STALE_OK_S = 30.0
+# A model served in the last minute whose workers are all gone now (one crashed and is restarting, NATS restarted
+# and the heartbeats are not back yet) answers 503 "retry", not 404 "no such model".
+_REMEMBER_S = 60.0
 _UNREACHABLE_RETRY_AFTER_S = 5
 
 log = logging.getLogger("switchyard.gateway")
@@ -29,6 +32,7 @@ class ModelRegistry:
         self._js = js
         self._cached: dict[str, list[WorkerInfo]] = {}
         self._cached_at = 0.0
+        self._last_served: dict[str, float] = {}  # model -> when a listing last had it
 
     async def models(self, fresh: bool = False) -> dict[str, list[WorkerInfo]]:
         """Served model name → the live workers serving it. While NATS cannot be read, the last listing for up to
@@ -47,10 +51,18 @@ class ModelRegistry:
         for info in workers:
             found.setdefault(info.model, []).append(info)
         self._cached, self._cached_at = found, time.monotonic()
+        self._last_served.update(dict.fromkeys(found, self._cached_at))
         return found
 
     async def is_served(self, model: str) -> bool:
+        """Whether a worker serves ``model`` now; raises OpenAIError 503 for one served a moment ago (its workers
+        are coming back), so a client retries rather than taking it for a model that does not exist."""
         if model in await self.models():
             return True
         # A worker may have started within the cache window: look again before answering 404.
-        return model in await self.models(fresh=True)
+        if model in await self.models(fresh=True):
+            return True
+        if time.monotonic() - self._last_served.get(model, float("-inf")) < _REMEMBER_S:
+            raise service_unavailable(f"No worker serves `{model}` right now (it did a moment ago); please retry.",
+                                      _UNREACHABLE_RETRY_AFTER_S, code="model_unavailable")
+        return False
