@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 from switchyard.deploy.processes import die_with_parent, free_port, pid_alive, stop_process, tail_of
 
@@ -231,8 +232,11 @@ class PostgresServer(_Server):
     _stop_signal = signal.SIGINT  # "fast" shutdown: abort sessions, checkpoint, exit
 
     def __init__(self, base_dir: str | os.PathLike, *, port: int | None = None,
-                 ephemeral: bool = False, startup_timeout: float = 30.0) -> None:
+                 ephemeral: bool = False, startup_timeout: float = 30.0, password: str | None = None) -> None:
+        """``password``: the ``postgres`` user's, required over TCP (scram-sha-256); a cluster created earlier
+        with ``trust`` gets it at this start. None: ``trust`` (tests on a private directory)."""
         super().__init__()
+        self.password = password
         self.base_dir = Path(base_dir)
         self.data_dir = self.base_dir / "data"
         self.log_path = self.base_dir / "postgres.log"
@@ -279,6 +283,7 @@ class PostgresServer(_Server):
             self._proc = self._spawn(self._server_args(port), self.log_path, **self._as_user())
             try:
                 self._wait_ready(port, deadline)
+                self._ensure_password(port)
                 self._ensure_database(port)
             except ServerStartError as err:
                 self.stop()
@@ -289,7 +294,8 @@ class PostgresServer(_Server):
             except BaseException:
                 self.stop()
                 raise
-            self.url = f"postgresql://postgres@127.0.0.1:{port}/{_DATABASE}"
+            user = "postgres" if self.password is None else f"postgres:{quote(self.password, safe='')}"
+            self.url = f"postgresql://{user}@127.0.0.1:{port}/{_DATABASE}"
             return self
 
     def _is_transient(self, error: str) -> bool:
@@ -303,8 +309,22 @@ class PostgresServer(_Server):
         if self._user is not None:
             os.chown(self.data_dir, self._user.pw_uid, self._user.pw_gid)
         args = [str(self.bin_dir() / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
-                "-A", "trust", "-E", "UTF8", "--no-sync", "--no-instructions"]
-        result = subprocess.run(args, capture_output=True, text=True, **self._as_user())
+                "-E", "UTF8", "--no-sync", "--no-instructions"]
+        pwfile = None
+        if self.password is None:
+            args += ["-A", "trust"]
+        else:  # the password goes in a private file (never on the command line), removed once read
+            pwfile = self.base_dir / ".initdb-password"
+            pwfile.write_text(self.password + "\n")
+            pwfile.chmod(0o600)
+            if self._user is not None:
+                os.chown(pwfile, self._user.pw_uid, self._user.pw_gid)
+            args += ["-A", "scram-sha-256", f"--pwfile={pwfile}"]
+        try:
+            result = subprocess.run(args, capture_output=True, text=True, **self._as_user())
+        finally:
+            if pwfile is not None:
+                pwfile.unlink(missing_ok=True)
         if result.returncode != 0:
             hint = (f"\n(initdb runs as {_POSTGRES_RUN_AS!r}: every parent of {self.base_dir} must be "
                     "searchable by it)" if self._user else "")
@@ -340,7 +360,28 @@ class PostgresServer(_Server):
 
     def _client(self, tool: str, port: int, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
         cmd = [str(self.bin_dir() / tool), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", *args]
-        return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=10)
+        env = {**os.environ, "PGPASSWORD": self.password} if self.password is not None else None  # not argv
+        return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=10, env=env)
+
+    def _ensure_password(self, port: int) -> None:
+        """A cluster made with ``trust`` (before passwords): set the password, then require it over TCP."""
+        if self.password is None:
+            return
+        hba = self.data_dir / "pg_hba.conf"
+        lines = hba.read_text().splitlines()
+        if not any(line.startswith("host") and line.split()[-1] == "trust" for line in lines):
+            return
+        literal = self.password.replace("'", "''")
+        result = self._client("psql", port, "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-qAt",
+                              stdin=f"ALTER USER postgres PASSWORD '{literal}';\n")
+        if result.returncode != 0:
+            raise ServerStartError(f"setting the postgres password failed:\n{result.stderr}")
+        hba.write_text("\n".join(" ".join(line.split()[:-1] + ["scram-sha-256"])
+                                 if line.startswith("host") and line.split()[-1] == "trust" else line
+                                 for line in lines) + "\n")
+        result = self._client("psql", port, "-d", "postgres", "-qAt", stdin="SELECT pg_reload_conf();\n")
+        if result.returncode != 0:
+            raise ServerStartError(f"reloading pg_hba.conf failed:\n{result.stderr}")
 
     def _wait_ready(self, port: int, deadline: float) -> None:
         # pg_isready rather than asyncpg: start() must work inside a running event loop too.

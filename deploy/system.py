@@ -1,6 +1,7 @@
 """The whole system on this machine, started one way for ``switchyard up``, the end-to-end tests and the benchmarks.
 
-    NATS, Postgres   embedded (in the data dir) unless the settings name servers, then migrations
+    NATS, Postgres   embedded (in the data dir) unless the settings name servers, then migrations; embedded ones
+                     require the generated credentials of deploy/credentials.py (a NATS user per role)
     workers          ``switchyard worker`` children
     gateways         ``switchyard gateway`` children
 
@@ -15,6 +16,13 @@ import asyncio
 import sys
 from pathlib import Path
 
+from switchyard.deploy.credentials import (
+    NATS_CONFIG_FILE,
+    load_or_create,
+    redacted,
+    with_credentials,
+    write_nats_config,
+)
 from switchyard.deploy.launcher import NatsServer, PostgresServer
 from switchyard.deploy.services import ServiceProcess, wait_until_ready
 from switchyard.migrations import apply_migrations
@@ -32,6 +40,7 @@ class LocalSystem:
         self.log_level = log_level
         self.ephemeral = ephemeral
         self.services: list[ServiceProcess] = []
+        self._role_nats_urls: dict[str, str] = {}  # embedded NATS: each command's URL, with its role's user
         self._stack: list = []  # everything started, servers and services, in start order
 
     def __enter__(self) -> LocalSystem:
@@ -46,14 +55,19 @@ class LocalSystem:
         migrations; returns what happened, a line each, for the caller to show."""
         config, data, said = self.config, self.config.data_dir, []
         data.mkdir(parents=True, exist_ok=True)
+        creds = load_or_create(data) if not (config.nats_url and config.database_url) else None
         if not config.nats_url:
-            nats = self._started(NatsServer(data / "nats"))
-            config.nats_url = nats.url
-            said.append(f"nats      {nats.url} (pid {nats.pid})")
+            auth = write_nats_config(data / NATS_CONFIG_FILE, creds)
+            nats = self._started(NatsServer(data / "nats", extra_args=["-c", str(auth)]))
+            self._role_nats_urls = {role: with_credentials(nats.url, role, creds.nats_passwords[role])
+                                    for role in ("gateway", "worker")}
+            config.nats_url = with_credentials(nats.url, "admin", creds.nats_passwords["admin"])
+            said.append(f"nats      {nats.url} (pid {nats.pid}; a user per role, see {NATS_CONFIG_FILE})")
         if not config.database_url:
-            pg = self._started(PostgresServer(data / "postgres", ephemeral=self.ephemeral))
+            pg = self._started(PostgresServer(data / "postgres", ephemeral=self.ephemeral,
+                                              password=creds.postgres_password))
             config.database_url = pg.url
-            said.append(f"postgres  {pg.url} (pid {pg.pid})")
+            said.append(f"postgres  {redacted(pg.url)} (pid {pg.pid})")
         applied = asyncio.run(apply_migrations(config.database_url))
         said.append(f"migrate   {', '.join(applied) if applied else 'up to date'}")
         return said
@@ -93,6 +107,8 @@ class LocalSystem:
     def _start_service(self, name: str, command: str, section: dict) -> ServiceProcess:
         args = [command] + (["--log-level", self.log_level] if self.log_level else [])
         log_path = self.log_dir / f"{name}.log" if self.log_dir else None
+        if command in self._role_nats_urls:
+            section = {**section, "nats_url": self._role_nats_urls[command]}
         config = self.config.model_copy(update=section)
         env = settings_env(config)
         drain_s = getattr(config, command).drain_timeout_s  # the gateway's or the worker's

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from switchyard.deploy.credentials import write_private
 from switchyard.deploy.restarts import Restarter
 from switchyard.deploy.system import LocalSystem
 from switchyard.shared.config import SwitchyardConfig
@@ -23,7 +24,8 @@ RUN_FILE = "run.json"
 
 def write_run_file(data_dir: Path, nats_url: str, database_url: str) -> None:
     """Where the running system's servers are, so ops commands (`switchyard tiers ...`) find them."""
-    (data_dir / RUN_FILE).write_text(json.dumps({"nats_url": nats_url, "database_url": database_url}))
+    # It holds the URLs with their credentials: its owner only may read it.
+    write_private(data_dir / RUN_FILE, json.dumps({"nats_url": nats_url, "database_url": database_url}))
 
 
 def read_run_file(data_dir: Path) -> dict:

@@ -1,0 +1,103 @@
+"""Credentials of the embedded servers: generated once, kept in the data dir readable by its owner only, and
+handed to each process through its environment (``SWITCHYARD_NATS_URL``, ``SWITCHYARD_DATABASE_URL``), never on a
+command line.
+
+NATS gets one user per role, each allowed only the subjects its processes use (nothing anonymous):
+
+    role      publishes                                              subscribes
+    gateway   llm.req.> llm.cancel.> llm.events.> llm.usage          llm.tok.> llm.alive.>
+              llm.held.> llm.dead.>                                  (and hosts the jobs: billing, batches)
+    worker    llm.tok.> llm.usage llm.result.> llm.alive.>           llm.req.> (the doorbell) llm.cancel.>
+    admin     everything (the CLI: tiers, tenants, usage)
+
+Both service roles use the JetStream API (``$JS.API.>``, acks ``$JS.ACK.>``, KV ``$KV.>``) and reply inboxes
+(``_INBOX.>``): JetStream consumers and KV buckets are reached through them. So a worker cannot queue a request
+and a gateway cannot forge a worker's tokens, but the JetStream API itself is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+SECRETS_FILE = "secrets.json"
+NATS_CONFIG_FILE = "nats-auth.conf"
+ROLES = ("gateway", "worker", "admin")
+
+_SHARED_PUBLISH = ["$JS.API.>", "$JS.ACK.>", "$KV.>", "_INBOX.>"]
+_SHARED_SUBSCRIBE = ["_INBOX.>"]
+PERMISSIONS: dict[str, dict[str, list[str]]] = {
+    "gateway": {
+        "publish": ["llm.req.>", "llm.cancel.>", "llm.events.>", "llm.usage", "llm.held.>", "llm.dead.>",
+                    *_SHARED_PUBLISH],
+        "subscribe": ["llm.tok.>", "llm.alive.>", *_SHARED_SUBSCRIBE],
+    },
+    "worker": {
+        "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", *_SHARED_PUBLISH],
+        "subscribe": ["llm.req.>", "llm.cancel.>", *_SHARED_SUBSCRIBE],
+    },
+    "admin": {"publish": [">"], "subscribe": [">"]},
+}
+
+
+@dataclass(frozen=True)
+class Secrets:
+    postgres_password: str
+    nats_passwords: dict[str, str]  # role -> password
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable and writable by its owner only (created so: never world-readable)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
+
+
+def load_or_create(data_dir: Path) -> Secrets:
+    """The data dir's secrets, generated on the first start and kept (mode 0600) for the next ones."""
+    path = data_dir / SECRETS_FILE
+    if path.exists():
+        stored = json.loads(path.read_text())
+        found = Secrets(stored["postgres_password"], stored["nats_passwords"])
+        if set(found.nats_passwords) >= set(ROLES):
+            return found
+    found = Secrets(secrets.token_urlsafe(24), {role: secrets.token_urlsafe(24) for role in ROLES})
+    data_dir.mkdir(parents=True, exist_ok=True)
+    write_private(path, json.dumps(asdict(found)))
+    return found
+
+
+def write_nats_config(path: Path, creds: Secrets) -> Path:
+    """The nats-server configuration of the users and their permissions (mode 0600)."""
+    users = []
+    for role in ROLES:
+        perms = PERMISSIONS[role]
+        users.append(f"    {{user: {role}, password: {json.dumps(creds.nats_passwords[role])}, permissions: {{"
+                     f"publish: {json.dumps(perms['publish'])}, subscribe: {json.dumps(perms['subscribe'])}}}}}")
+    write_private(path, "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n")
+    return path
+
+
+def with_credentials(url: str, user: str, password: str) -> str:
+    """``url`` (one server or a comma-separated list) with ``user:password@`` on every server."""
+    def one(server: str) -> str:
+        parts = urlsplit(server.strip())
+        host = parts.netloc.rsplit("@", 1)[-1]
+        return urlunsplit(parts._replace(netloc=f"{user}:{password}@{host}"))
+    return ",".join(one(s) for s in url.split(","))
+
+
+def redacted(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for logs and banners."""
+    def one(server: str) -> str:
+        parts = urlsplit(server.strip())
+        if "@" not in parts.netloc:
+            return server.strip()
+        userinfo, host = parts.netloc.rsplit("@", 1)
+        return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
+    return ",".join(one(s) for s in url.split(","))

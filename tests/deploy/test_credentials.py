@@ -1,0 +1,139 @@
+"""The embedded servers' credentials: NATS refuses anonymous clients and holds each role to its subjects, Postgres
+asks for the password, secrets files are the owner's only, and no secret shows on any process's command line while
+a whole system serves through them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import asyncpg
+import httpx
+import nats
+import pytest
+from nats.errors import NoServersError
+
+from switchyard.deploy.credentials import (
+    NATS_CONFIG_FILE,
+    SECRETS_FILE,
+    load_or_create,
+    with_credentials,
+    write_nats_config,
+)
+from switchyard.deploy.launcher import NatsServer
+from switchyard.deploy.system import LocalSystem
+from switchyard.deploy.up import RUN_FILE, write_run_file
+from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
+from tests.support.system import free_port, make_key, poll
+from tests.support.tiny_model import save_tiny_model
+
+
+@pytest.fixture
+def data_dir():
+    path = Path(tempfile.mkdtemp(prefix="switchyard-test-creds-"))
+    path.chmod(0o755)  # postgres runs as nobody under root
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def _received(sub, timeout: float = 0.5) -> bool:
+    try:
+        await sub.next_msg(timeout=timeout)
+        return True
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        return False
+
+
+async def test_nats_refuses_anonymous_clients_and_holds_each_role_to_its_subjects(data_dir):
+    creds = load_or_create(data_dir)
+    conf = write_nats_config(data_dir / NATS_CONFIG_FILE, creds)
+    with NatsServer(data_dir / "nats", extra_args=["-c", str(conf)]) as server:
+        with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+            await nats.connect(server.url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2)
+
+        def url(role):
+            return with_credentials(server.url, role, creds.nats_passwords[role])
+
+        violations = []
+
+        async def note(error):  # the server answers a forbidden publish with a permissions violation
+            violations.append(str(error))
+
+        admin = await nats.connect(url("admin"))
+        gateway = await nats.connect(url("gateway"), error_cb=note)
+        worker = await nats.connect(url("worker"), error_cb=note)
+        try:
+            requests = await admin.subscribe("llm.req.>")
+            tokens = await admin.subscribe("llm.tok.>")
+            await admin.flush()
+            for client, subject in ((worker, "llm.req.m.pro"), (gateway, "llm.tok.r1")):  # forged: dropped
+                await client.publish(subject, b"forged")
+                await client.flush()
+            assert not await _received(requests) and not await _received(tokens)
+            assert sorted(violations) == ['nats: permissions violation for publish to "llm.req.m.pro"',
+                                       'nats: permissions violation for publish to "llm.tok.r1"'], violations
+            await gateway.publish("llm.req.m.pro", b"ok")
+            await worker.publish("llm.tok.r1", b"ok")
+            await gateway.flush()
+            await worker.flush()
+            assert await _received(requests, 5) and await _received(tokens, 5)
+        finally:
+            for client in (admin, gateway, worker):
+                await client.close()
+
+
+def test_a_system_serves_through_its_credentials_and_shows_no_secret(data_dir):
+    """Synchronous: starting the servers runs the migrations in an event loop of its own."""
+    config = SwitchyardConfig(
+        data_dir=data_dir, gateway=GatewayConfig(port=free_port()),
+        worker=WorkerConfig(model=str(save_tiny_model(data_dir / "model")), served_model_name="tiny-creds",
+                            dtype="float32", max_num_seqs=2))
+    with LocalSystem(config, log_dir=data_dir, ephemeral=True) as system:
+        system.start_servers()
+        creds = load_or_create(data_dir)
+        for name in (SECRETS_FILE, NATS_CONFIG_FILE):
+            assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600
+        write_run_file(data_dir, config.nats_url, config.database_url)
+        assert stat.S_IMODE((data_dir / RUN_FILE).stat().st_mode) == 0o600
+
+        without_password = config.database_url.replace(f":{creds.postgres_password}@", "@")
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            asyncio.run(asyncpg.connect(without_password))
+
+        system.start_worker()
+        system.start_gateway()
+        system.wait_until_ready("tiny-creds", timeout_s=120)
+        key = asyncio.run(make_key(config.database_url, "creds", "pro"))
+        with httpx.Client(base_url=system.url(), timeout=60, headers={"Authorization": f"Bearer {key}"}) as http:
+            body = {"model": "tiny-creds", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "stream": True}
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+            request_id = r.headers["X-Request-Id"]
+
+        async def billed():  # the billing writer (a gateway job) consumed the worker's usage record
+            conn = await asyncpg.connect(config.database_url)
+            try:
+                return await poll(lambda: conn.fetchval("SELECT count(*) FROM requests WHERE request_id = $1",
+                                                        request_id), timeout_s=30, what="the usage row")
+            finally:
+                await conn.close()
+        assert asyncio.run(billed()) == 1
+        # Every role had every subject it used: the server refused nothing.
+        assert "Permissions Violation" not in (data_dir / "nats" / "nats-server.log").read_text()
+
+        secrets_ = [creds.postgres_password, *creds.nats_passwords.values()]
+        pids = [svc.pid for svc in system.services]
+        for pid in pids + [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            assert not any(s in cmdline for s in secrets_), f"a secret on the command line of {pid}: {cmdline}"
