@@ -72,23 +72,28 @@ def load_or_create(data_dir: Path) -> Secrets:
     return found
 
 
-def write_nats_config(path: Path, creds: Secrets) -> Path:
-    """The nats-server configuration of the users and their permissions (mode 0600)."""
+def write_nats_config(path: Path, creds: Secrets, tls_cert: Path | None = None, tls_key: Path | None = None) -> Path:
+    """The nats-server configuration of the users and their permissions (mode 0600), and TLS when a certificate
+    and key are given (clients must then connect with tls:// URLs)."""
     users = []
     for role in ROLES:
         perms = PERMISSIONS[role]
         users.append(f"    {{user: {role}, password: {json.dumps(creds.nats_passwords[role])}, permissions: {{"
                      f"publish: {json.dumps(perms['publish'])}, subscribe: {json.dumps(perms['subscribe'])}}}}}")
-    write_private(path, "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n")
+    text = "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
+    if tls_cert is not None and tls_key is not None:
+        text += f"tls {{\n  cert_file: {json.dumps(str(tls_cert))}\n  key_file: {json.dumps(str(tls_key))}\n}}\n"
+    write_private(path, text)
     return path
 
 
-def with_credentials(url: str, user: str, password: str) -> str:
-    """``url`` (one server or a comma-separated list) with ``user:password@`` on every server."""
+def with_credentials(url: str, user: str, password: str, scheme: str | None = None) -> str:
+    """``url`` (one server or a comma-separated list) with ``user:password@`` on every server (and ``scheme``,
+    e.g. ``tls``, when given)."""
     def one(server: str) -> str:
         parts = urlsplit(server.strip())
         host = parts.netloc.rsplit("@", 1)[-1]
-        return urlunsplit(parts._replace(netloc=f"{user}:{password}@{host}"))
+        return urlunsplit(parts._replace(scheme=scheme or parts.scheme, netloc=f"{user}:{password}@{host}"))
     return ",".join(one(s) for s in url.split(","))
 
 

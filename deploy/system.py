@@ -57,11 +57,12 @@ class LocalSystem:
         data.mkdir(parents=True, exist_ok=True)
         creds = load_or_create(data) if not (config.nats_url and config.database_url) else None
         if not config.nats_url:
-            auth = write_nats_config(data / NATS_CONFIG_FILE, creds)
+            auth = write_nats_config(data / NATS_CONFIG_FILE, creds, config.nats_tls_cert, config.nats_tls_key)
             nats = self._started(NatsServer(data / "nats", extra_args=["-c", str(auth)]))
-            self._role_nats_urls = {role: with_credentials(nats.url, role, creds.nats_passwords[role])
+            scheme = "tls" if config.nats_tls_cert else None
+            self._role_nats_urls = {role: with_credentials(nats.url, role, creds.nats_passwords[role], scheme)
                                     for role in ("gateway", "worker")}
-            config.nats_url = with_credentials(nats.url, "admin", creds.nats_passwords["admin"])
+            config.nats_url = with_credentials(nats.url, "admin", creds.nats_passwords["admin"], scheme)
             said.append(f"nats      {nats.url} (pid {nats.pid}; a user per role, see {NATS_CONFIG_FILE})")
         if not config.database_url:
             pg = self._started(PostgresServer(data / "postgres", ephemeral=self.ephemeral,

@@ -47,7 +47,7 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        nc = await nats_client.connect(config.nats_url, "switchyard-gateway")
+        nc = await nats_client.connect(config.nats_url, "switchyard-gateway", tls_ca=config.nats_tls_ca)
         js = nc.jetstream()
         await ensure_streams(js, config.nats_replicas)
         pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4, **POOL_OPTIONS)

@@ -95,6 +95,11 @@ class SwitchyardConfig(BaseSettings):
     # Servers of a JetStream cluster that hold each stream and bucket Switchyard creates (3: losing a node loses
     # nothing accepted). 1 for a lone server.
     nats_replicas: int = Field(1, ge=1, le=5)
+    # TLS: the embedded nats-server's certificate and key (its clients then use tls:// URLs), and the CA file
+    # clients check a server's certificate against (None: the system's CAs).
+    nats_tls_cert: Path | None = None
+    nats_tls_key: Path | None = None
+    nats_tls_ca: Path | None = None
     database_url: str | None = None  # None: start an embedded Postgres
     gateway: GatewayConfig = GatewayConfig()
     worker: WorkerConfig = WorkerConfig()

@@ -2,10 +2,14 @@
 
 ``url`` may name several servers of one cluster, comma-separated (``nats://a:4222,nats://b:4222``); the client
 tries them in turn and, once connected, also learns the cluster's other servers from them, so losing the one it
-is connected to costs a reconnect, not the service.
+is connected to costs a reconnect, not the service. ``tls://`` URLs encrypt the connection; the server's
+certificate is checked against the system's CAs, or against ``tls_ca`` (a private CA, a self-signed server).
 """
 
 from __future__ import annotations
+
+import ssl
+from pathlib import Path
 
 import nats
 from nats.aio.client import Client as NATS
@@ -16,7 +20,9 @@ def server_urls(url: str) -> list[str]:
     return [part.strip() for part in url.split(",") if part.strip()]
 
 
-async def connect(url: str, name: str, *, reconnect_forever: bool = True) -> NATS:
+async def connect(url: str, name: str, *, reconnect_forever: bool = True, tls_ca: Path | None = None) -> NATS:
     """Connect as ``name`` (shown by the server's monitoring); by default keep reconnecting while servers are
     away, as a long-running service must."""
-    return await nats.connect(server_urls(url), name=name, max_reconnect_attempts=-1 if reconnect_forever else 1)
+    tls = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca is not None else None
+    return await nats.connect(server_urls(url), name=name, max_reconnect_attempts=-1 if reconnect_forever else 1,
+                              tls=tls)

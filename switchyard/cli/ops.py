@@ -36,7 +36,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     config = _ops_config(args)
 
     async def run() -> int:
-        nc = await nats_client.connect(config.nats_url, "switchyard-cli", reconnect_forever=False)
+        nc = await nats_client.connect(config.nats_url, "switchyard-cli", reconnect_forever=False,
+                                       tls_ca=config.nats_tls_ca)
         js = nc.jetstream()
         try:
             if args.tiers_cmd == "set":

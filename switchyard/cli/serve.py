@@ -51,7 +51,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 2
 
     async def run() -> None:
-        nc = await nats_client.connect(config.nats_url, "switchyard-jobs")
+        nc = await nats_client.connect(config.nats_url, "switchyard-jobs", tls_ca=config.nats_tls_ca)
         js = nc.jetstream()
         pool = None
         try:

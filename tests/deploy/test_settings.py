@@ -40,6 +40,8 @@ def clean_env(monkeypatch):
 def test_every_setting_up_holds_reaches_its_children(clean_env):
     config = SwitchyardConfig(data_dir=Path("/srv/switchyard"), nats_url="nats://127.0.0.1:4333,nats://h:4334",
                               nats_replicas=3, database_url="postgresql://u@127.0.0.1:5433/db",
+                              nats_tls_cert=Path("/etc/c.pem"), nats_tls_key=Path("/etc/k.pem"),
+                              nats_tls_ca=Path("/etc/ca.pem"),
                               worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY))
     for name, value in settings_env(config).items():
         clean_env.setenv(name, value)

@@ -58,7 +58,8 @@ async def _serve(engine, config: SwitchyardConfig, step_thread: ThreadPoolExecut
         batch_seqs = 2 if engine.runner.device.type == "cpu" else 0
     background = BackgroundPolicy(seats_when_busy=batch_seqs or None, busy_window_s=w.interactive_busy_s)
     worker = Worker(engine, config.worker.served_name, config.nats_url, background, step_thread,
-                    heartbeat_s=w.heartbeat_s, drain_timeout_s=w.drain_timeout_s, nats_replicas=config.nats_replicas)
+                    heartbeat_s=w.heartbeat_s, drain_timeout_s=w.drain_timeout_s, nats_replicas=config.nats_replicas,
+                    nats_tls_ca=config.nats_tls_ca)
     await worker.run(stop)
 
 

@@ -72,12 +72,13 @@ class Worker:
 
     def __init__(self, engine, model_name: str, nats_url: str, background: BackgroundPolicy,
                  step_thread: ThreadPoolExecutor, heartbeat_s: float = 3.0, drain_timeout_s: float = 60.0,
-                 nats_replicas: int = 1) -> None:
+                 nats_replicas: int = 1, nats_tls_ca=None) -> None:
         """``background``: how much batch-tier work may hold seats and run while interactive traffic is about.
         ``step_thread``: a one-thread executor, the thread that built ``engine``; every step runs there (torch's
         OpenMP pool belongs to the calling thread, and a second pool slows every matmul down).
         ``drain_timeout_s``: once ``stop`` is set, how long running requests get to finish (see ``run``).
-        ``nats_replicas``: the replication of the streams and buckets it creates if it starts first."""
+        ``nats_replicas``: the replication of the streams and buckets it creates if it starts first.
+        ``nats_tls_ca``: the CA its NATS server's certificate is checked against (None: the system's)."""
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
@@ -86,6 +87,7 @@ class Worker:
         self._heartbeat_s = heartbeat_s
         self._drain_timeout_s = drain_timeout_s
         self._nats_replicas = nats_replicas
+        self._nats_tls_ca = nats_tls_ca
         self._active: dict[str, Tracked] = {}
         self._pending_adds: list[tuple[Tracked, object]] = []
         self._pending_aborts: dict[str, ErrorInfo | None] = {}  # None: the client cancelled
@@ -142,7 +144,8 @@ class Worker:
 
     # -- main ---------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
-        nc = await nats_client.connect(self._nats_url, f"switchyard-worker-{self.worker_id}")
+        nc = await nats_client.connect(self._nats_url, f"switchyard-worker-{self.worker_id}",
+                                       tls_ca=self._nats_tls_ca)
         self._nc, self._js = nc, nc.jetstream()
         self._out = Publisher(nc, self._js, self.worker_id)
         try:
