@@ -14,7 +14,6 @@ tenant's conversation answers 404, exactly like one that does not exist.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
@@ -24,7 +23,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from switchyard.gateway.auth import AuthContext
-from switchyard.gateway.database import CALL_TIMEOUT_S, OUTAGE_ERRORS
+from switchyard.gateway.database import CALL_TIMEOUT_S, OUTAGE_ERRORS, bounded
 from switchyard.gateway.errors import OpenAIError
 from switchyard.gateway.protocol import ChatCompletionRequest
 from switchyard.gateway.serving import Outcome
@@ -155,7 +154,7 @@ def conversations_router(caller, admit) -> APIRouter:
             turn = ConversationTurn(outcome.request_id, conversation_id, body.content, outcome.text,
                                     "completed" if outcome.finish_reason in ("stop", "length") else "incomplete")
             try:
-                await asyncio.wait_for(write_turn(pool, turn), CALL_TIMEOUT_S)
+                await bounded(write_turn(pool, turn), CALL_TIMEOUT_S)
             except OUTAGE_ERRORS as exc:  # held in JetStream; jobs/held_writes.py writes it once Postgres is back
                 log.warning("conversation %s: Postgres unavailable (%r), turn %s held", conversation_id, exc,
                             turn.request_id)

@@ -65,7 +65,7 @@ class Database:
                 raise DatabaseUnavailable
             self._probing = True
         try:
-            result = await asyncio.wait_for(call(self.pool), CALL_TIMEOUT_S)
+            result = await bounded(call(self.pool), CALL_TIMEOUT_S)
         except OUTAGE_ERRORS as exc:
             if self._failed_at is None:
                 log.warning("Postgres unavailable (%r): serving known keys from cache, limits locally", exc)
@@ -77,6 +77,18 @@ class Database:
             log.warning("Postgres is back")
             self._failed_at = None
         return result
+
+
+async def bounded(coro: Awaitable[T], timeout: float) -> T:
+    """``await coro``, or TimeoutError after ``timeout`` seconds without waiting for it to wind down: cancelling a
+    query on a hung server waits on that server (asyncpg sends it a cancel request), which is the hang itself."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" noise
+        raise asyncio.TimeoutError
+    return task.result()
 
 
 def install_outage_handler(app) -> None:
