@@ -47,8 +47,11 @@ class Failover:
         characters of) on a live worker other than ``dead_worker`` (None: any); returns the continuation, or None
         when it cannot be continued."""
         attempt = request.resume.attempt + 1 if request.resume is not None else 1
-        if request.sampling.n != 1 or attempt > self._max_attempts or not await self._has_other_worker(
-                request.model, dead_worker):
+        if request.sampling.n != 1 or attempt > self._max_attempts:
+            return None
+        # Only a dead worker's request needs another worker now; a broken stream's may go to any, and right after a
+        # NATS restart the registry may not list any yet (the continuation waits in the queue until its deadline).
+        if dead_worker is not None and not await self._has_other_worker(request.model, dead_worker):
             return None
         now = time.time()
         continuation = msgspec.structs.replace(

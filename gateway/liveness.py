@@ -34,6 +34,11 @@ class WorkerLiveness:
         self._num_reconnects = nc.stats["reconnects"]
         self._sub = await nc.subscribe(f"{subjects.ALIVE_PREFIX}.*", cb=heard)
 
+    @property
+    def num_reconnects(self) -> int:
+        """How often this gateway's NATS connection was re-established: core messages sent meanwhile are lost."""
+        return 0 if self._nc is None else self._nc.stats["reconnects"]
+
     def is_dead(self, worker_id: str) -> bool:
         """True once ``worker_id`` has not been heard for ``DEAD_AFTER_S`` while we were listening: pings missed
         while this gateway was itself disconnected (its NATS server lost, a reconnect to another) say nothing

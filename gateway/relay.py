@@ -24,7 +24,7 @@ from nats.js.errors import APIError
 
 from switchyard.gateway.errors import OpenAIError, service_unavailable
 from switchyard.gateway.failover import Failover
-from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
+from switchyard.gateway.liveness import ALIVE_INTERVAL_S, DEAD_AFTER_S, WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, is_transient, oversize_error, publish_once
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
@@ -65,6 +65,7 @@ class RelayedRequest:
         self._text_len = 0  # choice 0's text streamed, in characters
         self._taken_at: float | None = None
         self._first_token_at: float | None = None
+        self._reconnects_at_last_delta = liveness.num_reconnects if liveness is not None else 0
 
     async def _next(self, timeout: float) -> TokenDelta:
         while True:
@@ -108,6 +109,8 @@ class RelayedRequest:
         return delta
 
     def _account(self, delta: TokenDelta) -> None:
+        if self._liveness is not None:
+            self._reconnects_at_last_delta = self._liveness.num_reconnects
         if self.worker_id is None:
             self.worker_id = delta.worker_id
             self._taken_at = self._taken_at or time.time()
@@ -163,6 +166,9 @@ class RelayedRequest:
                         heard_at = time.monotonic()
                         continue
                     await self._bill_lost()
+                elif error.code == "stream_gap" and await self._continue_elsewhere(self.worker_id, exclude_it=False):
+                    heard_at = time.monotonic()
+                    continue
                 delta = await self._abandon(error)
             yield delta
 
@@ -174,6 +180,12 @@ class RelayedRequest:
             return lost if time.time() > self.request.deadline_at + DEADLINE_GRACE_S else None
         if self._liveness is not None and self._liveness.is_dead(self.worker_id):
             return lost
+        if (self._liveness is not None and self._liveness.num_reconnects != self._reconnects_at_last_delta
+                and silent_s > DEAD_AFTER_S):
+            # This gateway lost its NATS connection since the last delta and the worker, alive, says nothing: what
+            # it sent meanwhile (its last deltas, perhaps the final one) was lost, and no later delta will show a gap.
+            return ErrorInfo("Part of the response was lost in transit; please retry.", code="stream_gap",
+                             type="server_error", status=502)
         if silent_s > self._stall_timeout_s:
             return ErrorInfo("The worker stopped answering; the request was abandoned.", code="worker_timeout",
                              type="server_error", status=503)
