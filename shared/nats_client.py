@@ -20,9 +20,10 @@ def server_urls(url: str) -> list[str]:
     return [part.strip() for part in url.split(",") if part.strip()]
 
 
-async def connect(url: str, name: str, *, reconnect_forever: bool = True, tls_ca: Path | None = None) -> NATS:
+async def connect(url: str, name: str, *, reconnect_forever: bool = True, tls_ca: Path | None = None,
+                  reconnected_cb=None) -> NATS:
     """Connect as ``name`` (shown by the server's monitoring); by default keep reconnecting while servers are
-    away, as a long-running service must."""
+    away, as a long-running service must. ``reconnected_cb``: a coroutine function awaited after each reconnect."""
     tls = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca is not None else None
     return await nats.connect(server_urls(url), name=name, max_reconnect_attempts=-1 if reconnect_forever else 1,
-                              tls=tls)
+                              tls=tls, reconnected_cb=reconnected_cb)

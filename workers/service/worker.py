@@ -144,8 +144,13 @@ class Worker:
 
     # -- main ---------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        reconnected = asyncio.Event()
+
+        async def on_reconnect() -> None:
+            reconnected.set()
+
         nc = await nats_client.connect(self._nats_url, f"switchyard-worker-{self.worker_id}",
-                                       tls_ca=self._nats_tls_ca)
+                                       tls_ca=self._nats_tls_ca, reconnected_cb=on_reconnect)
         self._nc, self._js = nc, nc.jetstream()
         self._out = Publisher(nc, self._js, self.worker_id)
         try:
@@ -164,7 +169,7 @@ class Worker:
             # Heartbeats go on through the drain: a draining worker still serves its model, and the batch runner
             # must not take its running lines for lost.
             drained = asyncio.Event()
-            heartbeat = asyncio.create_task(self._heartbeat_loop(kv, drained))
+            heartbeat = asyncio.create_task(self._heartbeat_loop(kv, drained, reconnected))
             alive = asyncio.create_task(self._alive_loop(drained))
             intake = asyncio.create_task(self._intake_loop(subs, stop))
             log.info("worker %s serving %s (context %d)", self.worker_id, self.model_name, self.engine.max_context)
@@ -229,13 +234,22 @@ class Worker:
             if await _set_within(done, subjects.ALIVE_INTERVAL_S):
                 return
 
-    async def _heartbeat_loop(self, kv, done: asyncio.Event) -> None:
+    async def _heartbeat_loop(self, kv, done: asyncio.Event, reconnected: asyncio.Event) -> None:
+        """Beat every ``heartbeat_s``, and at once after a reconnect: a restarted NATS lost the in-memory bucket,
+        and until this worker is listed again its model answers 503 (the bucket is made again if need be)."""
         last_state = ""
-        while not await _set_within(done, self._heartbeat_s):
+        while True:
+            await _first_of(done, reconnected, timeout=self._heartbeat_s)
+            if done.is_set():
+                return
+            reconnected.clear()
             try:
                 await self._beat(kv)
-            except Exception as exc:  # NATS reconnecting: the next beat retries, the TTL tolerates a few misses
+            except Exception as exc:  # the bucket gone with a restarted server, or NATS still reconnecting
                 log.warning("heartbeat failed: %s", exc)
+                with contextlib.suppress(Exception):
+                    kv = await workers_bucket(self._js, self._nats_replicas)
+                    await self._beat(kv)
             state = self._state_summary()
             if state != last_state:  # what an operator (or a failing test's log) needs to see a stall
                 log.info("state: %s", state)
