@@ -60,7 +60,7 @@ class Failover:
         try:
             # Its own message id: the original's is still in the stream's duplicate window.
             await publish_once(self._js, subjects.request_subject(request.model, request.tier), encode(continuation),
-                               f"{request.request_id}.resume{attempt}", within_s=3.0)
+                               f"{request.request_id}.resume{attempt}", within_s=15.0)
         except Exception as exc:  # queue full, or NATS away: the request ends with worker_lost
             log.warning("could not continue request %s elsewhere: %r", request.request_id, exc)
             return None

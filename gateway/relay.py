@@ -24,7 +24,7 @@ from nats.js.errors import APIError
 
 from switchyard.gateway.errors import OpenAIError, service_unavailable
 from switchyard.gateway.failover import Failover
-from switchyard.gateway.liveness import ALIVE_INTERVAL_S, DEAD_AFTER_S, WorkerLiveness
+from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, is_transient, oversize_error, publish_once
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
@@ -33,7 +33,10 @@ log = logging.getLogger("switchyard.gateway")
 
 # The worker must start a request before its deadline; this margin covers its reply's trip back.
 DEADLINE_GRACE_S = 2.0
-PUBLISH_RETRY_S = 15.0  # a JetStream cluster elects a new stream leader within about 4 s of losing a node
+PUBLISH_RETRY_S = 15.0
+# After this gateway's own reconnect, a stream whose live worker says nothing for this long lost its last deltas.
+# Longer than a worker may legitimately go quiet through the same outage (its acks and records retry for seconds).
+RECONNECT_SILENCE_S = 20.0  # a JetStream cluster elects a new stream leader within about 4 s of losing a node
 
 
 class RelayedRequest:
@@ -95,6 +98,8 @@ class RelayedRequest:
                         self._next_seq)
             if await self._continue_elsewhere(delta.worker_id, exclude_it=False):
                 return await self._next(max(timeout, DEADLINE_GRACE_S))
+            if self._failover is not None:
+                await self._bill_lost()  # the dismissed worker bills nothing: the streamed tokens are billed here
             return await self._abandon(ErrorInfo(
                 f"Part of the response was lost in transit (message {self._next_seq} of the stream never "
                 "arrived); please retry.", code="stream_gap", type="server_error", status=502))
@@ -166,9 +171,11 @@ class RelayedRequest:
                         heard_at = time.monotonic()
                         continue
                     await self._bill_lost()
-                elif error.code == "stream_gap" and await self._continue_elsewhere(self.worker_id, exclude_it=False):
-                    heard_at = time.monotonic()
-                    continue
+                elif error.code == "stream_gap":
+                    if await self._continue_elsewhere(self.worker_id, exclude_it=False):
+                        heard_at = time.monotonic()
+                        continue
+                    await self._bill_lost()  # the dismissed worker bills nothing: the streamed tokens are billed here
                 delta = await self._abandon(error)
             yield delta
 
@@ -181,7 +188,7 @@ class RelayedRequest:
         if self._liveness is not None and self._liveness.is_dead(self.worker_id):
             return lost
         if (self._liveness is not None and self._liveness.num_reconnects != self._reconnects_at_last_delta
-                and silent_s > DEAD_AFTER_S):
+                and silent_s > RECONNECT_SILENCE_S):
             # This gateway lost its NATS connection since the last delta and the worker, alive, says nothing: what
             # it sent meanwhile (its last deltas, perhaps the final one) was lost, and no later delta will show a gap.
             return ErrorInfo("Part of the response was lost in transit; please retry.", code="stream_gap",

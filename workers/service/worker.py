@@ -206,6 +206,8 @@ class Worker:
             tracked = self._active.get(request_id)
             if tracked is not None:
                 tracked.superseded = True
+            elif not self._holds(request_id):
+                return  # the run it addresses ended here already: a continuation of it arriving later must run
         if self._holds(request_id):
             self._pending_aborts.setdefault(request_id, None)
             self._work.set()
