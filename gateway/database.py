@@ -30,9 +30,10 @@ RETRY_AFTER_S = 5  # after a failure, how long callers go straight to their fall
 POOL_OPTIONS = dict(timeout=CALL_TIMEOUT_S, command_timeout=10.0)  # connect; any statement of the gateway's
 
 # A database that is down, hung, restarting or out of connections: not a bug, an outage.
+# OperatorInterventionError covers a server shutting down (AdminShutdown, CrashShutdown), not accepting
+# connections yet (CannotConnectNow) and a cancelled statement (QueryCanceled).
 OUTAGE_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
-                 asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.TooManyConnectionsError,
-                 asyncpg.exceptions.QueryCanceledError, asyncpg.exceptions.AdminShutdownError)
+                 asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError)
 
 
 class DatabaseUnavailable(Exception):
@@ -99,5 +100,5 @@ def install_outage_handler(app) -> None:
         log.warning("%s %s: Postgres unavailable (%r)", request.method, request.url.path, exc)
         return database_unavailable().response()
 
-    for error in (DatabaseUnavailable, ConnectionError, asyncio.TimeoutError, *OUTAGE_ERRORS[2:]):
+    for error in (DatabaseUnavailable, ConnectionError, asyncio.TimeoutError, *OUTAGE_ERRORS[2:]):  # not all OSError
         app.add_exception_handler(error, outage)

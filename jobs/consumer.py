@@ -14,10 +14,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import asyncpg
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from switchyard.gateway.database import OUTAGE_ERRORS
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode
 
@@ -26,10 +26,9 @@ log = logging.getLogger("switchyard.jobs")
 T = TypeVar("T")
 
 REDELIVER_DELAY_S = 2.0
-# Failures of the database, not of a record: the records wait for it (redelivered), none is given up on.
-TRANSIENT_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
-                    asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.TooManyConnectionsError,
-                    asyncpg.exceptions.QueryCanceledError)
+# Failures of the database, not of a record (a server shutting down mid-write included): the records wait for it
+# (redelivered), none is given up on.
+TRANSIENT_ERRORS = OUTAGE_ERRORS
 
 
 async def consume_once(js, sub, struct: type[T], write: Callable[[list[T]], Awaitable[None]], what: str,

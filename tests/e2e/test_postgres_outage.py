@@ -115,7 +115,7 @@ async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_la
                 assert sorted(r["request_id"] for r in rows) == sorted(served)
                 messages = await poll(
                     lambda: http.get(f"/v1/conversations/{conv}/messages", headers=known),
-                    lambda r: r.status_code == 200 and len(r.json()["data"]) == 2, timeout_s=30,
+                    lambda r: r.status_code == 200 and len(r.json()["data"]) == 2, timeout_s=60,
                     what="the held turn written")
                 roles = [m["role"] for m in messages.json()["data"]]
                 assert sorted(roles) == ["assistant", "user"]
