@@ -2,25 +2,38 @@
 
     .venv/bin/python bench/chaos.py                         # every case, ~6 min on 2 CPU cores
     .venv/bin/python bench/chaos.py --case worker-kill --case pg-hang
+    .venv/bin/python bench/chaos.py --model smollm2 --max-tokens 32   # the real model (from the model cache)
 
-Each case starts a fresh system on embedded servers (its own NATS, or a three-node cluster; its own Postgres;
-the tiny random test model, so the numbers are about the plumbing, not the model), runs ``--clients`` closed-loop
-clients streaming chat completions for ``--duration`` seconds, and injects its fault at ``--fault-at`` seconds:
+Each case starts a fresh system (its own NATS, or a three-node JetStream cluster with streams at R3; its own
+Postgres; one gateway; one or two workers of the tiny random test model by default, so the numbers are about the
+plumbing, not the model), runs ``--clients`` closed-loop clients streaming chat completions (``stream_options.
+include_usage``, temperature 0, ``ignore_eos``) for ``--duration`` s, and injects its fault at ``--fault-at`` s:
 
     worker-failover   SIGKILL one of two workers (its streams should go on on the other)
-    worker-kill       SIGKILL the only worker; a new one is started 3 s later
-    worker-stall      SIGSTOP one of two workers for 6 s, then SIGCONT
-    nats-restart      stop the NATS server, start it again on the same port and store 3 s later
-    nats-node-kill    three-node JetStream cluster, streams at R3: SIGKILL the request stream's leader
+    worker-kill       SIGKILL the only worker (streams end with worker_lost); a new one is started 3 s later
+    worker-stall      SIGSTOP one of two workers for 6 s, then SIGCONT (taken for dead, continued on the other)
+    nats-restart      stop the NATS server, start a new one on the same port and store 3 s later
+    nats-node-kill    three-node JetStream cluster: SIGKILL the node leading the request stream
     pg-hang           SIGSTOP every Postgres process for 10 s, then SIGCONT
-    pg-down           stop Postgres, start it again on the same data 10 s later
+    pg-down           stop Postgres, start it again on the same data and port 10 s later
 
-Per case: sent; completed (a finish_reason and [DONE]); failed, by reason (HTTP status and code, or the error event's
-code); lost = accepted (HTTP 200) but ended with neither a finish nor an error (must be 0); unbilled = completed with
-no usage row 60 s after the load; misbilled = a row whose completion_tokens differ from what the client was told;
-billed twice = request ids with more than one row (the table's key makes it 0 by construction; counted all the
-same); longest stall = the longest gap between two chunks of one stream, and the longest wait for a first chunk.
-Printed, and appended to bench/RESULTS.md.
+Per case, over every request the clients sent:
+
+    completed     the stream ended with a finish_reason and [DONE]
+    failed        an explicit error: HTTP status and error code, or the in-stream error event's code; "client X
+                  before headers" = no answer at all (connection refused, timeout waiting for headers)
+    lost          accepted (HTTP 200, an X-Request-Id, or a first chunk) but ended with neither a finish nor an
+                  error: a cut connection, a hang past the client's read timeout, [DONE] with no finish_reason
+    unbilled      completed, but no row in Postgres ``requests`` 60 s after the load
+    misbilled     a completed request's row whose completion_tokens differ from the usage the client was sent
+    billed twice  request ids with more than one ``requests`` row (its primary key makes this 0 by construction),
+                  plus (as "usage dup") ids with more than one record on the USAGE stream (the key keeps the first)
+    stall         the longest gap between two consecutive SSE chunks of one stream; first = the longest wait for a
+                  first chunk (TTFT, including queueing)
+    after         requests sent after the fault's last step (restart, SIGCONT): completed / sent
+
+The fault's steps are logged with their times (seconds into the load). When a case shows anything lost, unbilled,
+misbilled or billed twice, or a stall over ``--long-stall`` s, the WARNING/ERROR lines of its logs are printed.
 """
 
 from __future__ import annotations
@@ -28,24 +41,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import asyncpg  # noqa: E402
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 
-from bench.engine import machine  # noqa: E402
+from bench.chaos_report import (  # noqa: E402
+    COLUMNS,
+    billing,
+    case_logs,
+    cpu_lines,
+    log_excerpt,
+    notes,
+    print_table,
+    row,
+    summarize,
+    usage_duplicates,
+)
 from bench.results import append_section, command_line, markdown_table  # noqa: E402
 from switchyard.deploy.launcher import NatsServer, PostgresServer  # noqa: E402
 from switchyard.deploy.nats_cluster import NatsCluster  # noqa: E402
@@ -58,84 +81,109 @@ from switchyard.shared.jetstream import live_workers  # noqa: E402
 from tests.support.system import make_key  # noqa: E402
 from tests.support.tiny_model import save_tiny_model  # noqa: E402
 
-MODEL = "tiny-chaos"
 CASES = ["worker-failover", "worker-kill", "worker-stall", "nats-restart", "nats-node-kill", "pg-hang", "pg-down"]
+TWO_WORKERS = ("worker-failover", "worker-stall")
 
 
 @dataclass
 class Stream:
+    sent_at: float  # s into the load
     status: int | None = None
     request_id: str | None = None
+    accepted: bool = False
     finish: str | None = None
-    error: str | None = None
+    error: str | None = None  # an explicit error: the request failed
+    lost_why: str | None = None  # accepted, then neither a finish nor an error
     done: bool = False
     completion_tokens: int | None = None
     first_chunk_s: float | None = None
     longest_gap_s: float = 0.0
 
+    @property
+    def outcome(self) -> str:
+        if self.error is not None:
+            return "failed"
+        if self.done and self.finish is not None:
+            return "completed"
+        return "lost" if self.accepted else "failed"
+
 
 @dataclass
 class Servers:
-    """What a case runs on, and how to reach and hurt it."""
+    """What a case runs on, and how to reach and hurt it; ``marks``: the fault's steps, (s into the load, what)."""
 
     work: Path
+    pg_dir: Path
     nats: NatsServer | None = None
     cluster: NatsCluster | None = None
     pg: PostgresServer | None = None
-    pg_dir: Path | None = None
     pg_port: int = 0
     nats_port: int = 0
     system: LocalSystem | None = None
     workers: list = field(default_factory=list)
+    load_start: float = 0.0
+    marks: list = field(default_factory=list)
 
     @property
     def nats_url(self) -> str:
         return self.cluster.url if self.cluster is not None else self.nats.url
 
+    def mark(self, what: str) -> None:
+        self.marks.append((time.monotonic() - self.load_start, what))
+        print(f"  {self.marks[-1][0]:6.1f} s  {what}", flush=True)
+
     def stop(self) -> None:
+        """Everything by PID, each step on its own: a failure to stop one leaves no other running."""
+        steps = []
         if self.system is not None:
-            for worker in self.workers:  # a stopped one would make the SIGTERM wait
-                _signal_tree(worker.pid, signal.SIGCONT)
-            self.system.stop()
-        if self.pg is not None:
-            _signal_tree(self.pg.pid, signal.SIGCONT) if self.pg._proc is not None else None
-            self.pg.stop()
-        for server in (self.nats, self.cluster):
-            if server is not None:
-                server.stop()
-        if self.pg_dir is not None:
-            shutil.rmtree(self.pg_dir, ignore_errors=True)
+            steps += [lambda w=w: _signal_tree(w.pid, signal.SIGCONT) for w in self.workers if w.is_running()]
+            steps.append(self.system.stop)
+        if self.pg is not None and self.pg._proc is not None:
+            steps.append(lambda: _signal_tree(self.pg.pid, signal.SIGCONT))  # a hung one would not stop
+        steps += [server.stop for server in (self.pg, self.nats, self.cluster) if server is not None]
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:
+                print(f"could not stop: {exc!r}", file=sys.stderr)
 
 
 def _process_tree(pid: int) -> list[int]:
-    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [pid] + [p for child in children for p in _process_tree(int(child))]
+    try:
+        parent = psutil.Process(pid)
+        return [pid] + [p.pid for p in parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
-def _signal_tree(pid: int, sig: int) -> None:
-    for p in _process_tree(pid):
+def _signal_tree(pid: int, sig: int) -> list[int]:
+    pids = _process_tree(pid)
+    for p in pids:
         try:
             os.kill(p, sig)
         except ProcessLookupError:
             pass
+    return pids
 
 
 # -- the load -----------------------------------------------------------------------------------------------
-async def stream_one(http: httpx.AsyncClient, headers: dict, max_tokens: int, i: int) -> Stream:
-    s = Stream()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def stream_one(http: httpx.AsyncClient, model: str, max_tokens: int, i: int, load_start: float) -> Stream:
     sent = last = time.monotonic()
+    s = Stream(sent_at=sent - load_start)
+    body = {"model": model, "messages": [{"role": "user", "content": f"Tell me story number {i}."}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
             s.status, s.request_id = r.status_code, r.headers.get("X-Request-Id")
             if r.status_code != 200:
                 await r.aread()
                 try:
                     s.error = f"{r.status_code} {r.json()['error']['code']}"
                 except Exception:
-                    s.error = f"{r.status_code} unreadable"
+                    s.error = f"{r.status_code} (no OpenAI error body)"
                 return s
+            s.accepted = True
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -151,98 +199,124 @@ async def stream_one(http: httpx.AsyncClient, headers: dict, max_tokens: int, i:
                 event = json.loads(line[6:])
                 if "error" in event:
                     s.error = f"event {event['error'].get('code')}"
-                    break
+                    continue  # [DONE] may follow
                 for choice in event.get("choices") or []:
                     s.finish = choice.get("finish_reason") or s.finish
                 if event.get("usage"):
                     s.completion_tokens = event["usage"]["completion_tokens"]
-    except (httpx.HTTPError, ValueError) as exc:  # a cut connection or a hang past the client timeout
-        s.error = s.error or f"client {type(exc).__name__}"
+            if not s.done and s.error is None:
+                s.lost_why = "stream closed without [DONE]"
+            elif s.done and s.finish is None and s.error is None:
+                s.lost_why = "[DONE] without a finish_reason or error"
+    except Exception as exc:  # noqa: BLE001 - a cut connection, a read timeout, a garbled line: all end the stream
+        if s.accepted or s.request_id:  # accepted, then cut or hung: nobody told the client why
+            s.accepted, s.lost_why = True, f"{type(exc).__name__} after accept"
+        elif s.error is None:
+            s.error = f"client {type(exc).__name__} before headers"
     return s
 
 
-def run_load(base_url: str, headers: dict, args, fault) -> list[Stream]:
+def run_load(servers: Servers, model: str, headers: dict, args, fault) -> list[Stream]:
     """Closed-loop clients for ``args.duration`` s on a thread of their own; ``fault()`` runs on this one at
     ``args.fault_at`` s. Servers are (re)started on this thread: each dies with the thread that started it."""
     streams: list[Stream] = []
-    stop_at = time.monotonic() + args.duration
     counter = iter(range(10**9))
+    servers.load_start = time.monotonic()
+    stop_at = servers.load_start + args.duration
 
     async def clients():
         async def client(http):
             while time.monotonic() < stop_at:
-                streams.append(await stream_one(http, headers, args.max_tokens, next(counter)))
+                streams.append(await stream_one(http, model, args.max_tokens, next(counter), servers.load_start))
 
-        async with httpx.AsyncClient(base_url=base_url, timeout=args.client_timeout) as http:
+        timeout = httpx.Timeout(args.client_timeout, connect=10)
+        async with httpx.AsyncClient(base_url=servers.system.url(), headers=headers, timeout=timeout) as http:
             await asyncio.gather(*(client(http) for _ in range(args.clients)))
 
     load = threading.Thread(target=asyncio.run, args=(clients(),))
     load.start()
-    time.sleep(args.fault_at)
-    fault()
-    load.join()
+    try:
+        time.sleep(args.fault_at)
+        fault()
+    finally:
+        load.join()
+    servers.mark(f"load over ({len(streams)} requests)")
     return streams
 
 
 # -- the cases --------------------------------------------------------------------------------------------------
-def start(args, case: str) -> tuple[Servers, SwitchyardConfig, str]:
-    work = Path(tempfile.mkdtemp(prefix=f"switchyard-chaos-{case}-"))
-    servers = Servers(work)
-    servers.pg_dir = Path(tempfile.mkdtemp(prefix="switchyard-chaos-pg-"))
-    servers.pg_dir.chmod(0o755)  # postgres runs as nobody under root
+def start(servers: Servers, args, case: str, model_dir: Path, model: str) -> str:
+    """Start the case's servers and system; returns an API key."""
     servers.pg_port = free_port()
     servers.pg = PostgresServer(servers.pg_dir, port=servers.pg_port, ephemeral=True).start()
     if case == "nats-node-kill":
-        servers.cluster = NatsCluster(work / "nats", size=3).start()
+        servers.cluster = NatsCluster(servers.work / "nats", size=3).start()
     else:
         servers.nats_port = free_port()
-        servers.nats = NatsServer(work / "nats", port=servers.nats_port).start()
+        servers.nats = NatsServer(servers.work / "nats", port=servers.nats_port).start()
     asyncio.run(apply_migrations(servers.pg.url))
     key = asyncio.run(make_key(servers.pg.url, "chaos", "pro", rpm_limit=1_000_000, tpm_limit=10**9))
+    num_workers = 2 if case in TWO_WORKERS else 1
+    # Workers on one host share its cores: two with torch's default (every core each) were seen ~5x slower
+    # than one on 2 cores, so by default each gets its share.
+    threads = args.torch_threads or max(1, (os.cpu_count() or 1) // num_workers)
+    worker = WorkerConfig(model=str(model_dir), served_model_name=model, max_num_seqs=8, drain_timeout_s=10,
+                          torch_threads=threads, **({"dtype": "float32"} if args.model == "tiny" else {}))
     config = SwitchyardConfig(
-        data_dir=work, nats_url=servers.nats_url, nats_replicas=3 if servers.cluster else 1,
-        database_url=servers.pg.url, gateway=GatewayConfig(port=free_port(), queue_timeout_s=30),
-        worker=WorkerConfig(model=str(save_tiny_model(work / "model", max_context=1024)), served_model_name=MODEL,
-                            dtype="float32", max_num_seqs=8))
-    servers.system = LocalSystem(config, log_dir=work, log_level="INFO")
-    num_workers = 2 if case in ("worker-failover", "worker-stall") else 1
+        data_dir=servers.work, nats_url=servers.nats_url, nats_replicas=3 if servers.cluster else 1,
+        database_url=servers.pg.url, gateway=GatewayConfig(port=free_port(), queue_timeout_s=30, drain_timeout_s=10),
+        worker=worker)
+    servers.system = LocalSystem(config, log_dir=servers.work, log_level="INFO")
     servers.workers = [servers.system.start_worker(f"worker-{i}") for i in range(num_workers)]
     servers.system.start_gateway()
-    servers.system.wait_until_ready(MODEL, timeout_s=120)
-    asyncio.run(_wait_for_workers(servers.nats_url, num_workers))
-    return servers, config, key
+    servers.system.wait_until_ready(model, timeout_s=300)
+    asyncio.run(_wait_for_workers(servers.nats_url, model, [w.pid for w in servers.workers]))
+    return key
 
 
-async def _wait_for_workers(url: str, count: int) -> None:
+async def _wait_for_workers(url: str, model: str, pids: list[int], timeout_s: float = 120) -> None:
+    """Until a heartbeat of each worker process in ``pids`` is in the registry (a killed one's stays a while)."""
     nc = await nats_client.connect(url, "chaos-probe", reconnect_forever=False)
     try:
-        for _ in range(600):
-            if sum(w.model == MODEL for w in await live_workers(nc.jetstream())) >= count:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if set(pids) <= {w.pid for w in await live_workers(nc.jetstream()) if w.model == model}:
                 return
             await asyncio.sleep(0.1)
-        raise RuntimeError(f"{count} workers did not register")
+        raise RuntimeError(f"workers {pids} of {model} did not register in {timeout_s:.0f} s")
     finally:
         await nc.close()
 
 
-def fault_for(case: str, servers: Servers):
+def fault_for(case: str, servers: Servers, model: str):
+    mark = servers.mark
+
     def worker_failover():
-        os.kill(servers.workers[0].pid, signal.SIGKILL)
+        pids = _signal_tree(servers.workers[0].pid, signal.SIGKILL)
+        mark(f"SIGKILL worker-0 (pids {pids}); worker-1 alive")
 
     def worker_kill():
-        os.kill(servers.workers[0].pid, signal.SIGKILL)
+        pids = _signal_tree(servers.workers[0].pid, signal.SIGKILL)
+        mark(f"SIGKILL worker-0 (pids {pids}), the only worker")
         time.sleep(3)
         servers.workers.append(servers.system.start_worker("worker-again"))
+        mark("worker-again started")
+        asyncio.run(_wait_for_workers(servers.nats_url, model, [servers.workers[-1].pid]))
+        mark("worker-again registered")
 
     def worker_stall():
-        os.kill(servers.workers[0].pid, signal.SIGSTOP)
+        pids = _signal_tree(servers.workers[0].pid, signal.SIGSTOP)
+        mark(f"SIGSTOP worker-0 (pids {pids}); worker-1 alive")
         time.sleep(6)
-        os.kill(servers.workers[0].pid, signal.SIGCONT)
+        _signal_tree(servers.workers[0].pid, signal.SIGCONT)
+        mark("SIGCONT worker-0")
 
     def nats_restart():
         servers.nats.stop()
+        mark(f"NATS stopped (SIGTERM, port {servers.nats_port})")
         time.sleep(3)
         servers.nats = NatsServer(servers.work / "nats", port=servers.nats_port).start()
+        mark("NATS started again, same port and store")
 
     def nats_node_kill():
         async def leader() -> str:
@@ -251,103 +325,114 @@ def fault_for(case: str, servers: Servers):
                 return (await nc.jetstream().stream_info(subjects.request_stream("pro"))).cluster.leader
             finally:
                 await nc.close()
-        servers.cluster.kill(asyncio.run(leader()))
+        name = asyncio.run(leader())
+        servers.cluster.kill(name)
+        mark(f"SIGKILL NATS node {name}, leader of {subjects.request_stream('pro')}")
 
     def pg_hang():
-        pids = _process_tree(servers.pg.pid)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+        pids = _signal_tree(servers.pg.pid, signal.SIGSTOP)
+        mark(f"SIGSTOP {len(pids)} postgres processes")
         time.sleep(10)
         for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        mark("SIGCONT postgres")
 
     def pg_down():
         servers.pg.stop()
+        mark("postgres stopped (SIGINT, fast shutdown)")
         time.sleep(10)
         servers.pg = PostgresServer(servers.pg_dir, port=servers.pg_port, ephemeral=True).start()
+        mark("postgres started again, same data and port")
 
     return {"worker-failover": worker_failover, "worker-kill": worker_kill, "worker-stall": worker_stall,
             "nats-restart": nats_restart, "nats-node-kill": nats_node_kill, "pg-hang": pg_hang,
             "pg-down": pg_down}[case]
 
 
-async def billing(url: str, streams: list[Stream], wait_s: float = 60.0) -> tuple[int, int, int]:
-    """(unbilled, misbilled, billed twice) among the completed streams, after waiting up to ``wait_s``."""
-    completed = {s.request_id: s.completion_tokens for s in streams if s.done and s.request_id}
-    conn = await asyncpg.connect(url)
-    try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            rows = await conn.fetch("SELECT request_id, completion_tokens FROM requests WHERE request_id = ANY($1)",
-                                    list(completed))
-            if len(rows) >= len(completed) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.5)
-        twice = await conn.fetchval("SELECT count(*) FROM (SELECT request_id FROM requests GROUP BY request_id "
-                                    "HAVING count(*) > 1) d")
-    finally:
-        await conn.close()
-    billed = {r["request_id"]: r["completion_tokens"] for r in rows}
-    unbilled = sum(rid not in billed for rid in completed)
-    misbilled = sum(rid in billed and billed[rid] != tokens for rid, tokens in completed.items())
-    return unbilled, misbilled, twice
-
-
+# -- one case ---------------------------------------------------------------------------------------------------
 def run_case(args, case: str) -> dict:
-    servers = None
+    model = "smollm2" if args.model == "smollm2" else "tiny-chaos"
+    work = Path(tempfile.mkdtemp(prefix=f"switchyard-chaos-{case}-"))
+    pg_dir = Path(tempfile.mkdtemp(prefix="switchyard-chaos-pg-"))
+    pg_dir.chmod(0o755)  # postgres runs as nobody under root
+    servers = Servers(work, pg_dir)
     try:
-        servers, config, key = start(args, case)
-        streams = run_load(servers.system.url(), {"Authorization": f"Bearer {key}"}, args, fault_for(case, servers))
-        unbilled, misbilled, twice = asyncio.run(billing(servers.pg.url, streams))
+        if args.model == "smollm2":
+            model_dir = SwitchyardConfig().model_cache_dir / "smollm2"
+            if not (model_dir / "config.json").exists():
+                sys.exit(f"no model at {model_dir}: run `switchyard models pull smollm2`")
+        else:
+            model_dir = save_tiny_model(work / "model", max_context=1024)
+        key = start(servers, args, case, model_dir, model)
+        streams = run_load(servers, model, {"Authorization": f"Bearer {key}"}, args, fault_for(case, servers, model))
+        bill = asyncio.run(billing(servers.pg.url, streams))
+        records, dups = asyncio.run(usage_duplicates(servers.nats_url))
+        result = summarize(case, streams, servers.marks, bill, records, dups)
+        if (result["lost"] or result["failed"] or bill["unbilled"] or bill["misbilled"] or bill["twice"] or dups
+                or result["stall"] > args.long_stall):
+            result["logs"] = log_excerpt(work, pg_dir)
+        if args.dump:  # every stream, and the fault's steps, for a closer look
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            with open(Path(args.dump) / f"{case}.jsonl", "w") as f:
+                f.write(json.dumps({"marks": servers.marks}) + "\n")
+                f.writelines(json.dumps(asdict(s)) + "\n" for s in streams)
+        if args.logs:
+            dest = Path(args.logs) / case
+            dest.mkdir(parents=True, exist_ok=True)
+            for path in case_logs(work, pg_dir):
+                if path.exists():
+                    shutil.copy(path, dest / str(path.relative_to(path.parents[1])).replace("/", "_"))
+        return result
     finally:
-        if servers is not None:
-            servers.stop()
-            shutil.rmtree(servers.work, ignore_errors=True)
-    accepted = [s for s in streams if s.status == 200]
-    failed = Counter(s.error for s in streams if s.error)
-    return dict(
-        case=case, sent=len(streams), completed=sum(s.done and s.finish is not None for s in streams),
-        failed=failed, lost=sum(not s.done and s.error is None for s in accepted), unbilled=unbilled,
-        misbilled=misbilled, twice=twice, stall=max((s.longest_gap_s for s in streams), default=0.0),
-        first=max((s.first_chunk_s or 0.0 for s in streams), default=0.0))
-
-
-COLUMNS = ["case", "sent", "completed", "failed (reason: count)", "lost", "unbilled", "misbilled", "billed twice",
-           "longest stall s", "longest first chunk s"]
-
-
-def row(r: dict) -> list:
-    failed = ", ".join(f"{reason}: {n}" for reason, n in r["failed"].most_common()) or "0"
-    return [r["case"], r["sent"], r["completed"], failed, r["lost"], r["unbilled"], r["misbilled"], r["twice"],
-            f"{r['stall']:.1f}", f"{r['first']:.1f}"]
+        servers.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(pg_dir, ignore_errors=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", action="append", choices=CASES, help="run only these (repeatable)")
+    parser.add_argument("--case", action="append", choices=CASES, help="run only these (repeatable; default all)")
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--duration", type=float, default=25.0, help="seconds of load per case")
     parser.add_argument("--fault-at", type=float, default=8.0, help="seconds into the load")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--client-timeout", type=float, default=90.0)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--client-timeout", type=float, default=90.0, help="read timeout: a stream silent this long "
+                                                                          "is lost")
+    parser.add_argument("--torch-threads", type=int, default=0, help="per worker (default: the cores / workers)")
+    parser.add_argument("--long-stall", type=float, default=5.0, help="print the logs of a case stalled this long")
+    parser.add_argument("--logs", help="copy every case's logs under this directory")
+    parser.add_argument("--dump", help="write every stream of every case to <dir>/<case>.jsonl")
     parser.add_argument("--results", default=None, help="markdown file to append to; '-' for none")
     args = parser.parse_args()
-    print(machine())
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith(("Model name", "CPU(s)", "Thread(s)")):
-            print(line)
-        elif line.startswith("Flags"):
-            print("Flags (of interest):", " ".join(f for f in line.split() if f.startswith(("avx", "amx"))))
-    results = []
+    logging.getLogger("nats.aio.client").setLevel(logging.CRITICAL)  # this script's probes meet a killed node
+    cpu = cpu_lines()
+    print("\n".join(cpu), flush=True)
+    command, results = command_line(), []
     for case in args.case or CASES:
         print(f"--- {case}", flush=True)
-        results.append(run_case(args, case))
-        print(markdown_table(COLUMNS, [row(results[-1])]), flush=True)
-    table = markdown_table(COLUMNS, [row(r) for r in results])
-    print(table)
-    text = (f"## Chaos: faults under streaming load ({time.strftime('%Y-%m-%d')})\n\n`{command_line()}`\n\n"
-            f"Machine: {machine()}. Tiny random model, {args.clients} clients streaming {args.max_tokens}-token "
-            f"chat completions for {args.duration:.0f} s per case, the fault at {args.fault_at:.0f} s.\n\n{table}\n")
+        try:
+            results.append(run_case(args, case))
+        except Exception as exc:  # a case that could not run says so, and the others still run
+            print(f"case {case} could not run: {exc!r}", flush=True)
+            continue
+        print_table(case, [row(results[-1])])
+        print("\n".join(notes(results[-1])), flush=True)
+        if results[-1].get("logs"):
+            print(results[-1]["logs"], flush=True)
+    print_table("chaos: faults under streaming load", [row(r) for r in results])
+    load = (f"{args.clients} clients streaming {args.max_tokens}-token chat completions (closed loop, temperature 0, "
+            f"ignore_eos, include_usage) for {args.duration:.0f} s per case, the fault at {args.fault_at:.0f} s; "
+            f"model {args.model}, max_num_seqs 8, torch threads per worker "
+            f"{args.torch_threads or 'cores / workers'}; client read timeout {args.client_timeout:.0f} s")
+    text = "\n".join([f"## Chaos: faults under streaming load ({time.strftime('%Y-%m-%d')})", "", f"`{command}`", "",
+                      "Machine: " + "; ".join(cpu) + f". {load}.", "",
+                      markdown_table(COLUMNS, [row(r) for r in results]), "",
+                      *(line for r in results for line in notes(r))])
+    print("\n" + text, flush=True)
     if args.results != "-":
         append_section(text, *([args.results] if args.results else []))
 
