@@ -22,10 +22,12 @@ from switchyard.workers import model_store
 RUN_FILE = "run.json"
 
 
-def write_run_file(data_dir: Path, nats_url: str, database_url: str) -> None:
-    """Where the running system's servers are, so ops commands (`switchyard tiers ...`) find them."""
+def write_run_file(data_dir: Path, nats_url: str, database_url: str, gateway_url: str | None = None) -> None:
+    """Where the running system's servers are, so ops commands (`switchyard tiers ...`, `switchyard top`) find
+    them."""
     # It holds the URLs with their credentials: its owner only may read it.
-    write_private(data_dir / RUN_FILE, json.dumps({"nats_url": nats_url, "database_url": database_url}))
+    write_private(data_dir / RUN_FILE, json.dumps({"nats_url": nats_url, "database_url": database_url,
+                                                   "gateway_url": gateway_url}))
 
 
 def read_run_file(data_dir: Path) -> dict:
@@ -86,7 +88,7 @@ def run_up(config: SwitchyardConfig) -> int:
     try:
         for line in system.start_servers():
             print(line, file=sys.stderr)
-        write_run_file(data, config.nats_url, config.database_url)
+        write_run_file(data, config.nats_url, config.database_url, system.url())
         api_key = asyncio.run(_default_key(config.database_url, data))
         model_path = model_store.resolve(config.worker.model, config.model_cache_dir)
         model = config.worker.served_name

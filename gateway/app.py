@@ -10,7 +10,7 @@ import time
 
 import asyncpg
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from switchyard.gateway.admin import admin_router
 from switchyard.gateway.auth import AuthContext, Authenticator
@@ -24,7 +24,9 @@ from switchyard.gateway.failover import Failover
 from switchyard.gateway.files import files_router
 from switchyard.gateway.limits import Limiter, estimate_tokens
 from switchyard.gateway.liveness import WorkerLiveness
+from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.serving import CompletionService
@@ -33,8 +35,10 @@ from switchyard.jobs.runner import Jobs
 from switchyard.shared import nats_client
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
+from switchyard.shared.metrics import CONTENT_TYPE, render
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import TIER_NAMES
+from switchyard.shared.tracing import tracer
 
 TIER_HEADER = "X-Switchyard-Tier"
 
@@ -63,18 +67,27 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         app.state.service = CompletionService(
             Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s, liveness,
                   Failover(js, registry, liveness)), registry,
-            app.state.policies, app.state.limiter, config.gateway,
+            app.state.policies, app.state.limiter, config.gateway, metrics,
         )
+        poller = QueuePoller(metrics, js, registry, db)
+        poller.start()
         jobs = Jobs(nc, js, pool, registry, config.database_url) if config.gateway.run_jobs else None
         try:
             yield
         finally:
+            await poller.stop()
             if jobs is not None:
                 await jobs.stop()
             await pool.close()
             await nc.close()
 
-    app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan)
+    # FastAPI's own OpenTelemetry server span is each API request's root span (a stream's until its last chunk);
+    # it records nothing until shared/tracing.py installs a provider. Only /v1 is traced (not probes or scrapes),
+    # its metrics are Prometheus's here, and its logs are off: they would carry request bodies.
+    telemetry = {"exclude": lambda scope: not scope.get("path", "").startswith("/v1/"), "operation_spans": False,
+                 "metrics": False, "logs": False}
+    app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
+    app.state.metrics = metrics = GatewayMetrics()
     install_error_handlers(app)
     install_outage_handler(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_request_bytes)
@@ -93,14 +106,17 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     async def caller(request: Request) -> AuthContext:
         """Every /v1 route depends on this, so a bad key is 401 before the body is even validated."""
-        auth = await request.app.state.authenticator.authenticate(request)
+        with tracer.start_as_current_span("authenticate"):
+            auth = await request.app.state.authenticator.authenticate(request)
         request.state.auth = auth
         return auth
 
     async def admit(request: Request, auth: AuthContext, max_tokens: int | None, num_chars: int, n: int = 1):
         tier = request_tier(request) or auth.tier
+        request.state.tier = tier  # for the error metrics' labels
         policy = (await request.app.state.policies.get())[tier]
-        admission = await request.app.state.limiter.admit(auth, policy, estimate_tokens(num_chars, max_tokens, n))
+        with tracer.start_as_current_span("rate_limits", attributes={"tier": tier}):
+            admission = await request.app.state.limiter.admit(auth, policy, estimate_tokens(num_chars, max_tokens, n))
         request.state.rate_headers = admission.headers
         return tier, admission
 
@@ -113,12 +129,14 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
+        request.state.model = body.model
         num_chars = sum(len(m.text()) for m in body.messages)
         tier, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens, num_chars, body.n)
         return await request.app.state.service.chat(body, tier, auth, admission)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
+        request.state.model = body.model
         tier, admission = await admit(request, auth, body.sampling().max_tokens, len(body.prompt_text), body.n)
         return await request.app.state.service.completion(body, tier, auth, admission)
 
@@ -151,6 +169,10 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         async with request.app.state.pool.acquire() as conn:
             rows = await usage_rows(conn, auth.tenant_id, start, end, group_by)
         return {"object": "list", "tenant": auth.tenant_name, "group_by": group_by, "data": rows}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        return Response(render(metrics.registry), media_type=CONTENT_TYPE)
 
     @app.get("/healthz")
     async def healthz():

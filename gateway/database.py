@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import asyncpg
 
-from switchyard.gateway.errors import service_unavailable
+from switchyard.gateway.errors import answer, service_unavailable
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -98,7 +98,7 @@ def install_outage_handler(app) -> None:
 
     async def outage(request, exc):
         log.warning("%s %s: Postgres unavailable (%r)", request.method, request.url.path, exc)
-        return database_unavailable().response()
+        return answer(request, database_unavailable())
 
     for error in (DatabaseUnavailable, ConnectionError, asyncio.TimeoutError, *OUTAGE_ERRORS[2:]):  # not all OSError
         app.add_exception_handler(error, outage)

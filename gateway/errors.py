@@ -84,22 +84,33 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 _STATUS_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
 
 
+def answer(request: Request, error: OpenAIError) -> JSONResponse:
+    """``error`` as the response to ``request``, counted in the gateway's error metrics (by status and code, with
+    the model and tier the route put on ``request.state`` once it knew them)."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.error(getattr(request.state, "model", None), getattr(request.state, "tier", None), error.status,
+                      error.code)
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(exc)
-        return OpenAIError(400, message, param=param, code="invalid_request").response()
+        return answer(request, OpenAIError(400, message, param=param, code="invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _STATUS_CODES.get(exc.status_code)
-        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
+        return answer(request, OpenAIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return OpenAIError(500, "The server had an error processing your request.", type="server_error").response()
+        return answer(request, OpenAIError(500, "The server had an error processing your request.",
+                                           type="server_error", code="internal_error"))

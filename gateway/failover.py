@@ -27,6 +27,7 @@ from switchyard.gateway.registry import ModelRegistry
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import publish_once
 from switchyard.shared.messages import GenerateRequest, Resume, UsageRecord, encode
+from switchyard.shared.tracing import inject_headers
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -60,7 +61,7 @@ class Failover:
         try:
             # Its own message id: the original's is still in the stream's duplicate window.
             await publish_once(self._js, subjects.request_subject(request.model, request.tier), encode(continuation),
-                               f"{request.request_id}.resume{attempt}", within_s=15.0)
+                               f"{request.request_id}.resume{attempt}", within_s=15.0, headers=inject_headers())
         except Exception as exc:  # queue full, or NATS away: the request ends with worker_lost
             log.warning("could not continue request %s elsewhere: %r", request.request_id, exc)
             return None

@@ -28,6 +28,7 @@ from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, is_transient, oversize_error, publish_once
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
+from switchyard.shared.tracing import inject_headers, tracer
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -261,8 +262,10 @@ class Relay:
         try:
             # Retried through a JetStream leader election (a cluster node lost) for a few seconds; the message id
             # keeps a retried request from being queued twice.
-            await publish_once(self._js, subjects.request_subject(request.model, request.tier), payload,
-                               request.request_id, within_s=PUBLISH_RETRY_S)
+            with tracer.start_as_current_span("publish", attributes={"request_id": request.request_id,
+                                                                     "tier": request.tier}):
+                await publish_once(self._js, subjects.request_subject(request.model, request.tier), payload,
+                                   request.request_id, within_s=PUBLISH_RETRY_S, headers=inject_headers())
         except APIError as exc:
             await relayed.close()
             if exc.err_code not in QUEUE_FULL_CODES and exc.code == 503:  # (a full queue is a 503 too)

@@ -19,10 +19,12 @@ from switchyard.gateway.auth import AuthContext
 from switchyard.gateway.errors import OpenAIError, model_not_found
 from switchyard.gateway.limits import Admission, Limiter
 from switchyard.gateway.logprobs import LogprobsFormatter
+from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay, RelayedRequest
 from switchyard.shared.config import GatewayConfig
+from switchyard.shared.logs import request_id_var
 from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tier_store import PolicyCache
 
@@ -73,8 +75,9 @@ OnFinish = Callable[[Outcome], Awaitable[None]]
 
 class CompletionService:
     def __init__(self, relay: Relay, registry: ModelRegistry, policies: PolicyCache, limiter: Limiter,
-                 config: GatewayConfig) -> None:
+                 config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self._relay = relay
+        self._metrics = metrics or GatewayMetrics()
         self._registry = registry
         self._policies = policies
         self._limiter = limiter
@@ -96,8 +99,10 @@ class CompletionService:
     async def _wire_request(self, body, tier: str, auth: AuthContext, **fields) -> GenerateRequest:
         policy = (await self._policies.get())[tier]
         now = time.time()
+        request_id = uuid.uuid4().hex
+        request_id_var.set(request_id)  # this request's log lines carry it (JSON logs)
         return GenerateRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id,
             model=body.model,
             tier=tier,
             created_at=now,
@@ -114,6 +119,7 @@ class CompletionService:
         try:
             if not await self._registry.is_served(request.model):
                 raise model_not_found(request.model)
+            self._metrics.served_models.add(request.model)
             relayed = await self._relay.submit(request)
             try:
                 first = await relayed.first()
@@ -146,9 +152,13 @@ class CompletionService:
                 await on_finish(outcome)
 
     async def _all_deltas(self, relayed: RelayedRequest, first: TokenDelta) -> AsyncIterator[TokenDelta]:
+        timer = self._metrics.stream(relayed.request)
+        timer.delta(first)
         yield first
         async for delta in relayed.deltas():
+            timer.delta(delta)
             yield delta
+        timer.finished()
 
     async def _collect(self, relayed: RelayedRequest, first: TokenDelta, kind: _Kind, outcome: "Outcome") -> dict:
         n = relayed.request.sampling.n

@@ -7,15 +7,15 @@ gateway and worker caches expire) and then recorded in Postgres with who made it
 from __future__ import annotations
 
 import json
-import time
 
 import asyncpg
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from switchyard.gateway.queue_metrics import queue_state
 from switchyard.shared import subjects
-from switchyard.shared.messages import GenerateRequest, WorkerInfo, decode
+from switchyard.shared.messages import WorkerInfo
 from switchyard.shared.tier_store import read_policies, write_policy
 from switchyard.shared.tiers import TIER_NAMES, TierPolicy
 
@@ -48,20 +48,9 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
     return old, new
 
 
-async def _oldest_wait_s(js: JetStreamContext, model: str, tier: str) -> float | None:
-    try:
-        msg = await js.get_msg(subjects.request_stream(tier), seq=1, subject=subjects.request_subject(model, tier),
-                               next=True)
-    except NotFoundError:
-        return None
-    try:
-        return max(0.0, time.time() - decode(msg.data, GenerateRequest).created_at)
-    except msgspec.MsgspecError:
-        return None
-
-
 async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]]) -> list[dict]:
-    """Per model and tier: queued, oldest wait, running, limits, workers, 429s in the last 5 minutes."""
+    """Per model and tier: queued, oldest wait, token backlog (the gateway's queue gauges, gateway/queue_metrics.py),
+    running, limits, workers, 429s in the last 5 minutes."""
     policies = await read_policies(js)
     rejected: dict[str, int] = {}
     try:
@@ -72,18 +61,14 @@ async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]])
     rows = []
     for model, workers in sorted(served.items()):
         for tier in TIER_NAMES:
-            try:
-                consumer = await js.consumer_info(subjects.request_stream(tier),
-                                                  subjects.request_consumer(model, tier))
-                queued = consumer.num_pending or 0
-            except NotFoundError:
-                queued = 0
+            queue = await queue_state(js, model, tier)
             policy = policies[tier]
             rows.append({
                 "model": model,
                 "tier": tier,
-                "queued": queued,
-                "oldest_wait_s": await _oldest_wait_s(js, model, tier) if queued else None,
+                "queued": queue.depth,
+                "oldest_wait_s": queue.oldest_age_s,
+                "backlog_tokens": queue.backlog_tokens,
                 "running": sum(w.running.get(tier, 0) for w in workers),
                 "max_queued": policy.max_queued,
                 "max_wait_s": policy.max_wait_s,

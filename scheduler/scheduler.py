@@ -104,6 +104,11 @@ class Scheduler:
         self._background_max_seqs: int | None = None
         # After the device ran out of memory: at most this many running until a sequence finishes (shed_one).
         self._memory_seats: int | None = None
+        # Since start, for the worker's metrics (vLLM's meanings): prompt tokens looked up in the prefix cache at a
+        # sequence's first admission, how many of them were found there, and preemptions.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -157,6 +162,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def counts_by_priority(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Running and waiting sequences per priority."""
+        running: dict[int, int] = {}
+        waiting: dict[int, int] = {}
+        for seq in self._running:
+            running[seq.priority] = running.get(seq.priority, 0) + 1
+        for seq in self._waiting:
+            waiting[seq.priority] = waiting.get(seq.priority, 0) + 1
+        return running, waiting
 
     # --- background work (batch jobs) -----------------------------------------------------------------
 
@@ -326,6 +341,9 @@ class Scheduler:
             self._waiting.pop()
             if seq.status == RequestStatus.WAITING:
                 seq.num_cached_tokens = num_hit  # first admission only: what usage reports as cached
+                if self.config.enable_prefix_caching:
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += num_hit
             seq.num_computed_tokens = num_hit
             seq.status = RequestStatus.RUNNING
             insort(self._running, seq, key=_sort_key)
@@ -384,6 +402,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self._waiting.push(seq)
 
     def shed_one(self) -> Sequence | None:

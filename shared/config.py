@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -76,6 +77,10 @@ class WorkerConfig(BaseModel):
     # GPU (where a decode step costs about the same for 1 or 32 sequences). 0: no limit.
     batch_seqs_when_busy: int | None = Field(None, ge=0)
     interactive_busy_s: float = Field(10.0, ge=0)
+    # Prometheus /metrics of this worker: 0 picks a free port (several workers on one host); its URL is in the
+    # worker registry either way. A pod sets a fixed port and host 0.0.0.0.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(0, ge=0, le=65535)
 
     @property
     def served_name(self) -> str:
@@ -101,6 +106,15 @@ class SwitchyardConfig(BaseSettings):
     nats_tls_key: Path | None = None
     nats_tls_ca: Path | None = None
     database_url: str | None = None  # None: start an embedded Postgres
+    # Logs: "text" lines, or "json" (one object a line, with the request id where there is one). Access lines of
+    # /healthz, /readyz and /metrics (a probe or a scrape every few seconds) only when asked for.
+    log_format: Literal["text", "json"] = "text"
+    log_health_checks: bool = False
+    # OpenTelemetry traces (shared/tracing.py), off by default: "otlp" sends them where the standard
+    # OTEL_EXPORTER_OTLP_* variables say (needs the `tracing` extra), "console" prints them, "file" appends them
+    # as JSON lines to ``traces_file``.
+    traces_exporter: Literal["none", "otlp", "console", "file"] = "none"
+    traces_file: Path | None = None
     gateway: GatewayConfig = GatewayConfig()
     worker: WorkerConfig = WorkerConfig()
 

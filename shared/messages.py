@@ -199,6 +199,7 @@ class WorkerInfo(msgspec.Struct):
     gap_s: float = 0.0
     host: str = ""  # where the process runs, for an operator (and a test) to find it
     pid: int = 0
+    metrics_url: str = ""  # its Prometheus endpoint (worker.metrics_port), "" when it serves none
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -11,8 +10,10 @@ import sys
 from switchyard.cli.batch import add_batch_parser
 from switchyard.cli.models import cmd_models
 from switchyard.cli.ops import cmd_keys, cmd_tenants, cmd_tiers, cmd_usage
-from switchyard.cli.options import add_common_flags, add_http_flags, add_model_flags
+from switchyard.cli.options import add_common_flags, add_http_flags, add_model_flags, load_config
 from switchyard.cli.serve import cmd_gateway, cmd_jobs, cmd_migrate, cmd_up, cmd_worker
+from switchyard.cli.top import cmd_top
+from switchyard.shared.logs import configure_logging
 
 
 class _Leaves:
@@ -64,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     tset.add_argument("--weight", type=float, help="share of worker pulls when several tiers have work")
     p.set_defaults(func=cmd_tiers)
 
+    p = sub.add_parser("top", help="live view per model and tier: queued, oldest wait, running, TTFT p95, tokens/s, "
+                                   "429s and 503s over the last refresh")
+    add_common_flags(p)
+    p.add_argument("--gateway", action="append", metavar="URL",
+                   help="a gateway to scrape (repeat for several; default: the running `switchyard up`'s)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--once", action="store_true", help="print one refresh and exit")
+    p.set_defaults(func=cmd_top)
+
     p = sub.add_parser("tenants", help="create, update or list tenants")
     tsub = _Leaves(p.add_subparsers(dest="tenants_cmd"))
     for name in ("create", "update"):
@@ -109,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polling is not news
+    config = load_config(args)
+    configure_logging(args.log_level, config.log_format, config.log_health_checks)
     # SIGTERM behaves like Ctrl-C, so every command shuts down through the same cleanup path.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -57,8 +57,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                 rows = await tier_status(js, served)
                 for r in rows:  # seconds as an operator reads them
                     r["oldest_wait_s"] = None if r["oldest_wait_s"] is None else f"{r['oldest_wait_s']:.1f}s"
-                print_table(rows, ("model", "tier", "queued", "oldest_wait_s", "running", "max_queued", "max_wait_s",
-                                   "weight", "workers", "rejected_5m"))
+                print_table(rows, ("model", "tier", "queued", "oldest_wait_s", "backlog_tokens", "running",
+                                   "max_queued", "max_wait_s", "weight", "workers", "rejected_5m"))
             return 0
         finally:
             await nc.close()

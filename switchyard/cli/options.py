@@ -14,6 +14,7 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
     p.add_argument("--database-url", help="use this Postgres instead of an embedded one")
     p.add_argument("--log-level", default=os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-format", choices=["text", "json"], help="json: one object a line, with the request id")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-seqs-when-busy", type=int,
                    help="batch-tier sequences a worker runs per step while interactive traffic is about "
                         "(default: 2 on CPU, no limit on GPU; 0: no limit)")
+    p.add_argument("--metrics-port", type=int,
+                   help="the worker's Prometheus /metrics port (default 0: any free port; the worker registry has it)")
 
 
 def add_http_flags(p: argparse.ArgumentParser) -> None:
@@ -49,7 +52,7 @@ def load_config(args: argparse.Namespace) -> SwitchyardConfig:
         return {f: v for f in fields if (v := getattr(args, f, None)) is not None}
 
     return config.model_copy(update={
-        **given(("data_dir", "nats_url", "database_url")),
+        **given(("data_dir", "nats_url", "database_url", "log_format")),
         "worker": config.worker.model_copy(update=given(type(config.worker).model_fields)),
         "gateway": config.gateway.model_copy(update=given(type(config.gateway).model_fields)),
     })

@@ -14,11 +14,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     from switchyard.gateway.app import create_app
     from switchyard.gateway.drain import DrainingServer
+    from switchyard.shared.tracing import setup_tracing
 
     config = load_config(args)
+    setup_tracing("switchyard-gateway", config.traces_exporter, config.traces_file)
     app = create_app(config)
     # After the drain nothing is open: uvicorn's own grace period only closes idle keep-alive connections.
-    server_config = uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port,
+    # log_config=None: uvicorn's loggers go through the process's own (shared/logs.py), text or JSON alike.
+    server_config = uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port, log_config=None,
                                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     DrainingServer(server_config, app.state, app.state.in_flight, config.gateway.drain_timeout_s).run()
     return 0

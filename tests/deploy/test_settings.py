@@ -14,7 +14,8 @@ from switchyard.shared.config import ENV_PREFIX, GatewayConfig, SwitchyardConfig
 WORKER = dict(model="/models/some-llama", served_model_name="llama", dtype="float32", device="cpu", max_num_seqs=7,
               max_num_batched_tokens=96, block_size=32, kv_cache_gib=1.5, gpu_memory_fraction=0.5,
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
-              batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0)
+              batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
+              metrics_port=9400)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3)
@@ -41,7 +42,8 @@ def test_every_setting_up_holds_reaches_its_children(clean_env):
     config = SwitchyardConfig(data_dir=Path("/srv/switchyard"), nats_url="nats://127.0.0.1:4333,nats://h:4334",
                               nats_replicas=3, database_url="postgresql://u@127.0.0.1:5433/db",
                               nats_tls_cert=Path("/etc/c.pem"), nats_tls_key=Path("/etc/k.pem"),
-                              nats_tls_ca=Path("/etc/ca.pem"),
+                              nats_tls_ca=Path("/etc/ca.pem"), log_format="json", log_health_checks=True,
+                              traces_exporter="file", traces_file=Path("/tmp/traces.jsonl"),
                               worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY))
     for name, value in settings_env(config).items():
         clean_env.setenv(name, value)

@@ -104,3 +104,40 @@ async def test_a_worker_on_sigterm_keeps_its_heartbeat_and_finishes_its_request(
         await _exited(worker.is_running, 30)
     finally:
         worker.stop()
+
+
+async def _status_url(nats_url: str, model: str) -> str:
+    """The base URL of ``model``'s one worker's HTTP port, from the worker registry."""
+    nc = await nats.connect(nats_url)
+    try:
+        (worker,) = [w for w in await live_workers(nc.jetstream()) if w.model == model]
+    finally:
+        await nc.close()
+    return worker.metrics_url.removesuffix("/metrics")
+
+
+async def test_a_worker_drained_over_http_answers_once_its_request_finished(e2e, system, auth, nats_url):
+    """Kubernetes' preStop hook: GET /drain stops the worker pulling (not ready) and answers only once its running
+    request has finished; the worker then exits by itself."""
+    name = "tiny-http-drain"
+    worker = e2e.start_worker(name, max_num_seqs=2)
+    try:
+        wait_until_ready(system, name, timeout_s=120, watch=[worker])
+        status = await _status_url(nats_url, name)
+        async with httpx.AsyncClient(timeout=120) as http:
+            assert (await http.get(f"{status}/healthz")).status_code == 200
+            assert (await http.get(f"{status}/readyz")).status_code == 200
+            started = asyncio.Event()
+            stream = asyncio.create_task(_stream(http, system, auth, name, 4000, started))
+            await asyncio.wait_for(started.wait(), 30)
+            drain = asyncio.create_task(http.get(f"{status}/drain"))
+            await poll(lambda: http.get(f"{status}/readyz"), lambda r: r.status_code == 503, timeout_s=10,
+                       what="the worker's /readyz to answer 503")
+            assert not stream.done() and not drain.done()
+            chunks, finish, done = await stream
+            answer = await drain
+        assert (finish, done) == ("length", True) and chunks > 0
+        assert (answer.status_code, answer.text) == (200, "drained\n")
+        await _exited(worker.is_running, 30)
+    finally:
+        worker.stop()

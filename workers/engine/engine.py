@@ -29,10 +29,14 @@ from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
 from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected, eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator, sample
+from switchyard.workers.engine.stats import EngineStats
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
 
 log = logging.getLogger("switchyard.engine")
+
+
+_TIER_BY_PRIORITY = {get_tier(name).priority: name for name in TIER_NAMES}
 
 
 @dataclass(slots=True)
@@ -125,6 +129,7 @@ class Engine:
         self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
         self.num_out_of_memory_steps = 0  # steps the device had no memory for (see _shed_for_memory)
         self.num_failed_steps = 0  # steps that raised and were run sequence by sequence (_compute_each_alone)
+        self._last_batch = (0, 0)  # sequences and tokens of the last step that ran, for stats()
         # A background-only step part-way through its layers, and whether it must be dropped at the next call.
         self._in_flight: tuple[SchedulerOutput, ForwardPass] | None = None
         self._drop_in_flight = False
@@ -222,6 +227,20 @@ class Engine:
             for _ in token_ids:
                 choice.generator.random()
 
+    def stats(self) -> EngineStats:
+        """Load per tier and counters since start; call it where steps run (it reads the scheduler's lists)."""
+        running, waiting = self.scheduler.counts_by_priority()
+        return EngineStats(
+            running={_TIER_BY_PRIORITY.get(p, "other"): n for p, n in running.items()},
+            waiting={_TIER_BY_PRIORITY.get(p, "other"): n for p, n in waiting.items()},
+            kv_cache_usage=self.scheduler.kv_cache.usage,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            batch_size=self._last_batch[0],
+            num_batched_tokens=self._last_batch[1],
+        )
+
     def num_dropped_messages(self, request_id: str) -> int:
         """Conversation turns dropped to fit the context when ``request_id`` was added."""
         state = self._requests.get(request_id)
@@ -284,6 +303,7 @@ class Engine:
             computed = self._compute_each_alone(plan, outputs)
         if computed is None:
             return outputs
+        self._last_batch = (len(plan.scheduled), sum(e.num_new_tokens for e in plan.scheduled))
         sampled, logprobs = computed
         for seq in self.scheduler.update_from_output(plan, sampled):
             if seq.seq_id in logprobs:

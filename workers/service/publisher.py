@@ -42,6 +42,7 @@ class Tracked:
     choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
     prepared: PreparedPrompt | None = None  # its prompt, tokenized at intake
     superseded: bool = False  # a gateway took this worker for dead and continued it elsewhere: not billed here
+    trace_context: object | None = None  # the gateway's trace, from the message headers (shared/tracing.py)
 
     def collect(self, delta: TokenDelta) -> None:
         choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))

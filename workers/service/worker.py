@@ -47,8 +47,12 @@ from switchyard.shared.messages import (
 )
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, get_tier, tiers_by_priority
+from switchyard.shared.tracing import extract_context
 from switchyard.workers.engine.prompts import RequestRejected, prepare_prompt
+from switchyard.workers.engine.stats import EngineStats
+from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher, Tracked, attempt_of
+from switchyard.workers.service.request_trace import record_request_trace
 
 log = logging.getLogger("switchyard.worker")
 
@@ -65,6 +69,7 @@ class _StepResult:
     admitted: list[tuple[Tracked, object]] = field(default_factory=list)  # (tracked, jetstream msg)
     rejected: list[tuple[Tracked, object, ErrorInfo]] = field(default_factory=list)
     deltas: list[TokenDelta] = field(default_factory=list)
+    stats: EngineStats | None = None  # the engine after the step, for the metrics
 
 
 class Worker:
@@ -72,13 +77,16 @@ class Worker:
 
     def __init__(self, engine, model_name: str, nats_url: str, background: BackgroundPolicy,
                  step_thread: ThreadPoolExecutor, heartbeat_s: float = 3.0, drain_timeout_s: float = 60.0,
-                 nats_replicas: int = 1, nats_tls_ca=None) -> None:
+                 nats_replicas: int = 1, nats_tls_ca=None, metrics: WorkerMetrics | None = None,
+                 metrics_url: str = "") -> None:
         """``background``: how much batch-tier work may hold seats and run while interactive traffic is about.
         ``step_thread``: a one-thread executor, the thread that built ``engine``; every step runs there (torch's
         OpenMP pool belongs to the calling thread, and a second pool slows every matmul down).
         ``drain_timeout_s``: once ``stop`` is set, how long running requests get to finish (see ``run``).
         ``nats_replicas``: the replication of the streams and buckets it creates if it starts first.
-        ``nats_tls_ca``: the CA its NATS server's certificate is checked against (None: the system's)."""
+        ``nats_tls_ca``: the CA its NATS server's certificate is checked against (None: the system's).
+        ``metrics``/``metrics_url``: where it records its Prometheus metrics, and where they are served (put in its
+        heartbeat so they can be found)."""
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
@@ -112,6 +120,8 @@ class Worker:
         self._intake_thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-intake")
         self._step_thread = step_thread
         self.num_steps, self.step_s, self.gap_s = 0, 0.0, 0.0  # see WorkerInfo
+        self.metrics = metrics or WorkerMetrics(model_name)
+        self._metrics_url = metrics_url
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _num_admittable(self) -> int:
@@ -222,7 +232,8 @@ class Worker:
         for tracked in list(self._active.values()):
             running[tracked.request.tier] = running.get(tracked.request.tier, 0) + 1
         info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at, running,
-                          self.num_steps, self.step_s, self.gap_s, host=socket.gethostname(), pid=os.getpid())
+                          self.num_steps, self.step_s, self.gap_s, host=socket.gethostname(), pid=os.getpid(),
+                          metrics_url=self._metrics_url)
         await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
 
     async def _alive_loop(self, done: asyncio.Event) -> None:
@@ -336,7 +347,7 @@ class Worker:
             return 0
         self._unacked[id(msg)] = msg
         now = time.time()
-        tracked = Tracked(request, received_at=now)
+        tracked = Tracked(request, received_at=now, trace_context=extract_context(msg.headers))
         self._background.note_arrival(is_background=request.tier == BATCH_TIER)
         if now > request.deadline_at:
             return await self._refuse(request, msg, ErrorInfo(
@@ -413,6 +424,7 @@ class Worker:
             self.engine.abort_request(request_id, error)
         if self.engine.has_unfinished_requests():
             result.deltas = self.engine.step(background_limit)
+        result.stats = self.engine.stats()
         return result
 
     async def _step_loop(self, stop: asyncio.Event) -> None:
@@ -472,6 +484,7 @@ class Worker:
             ended_at = time.perf_counter()
             self.num_steps += 1
             self.step_s += ended_at - started_at
+            self.metrics.stepped(ended_at - started_at, result.stats)
             publishing = asyncio.create_task(self._publish_result(result))
             freed = bool(result.rejected) or any(d.finish_reason for d in result.deltas)
             self._capacity.set()  # freed seats, or admissions that change who may jump in: let the intake look
@@ -490,6 +503,8 @@ class Worker:
             self._active.pop(tracked.request.request_id, None)
             await self._out.error(tracked.request, error)
         for tracked, msg in result.admitted:
+            self.metrics.started(tracked.request.tier, tracked.admitted_at - tracked.request.created_at,
+                                 tracked.prompt_tokens)
             await self._out.delta(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages,
                                              prompt_tokens=tracked.prompt_tokens,
                                              attempt=attempt_of(tracked.request)))
@@ -497,10 +512,13 @@ class Worker:
                 await self._out.batch_result(tracked.request, BatchResult(
                     tracked.request.request_id, self.worker_id, started=True))
         now = time.time()
+        generated: dict[str, int] = {}
         for delta in result.deltas:
             tracked = self._active.get(delta.request_id)
             if tracked is None:
                 continue
+            if delta.num_tokens:
+                generated[tracked.request.tier] = generated.get(tracked.request.tier, 0) + delta.num_tokens
             if delta.num_tokens and tracked.first_token_at is None:
                 tracked.first_token_at = now
             delta.attempt = attempt_of(tracked.request)
@@ -514,7 +532,10 @@ class Worker:
                     tracked.cached_tokens = delta.usage.cached_tokens
                 if tracked.num_finished >= tracked.request.sampling.n:
                     self._active.pop(tracked.request.request_id, None)
+                    self.metrics.finished(tracked.request.tier, delta.finish_reason)
+                    record_request_trace(tracked, self.worker_id, delta.finish_reason, now)
                     await self._out.finished(tracked, delta.finish_reason, now)
+        self.metrics.generated(generated)
 
     def _end_all(self, error: ErrorInfo) -> None:
         """End every running request with ``error`` at the next step (its final deltas carry it)."""

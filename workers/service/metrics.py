@@ -1,0 +1,96 @@
+"""A worker's Prometheus metrics, served on its own port (``worker.metrics_port``, workers/service/status_server.py;
+its URL is in the worker registry, so ``switchyard top`` and an operator find it).
+
+Load and cache gauges and the engine's counters come from the ``EngineStats`` snapshot of the last step
+(taken on the step thread, so a scrape never reads the scheduler while it changes); per-request numbers are
+observed as the event loop publishes each step's outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from switchyard.shared.metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
+from switchyard.shared.tiers import TIER_NAMES
+from switchyard.workers.engine.stats import EngineStats
+
+log = logging.getLogger("switchyard.worker")
+
+
+class WorkerMetrics:
+    """The metrics of one worker serving ``model``, in a registry of their own."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        self._stats = EngineStats({}, {}, 0.0, 0, 0, 0)
+        r, labels = self.registry, ("model", "tier")
+        self.queue_time = Histogram(name("request_queue_time_seconds"),
+                                    "From the gateway accepting a request to a worker starting it (JetStream queue).",
+                                    labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of the requests started.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated.", labels, registry=r)
+        self.request_success = Counter(name("request_success"), "Requests finished, by finish reason.",
+                                       (*labels, "finished_reason"), registry=r)
+        self.step_time = Histogram(name("engine_step_seconds"), "Time inside one engine step.", ("model",),
+                                   buckets=TOKEN_INTERVAL_BUCKETS, registry=r)
+        self.batch_size = Histogram(name("engine_batch_size"), "Sequences run in one engine step.", ("model",),
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
+        r.register(_EngineCollector(self))
+
+    # -- observations (event loop) -------------------------------------------------------------------------
+    def started(self, tier: str, queue_s: float, prompt_tokens: int) -> None:
+        self.queue_time.labels(self.model, tier).observe(max(0.0, queue_s))
+        self.prompt_tokens.labels(self.model, tier).inc(prompt_tokens)
+
+    def generated(self, tokens_by_tier: dict[str, int]) -> None:
+        for tier, n in tokens_by_tier.items():
+            self.generation_tokens.labels(self.model, tier).inc(n)
+
+    def finished(self, tier: str, finish_reason: str) -> None:
+        self.request_success.labels(self.model, tier, finish_reason).inc()
+
+    def stepped(self, step_s: float, stats: EngineStats | None) -> None:
+        self.step_time.labels(self.model).observe(step_s)
+        if stats is not None:
+            if stats.batch_size:
+                self.batch_size.labels(self.model).observe(stats.batch_size)
+            self._stats = stats  # one reference swap: a scrape reads either snapshot whole
+
+
+class _EngineCollector:
+    """Gauges and counters read from the last ``EngineStats`` at scrape time."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        m, stats = self._metrics, self._metrics._stats
+        running = GaugeMetricFamily(name("num_requests_running"), "Requests running in the engine (holding KV).",
+                                    labels=("model", "tier"))
+        waiting = GaugeMetricFamily(name("num_requests_waiting"),
+                                    "Requests queued inside the engine: new, or preempted for memory.",
+                                    labels=("model", "tier"))
+        for tier in TIER_NAMES:
+            running.add_metric((m.model, tier), stats.running.get(tier, 0))
+            waiting.add_metric((m.model, tier), stats.waiting.get(tier, 0))
+        yield running
+        yield waiting
+        yield _single(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                      m.model, stats.kv_cache_usage)
+        yield _single(CounterMetricFamily, "prefix_cache_queries",
+                      "Prompt tokens looked up in the prefix cache.", m.model, stats.prefix_cache_queries)
+        yield _single(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", m.model,
+                      stats.prefix_cache_hits)
+        yield _single(CounterMetricFamily, "num_preemptions", "Sequences preempted for KV cache memory.", m.model,
+                      stats.num_preemptions)
+
+
+def _single(family, metric: str, documentation: str, model: str, value: float):
+    out = family(name(metric), documentation, labels=("model",))
+    out.add_metric((model,), value)
+    return out
