@@ -29,6 +29,7 @@ from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay
+from switchyard.gateway.request_ids import RequestIds
 from switchyard.gateway.serving import CompletionService
 from switchyard.gateway.usage_report import usage_rows
 from switchyard.jobs.runner import Jobs
@@ -126,6 +127,10 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         for name, value in getattr(request.state, "rate_headers", {}).items():
             response.headers.setdefault(name, value)
         return response
+
+    # Outermost, added last (outside rate_limit_headers too, which runs the app in a task of its own and sends the
+    # response from this one): everything below, and uvicorn's access line, carry the request id.
+    app.add_middleware(RequestIds)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):

@@ -23,8 +23,8 @@ from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay, RelayedRequest
+from switchyard.gateway.request_ids import current_request_id
 from switchyard.shared.config import GatewayConfig
-from switchyard.shared.logs import request_id_var
 from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tier_store import PolicyCache
 
@@ -99,10 +99,8 @@ class CompletionService:
     async def _wire_request(self, body, tier: str, auth: AuthContext, **fields) -> GenerateRequest:
         policy = (await self._policies.get())[tier]
         now = time.time()
-        request_id = uuid.uuid4().hex
-        request_id_var.set(request_id)  # this request's log lines carry it (JSON logs)
         return GenerateRequest(
-            request_id=request_id,
+            request_id=current_request_id(),
             model=body.model,
             tier=tier,
             created_at=now,
