@@ -9,9 +9,47 @@ from __future__ import annotations
 import msgspec
 
 
+class ToolCall(msgspec.Struct, frozen=True):
+    """A function call the model made (an assistant message's ``tool_calls``), OpenAI's shape flattened."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
+    tool_calls: list[ToolCall] | None = None  # an assistant message that called tools
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+
+class ToolSpec(msgspec.Struct, frozen=True):
+    """A function the model may call (``tools[].function``)."""
+
+    name: str
+    description: str = ""
+    parameters: dict = msgspec.field(default_factory=dict)  # JSON schema of the arguments object
+    strict: bool = False
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    """What the output must be (``response_format``): decoding is constrained to it on the worker."""
+
+    type: str  # json_object | json_schema
+    schema: dict | None = None  # json_schema only
+    name: str = ""
+    strict: bool = False
+
+
+class ToolUse(msgspec.Struct, frozen=True):
+    """The request's tools and how the model may use them (``tools``, ``tool_choice``, ``parallel_tool_calls``)."""
+
+    tools: list[ToolSpec]
+    choice: str = "auto"  # none | auto | required | function (then ``function`` names it)
+    function: str | None = None
+    parallel: bool = True
 
 
 class SamplingParams(msgspec.Struct):
@@ -73,6 +111,8 @@ class GenerateRequest(msgspec.Struct):
     # shares them with every request that opted in too.
     shared_prefix_cache: bool = False
     resume: Resume | None = None  # set on a continuation after its first worker died (gateway/failover.py)
+    response_format: ResponseFormat | None = None  # None: free text
+    tool_use: ToolUse | None = None  # None: no tools
 
 
 class Usage(msgspec.Struct):
@@ -104,6 +144,16 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[str, float]] = msgspec.field(default_factory=list)
 
 
+class ToolCallDelta(msgspec.Struct):
+    """Part of a tool call as it is generated (OpenAI's streamed ``tool_calls`` item): the first part of a call
+    has its ``id`` and ``name``, later parts more ``arguments`` text; joined, the arguments are the call's JSON."""
+
+    index: int  # the call's position among the message's calls
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 class TokenDelta(msgspec.Struct):
     """Published by the worker on ``llm.tok.<request_id>``: one message per request per engine step.
 
@@ -130,6 +180,7 @@ class TokenDelta(msgspec.Struct):
     token_ids: list[int] | None = None  # the ids of this delta's tokens, so a continuation can go on from them
     attempt: int = 0  # the run it comes from: 0, then the ``resume.attempt`` of each continuation
     prompt_tokens: int = 0  # on the first message: the prompt's tokens, for billing a request whose worker died
+    tool_calls: list[ToolCallDelta] | None = None  # tool calls found in this delta's tokens (``text`` is content)
 
 
 class UsageRecord(msgspec.Struct):

@@ -6,7 +6,8 @@
                     ModelRunner.execute(): one mixed forward (prefill chunks + decodes) over the paged cache
                         │ logits of sequences whose chunk reached their end
                         ▼
-                    sample() ──▶ Scheduler.update_from_output() ──▶ eos / stop strings / detokenize ──▶ TokenDelta
+                    grammar masks ─▶ sample() ──▶ Scheduler.update_from_output() ──▶ eos / stop strings /
+                    detokenize ──▶ tool calls ──▶ TokenDelta
 
 ``Engine.step()`` is schedule → run → update and does no I/O; the worker's async loop calls it from a thread.
 A request with ``n > 1`` becomes n sequences over the same prompt. Only the first is scheduled at once; the
@@ -27,9 +28,12 @@ from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sche
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
+from switchyard.workers.engine.guided import Grammars, apply_masks, fill_masks
 from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected, eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator, sample
 from switchyard.workers.engine.stats import EngineStats
+from switchyard.workers.engine.tool_calls import call_id
+from switchyard.workers.engine.tool_parser import ToolCallParser
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
 
@@ -69,6 +73,8 @@ class _Choice:
     # detokenizer will emit again (to drop), or text it emitted while primed that the client never got (to send).
     skip_chars: int = 0
     unsent_text: str = ""
+    matcher: object | None = None  # the grammar its tokens must follow (llguidance), None for free text
+    tools: ToolCallParser | None = None  # reads tool calls out of its text, when the request has tools
 
     def emittable(self, text: str) -> str:
         """``text`` from the detokenizer, less what the client already has, plus what it is still owed."""
@@ -123,6 +129,8 @@ class Engine:
             background_priority=get_tier(BATCH_TIER).priority,
         ))
         self._eos = eos_token_ids(model, tokenizer)
+        self._vocab_size = int(hf_config.vocab_size)
+        self._grammars: Grammars | None = None
         self._requests: dict[str, _Request] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs
@@ -173,7 +181,7 @@ class Engine:
         if req.request_id in self._requests:
             raise ValueError(f"request {req.request_id!r} is already running")
         if prepared is None:
-            prepared = prepare_prompt(self.tokenizer, req, self.max_context)
+            prepared = prepare_prompt(self.tokenizer, req, self.max_context, self.grammars)
         params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
         state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[],
@@ -181,9 +189,10 @@ class Engine:
         arrival = time.monotonic()
         # vLLM's cache_salt idea: a tenant's blocks are found only by its own requests (see GenerateRequest).
         cache_salt = "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
-        if req.resume is not None and params.n != 1:
-            raise RequestRejected(ErrorInfo("Only a request with n=1 can be resumed.", code="invalid_value",
-                                            param="n"))
+        if req.resume is not None and (params.n != 1 or req.tool_use is not None):
+            param = "n" if params.n != 1 else "tools"
+            raise RequestRejected(ErrorInfo(f"A request with {param} set cannot be resumed.",
+                                            code="invalid_value", param=param))
         # Everything is built before the scheduler sees any of it: a request that fails here leaves nothing behind.
         seqs = []
         for index in range(params.n):
@@ -193,6 +202,10 @@ class Engine:
                              IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
                              make_generator(seed),
                              unreported_logprobs=[] if params.logprobs else None)
+            if prepared.matcher is not None:  # each choice follows the grammar on its own
+                choice.matcher = prepared.matcher if index == 0 else prepared.matcher.deep_copy()
+            if req.tool_use is not None and req.tool_use.choice != "none":
+                choice.tools = ToolCallParser(lambda k, i=index: call_id(req.request_id, i, k))
             seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
                                  cache_salt=cache_salt))
             state.seq_ids.append(seq_id)
@@ -215,6 +228,9 @@ class Engine:
         except ValueError as exc:
             raise RequestRejected(ErrorInfo(str(exc), code="invalid_value", param="resume")) from exc
         primed = choice.detokenizer.add_tokens(token_ids)
+        if choice.matcher is not None and not choice.matcher.consume_tokens(token_ids):
+            raise RequestRejected(ErrorInfo("The resumed tokens do not follow the request's response_format.",
+                                            code="invalid_value", param="resume"))
         if choice.detokenizer.is_stopped:
             raise RequestRejected(ErrorInfo("The resumed tokens already contain a stop string.",
                                             code="invalid_value", param="resume"))
@@ -226,6 +242,13 @@ class Engine:
             # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
             for _ in token_ids:
                 choice.generator.random()
+
+    @property
+    def grammars(self) -> Grammars:
+        """Compiled grammars for this engine's tokenizer (made at first use: a large vocabulary takes a moment)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self._vocab_size)
+        return self._grammars
 
     def stats(self) -> EngineStats:
         """Load per tier and counters since start; call it where steps run (it reads the scheduler's lists)."""
@@ -331,6 +354,12 @@ class Engine:
         logprobs: dict[str, TokenLogprob] = {}
         if to_sample:
             choices = [seq.data for seq in to_sample]
+            guided = [i for i, c in enumerate(choices) if c.matcher is not None]
+            if guided:
+                # The masks are computed while the device still runs the forward (its kernels are only queued).
+                raw_logits = logits
+                logits = logits.clone()
+                apply_masks(logits, guided, fill_masks([choices[i].matcher for i in guided], logits.shape[1]))
             token_ids = sample(
                 logits,
                 [c.request.params for c in choices],
@@ -340,7 +369,8 @@ class Engine:
             )
             token_ids = to_host_list(token_ids)  # the step's one wait for the device
             sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
-            logprobs = self._logprobs(logits, to_sample, token_ids)
+            # Log-probabilities under the model, as vLLM reports them: before the grammar's mask.
+            logprobs = self._logprobs(raw_logits if guided else logits, to_sample, token_ids)
         return sampled, logprobs
 
     def _compute_each_alone(self, plan: SchedulerOutput, outputs: list[TokenDelta],
@@ -420,6 +450,10 @@ class Engine:
             choice.request.held.clear()
         token_id = seq.last_token_id
         params = choice.request.params
+        if choice.matcher is not None and token_id not in self._eos:
+            choice.matcher.consume_token(token_id)
+            if choice.matcher.is_error():  # cannot happen for a token its mask allowed; never loop on it
+                log.error("request %s left its grammar: %s", choice.request.request_id, choice.matcher.get_error())
         if token_id in self._eos and not params.ignore_eos:
             if choice.unreported_logprobs:  # the EOS token ends the text; it is not part of it
                 choice.unreported_logprobs.pop()
@@ -432,18 +466,24 @@ class Engine:
         if seq.is_finished:  # the scheduler ended it: max_tokens or the model's context
             return self._finish(seq, finish_reason(seq.status) or "length",
                                 choice.emittable(text + choice.detokenizer.flush()))
+        if choice.matcher is not None and choice.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
+            return self._finish(seq, "stop", choice.emittable(text + choice.detokenizer.flush()))
         text = choice.emittable(text)
-        if not text:
-            return None  # held back (split character or possible stop string): nothing worth a message
-        return self._delta(seq, text)
+        calls = None
+        if choice.tools is not None:
+            text, calls = choice.tools.feed(text)
+        if not text and not calls:
+            return None  # held back (split character, possible stop string or tool tag): nothing worth a message
+        return self._delta(seq, text, tool_calls=calls or None)
 
     def _delta(self, seq: Sequence, text: str, reason: str | None = None, usage: Usage | None = None,
-               error: ErrorInfo | None = None) -> TokenDelta:
+               error: ErrorInfo | None = None, tool_calls: list | None = None) -> TokenDelta:
         choice: _Choice = seq.data
         num_tokens = choice.num_unreported_tokens
         delta = TokenDelta(choice.request.request_id, text=text, num_tokens=num_tokens,
                            index=choice.index, finish_reason=reason, usage=usage,
-                           logprobs=choice.unreported_logprobs or None, error=error,
+                           logprobs=choice.unreported_logprobs or None, error=error, tool_calls=tool_calls,
                            token_ids=seq.token_ids[len(seq.token_ids) - num_tokens:] if num_tokens else None)
         choice.num_unreported_tokens = 0
         if choice.unreported_logprobs:
@@ -458,8 +498,15 @@ class Engine:
         state.cached_tokens = max(state.cached_tokens, seq.num_cached_tokens)
         if state.num_finished == len(state.seq_ids):
             self._requests.pop(state.request_id, None)
+        calls = None
+        if choice.tools is not None:
+            text, calls = choice.tools.feed(text)
+            more_text, more_calls = choice.tools.finish()
+            text, calls = text + more_text, calls + more_calls
+            if choice.tools.num_calls and reason == "stop":
+                reason = "tool_calls"  # OpenAI's finish when the model called tools
         # Usage so far on every choice's final: the last one carries the request's total.
-        return self._delta(seq, text, reason, self._usage(state), error)
+        return self._delta(seq, text, reason, self._usage(state), error, tool_calls=calls or None)
 
     @staticmethod
     def _usage(state: _Request) -> Usage:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest
+from switchyard.workers.engine.guided import GrammarError, Grammars, response_format_grammar
+from switchyard.workers.engine.tool_calls import call_grammar, chat_messages
 
 MAX_N = 16
 
@@ -23,9 +25,9 @@ class RequestRejected(Exception):
         self.error = error
 
 
-def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+def _encode_chat(tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:  # e.g. "roles must alternate": the template's own check of the conversation
         raise RequestRejected(ErrorInfo(f"The model's chat template rejected the messages: {exc}",
                                         code="invalid_request", param="messages")) from exc
@@ -36,7 +38,7 @@ def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
 def tokenize_prompt(tokenizer, req: GenerateRequest) -> tuple[list[int], str]:
     """Prompt token ids, and the request parameter they came from (for error messages)."""
     if req.messages is not None:
-        return _encode_chat(tokenizer, [{"role": m.role, "content": m.content} for m in req.messages]), "messages"
+        return _encode_chat(tokenizer, *chat_messages(tokenizer, req.messages, req.tool_use)), "messages"
     if req.prompt is not None:
         return tokenizer.encode(req.prompt), "prompt"
     raise RequestRejected(ErrorInfo(message="Either prompt or messages is required.", code="invalid_request",
@@ -50,9 +52,9 @@ def fit_history(tokenizer, req: GenerateRequest, max_context: int) -> tuple[list
     Returns the ids and how many messages were dropped (0 when it fit). If even the shortest history does not
     fit, the shortest is returned and the usual context check rejects it.
     """
-    messages = [{"role": m.role, "content": m.content} for m in req.messages or []]
+    messages, tools = chat_messages(tokenizer, req.messages or [], req.tool_use)
     room = max_context - (req.sampling.max_tokens or 1)
-    ids = _encode_chat(tokenizer, messages)
+    ids = _encode_chat(tokenizer, messages, tools)
     dropped = 0
     while len(ids) > room:
         droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
@@ -60,7 +62,7 @@ def fit_history(tokenizer, req: GenerateRequest, max_context: int) -> tuple[list
             break
         del messages[droppable[0]]
         dropped += 1
-        ids = _encode_chat(tokenizer, messages)
+        ids = _encode_chat(tokenizer, messages, tools)
     return ids, dropped
 
 
@@ -72,12 +74,25 @@ class PreparedPrompt:
     token_ids: list[int]
     max_tokens: int  # new tokens the request may produce
     num_dropped_messages: int = 0  # conversation turns dropped to fit the context
+    matcher: object | None = None  # the grammar its output must follow, at its start (workers/engine/guided.py)
 
 
-def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int) -> PreparedPrompt:
-    """Tokenize ``req`` (chat template included) and check it can run; raises ``RequestRejected`` for what never
-    can. Touches nothing but ``tokenizer``: the worker runs it on its intake thread with a tokenizer of its own,
-    so chat templates and tokenization stay out of the engine's step."""
+def request_grammar(req: GenerateRequest) -> str | None:
+    """The grammar ``req``'s output must follow (its tool use and response format), None for free text."""
+    content = None
+    if req.response_format is not None and req.response_format.type != "text":
+        content = response_format_grammar(req.response_format)
+    if req.tool_use is not None and (grammar := call_grammar(req.tool_use, req.response_format)) is not None:
+        return grammar
+    return content
+
+
+def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int, grammars: Grammars | None = None,
+                   ) -> PreparedPrompt:
+    """Tokenize ``req`` (chat template included), compile the grammar its output must follow (with
+    ``grammars``), and check it can run; raises ``RequestRejected`` for what never can. Touches nothing but
+    ``tokenizer`` and ``grammars``: the worker runs it on its intake thread with a tokenizer of its own, so chat
+    templates, tokenization and grammar compilation stay out of the engine's step."""
     if not 1 <= req.sampling.n <= MAX_N:
         raise RequestRejected(ErrorInfo(f"n must be between 1 and {MAX_N}, got {req.sampling.n}.",
                                         code="invalid_value", param="n"))
@@ -90,7 +105,19 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int) -> Prepare
     if not prompt_ids:  # nothing to continue from: no logits to sample a first token from (vLLM refuses it too)
         raise RequestRejected(ErrorInfo(f"The {param} is empty: it has no tokens to continue from.",
                                         code="invalid_value", param=param))
-    return PreparedPrompt(prompt_ids, resolve_max_tokens(req, len(prompt_ids), max_context, param), dropped)
+    max_tokens = resolve_max_tokens(req, len(prompt_ids), max_context, param)
+    matcher = None
+    try:
+        grammar = request_grammar(req)
+        if grammar is not None:
+            if grammars is None:
+                raise GrammarError("this engine has no grammar support")
+            matcher = grammars.matcher(grammar)
+    except (GrammarError, ValueError) as exc:
+        param = "tools" if req.tool_use is not None and req.tool_use.choice != "none" else "response_format"
+        raise RequestRejected(ErrorInfo(f"The {param} cannot be used for constrained decoding: {exc}",
+                                        code="invalid_request", param=param)) from exc
+    return PreparedPrompt(prompt_ids, max_tokens, dropped, matcher)
 
 
 def resolve_max_tokens(req: GenerateRequest, num_prompt: int, max_context: int, param: str) -> int:

@@ -355,7 +355,8 @@ class Worker:
                 code="queue_timeout", type="rate_limit_error", status=503))
         try:
             tracked.prepared = await asyncio.get_running_loop().run_in_executor(
-                self._intake_thread, prepare_prompt, self._intake_tokenizer, request, self.engine.max_context)
+                self._intake_thread, prepare_prompt, self._intake_tokenizer, request, self.engine.max_context,
+                self.engine.grammars)
         except RequestRejected as exc:
             return await self._refuse(request, msg, exc.error)
         except Exception:  # this request's alone: the others, and the intake, go on
