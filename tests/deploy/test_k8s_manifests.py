@@ -1,0 +1,280 @@
+"""deploy/k8s: every object valid against the Kubernetes schemas and the CRDs it uses, both overlays rendered as
+`kubectl apply -k` would, and the properties the deployment relies on (drains that fit their grace period, probes
+on the right ports, non-root read-only containers, settings that exist)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from switchyard.shared.config import GatewayConfig, WorkerConfig
+from tests.deploy.manifest_checks import (
+    K8S, by_kind, container_port, containers, env_value, image_has_tag, is_setting, kubectl, kustomize,
+    load_yaml_documents, pod_spec, validate_object,
+)
+
+OVERLAYS = ("cpu", "gpu")
+
+
+def _render(name: str, tmp_path_factory) -> list[dict]:
+    """An overlay as `kubectl kustomize` renders it; ``gpu+cnpg`` is the gpu overlay with the CloudNativePG
+    component, assembled the way the README tells an operator to."""
+    if kubectl() is None:
+        pytest.skip("kubectl not installed (pip install -e '.[test]')")
+    if name in OVERLAYS:
+        return kustomize(K8S / "overlays" / name)
+    base, component = name.split("+")
+    work = tmp_path_factory.mktemp(name.replace("+", "-"))
+    rel = Path(os.path.relpath(K8S, work))  # kustomize refuses absolute paths
+    (work / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [str(rel / "overlays" / base)], "components": [str(rel / "components" / component)],
+    }))
+    return kustomize(work)
+
+
+@pytest.fixture(scope="module", params=[*OVERLAYS, "gpu+cnpg"])
+def rendered(request, tmp_path_factory) -> tuple[str, list[dict]]:
+    return request.param, _render(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def with_cnpg(tmp_path_factory) -> list[dict]:
+    return _render("cpu+cnpg", tmp_path_factory)
+
+
+def _kustomizations() -> list[Path]:
+    return sorted((K8S.parent).rglob("kustomization.yaml"))
+
+
+# -- files ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", _kustomizations(), ids=lambda p: str(p.relative_to(K8S.parent)))
+def test_every_path_a_kustomization_names_exists(path: Path):
+    k = yaml.safe_load(path.read_text())
+    names = [*k.get("resources", []), *k.get("components", [])]
+    names += [p["path"] for p in k.get("patches", []) if "path" in p]
+    names += [f for gen in k.get("configMapGenerator", []) for f in gen.get("files", [])]
+    assert names, f"{path} names nothing"
+    for name in names:
+        target = path.parent / name
+        assert target.is_file() or (target / "kustomization.yaml").is_file(), f"{path}: {name} does not exist"
+
+
+def _standalone_files() -> list[Path]:
+    """Every whole object under deploy/k8s: base resources, the component's Cluster, the Secret template (patches
+    are partial objects: they are checked rendered, below)."""
+    patches = {(p.parent / q["path"]).resolve() for p in _kustomizations()
+               for q in yaml.safe_load(p.read_text()).get("patches", []) if "path" in q}
+    skip = {"kustomization.yaml", "nats-values.yaml"}
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name not in skip and p.resolve() not in patches)
+
+
+@pytest.mark.parametrize("path", _standalone_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_every_manifest_file_is_valid(path: Path):
+    for obj in load_yaml_documents(path):
+        validate_object(obj)
+
+
+# -- rendered overlays ------------------------------------------------------------------------------------------
+def test_rendered_objects_are_valid(rendered):
+    name, objects = rendered
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Job", "ScaledObject",
+            "ServiceMonitor", "PodMonitor", "PersistentVolumeClaim", "ConfigMap"} <= kinds, name
+    for obj in objects:
+        validate_object(obj)
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == "switchyard", obj["metadata"]["name"]
+
+
+def test_containers_run_hardened_and_pinned(rendered):
+    name, objects = rendered
+    for obj in objects:
+        spec = pod_spec(obj)
+        if spec is None:
+            continue
+        where = f"{name}: {obj['kind']}/{obj['metadata']['name']}"
+        assert spec["securityContext"]["runAsNonRoot"] is True, where
+        assert spec.get("automountServiceAccountToken") is False, where
+        for c in containers(spec):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            # A read-only root needs a writable /tmp (tempfile, uploads) and data dir (caches).
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert {"/tmp", "/var/lib/switchyard"} <= mounts, where
+            assert image_has_tag(c["image"]), f"{where}: {c['image']}"
+            assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], where
+            names = [e["name"] for e in c.get("env", [])]
+            assert len(names) == len(set(names)), f"{where}: duplicate env {names}"
+            assert all(is_setting(n) for n in names), f"{where}: {[n for n in names if not is_setting(n)]}"
+
+
+def test_settings_in_config_maps_and_secret_exist(rendered):
+    _, objects = rendered
+    keys = [k for cm in by_kind(objects, "ConfigMap").values() for k in cm.get("data", {}) if k.startswith("SW")]
+    keys += list(yaml.safe_load((K8S / "secret.example.yaml").read_text())["stringData"])
+    assert keys and all(is_setting(k) for k in keys), [k for k in keys if not is_setting(k)]
+
+
+def test_gateway_drains_within_its_grace_and_leaves_jobs_to_their_deployment(rendered):
+    _, objects = rendered
+    deployments = by_kind(objects, "Deployment")
+    gateway = deployments["switchyard-gateway"]["spec"]["template"]["spec"]
+    (c,) = gateway["containers"]
+    drain = float(env_value(c, "SWITCHYARD_GATEWAY__DRAIN_TIMEOUT_S") or GatewayConfig().drain_timeout_s)
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert gateway["terminationGracePeriodSeconds"] > pre_stop + drain
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    port = int(env_value(c, "SWITCHYARD_GATEWAY__PORT") or GatewayConfig().port)
+    assert container_port(c, c["readinessProbe"]["httpGet"]["port"]) == port
+    assert env_value(c, "SWITCHYARD_GATEWAY__HOST") == "0.0.0.0"
+    # --no-jobs only makes sense with the jobs running somewhere else.
+    assert "--no-jobs" in c["args"] and "switchyard-jobs" in deployments
+    assert by_kind(objects, "HorizontalPodAutoscaler")["switchyard-gateway"]["spec"]["scaleTargetRef"]["name"] \
+        == "switchyard-gateway"
+    assert "replicas" not in deployments["switchyard-gateway"]["spec"], "the HPA owns replicas"
+
+
+def test_worker_is_ready_when_it_serves_and_drains_before_it_stops(rendered):
+    name, objects = rendered
+    workers = {n: d for n, d in by_kind(objects, "Deployment").items() if n.startswith("switchyard-worker-")}
+    assert workers
+    for deployment in workers.values():
+        spec = deployment["spec"]["template"]["spec"]
+        c = next(c for c in spec["containers"] if c["name"] == "worker")
+        port = int(env_value(c, "SWITCHYARD_WORKER__METRICS_PORT"))
+        assert port == 9400 and env_value(c, "SWITCHYARD_WORKER__METRICS_HOST") == "0.0.0.0"
+        ready, pre_stop = c["readinessProbe"]["httpGet"], c["lifecycle"]["preStop"]["httpGet"]
+        assert ready["path"] == "/readyz" and container_port(c, ready["port"]) == port
+        assert pre_stop["path"] == "/drain" and container_port(c, pre_stop["port"]) == port
+        drain = float(env_value(c, "SWITCHYARD_WORKER__DRAIN_TIMEOUT_S") or WorkerConfig().drain_timeout_s)
+        assert spec["terminationGracePeriodSeconds"] > drain
+        assert "replicas" not in deployment["spec"], "KEDA owns replicas"
+        claims = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+        assert claims and claims <= set(by_kind(objects, "PersistentVolumeClaim"))
+        # Workers need NATS only.
+        assert env_value(c, "SWITCHYARD_DATABASE_URL") is None
+        assert not any(e["name"] == "SWITCHYARD_DATABASE_URL" for e in c.get("env", []))
+        gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+        if name.startswith("gpu"):
+            assert gpus == 1 and env_value(c, "SWITCHYARD_WORKER__DEVICE") == "cuda" and "cuda" in c["image"]
+        else:
+            assert gpus is None and env_value(c, "SWITCHYARD_WORKER__DEVICE") == "cpu"
+            assert c["resources"]["requests"]["cpu"] == c["resources"]["limits"]["cpu"]
+            assert env_value(c, "SWITCHYARD_WORKER__TORCH_THREADS") == str(c["resources"]["limits"]["cpu"])
+
+
+def test_monitors_and_services_select_pods_that_exist(rendered):
+    _, objects = rendered
+    pod_labels = [pod_spec_labels for o in objects if pod_spec(o) is not None
+                  for pod_spec_labels in [o["spec"]["template"]["metadata"]["labels"]]]
+
+    def selects_some(selector: dict) -> bool:
+        return any(selector.items() <= labels.items() for labels in pod_labels)
+
+    for kind in ("Service", "PodDisruptionBudget"):
+        for obj in by_kind(objects, kind).values():
+            selector = obj["spec"]["selector"]
+            assert selects_some(selector.get("matchLabels", selector)), obj["metadata"]["name"]
+    for kind in ("ServiceMonitor", "PodMonitor"):
+        for obj in by_kind(objects, kind).values():
+            assert selects_some(obj["spec"]["selector"]["matchLabels"]), obj["metadata"]["name"]
+    services = by_kind(objects, "Service")
+    for monitor in by_kind(objects, "ServiceMonitor").values():
+        ports = {p["name"] for s in services.values() if monitor["spec"]["selector"]["matchLabels"].items()
+                 <= s["metadata"].get("labels", {}).items() for p in s["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+
+
+def test_cnpg_component_points_every_database_user_at_the_operators_secret(with_cnpg):
+    (cluster,) = by_kind(with_cnpg, "Cluster").values()
+    secret = f"{cluster['metadata']['name']}-app"  # CloudNativePG's app-user Secret, key `uri`
+    users = []
+    for obj in with_cnpg:
+        spec = pod_spec(obj)
+        for c in containers(spec) if spec else []:
+            for e in c.get("env", []):
+                if e["name"] == "SWITCHYARD_DATABASE_URL":
+                    assert e["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "uri"}, obj["metadata"]["name"]
+                    users.append(obj["metadata"]["name"])
+    assert sorted(users) == ["switchyard-gateway", "switchyard-jobs", "switchyard-migrate"]
+
+
+# -- NATS chart values ------------------------------------------------------------------------------------------
+# The chart's top-level values (nats-io/k8s helm/charts/nats values.yaml, chart 2.x): a misspelled key is ignored
+# by Helm without a word.
+NATS_CHART_KEYS = {"global", "nameOverride", "fullnameOverride", "namespaceOverride", "tlsCA", "config", "container",
+                   "reloader", "promExporter", "service", "statefulSet", "podTemplate", "headlessService",
+                   "configMap", "podDisruptionBudget", "serviceAccount", "natsBox", "extraResources"}
+
+
+def test_nats_values_run_a_three_node_authenticated_jetstream_cluster():
+    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    assert set(values) <= NATS_CHART_KEYS, set(values) - NATS_CHART_KEYS
+    config = values["config"]
+    assert config["cluster"]["enabled"] and config["cluster"]["replicas"] == 3
+    assert config["jetstream"]["enabled"] and config["jetstream"]["fileStore"]["enabled"]
+    assert config["jetstream"]["fileStore"]["pvc"]["enabled"]
+    assert config["monitor"]["enabled"]
+    accounts = config["merge"]["accounts"]
+    assert accounts["SWITCHYARD"]["jetstream"] == "enabled" and accounts["SWITCHYARD"]["users"]
+    assert config["merge"]["system_account"] in accounts
+    # Passwords come from the environment, never from the file.
+    for account in accounts.values():
+        for user in account["users"]:
+            assert user["password"].startswith("<< $"), user["user"]
+            assert user["password"].removeprefix("<< $").removesuffix(" >>") in values["container"]["env"]
+    replicas = yaml.safe_load((K8S / "base" / "config.yaml").read_text())["data"]["SWITCHYARD_NATS_REPLICAS"]
+    assert int(replicas) <= config["cluster"]["replicas"]
+
+
+def test_nats_values_config_is_one_nats_server_accepts(tmp_path):
+    """The chart renders ``config.merge`` into nats.conf as JSON, unwrapping ``<< ... >>`` into raw variables and
+    units; the same here, checked by the nats-server the project already depends on."""
+    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    server = shutil.which("nats-server", path=os.path.dirname(sys.executable))
+    if server is None:
+        pytest.skip("nats-server not installed")
+    conf = tmp_path / "nats.conf"
+    conf.write_text(re.sub(r'"<< (.+?) >>"', r"\1", json.dumps(values["config"]["merge"], indent=2)))
+    # The container's environment as the chart sets it (a Secret's value stands in as "x").
+    env = {**os.environ, **{k: v if isinstance(v, str) else "x" for k, v in values["container"]["env"].items()}}
+    proc = subprocess.run([server, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+# -- the checks can fail ----------------------------------------------------------------------------------------
+def test_validation_rejects_a_misspelled_field():
+    (deployment,) = load_yaml_documents(K8S / "base" / "gateway-deployment.yaml")
+    broken = copy.deepcopy(deployment)
+    spec = broken["spec"]["template"]["spec"]
+    spec["terminationGracePeriodSecond"] = spec.pop("terminationGracePeriodSeconds")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_object(broken)
+
+
+def test_crd_validation_rejects_unknown_fields_and_wrong_types():
+    (scaled,) = load_yaml_documents(K8S / "base" / "worker-scaledobject.yaml")
+    typo = copy.deepcopy(scaled)
+    typo["spec"]["minReplicas"] = typo["spec"].pop("minReplicaCount")
+    number = copy.deepcopy(scaled)
+    number["spec"]["triggers"][0]["metadata"]["lagThreshold"] = 4  # KEDA's metadata is strings only
+    for broken in (typo, number):
+        with pytest.raises(jsonschema.ValidationError):
+            validate_object(broken)
+    assert not is_setting("SWITCHYARD_WORKER__DRAIN_TIMEOUT") and not is_setting("SWITCHYARD_NAT_URL")
+    assert not image_has_tag("switchyard") and not image_has_tag("nginx:latest")
+    assert image_has_tag("registry:5000/switchyard:0.1.0-cpu")
