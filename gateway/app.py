@@ -22,7 +22,7 @@ from switchyard.gateway.drain import CountInFlight, InFlightCounter
 from switchyard.gateway.errors import OpenAIError, install_error_handlers
 from switchyard.gateway.failover import Failover
 from switchyard.gateway.files import files_router
-from switchyard.gateway.limits import Limiter, estimate_tokens
+from switchyard.gateway.limits import Admission, Limiter, estimate_tokens
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,6 +31,8 @@ from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.request_ids import RequestIds
 from switchyard.gateway.serving import CompletionService
+from switchyard.gateway.service_tiers import ServiceTier
+from switchyard.gateway.service_tiers import choose as choose_service_tier
 from switchyard.gateway.usage_report import usage_rows
 from switchyard.jobs.runner import Jobs
 from switchyard.shared import nats_client
@@ -112,14 +114,15 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         request.state.auth = auth
         return auth
 
-    async def admit(request: Request, auth: AuthContext, max_tokens: int | None, num_chars: int, n: int = 1):
-        tier = request_tier(request) or auth.tier
-        request.state.tier = tier  # for the error metrics' labels
-        policy = (await request.app.state.policies.get())[tier]
-        with tracer.start_as_current_span("rate_limits", attributes={"tier": tier}):
+    async def admit(request: Request, auth: AuthContext, max_tokens: int | None, num_chars: int, n: int = 1,
+                    service_tier: str | None = None) -> tuple[ServiceTier, Admission]:
+        service = choose_service_tier(service_tier, auth, request_tier(request))
+        request.state.tier = service.tier  # for the error metrics' labels
+        policy = (await request.app.state.policies.get())[service.tier]
+        with tracer.start_as_current_span("rate_limits", attributes={"tier": service.tier}):
             admission = await request.app.state.limiter.admit(auth, policy, estimate_tokens(num_chars, max_tokens, n))
         request.state.rate_headers = admission.headers
-        return tier, admission
+        return service, admission
 
     @app.middleware("http")
     async def rate_limit_headers(request: Request, call_next):
@@ -135,15 +138,16 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         request.state.model = body.model
-        num_chars = sum(len(m.text()) for m in body.messages)
-        tier, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens, num_chars, body.n)
-        return await request.app.state.service.chat(body, tier, auth, admission)
+        service, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens,
+                                         body.num_chars(), body.n, body.service_tier)
+        return await request.app.state.service.chat(body, service, auth, admission)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         request.state.model = body.model
-        tier, admission = await admit(request, auth, body.sampling().max_tokens, len(body.prompt_text), body.n)
-        return await request.app.state.service.completion(body, tier, auth, admission)
+        service, admission = await admit(request, auth, body.sampling().max_tokens, body.num_chars(),
+                                         body.num_generated * len(body.prompts))
+        return await request.app.state.service.completion(body, service, auth, admission)
 
     app.include_router(admin_router(config.gateway.admin_key))
     app.include_router(conversations_router(caller, admit))

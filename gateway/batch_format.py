@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from switchyard.gateway.limits import estimate_tokens
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from switchyard.gateway.serving import CHAT, TEXT, usage_json
+from switchyard.gateway.responses import CHAT, TEXT, usage_json
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
@@ -62,9 +62,23 @@ def _describe(exc: ValidationError) -> tuple[str, str]:
 
 def _estimate(parsed: BaseModel) -> int:
     if isinstance(parsed, ChatCompletionRequest):
-        return estimate_tokens(sum(len(m.text()) for m in parsed.messages),
-                               parsed.max_completion_tokens or parsed.max_tokens, parsed.n)
-    return estimate_tokens(len(parsed.prompt_text), parsed.sampling().max_tokens, parsed.n)
+        return estimate_tokens(parsed.num_chars(), parsed.max_completion_tokens or parsed.max_tokens, parsed.n)
+    return estimate_tokens(parsed.num_chars(), parsed.sampling().max_tokens, parsed.n)
+
+
+def _not_in_a_batch(parsed: BaseModel) -> tuple[str, str] | None:
+    """What a line may not ask for in a batch: (message, param), or None."""
+    if parsed.stream:
+        return "Streaming is not supported in a batch.", "body.stream"
+    if isinstance(parsed, ChatCompletionRequest):
+        if parsed.service_tier not in (None, "auto", "default"):
+            return "A batch runs on the batch tier: service_tier must be auto or default.", "body.service_tier"
+        return None
+    if len(parsed.prompts) > 1:
+        return "One prompt per line in a batch: put each prompt on a line of its own.", "body.prompt"
+    if parsed.num_generated > parsed.n:
+        return "best_of greater than n is not supported in a batch.", "body.best_of"
+    return None
 
 
 def parse_input(content: bytes, endpoint: str) -> tuple[list[InputLine], list[dict]]:
@@ -122,9 +136,9 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[InputLine], list[di
             message, param = _describe(exc)
             errors.append(_error(line_no, "invalid_request", message, param))
             continue
-        if parsed.stream:
-            errors.append(_error(line_no, "invalid_request", "Streaming is not supported in a batch.",
-                                 "body.stream"))
+        refusal = _not_in_a_batch(parsed)
+        if refusal is not None:
+            errors.append(_error(line_no, "invalid_request", *refusal))
             continue
         lines.append(InputLine(line_no, custom_id, body, parsed.model, _estimate(parsed)))
     if not lines and not errors:
@@ -138,11 +152,12 @@ def wire_request(endpoint: str, body: dict, request_id: str, *, tenant_id: str, 
                  created_at: float, deadline_at: float, result_subject: str, tier: str) -> GenerateRequest:
     """The request a line becomes: exactly what the endpoint would publish, on the batch tier."""
     parsed = ENDPOINTS[endpoint].model_validate(body)
-    fields = {"messages": parsed.wire_messages()} if isinstance(parsed, ChatCompletionRequest) else \
-        {"prompt": parsed.prompt_text}
-    return GenerateRequest(request_id=request_id, model=parsed.model, tier=tier, sampling=parsed.sampling(),
-                           created_at=created_at, deadline_at=deadline_at, tenant_id=tenant_id,
-                           api_key_id=api_key_id, result_subject=result_subject, **fields)
+    fields = parsed.wire_fields() if isinstance(parsed, ChatCompletionRequest) else \
+        parsed.wire_fields(parsed.prompts[0])
+    return GenerateRequest(request_id=request_id, model=parsed.model, tier=tier, created_at=created_at,
+                           deadline_at=deadline_at, tenant_id=tenant_id, api_key_id=api_key_id,
+                           result_subject=result_subject, end_user=parsed.end_user,
+                           metadata=getattr(parsed, "metadata", None), **fields)
 
 
 def response_body(endpoint: str, request_id: str, model: str, created_at: float, result: BatchResult) -> dict:
@@ -150,8 +165,15 @@ def response_body(endpoint: str, request_id: str, model: str, created_at: float,
     kind = CHAT if endpoint == "/v1/chat/completions" else TEXT
     choices = []
     for c in result.choices:
-        choice = {"index": c.index, "message": {"role": "assistant", "content": c.text}} if kind.is_chat else \
-            {"index": c.index, "text": c.text}
+        if kind.is_chat:
+            message = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
+            if c.tool_calls:
+                message["tool_calls"] = [{"id": t.id, "type": "function",
+                                          "function": {"name": t.name, "arguments": t.arguments}}
+                                         for t in c.tool_calls]
+            choice = {"index": c.index, "message": message}
+        else:
+            choice = {"index": c.index, "text": c.text}
         choices.append({**choice, "logprobs": None, "finish_reason": c.finish_reason})
     usage = usage_json(result.usage) if result.usage is not None else None
     return {"id": kind.id_prefix + request_id, "object": kind.object_full, "created": int(created_at),

@@ -20,16 +20,16 @@ import secrets
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from switchyard.gateway.auth import AuthContext
 from switchyard.gateway.database import CALL_TIMEOUT_S, OUTAGE_ERRORS, bounded
 from switchyard.gateway.errors import OpenAIError
-from switchyard.gateway.protocol import ChatCompletionRequest
+from switchyard.gateway.protocol import ChatCompletionRequest, unsupported
 from switchyard.gateway.serving import Outcome
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import publish_once
-from switchyard.shared.messages import ChatMessage, ConversationTurn, encode
+from switchyard.shared.messages import ChatMessage, ConversationTurn, ToolCall, encode
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -43,11 +43,23 @@ class ConversationCreate(BaseModel):
 
 
 class TurnRequest(ChatCompletionRequest):
-    """A chat completion whose history is the conversation's: ``content`` is the new user message."""
+    """A chat completion whose history is the conversation's: ``content`` is the new message, the user's, or a
+    tool's result (``role`` tool with the ``tool_call_id`` it answers)."""
 
     model: str | None = None  # defaults to the conversation's model
     content: str = Field(min_length=1)
+    role: Literal["user", "tool"] = "user"
+    tool_call_id: str | None = None
     messages: list = Field(default_factory=list, exclude=True)  # not accepted here: the server has the history
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> "TurnRequest":
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        if self.messages:
+            raise unsupported("messages", "A conversation's history is on the server: send only the new message, "
+                                          "as content.")
+        return self
 
 
 def _conv_json(row) -> dict:
@@ -56,21 +68,35 @@ def _conv_json(row) -> dict:
 
 
 def _msg_json(row) -> dict:
-    return {"id": row["id"], "object": "conversation.message", "role": row["role"], "content": row["content"],
-            "status": row["status"], "created_at": int(row["created_at"].timestamp())}
+    out = {"id": row["id"], "object": "conversation.message", "role": row["role"], "content": row["content"],
+           "status": row["status"], "created_at": int(row["created_at"].timestamp())}
+    if row["tool_calls"] is not None:
+        out["tool_calls"] = json.loads(row["tool_calls"])
+    if row["tool_call_id"] is not None:
+        out["tool_call_id"] = row["tool_call_id"]
+    return out
+
+
+def _history_message(row) -> ChatMessage:
+    calls = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+             for c in json.loads(row["tool_calls"])] if row["tool_calls"] is not None else None
+    return ChatMessage(row["role"], row["content"], tool_calls=calls, tool_call_id=row["tool_call_id"])
 
 
 async def write_turn(pool, turn: ConversationTurn) -> None:
     """Store a turn's two messages in one transaction. Their ids come from the request id, so writing a turn
     again (a held one redelivered) stores nothing twice."""
+    calls = json.dumps([{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in turn.assistant_tool_calls]) if turn.assistant_tool_calls else None
     async with pool.acquire() as conn, conn.transaction():
-        for suffix, role, content, status in (("q", "user", turn.user_content, "completed"),
-                                              ("a", "assistant", turn.assistant_content, turn.status)):
+        for suffix, role, content, status, tool_calls, call_id in (
+                ("q", turn.user_role, turn.user_content, "completed", None, turn.tool_call_id),
+                ("a", "assistant", turn.assistant_content, turn.status, calls, None)):
             await conn.execute(
-                "INSERT INTO conversation_messages (id, conversation_id, role, content, status, request_id) "
-                "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING",
+                "INSERT INTO conversation_messages (id, conversation_id, role, content, status, request_id, "
+                "tool_calls, tool_call_id) VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8) ON CONFLICT (id) DO NOTHING",
                 f"msg_{turn.request_id}_{suffix}", turn.conversation_id, role, _storable(content), status,
-                turn.request_id)
+                turn.request_id, tool_calls, call_id)
 
 
 def _storable(text: str) -> str:
@@ -142,17 +168,21 @@ def conversations_router(caller, admit) -> APIRouter:
         body = body.model_copy(update={"model": model, "n": 1})
         pool = request.app.state.pool
         history = [ChatMessage("system", conv["system_prompt"])] if conv["system_prompt"] else []
-        history += [ChatMessage(r["role"], r["content"]) for r in await pool.fetch(
-            "SELECT role, content FROM conversation_messages WHERE conversation_id = $1 ORDER BY seq",
-            conversation_id)]
-        history.append(ChatMessage("user", body.content))
-        tier, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens,
-                                      sum(len(m.content) for m in history))
+        history += [_history_message(r) for r in await pool.fetch(
+            "SELECT role, content, tool_calls, tool_call_id FROM conversation_messages WHERE conversation_id = $1 "
+            "ORDER BY seq", conversation_id)]
+        history.append(ChatMessage(body.role, body.content, tool_call_id=body.tool_call_id))
+        service, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens,
+                                         sum(len(m.content) for m in history), 1, body.service_tier)
 
         async def store(outcome: Outcome) -> None:
             # Both turns land together, once the reply ended; a reply cut short is kept, marked incomplete.
-            turn = ConversationTurn(outcome.request_id, conversation_id, body.content, outcome.text,
-                                    "completed" if outcome.finish_reason in ("stop", "length") else "incomplete")
+            turn = ConversationTurn(
+                outcome.request_id, conversation_id, body.content, outcome.text,
+                "completed" if outcome.finish_reason in ("stop", "length", "tool_calls") else "incomplete",
+                user_role=body.role, tool_call_id=body.tool_call_id,
+                assistant_tool_calls=[ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                                      for c in outcome.tool_calls])
             try:
                 await bounded(write_turn(pool, turn), CALL_TIMEOUT_S)
             except OUTAGE_ERRORS as exc:  # held in JetStream; jobs/held_writes.py writes it once Postgres is back
@@ -160,7 +190,7 @@ def conversations_router(caller, admit) -> APIRouter:
                             turn.request_id)
                 await publish_once(request.app.state.js, subjects.HELD_TURN_SUBJECT, encode(turn), turn.request_id)
 
-        return await request.app.state.service.chat(body, tier, auth, admission, messages=history,
+        return await request.app.state.service.chat(body, service, auth, admission, messages=history,
                                                     on_finish=store, extra={"conversation_id": conversation_id})
 
     return router

@@ -65,20 +65,27 @@ def service_unavailable(message: str, retry_after_s: int, code: str = "service_u
     )
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable sentence and the offending parameter, from pydantic's first error."""
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """One readable sentence, the offending parameter and the error code, from pydantic's first error."""
     errors = exc.errors()
     if not errors:
-        return "Invalid request body.", None
+        return "Invalid request body.", None, "invalid_request"
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        return "We could not parse the JSON body of your request.", None
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return "We could not parse the JSON body of your request.", None, "invalid_request"
+    if kind == "unsupported_parameter":  # protocol.unsupported: a parameter refused by name
+        ctx = first.get("ctx") or {}
+        return ctx.get("why", first.get("msg", "")), ctx.get("param", param), "unsupported_parameter"
+    if kind == "extra_forbidden":  # OpenAI's own words for a parameter it does not have
+        return f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter"
     msg = first.get("msg", "invalid value")
-    if first.get("type") == "missing":
-        return f"Missing required parameter: '{param}'.", param
-    return f"Invalid value for '{param}': {msg}." if param else f"Invalid request body: {msg}.", param
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param, "invalid_request"
+    return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request body: {msg}."), param, \
+        "invalid_request"
 
 
 _STATUS_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
@@ -101,8 +108,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _describe_validation(exc)
-        return answer(request, OpenAIError(400, message, param=param, code="invalid_request"))
+        message, param, code = _describe_validation(exc)
+        return answer(request, OpenAIError(400, message, param=param, code=code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -55,7 +55,7 @@ async def create_tenant(conn: asyncpg.Connection, name: str, tier: str = "free",
     return tenant_id
 
 
-_UPDATABLE = ("tier", "rpm_limit", "tpm_limit", "monthly_token_budget")
+_UPDATABLE = ("tier", "rpm_limit", "tpm_limit", "monthly_token_budget", "priority_allowed")
 
 
 async def update_tenant(conn: asyncpg.Connection, name: str, **changes) -> None:

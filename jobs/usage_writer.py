@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 
 import asyncpg
@@ -25,8 +26,8 @@ log = logging.getLogger("switchyard.usage")
 INSERT_SQL = """
 INSERT INTO requests (request_id, model, tier, tenant_id, api_key_id, prompt_tokens, completion_tokens,
                       cached_tokens, finish_reason, queue_ms, first_token_ms, total_ms, worker_id, created_at,
-                      cost_usd)
-SELECT $1, $2, $3, $4, $5, $6::int, $7::int, $8, $9, $10, $11, $12, $13, $14,
+                      end_user, metadata, cost_usd)
+SELECT $1, $2, $3, $4, $5, $6::int, $7::int, $8, $9, $10, $11, $12, $13, $14, $15, $16::jsonb,
        coalesce((SELECT ($6::int * p.input_per_mtok + $7::int * p.output_per_mtok) / 1000000
                         * (CASE WHEN $3::text = 'batch' THEN 1 - p.batch_discount ELSE 1 END)
                  FROM model_prices p WHERE p.model IN ($2, '*') ORDER BY p.model = '*' LIMIT 1), 0)
@@ -39,6 +40,7 @@ def _row(r: UsageRecord) -> tuple:
     return (
         r.request_id, r.model, r.tier, r.tenant_id, r.api_key_id, r.prompt_tokens, r.completion_tokens,
         r.cached_tokens, r.finish_reason, r.queue_ms, r.first_token_ms, r.total_ms, r.worker_id, created,
+        r.end_user, None if r.metadata is None else json.dumps(r.metadata),
     )
 
 

@@ -38,6 +38,9 @@ class GatewayConfig(BaseModel):
     # How long the gateway waits between two messages of a running request before giving up on the worker.
     stall_timeout_s: float = Field(60.0, gt=0)
     retry_after_s: int = Field(5, ge=1)
+    # service_tier "flex": how long a request may wait on the low tier before it is answered 429
+    # resource_unavailable (OpenAI suggests clients allow flex requests 15 minutes).
+    flex_wait_s: float = Field(900.0, gt=0)
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0)
     # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
     allow_tier_header: bool = False

@@ -69,6 +69,8 @@ class SamplingParams(msgspec.Struct):
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
+    echo: bool = False  # the prompt's text comes first in each choice's text (legacy completions)
 
 
 class Resume(msgspec.Struct):
@@ -87,7 +89,8 @@ class Resume(msgspec.Struct):
 class GenerateRequest(msgspec.Struct):
     """Published by the gateway on ``llm.req.<model>.<tier>``.
 
-    Exactly one of ``prompt`` (completions) and ``messages`` (chat; the worker applies the chat template) is set.
+    Exactly one of ``prompt`` or ``prompt_token_ids`` (completions) and ``messages`` (chat; the worker applies the
+    chat template) is set.
     A worker that takes the request after ``deadline_at`` does not run it and answers ``queue_timeout``.
     """
 
@@ -113,6 +116,9 @@ class GenerateRequest(msgspec.Struct):
     resume: Resume | None = None  # set on a continuation after its first worker died (gateway/failover.py)
     response_format: ResponseFormat | None = None  # None: free text
     tool_use: ToolUse | None = None  # None: no tools
+    prompt_token_ids: list[int] | None = None  # a completions prompt given as token ids
+    end_user: str | None = None  # the client's ``user`` (or ``safety_identifier``), kept with its usage record
+    metadata: dict[str, str] | None = None  # the client's ``metadata``, kept with its usage record
 
 
 class Usage(msgspec.Struct):
@@ -200,6 +206,8 @@ class UsageRecord(msgspec.Struct):
     tenant_id: str | None = None
     api_key_id: str | None = None
     worker_id: str | None = None
+    end_user: str | None = None
+    metadata: dict[str, str] | None = None
 
 
 class ConversationTurn(msgspec.Struct):
@@ -211,12 +219,16 @@ class ConversationTurn(msgspec.Struct):
     user_content: str
     assistant_content: str
     status: str  # completed | incomplete
+    user_role: str = "user"  # or "tool": the new message answers one of the reply's earlier tool calls
+    tool_call_id: str | None = None  # a tool message's call
+    assistant_tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class BatchChoice(msgspec.Struct):
     index: int = 0
     text: str = ""
     finish_reason: str | None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class BatchResult(msgspec.Struct):

@@ -88,6 +88,8 @@ async def test_requests_table_shape(database_url):
             "created_at": ("timestamp with time zone", False),
             "recorded_at": ("timestamp with time zone", False),
             "cost_usd": ("numeric", False),
+            "end_user": ("text", True),
+            "metadata": ("jsonb", True),
         }
     finally:
         await conn.close()

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         tp.add_argument("--rpm", type=int, help="requests per minute per key (default: the tier's)")
         tp.add_argument("--tpm", type=int, help="tokens per minute per key (default: the tier's)")
         tp.add_argument("--monthly-budget", type=int, help="tokens per calendar month for the tenant")
+        tp.add_argument("--priority", action=argparse.BooleanOptionalAction,
+                        help="may ask for service_tier \"priority\" (the top tier); enterprise tenants always may")
     tsub.add_parser("list")
     p.set_defaults(func=cmd_tenants, tenants_cmd="list")
 

@@ -102,11 +102,15 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             if args.tenants_cmd in ("create", "update") else {}
         if args.tenants_cmd == "create":
             tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or "free", **limits)
+            if args.priority is not None:
+                await tenancy.update_tenant(conn, args.name, priority_allowed=args.priority)
             print(f"created tenant {args.name} ({tenant_id})")
         elif args.tenants_cmd == "update":
             changes = {k: v for k, v in limits.items() if v is not None}
             if args.tier:
                 changes["tier"] = args.tier
+            if args.priority is not None:
+                changes["priority_allowed"] = args.priority
             await tenancy.update_tenant(conn, args.name, **changes)
             print(f"updated tenant {args.name}")
         else:

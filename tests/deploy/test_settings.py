@@ -18,7 +18,7 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", dtype="floa
               metrics_port=9400)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
-               shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3)
+               shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0)
 
 
 def test_the_fixtures_cover_every_setting():

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import jsonschema
 import pytest
 
-from switchyard.shared.messages import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams, TokenDelta, \
-    ToolSpec, ToolUse
+from switchyard.shared.messages import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams, ToolSpec, \
+    ToolUse
 from switchyard.workers.engine.engine import Engine, EngineConfig
 from switchyard.workers.engine.prompts import RequestRejected
 from switchyard.workers.model_store import load
 from tests.support.tiny_model import save_tiny_model
+from tests.workers.test_engine import Result
 
 # Bounded: a complete object always exists within max_tokens, whatever the model prefers.
 PERSON = {
@@ -55,19 +55,6 @@ def request(request_id: str, response_format=None, tool_use=None, **sampling) ->
                            response_format=response_format, tool_use=tool_use)
 
 
-@dataclass
-class Result:
-    deltas: list[TokenDelta] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(d.text for d in self.deltas)
-
-    @property
-    def final(self) -> TokenDelta:
-        return self.deltas[-1]
-
-
 def run(engine: Engine) -> dict[str, Result]:
     results: dict[str, Result] = defaultdict(Result)
     for _ in range(5000):
@@ -89,8 +76,10 @@ def calls_of(deltas) -> list[dict]:
 
 def test_a_random_model_writes_valid_json_for_any_seed(engine):
     fmt = ResponseFormat("json_schema", PERSON, name="person", strict=True)
+    compiled = engine.grammars.num_compiled
     for seed in range(4):
         engine.add_request(request(f"schema-{seed}", fmt, seed=seed, n=2))
+    assert engine.grammars.num_compiled == compiled + 1, "one schema is compiled once, then taken from the cache"
     engine.add_request(request("object", ResponseFormat("json_object"), seed=7))
     engine.add_request(request("free", seed=7, max_tokens=20))  # in the same batch, unconstrained
     results = run(engine)
@@ -163,3 +152,27 @@ def test_a_schema_that_cannot_compile_is_refused_before_compute(engine, fmt, too
         engine.add_request(request("bad", fmt, tool_use))
     assert (caught.value.error.status, caught.value.error.param) == (400, param)
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.model
+def test_smollm2_answers_in_the_schema_and_calls_the_tool_sensibly(smollm2_dir):
+    model, tokenizer = load(smollm2_dir, dtype="float32", device="cpu")
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4))
+    capital = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+               "required": ["country", "capital"], "additionalProperties": False}
+
+    def ask(request_id: str, question: str, **fields) -> GenerateRequest:
+        return GenerateRequest(request_id, "smollm2", "pro", SamplingParams(max_tokens=80, temperature=0), 0.0, 0.0,
+                               messages=[ChatMessage("user", question)], **fields)
+
+    engine.add_request(ask("json", "What is the capital of France? Answer in JSON.",
+                           response_format=ResponseFormat("json_schema", capital, name="capital", strict=True)))
+    weather = ToolSpec("get_weather", "Get the current weather in a city.", {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    engine.add_request(ask("tool", "What's the weather like in Paris today?",
+                           tool_use=ToolUse([weather], choice="required", parallel=False)))
+    results = run(engine)
+    answer = json.loads(results["json"].text)
+    assert "paris" in answer["capital"].lower(), answer
+    (call,) = calls_of(results["tool"].deltas)
+    assert call["name"] == "get_weather" and "paris" in json.loads(call["arguments"])["city"].lower(), call

@@ -129,7 +129,7 @@ class Engine:
             background_priority=get_tier(BATCH_TIER).priority,
         ))
         self._eos = eos_token_ids(model, tokenizer)
-        self._vocab_size = int(hf_config.vocab_size)
+        self.vocab_size = int(hf_config.vocab_size)  # the model's logits
         self._grammars: Grammars | None = None
         self._requests: dict[str, _Request] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
@@ -181,7 +181,7 @@ class Engine:
         if req.request_id in self._requests:
             raise ValueError(f"request {req.request_id!r} is already running")
         if prepared is None:
-            prepared = prepare_prompt(self.tokenizer, req, self.max_context, self.grammars)
+            prepared = prepare_prompt(self.tokenizer, req, self.max_context, self.grammars, self.vocab_size)
         params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
         state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[],
@@ -206,6 +206,8 @@ class Engine:
                 choice.matcher = prepared.matcher if index == 0 else prepared.matcher.deep_copy()
             if req.tool_use is not None and req.tool_use.choice != "none":
                 choice.tools = ToolCallParser(lambda k, i=index: call_id(req.request_id, i, k))
+            if params.echo:  # legacy completions: the text starts with the prompt, as the client wrote it
+                choice.unsent_text = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids)
             seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
                                  cache_salt=cache_salt))
             state.seq_ids.append(seq_id)
@@ -235,9 +237,11 @@ class Engine:
             raise RequestRejected(ErrorInfo("The resumed tokens already contain a stop string.",
                                             code="invalid_value", param="resume"))
         # The same ids decode to the same text and hold back the same tail, so these differ only if the first
-        # worker decoded differently; either way the client gets each character once.
-        choice.skip_chars = max(0, text_len - len(primed))
-        choice.unsent_text = primed[text_len:]
+        # worker decoded differently; either way the client gets each character once. What the client is owed
+        # before them (an echoed prompt) counts as sent text too.
+        owed = choice.unsent_text + primed
+        choice.skip_chars = max(0, text_len - len(owed))
+        choice.unsent_text = owed[text_len:]
         if choice.generator is not None and choice.request.params.temperature >= GREEDY_TEMPERATURE:
             # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
             for _ in token_ids:
@@ -247,7 +251,7 @@ class Engine:
     def grammars(self) -> Grammars:
         """Compiled grammars for this engine's tokenizer (made at first use: a large vocabulary takes a moment)."""
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self._vocab_size)
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
         return self._grammars
 
     def stats(self) -> EngineStats:

@@ -41,6 +41,8 @@ def tokenize_prompt(tokenizer, req: GenerateRequest) -> tuple[list[int], str]:
         return _encode_chat(tokenizer, *chat_messages(tokenizer, req.messages, req.tool_use)), "messages"
     if req.prompt is not None:
         return tokenizer.encode(req.prompt), "prompt"
+    if req.prompt_token_ids is not None:
+        return list(req.prompt_token_ids), "prompt"
     raise RequestRejected(ErrorInfo(message="Either prompt or messages is required.", code="invalid_request",
                                     param="prompt"))
 
@@ -88,11 +90,12 @@ def request_grammar(req: GenerateRequest) -> str | None:
 
 
 def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int, grammars: Grammars | None = None,
-                   ) -> PreparedPrompt:
+                   vocab_size: int | None = None) -> PreparedPrompt:
     """Tokenize ``req`` (chat template included), compile the grammar its output must follow (with
     ``grammars``), and check it can run; raises ``RequestRejected`` for what never can. Touches nothing but
     ``tokenizer`` and ``grammars``: the worker runs it on its intake thread with a tokenizer of its own, so chat
-    templates, tokenization and grammar compilation stay out of the engine's step."""
+    templates, tokenization and grammar compilation stay out of the engine's step. ``vocab_size``: the model's
+    logits; token ids beyond it (in the prompt or ``logit_bias``) are refused, since they would fail its step."""
     if not 1 <= req.sampling.n <= MAX_N:
         raise RequestRejected(ErrorInfo(f"n must be between 1 and {MAX_N}, got {req.sampling.n}.",
                                         code="invalid_value", param="n"))
@@ -105,6 +108,12 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int, grammars: 
     if not prompt_ids:  # nothing to continue from: no logits to sample a first token from (vLLM refuses it too)
         raise RequestRejected(ErrorInfo(f"The {param} is empty: it has no tokens to continue from.",
                                         code="invalid_value", param=param))
+    vocab = min(vocab_size or len(tokenizer), len(tokenizer))
+    for name, ids in (("prompt", prompt_ids if req.prompt_token_ids is not None else ()),
+                      ("logit_bias", req.sampling.logit_bias or ())):
+        if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
+            raise RequestRejected(ErrorInfo(f"Token id {bad} in {name} is not in the model's vocabulary (0 to "
+                                            f"{vocab - 1}).", code="invalid_value", param=name))
     max_tokens = resolve_max_tokens(req, len(prompt_ids), max_context, param)
     matcher = None
     try:

@@ -1,6 +1,6 @@
 """Turn a batch of next-token logits into token ids, each row under its own request's sampling parameters.
 
-Order, as in vLLM and HF: penalties → temperature → top-k → top-p → min-p → draw. Filtering is vectorised over
+Order, as in vLLM and HF: logit bias → penalties → temperature → top-k → top-p → min-p → draw. Filtering is vectorised over
 the batch; only the uniforms are per row, because each seeded request owns a ``random.Random`` and must get the
 same tokens whatever else shares its batch.
 
@@ -50,6 +50,22 @@ def apply_penalties(
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """OpenAI's ``logit_bias``: each listed token's bias added to its logit, in place, before anything else
+    (-100 all but bans a token, +100 all but forces it)."""
+    rows, cols, values = [], [], []
+    for row, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(row)
+            cols.append(token)
+            values.append(bias)
+    if not rows:
+        return
+    device = logits.device
+    logits.index_put_((to_device(rows, torch.long, device), to_device(cols, torch.long, device)),
+                      to_device(values, logits.dtype, device), accumulate=True)
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], batch: int, vocab: int, device) -> torch.Tensor:
@@ -113,6 +129,7 @@ def sample(
     if not (len(params) == len(generators) == batch):
         raise ValueError(f"{batch} logit rows but {len(params)} params and {len(generators)} generators")
     logits = logits.to(torch.float32, copy=True)  # penalties work in place; the caller's logits stay untouched
+    apply_logit_bias(logits, params)
     if prompt_token_ids is not None or output_token_ids is not None:
         empty: list[list[int]] = [[] for _ in range(batch)]
         logits = apply_penalties(logits, params, prompt_token_ids or empty, output_token_ids or empty)

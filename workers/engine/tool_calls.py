@@ -119,7 +119,8 @@ def call_grammar(tool_use: ToolUse, response_format: ResponseFormat | None = Non
         "additionalProperties": False,
     } for t in tools]
     call_schema = with_json_style(alternatives[0] if len(alternatives) == 1 else {"oneOf": alternatives})
-    more = f' ("\\n{OPEN}" body)*' if tool_use.parallel else ""
+    # A named function is called once (OpenAI: "forces the model to call that function").
+    more = f' ("\\n{OPEN}" body)*' if tool_use.parallel and tool_use.choice != "function" else ""
     rules = [
         "%llguidance {}",
         f"body: \"\\n\" %json {json.dumps(call_schema)} \"\\n{CLOSE}\"",

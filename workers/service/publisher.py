@@ -13,6 +13,7 @@ from switchyard.shared.messages import (
     ErrorInfo,
     GenerateRequest,
     TokenDelta,
+    ToolCall,
     Usage,
     UsageRecord,
     encode,
@@ -48,6 +49,12 @@ class Tracked:
         choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))
         choice.text += delta.text
         choice.finish_reason = delta.finish_reason or choice.finish_reason
+        for part in delta.tool_calls or ():  # a call's first part names it, the rest add to its arguments
+            if part.id is not None:
+                choice.tool_calls.append(ToolCall(part.id, part.name or "", part.arguments))
+            elif choice.tool_calls:
+                last = choice.tool_calls[-1]
+                choice.tool_calls[-1] = ToolCall(last.id, last.name, last.arguments + part.arguments)
 
 
 
@@ -111,6 +118,8 @@ class Publisher:
             tenant_id=req.tenant_id,
             api_key_id=req.api_key_id,
             worker_id=self.worker_id,
+            end_user=req.end_user,
+            metadata=req.metadata,
         )
         try:
             await publish_once(self._js, subjects.USAGE_SUBJECT, encode(record), req.request_id,

@@ -356,7 +356,7 @@ class Worker:
         try:
             tracked.prepared = await asyncio.get_running_loop().run_in_executor(
                 self._intake_thread, prepare_prompt, self._intake_tokenizer, request, self.engine.max_context,
-                self.engine.grammars)
+                self.engine.grammars, self.engine.vocab_size)
         except RequestRejected as exc:
             return await self._refuse(request, msg, exc.error)
         except Exception:  # this request's alone: the others, and the intake, go on

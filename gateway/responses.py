@@ -1,0 +1,203 @@
+"""The shapes of OpenAI responses built from the workers' deltas: whole bodies, stream chunks, usage, tool calls.
+
+No I/O: ``CompletionService`` (gateway/serving.py) feeds deltas in and sends what comes out.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from switchyard.gateway.logprobs import LogprobsFormatter
+from switchyard.shared.messages import GenerateRequest, TokenDelta, TokenLogprob, ToolCallDelta, Usage
+
+
+@dataclass(slots=True)
+class Kind:
+    """What differs between chat and text completions in the response shapes."""
+
+    id_prefix: str
+    object_full: str
+    object_chunk: str
+    is_chat: bool
+
+
+CHAT = Kind("chatcmpl-", "chat.completion", "chat.completion.chunk", True)
+TEXT = Kind("cmpl-", "text_completion", "text_completion", False)
+
+
+@dataclass(slots=True)
+class Shape:
+    """How one client request is answered."""
+
+    kind: Kind
+    stream: bool = False
+    include_usage: bool = False
+    include_obfuscation: bool = False
+    service_tier: str | None = None  # echoed in chat responses (OpenAI's label: default, flex, priority)
+    # best_of: each prompt's ``generated_per_prompt`` choices are ranked and the best ``returned_per_prompt`` kept.
+    returned_per_prompt: int | None = None
+    generated_per_prompt: int | None = None
+    extra: dict = field(default_factory=dict)  # fields added to the response (conversation_id, ...)
+
+
+def usage_json(usage: Usage) -> dict:
+    """OpenAI's ``usage`` object (with cached prompt tokens), as every response and batch result line has it."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def tool_call_chunk(part: ToolCallDelta) -> dict:
+    """One streamed ``tool_calls`` item: the call's first part has its id, type and name."""
+    function = {"arguments": part.arguments}
+    item: dict = {"index": part.index}
+    if part.id is not None:
+        item.update(id=part.id, type="function")
+        function = {"name": part.name, **function}
+    item["function"] = function
+    return item
+
+
+def header(shape: Shape, request: GenerateRequest, chunk: bool) -> dict:
+    """The fields every body or chunk starts with."""
+    kind = shape.kind
+    out = {"id": kind.id_prefix + request.request_id, "object": kind.object_chunk if chunk else kind.object_full,
+           "created": int(request.created_at), "model": request.model}
+    if shape.service_tier is not None:
+        out["service_tier"] = shape.service_tier
+    return {**out, **shape.extra}
+
+
+@dataclass(slots=True)
+class _Choice:
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class BodyBuilder:
+    """A whole (non-streamed) response, from every delta of the request."""
+
+    def __init__(self, shape: Shape, request: GenerateRequest) -> None:
+        self._shape, self._request = shape, request
+        self._choices = [_Choice() for _ in range(request.sampling.n)]
+        self.usage = Usage()
+
+    def add(self, delta: TokenDelta) -> None:
+        c = self._choices[delta.index]
+        c.texts.append(delta.text)
+        c.logprobs += delta.logprobs or ()
+        for part in delta.tool_calls or ():
+            if part.id is not None:
+                c.calls.append({"id": part.id, "type": "function",
+                                "function": {"name": part.name, "arguments": part.arguments}})
+            elif c.calls:
+                c.calls[-1]["function"]["arguments"] += part.arguments
+        if delta.finish_reason is not None:
+            c.finish_reason = delta.finish_reason
+        if delta.usage is not None:
+            self.usage = delta.usage
+
+    def text(self, index: int) -> str:
+        return "".join(self._choices[index].texts)
+
+    def finish_reason(self, index: int) -> str | None:
+        return self._choices[index].finish_reason
+
+    def _ranked(self) -> list[int]:
+        """The choices to return, in order: all, or with best_of the best of each prompt's by log-probability
+        per token (OpenAI's "highest log probability per token")."""
+        keep, per_prompt = self._shape.returned_per_prompt, self._shape.generated_per_prompt
+        generated = self._request.sampling.n
+        if keep is None or per_prompt is None or keep >= per_prompt:
+            return list(range(generated))
+
+        def score(i: int) -> float:
+            entries = self._choices[i].logprobs
+            return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
+
+        order = []
+        for start in range(0, generated, per_prompt):
+            group = sorted(range(start, start + per_prompt), key=score, reverse=True)
+            order += group[:keep]
+        return order
+
+    def body(self, logprobs_asked: bool) -> dict:
+        kind = self._shape.kind
+        choices = []
+        for out_index, i in enumerate(self._ranked()):
+            c = self._choices[i]
+            text = "".join(c.texts)
+            formatted = LogprobsFormatter(kind.is_chat, logprobs_asked).format(c.logprobs) if logprobs_asked \
+                else None
+            if kind.is_chat:
+                message = {"role": "assistant", "content": text if text or not c.calls else None}
+                if c.calls:
+                    message["tool_calls"] = c.calls
+                choice = {"index": out_index, "message": message, "logprobs": formatted}
+            else:
+                choice = {"index": out_index, "text": text, "logprobs": formatted}
+            choice["finish_reason"] = c.finish_reason
+            choices.append(choice)
+        return {**header(self._shape, self._request, chunk=False), "choices": choices,
+                "usage": usage_json(self.usage)}
+
+
+class ChunkBuilder:
+    """Stream chunks, one delta at a time."""
+
+    def __init__(self, shape: Shape, request: GenerateRequest) -> None:
+        self._shape = shape
+        self._head = header(shape, request, chunk=True)
+        self._formatters = [LogprobsFormatter(shape.kind.is_chat, request.sampling.logprobs)
+                            for _ in range(request.sampling.n)]
+
+    def opening(self, index: int) -> bytes:
+        """A chat choice's first chunk: its role."""
+        return self._chunk(index, {"role": "assistant", "content": ""}, None)
+
+    def from_delta(self, delta: TokenDelta) -> list[bytes]:
+        out = []
+        if delta.text or delta.tool_calls:
+            body: dict = {}
+            if delta.text:
+                body["content"] = delta.text
+            if delta.tool_calls:
+                body["tool_calls"] = [tool_call_chunk(p) for p in delta.tool_calls]
+            out.append(self._chunk(delta.index, body, None, delta.logprobs))
+        if delta.finish_reason is not None:
+            # The final delta may carry text too: it went out above, and the finish goes on its own chunk like
+            # OpenAI's. Tokens whose text was all cut (a stop string) still get their logprobs here.
+            out.append(self._chunk(delta.index, {}, delta.finish_reason,
+                                   None if delta.text or delta.tool_calls else delta.logprobs))
+        return out
+
+    def usage(self, usage: Usage) -> bytes:
+        return sse({**self._head, "choices": [], "usage": usage_json(usage)})
+
+    def _chunk(self, index: int, delta: dict, finish_reason: str | None,
+               logprobs: list[TokenLogprob] | None = None) -> bytes:
+        formatted = self._formatters[index].format(logprobs) if logprobs else None
+        if self._shape.kind.is_chat:
+            choice = {"index": index, "delta": delta, "logprobs": formatted, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": delta.get("content", ""), "logprobs": formatted,
+                      "finish_reason": finish_reason}
+        payload = {**self._head, "choices": [choice]}
+        if self._shape.include_usage:
+            payload["usage"] = None
+        if self._shape.include_obfuscation:
+            # Random padding of random length: the size of an encrypted chunk no longer tells its token's length.
+            payload["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(24) + 1)
+        return sse(payload)
