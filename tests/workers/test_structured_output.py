@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import jsonschema
 import pytest
+import torch
 
 from switchyard.shared.messages import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams, ToolSpec, \
     ToolUse
@@ -176,3 +177,19 @@ def test_smollm2_answers_in_the_schema_and_calls_the_tool_sensibly(smollm2_dir):
     assert "paris" in answer["capital"].lower(), answer
     (call,) = calls_of(results["tool"].deltas)
     assert call["name"] == "get_weather" and "paris" in json.loads(call["arguments"])["city"].lower(), call
+
+
+def test_masks_leave_exactly_the_allowed_tokens_of_the_masked_rows():
+    from switchyard.workers.engine.guided import apply_masks
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word's spare bits are ignored
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 32), dtype=torch.int32, generator=generator)
+    logits = torch.randn(3, vocab, generator=generator)
+    original = logits.clone()
+    apply_masks(logits, [0, 2], bitmask)
+    for row, words in ((0, bitmask[0]), (2, bitmask[1])):
+        allowed = [bool((int(words[t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
+        assert [not torch.isinf(v) for v in logits[row]] == allowed
+        assert torch.equal(logits[row][torch.tensor(allowed)], original[row][torch.tensor(allowed)])
+    assert torch.equal(logits[1], original[1])

@@ -28,7 +28,7 @@ from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sche
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
-from switchyard.workers.engine.guided import Grammars, apply_masks, fill_masks
+from switchyard.workers.engine.guided import Grammars, fill_masks
 from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected, eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator, sample
 from switchyard.workers.engine.stats import EngineStats
@@ -359,22 +359,19 @@ class Engine:
         if to_sample:
             choices = [seq.data for seq in to_sample]
             guided = [i for i, c in enumerate(choices) if c.matcher is not None]
-            if guided:
-                # The masks are computed while the device still runs the forward (its kernels are only queued).
-                raw_logits = logits
-                logits = logits.clone()
-                apply_masks(logits, guided, fill_masks([choices[i].matcher for i in guided], logits.shape[1]))
+            # The masks are computed while the device still runs the forward (its kernels are only queued).
+            masks = (guided, fill_masks([choices[i].matcher for i in guided], logits.shape[1])) if guided else None
             token_ids = sample(
                 logits,
                 [c.request.params for c in choices],
                 [c.generator for c in choices],
                 prompt_token_ids=[seq.prompt_token_ids for seq in to_sample],
                 output_token_ids=[seq.output_token_ids for seq in to_sample],
+                masks=masks,
             )
             token_ids = to_host_list(token_ids)  # the step's one wait for the device
             sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
-            # Log-probabilities under the model, as vLLM reports them: before the grammar's mask.
-            logprobs = self._logprobs(raw_logits if guided else logits, to_sample, token_ids)
+            logprobs = self._logprobs(logits, to_sample, token_ids)  # the model's: before any mask or penalty
         return sampled, logprobs
 
     def _compute_each_alone(self, plan: SchedulerOutput, outputs: list[TokenDelta],

@@ -1,6 +1,6 @@
 """Turn a batch of next-token logits into token ids, each row under its own request's sampling parameters.
 
-Order, as in vLLM and HF: logit bias → penalties → temperature → top-k → top-p → min-p → draw. Filtering is vectorised over
+Order, as in vLLM and HF: logit bias → penalties → grammar mask → temperature → top-k → top-p → min-p → draw. Filtering is vectorised over
 the batch; only the uniforms are per row, because each seeded request owns a ``random.Random`` and must get the
 same tokens whatever else shares its batch.
 
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from switchyard.shared.messages import SamplingParams
+from switchyard.workers.engine.guided import apply_masks
 from switchyard.workers.executor.transfers import to_device
 
 # Below this temperature, sampling is greedy: dividing by it would overflow the logits to inf (then NaN).
@@ -118,12 +119,14 @@ def sample(
     generators: Sequence[random.Random | None],
     prompt_token_ids: Sequence[Sequence[int]] | None = None,
     output_token_ids: Sequence[Sequence[int]] | None = None,
+    masks: tuple[list[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Pick one token per row of ``logits [B, V]``; returns a ``[B]`` long tensor on the logits' device.
 
     ``params[i]`` and ``generators[i]`` belong to row ``i``; a ``None`` generator draws from torch's global CPU
     RNG. ``temperature == 0`` (anything below ``GREEDY_TEMPERATURE``) is greedy: argmax after penalties. Token
-    histories are needed only for penalties. Nothing here waits for the device.
+    histories are needed only for penalties. ``masks``: the rows under a grammar and their allowed tokens
+    (guided.fill_masks), every other token of those rows excluded. Nothing here waits for the device.
     """
     batch = logits.shape[0]
     if not (len(params) == len(generators) == batch):
@@ -133,6 +136,8 @@ def sample(
     if prompt_token_ids is not None or output_token_ids is not None:
         empty: list[list[int]] = [[] for _ in range(batch)]
         logits = apply_penalties(logits, params, prompt_token_ids or empty, output_token_ids or empty)
+    if masks is not None:  # on the float copy: the caller's logits (its logprobs) stay the model's
+        apply_masks(logits, *masks)
 
     sampled_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
     if not sampled_rows:
