@@ -83,7 +83,7 @@ def tier_rows(queues: dict[tuple[str, str], tuple[int, float | None]], workers: 
     running on the workers now, and over the window the gateways' TTFT p95, the workers' generated tokens per
     second, and the gateways' 429 and 503 answers."""
     rows = []
-    for (model, tier), (depth, oldest_s) in sorted(queues.items()):
+    for (model, tier), (depth, oldest_s) in queues.items():  # in the caller's order: by model, tiers by priority
         labels = {"model": model, "tier": tier}
         tokens = total(worker_window, name("generation_tokens_total"), **labels)
         rows.append({
