@@ -16,7 +16,8 @@ from pathlib import Path
 from switchyard.deploy.credentials import write_private
 from switchyard.deploy.restarts import Restarter
 from switchyard.deploy.system import LocalSystem
-from switchyard.shared.config import SwitchyardConfig
+from switchyard.jobs.prices import apply_prices
+from switchyard.shared.config import ModelEntry, SwitchyardConfig
 from switchyard.workers import model_store
 
 RUN_FILE = "run.json"
@@ -58,9 +59,10 @@ async def _default_key(database_url: str, data_dir: Path) -> str:
     return path.read_text().strip() if path.exists() else "<your key: switchyard keys create --tenant default>"
 
 
-def _banner(base_url: str, model: str, api_key: str) -> str:
+def _banner(base_url: str, model: str, api_key: str, more: list[str] = ()) -> str:
+    models = ", ".join([model, *more])
     return f"""
-Switchyard is up: {base_url}  (model: {model})
+Switchyard is up: {base_url}  (model{"s" if more else ""}: {models})
 API key (tenant `default`, also in the data dir's {KEY_FILE}): {api_key}
 
   curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {api_key}' \\
@@ -90,12 +92,19 @@ def run_up(config: SwitchyardConfig) -> int:
             print(line, file=sys.stderr)
         write_run_file(data, config.nats_url, config.database_url, system.url())
         api_key = asyncio.run(_default_key(config.database_url, data))
-        model_path = model_store.resolve(config.worker.model, config.model_cache_dir)
-        model = config.worker.served_name
-        system.start_worker(model=str(model_path), served_model_name=model)
+        for line in asyncio.run(apply_prices(config.database_url, config.models)):
+            print(f"price     {line}", file=sys.stderr)
+        models = config.models or [ModelEntry(model=config.worker.model, served_model_name=config.worker.served_name,
+                                              aliases=config.worker.aliases)]
+        for entry in models:  # a worker each
+            path = model_store.resolve(entry.model, config.model_cache_dir)
+            system.start_worker(f"worker-{entry.served_name}" if config.models else "worker", model=str(path),
+                                served_model_name=entry.served_name, aliases=entry.aliases,
+                                max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs)
         system.start_gateway()
-        system.wait_until_ready(model, timeout_s=300)
-        print(_banner(system.url(), model, api_key))
+        for entry in models:
+            system.wait_until_ready(entry.served_name, timeout_s=300)
+        print(_banner(system.url(), models[0].served_name, api_key, [m.served_name for m in models[1:]]))
         print(f"(started in {time.monotonic() - t0:.1f} s; data in {data})", file=sys.stderr)
         restarter = Restarter(system.services, lambda line: print(line, file=sys.stderr))
         while True:  # until Ctrl-C; a service that exits is started again

@@ -30,6 +30,7 @@ from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.request_ids import RequestIds
+from switchyard.gateway.routing import Router
 from switchyard.gateway.serving import CompletionService
 from switchyard.gateway.service_tiers import ServiceTier
 from switchyard.gateway.service_tiers import choose as choose_service_tier
@@ -59,11 +60,12 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         await ensure_streams(js, config.nats_replicas)
         pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4, **POOL_OPTIONS)
         db = Database(pool)
-        registry = ModelRegistry(js)
+        registry = ModelRegistry(js, {m.served_name: m.aliases for m in config.models})
         app.state.nc, app.state.js, app.state.pool, app.state.registry = nc, js, pool, registry
         app.state.policies = PolicyCache(js)
         app.state.db = db
         app.state.authenticator = Authenticator(db)
+        app.state.router = Router(registry, config.gateway)
         app.state.limiter = Limiter(db, local_share=1 / config.gateway.num_gateways)
         liveness = WorkerLiveness()
         await liveness.start(nc)
@@ -114,15 +116,20 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         request.state.auth = auth
         return auth
 
-    async def admit(request: Request, auth: AuthContext, max_tokens: int | None, num_chars: int, n: int = 1,
-                    service_tier: str | None = None) -> tuple[ServiceTier, Admission]:
+    async def admit(request: Request, auth: AuthContext, model: str, max_tokens: int | None, num_chars: int,
+                    n: int = 1, service_tier: str | None = None, text: str = "",
+                    ) -> tuple[str, ServiceTier, Admission]:
+        """The tier and the model (an alias or ``auto`` resolved, gateway/routing.py) that serve the request, and
+        its admission under the key's limits. ``text``: what routing by difficulty reads."""
         service = choose_service_tier(service_tier, auth, request_tier(request))
         request.state.tier = service.tier  # for the error metrics' labels
+        model = await request.app.state.router.resolve(model, service.tier, num_chars, max_tokens, text)
+        request.state.model = model
         policy = (await request.app.state.policies.get())[service.tier]
         with tracer.start_as_current_span("rate_limits", attributes={"tier": service.tier}):
             admission = await request.app.state.limiter.admit(auth, policy, estimate_tokens(num_chars, max_tokens, n))
         request.state.rate_headers = admission.headers
-        return service, admission
+        return model, service, admission
 
     @app.middleware("http")
     async def rate_limit_headers(request: Request, call_next):
@@ -138,16 +145,19 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         request.state.model = body.model
-        service, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens,
-                                         body.num_chars(), body.n, body.service_tier)
-        return await request.app.state.service.chat(body, service, auth, admission)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        model, service, admission = await admit(request, auth, body.model, max_tokens, body.num_chars(), body.n,
+                                                body.service_tier, body.routing_text())
+        return await request.app.state.service.chat(body.model_copy(update={"model": model}), service, auth, admission)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         request.state.model = body.model
-        service, admission = await admit(request, auth, body.sampling().max_tokens, body.num_chars(),
-                                         body.num_generated * len(body.prompts))
-        return await request.app.state.service.completion(body, service, auth, admission)
+        model, service, admission = await admit(request, auth, body.model, body.sampling().max_tokens,
+                                                body.num_chars(), body.num_generated * len(body.prompts),
+                                                text=body.routing_text())
+        return await request.app.state.service.completion(body.model_copy(update={"model": model}), service, auth,
+                                                          admission)
 
     app.include_router(admin_router(config.gateway.admin_key))
     app.include_router(conversations_router(caller, admit))
@@ -156,12 +166,19 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request, _: AuthContext = Depends(caller)):
-        served = await request.app.state.registry.models(fresh=True)
+        registry = request.app.state.registry
+        served = await registry.models(fresh=True)
         data = [
             {"id": name, "object": "model", "created": int(min(w.started_at for w in workers)),
-             "owned_by": "switchyard", "max_model_len": max(w.max_context for w in workers)}
+             "owned_by": "switchyard", "max_model_len": max(w.max_context for w in workers),
+             "aliases": registry.aliases(name)}
             for name, workers in sorted(served.items())
         ]
+        # The routing names ("auto"), listed while a model they route to is live.
+        routed = {rule.model for rule in config.gateway.routes}
+        if any([await registry.resolve(m) in served for m in routed]):
+            data += [{"id": name, "object": "model", "created": 0, "owned_by": "switchyard",
+                      "routes_to": sorted(routed)} for name in sorted(request.app.state.router.route_names)]
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")

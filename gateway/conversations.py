@@ -172,8 +172,10 @@ def conversations_router(caller, admit) -> APIRouter:
             "SELECT role, content, tool_calls, tool_call_id FROM conversation_messages WHERE conversation_id = $1 "
             "ORDER BY seq", conversation_id)]
         history.append(ChatMessage(body.role, body.content, tool_call_id=body.tool_call_id))
-        service, admission = await admit(request, auth, body.max_completion_tokens or body.max_tokens,
-                                         sum(len(m.content) for m in history), 1, body.service_tier)
+        model, service, admission = await admit(request, auth, model, body.max_completion_tokens or body.max_tokens,
+                                                sum(len(m.content) for m in history), 1, body.service_tier,
+                                                body.content)
+        body = body.model_copy(update={"model": model})
 
         async def store(outcome: Outcome) -> None:
             # Both turns land together, once the reply ended; a reply cut short is kept, marked incomplete.

@@ -339,6 +339,10 @@ class ChatCompletionRequest(_SamplingFields):
     def num_chars(self) -> int:
         return sum(len(m.text()) for m in self.messages)
 
+    def routing_text(self) -> str:
+        """What ``auto`` routing judges the request by: the last user message (the ask; the history is context)."""
+        return next((m.text() for m in reversed(self.messages) if m.role == "user"), "")
+
 
 Prompt = str | list[int]
 
@@ -402,3 +406,6 @@ class CompletionRequest(_SamplingFields):
     def num_chars(self) -> int:
         # A token id is about four characters (limits.estimate_tokens divides by four).
         return sum(len(p) if isinstance(p, str) else 4 * len(p) for p in self.prompts)
+
+    def routing_text(self) -> str:
+        return "\n".join(p for p in self.prompts if isinstance(p, str))

@@ -28,11 +28,15 @@ log = logging.getLogger("switchyard.gateway")
 
 
 class ModelRegistry:
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, catalog: dict[str, list[str]] | None = None) -> None:
+        """``catalog``: the models the deployment is configured with (served name -> aliases): known before any of
+        their workers is live, so a request for one with no worker is a 503 to retry, not a 404."""
         self._js = js
         self._cached: dict[str, list[WorkerInfo]] = {}
         self._cached_at = 0.0
         self._last_served: dict[str, float] = {}  # model -> when a listing last had it
+        self._catalog = catalog or {}
+        self._catalog_aliases = {alias: model for model, aliases in self._catalog.items() for alias in aliases}
 
     async def models(self, fresh: bool = False) -> dict[str, list[WorkerInfo]]:
         """Served model name → the live workers serving it. While NATS cannot be read, the last listing for up to
@@ -54,6 +58,22 @@ class ModelRegistry:
         self._last_served.update(dict.fromkeys(found, self._cached_at))
         return found
 
+    async def resolve(self, name: str) -> str:
+        """The served model ``name`` stands for: itself, or the model whose alias it is (a live worker's, then the
+        catalog's)."""
+        served = await self.models()
+        if name in served:
+            return name
+        for model, workers in served.items():
+            if any(name in w.aliases for w in workers):
+                return model
+        return self._catalog_aliases.get(name, name)
+
+    def aliases(self, model: str) -> list[str]:
+        """Every alias of ``model`` known now (live workers' and the catalog's)."""
+        found = {a for w in self._cached.get(model, ()) for a in w.aliases} | set(self._catalog.get(model, ()))
+        return sorted(found)
+
     async def is_served(self, model: str) -> bool:
         """Whether a worker serves ``model`` now; raises OpenAIError 503 for one served a moment ago (its workers
         are coming back), so a client retries rather than taking it for a model that does not exist."""
@@ -65,4 +85,7 @@ class ModelRegistry:
         if time.monotonic() - self._last_served.get(model, float("-inf")) < _REMEMBER_S:
             raise service_unavailable(f"No worker serves `{model}` right now (it did a moment ago); please retry.",
                                       _UNREACHABLE_RETRY_AFTER_S, code="model_unavailable")
+        if model in self._catalog:
+            raise service_unavailable(f"No worker serves `{model}` right now (it is configured here but none is "
+                                      "live); please retry.", _UNREACHABLE_RETRY_AFTER_S, code="model_unavailable")
         return False

@@ -29,6 +29,19 @@ def default_data_dir() -> Path:
     return Path(base) / "switchyard"
 
 
+class RouteRule(BaseModel):
+    """One rule of ``model: "auto"`` routing (gateway/routing.py): a request matching every condition given goes to
+    ``model``. Prompt tokens are estimated as the gateway estimates them everywhere (characters / 4)."""
+
+    model: str
+    tiers: list[str] | None = None
+    min_prompt_tokens: int | None = Field(None, ge=0)
+    max_prompt_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=1)  # requests asking for more do not match
+    min_difficulty: float | None = Field(None, ge=0, le=1)
+    max_difficulty: float | None = Field(None, ge=0, le=1)
+
+
 class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -55,11 +68,15 @@ class GatewayConfig(BaseModel):
     drain_timeout_s: float = Field(60.0, ge=0)
     # Gateways sharing each key's rate limits: while Postgres is away each enforces 1/num_gateways of them alone.
     num_gateways: int = Field(1, ge=1)
+    # ``model`` names that route by ``routes`` (first rule whose model a worker serves); empty routes: no routing.
+    route_names: list[str] = Field(default_factory=lambda: ["auto"])
+    routes: list[RouteRule] = Field(default_factory=list)
 
 
 class WorkerConfig(BaseModel):
     model: str = "smollm2"  # a registry name (see workers.model_store) or a local HF model directory
     served_model_name: str | None = None
+    aliases: list[str] = Field(default_factory=list)  # more names clients may use for it (in the worker registry)
     dtype: str = "auto"  # auto: bfloat16 where supported, else float32
     device: str = "auto"  # auto: cuda when available
     max_num_seqs: int = Field(32, ge=1)  # sequences running at once
@@ -94,6 +111,22 @@ class WorkerConfig(BaseModel):
         return Path(self.model).name if Path(self.model).is_dir() else self.model
 
 
+class ModelEntry(BaseModel):
+    """One model of several (``SwitchyardConfig.models``): ``switchyard up`` runs a worker for each."""
+
+    model: str  # a registry name or a local HF model directory, as worker.model
+    served_model_name: str | None = None
+    aliases: list[str] = Field(default_factory=list)
+    # USD per million tokens, written to Postgres ``model_prices`` at start (None: the '*' default price).
+    input_per_mtok: float | None = Field(None, ge=0)
+    output_per_mtok: float | None = Field(None, ge=0)
+    max_num_seqs: int | None = Field(None, ge=1)  # this model's worker only (default: worker.max_num_seqs)
+
+    @property
+    def served_name(self) -> str:
+        return WorkerConfig(model=self.model, served_model_name=self.served_model_name).served_name
+
+
 class SwitchyardConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="ignore")
 
@@ -120,6 +153,9 @@ class SwitchyardConfig(BaseSettings):
     traces_file: Path | None = None
     gateway: GatewayConfig = GatewayConfig()
     worker: WorkerConfig = WorkerConfig()
+    # Several models (``up`` runs a worker for each; the gateway knows their names before any worker is live, so a
+    # known model with no worker is a 503, not a 404). Empty: ``worker.model`` alone.
+    models: list[ModelEntry] = Field(default_factory=list)
 
     @property
     def model_cache_dir(self) -> Path:

@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(log_level=os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("up", help="start everything: NATS, Postgres, migrations, a worker and the gateway")
-    add_common_flags(p), add_model_flags(p), add_http_flags(p)
+    p = sub.add_parser("up", help="start everything: NATS, Postgres, migrations, a worker per model and the gateway")
+    add_common_flags(p), add_model_flags(p, several=True), add_http_flags(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway")

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.config import ModelEntry, SwitchyardConfig
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -15,10 +15,17 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--database-url", help="use this Postgres instead of an embedded one")
     p.add_argument("--log-level", default=os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO"))
     p.add_argument("--log-format", choices=["text", "json"], help="json: one object a line, with the request id")
+    p.add_argument("--config", type=Path, help="a YAML or JSON file of settings (models, gateway.routes, ...); "
+                                               "environment variables and flags override it")
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="registry name (smollm2) or a local Hugging Face model directory")
+def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
+    if several:
+        p.add_argument("--model", action="append", metavar="[NAME=]MODEL",
+                       help="registry name (smollm2) or a local Hugging Face model directory, served as NAME; "
+                            "repeat it to serve several models (a worker each)")
+    else:
+        p.add_argument("--model", help="registry name (smollm2) or a local Hugging Face model directory")
     p.add_argument("--served-model-name", help="the name clients use in the `model` field")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
@@ -46,13 +53,52 @@ def load_config(args: argparse.Namespace) -> SwitchyardConfig:
     Flags are named after the settings they set (``--max-num-seqs`` sets ``worker.max_num_seqs``), so the mapping
     needs no table: every flag whose destination is a field of a section goes to that section.
     """
-    config = SwitchyardConfig()
+    config = SwitchyardConfig(**read_config_file(args.config)) if getattr(args, "config", None) else \
+        SwitchyardConfig()
 
     def given(fields) -> dict:
         return {f: v for f in fields if (v := getattr(args, f, None)) is not None}
 
+    worker = given(type(config.worker).model_fields)
+    models = config.models
+    if isinstance(worker.get("model"), list):  # `up --model a --model b`: a worker each
+        specs = [_model_entry(spec) for spec in worker.pop("model")]
+        if len(specs) == 1 and not models:
+            worker.update(specs[0].model_dump(include={"model", "served_model_name"}, exclude_none=True))
+        else:
+            models = specs
     return config.model_copy(update={
         **given(("data_dir", "nats_url", "database_url", "log_format")),
-        "worker": config.worker.model_copy(update=given(type(config.worker).model_fields)),
+        "worker": config.worker.model_copy(update=worker),
         "gateway": config.gateway.model_copy(update=given(type(config.gateway).model_fields)),
+        "models": models,
     })
+
+
+def _model_entry(spec: str) -> ModelEntry:
+    """``NAME=MODEL`` or ``MODEL`` (a path may hold '=' only after its first '/')."""
+    name, sep, model = spec.partition("=")
+    if not sep or "/" in name:
+        return ModelEntry(model=spec)
+    return ModelEntry(model=model, served_model_name=name)
+
+
+def read_config_file(path: Path) -> dict:
+    """A settings file's contents (YAML, or JSON which YAML reads too), fields as ``SwitchyardConfig`` has them."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"cannot read the settings file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"the settings file {path} must hold a mapping of settings")
+    # Environment variables still win over the file: they are what a deployment sets last.
+    return _merged(data, SwitchyardConfig().model_dump(exclude_unset=True))
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -81,8 +81,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if not config.database_url:
         print("switchyard migrate needs --database-url (or SWITCHYARD_DATABASE_URL).", file=sys.stderr)
         return 2
+    from switchyard.jobs.prices import apply_prices
+
     applied = asyncio.run(apply_migrations(config.database_url))
     print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+    for line in asyncio.run(apply_prices(config.database_url, config.models)):
+        print("price: " + line)
     return 0
 
 

@@ -8,17 +8,20 @@ import pytest
 
 from switchyard.cli.main import build_parser
 from switchyard.cli.options import load_config
-from switchyard.shared.config import ENV_PREFIX, GatewayConfig, SwitchyardConfig, WorkerConfig, settings_env
+from switchyard.shared.config import (ENV_PREFIX, GatewayConfig, ModelEntry, RouteRule, SwitchyardConfig, WorkerConfig,
+                                     settings_env)
 
 # A value for every field of the gateway and worker sections, each different from its default.
-WORKER = dict(model="/models/some-llama", served_model_name="llama", dtype="float32", device="cpu", max_num_seqs=7,
+WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l3"], dtype="float32", device="cpu",
+              max_num_seqs=7,
               max_num_batched_tokens=96, block_size=32, kv_cache_gib=1.5, gpu_memory_fraction=0.5,
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
               batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
               metrics_port=9400)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
-               shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0)
+               shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
+               route_names=["auto", "smart"], routes=[RouteRule(model="llama", tiers=["pro"], max_difficulty=0.5)])
 
 
 def test_the_fixtures_cover_every_setting():
@@ -44,7 +47,9 @@ def test_every_setting_up_holds_reaches_its_children(clean_env):
                               nats_tls_cert=Path("/etc/c.pem"), nats_tls_key=Path("/etc/k.pem"),
                               nats_tls_ca=Path("/etc/ca.pem"), log_format="json", log_health_checks=True,
                               traces_exporter="file", traces_file=Path("/tmp/traces.jsonl"),
-                              worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY))
+                              worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY),
+                              models=[ModelEntry(model="smollm2", served_model_name="s", aliases=["a"],
+                                                 input_per_mtok=0.5, max_num_seqs=3)])
     for name, value in settings_env(config).items():
         clean_env.setenv(name, value)
     assert SwitchyardConfig() == config
@@ -111,3 +116,15 @@ def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env
             for key, value in env.items():
                 child.setenv(key, value)
             assert SwitchyardConfig() == expected[name]
+
+
+def test_several_models_from_flags_or_a_settings_file_which_the_environment_overrides(clean_env, tmp_path):
+    config = load_config(build_parser().parse_args(["up", "--model", "small=smollm2", "--model", "/m/large"]))
+    assert [(m.served_model_name, m.model) for m in config.models] == [("small", "smollm2"), (None, "/m/large")]
+    settings = tmp_path / "switchyard.yaml"
+    settings.write_text("models:\n  - {model: smollm2, served_model_name: s, aliases: [fast], input_per_mtok: 0.5}\n"
+                        "gateway:\n  port: 9100\n  routes: [{model: s, max_difficulty: 0.3}]\n")
+    clean_env.setenv("SWITCHYARD_GATEWAY__PORT", "9200")
+    config = load_config(build_parser().parse_args(["gateway", "--config", str(settings)]))
+    assert [(m.served_name, m.aliases, m.input_per_mtok) for m in config.models] == [("s", ["fast"], 0.5)]
+    assert (config.gateway.port, config.gateway.routes[0].max_difficulty) == (9200, 0.3)

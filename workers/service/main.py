@@ -70,7 +70,7 @@ async def _serve(engine, config: SwitchyardConfig, step_thread: ThreadPoolExecut
     log.info("metrics, health and readiness on http://%s:%d", host, server.port)
     worker = Worker(engine, w.served_name, config.nats_url, background, step_thread,
                     heartbeat_s=w.heartbeat_s, drain_timeout_s=w.drain_timeout_s, nats_replicas=config.nats_replicas,
-                    nats_tls_ca=config.nats_tls_ca, metrics=metrics, metrics_url=metrics_url)
+                    nats_tls_ca=config.nats_tls_ca, metrics=metrics, metrics_url=metrics_url, aliases=w.aliases)
     ready = asyncio.Event()
     reporting = asyncio.create_task(_report_status(status, ready, stop))
     try:

@@ -78,7 +78,7 @@ class Worker:
     def __init__(self, engine, model_name: str, nats_url: str, background: BackgroundPolicy,
                  step_thread: ThreadPoolExecutor, heartbeat_s: float = 3.0, drain_timeout_s: float = 60.0,
                  nats_replicas: int = 1, nats_tls_ca=None, metrics: WorkerMetrics | None = None,
-                 metrics_url: str = "") -> None:
+                 metrics_url: str = "", aliases: list[str] | None = None) -> None:
         """``background``: how much batch-tier work may hold seats and run while interactive traffic is about.
         ``step_thread``: a one-thread executor, the thread that built ``engine``; every step runs there (torch's
         OpenMP pool belongs to the calling thread, and a second pool slows every matmul down).
@@ -86,7 +86,7 @@ class Worker:
         ``nats_replicas``: the replication of the streams and buckets it creates if it starts first.
         ``nats_tls_ca``: the CA its NATS server's certificate is checked against (None: the system's).
         ``metrics``/``metrics_url``: where it records its Prometheus metrics, and where they are served (put in its
-        heartbeat so they can be found)."""
+        heartbeat so they can be found). ``aliases``: more names clients may use for the model (in its heartbeat)."""
         self.engine = engine
         self.model_name = model_name
         self.worker_id = uuid.uuid4().hex[:12]
@@ -122,6 +122,7 @@ class Worker:
         self.num_steps, self.step_s, self.gap_s = 0, 0.0, 0.0  # see WorkerInfo
         self.metrics = metrics or WorkerMetrics(model_name)
         self._metrics_url = metrics_url
+        self._aliases = list(aliases or [])
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _num_admittable(self) -> int:
@@ -233,7 +234,7 @@ class Worker:
             running[tracked.request.tier] = running.get(tracked.request.tier, 0) + 1
         info = WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at, running,
                           self.num_steps, self.step_s, self.gap_s, host=socket.gethostname(), pid=os.getpid(),
-                          metrics_url=self._metrics_url)
+                          metrics_url=self._metrics_url, aliases=self._aliases)
         await kv.put(subjects.worker_key(self.model_name, self.worker_id), encode(info))
 
     async def _alive_loop(self, done: asyncio.Event) -> None:
