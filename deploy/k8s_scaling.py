@@ -1,16 +1,18 @@
-"""KEDA ScaledObjects for worker Deployments: one per model, one ``nats-jetstream`` trigger per tier.
+"""KEDA ScaledObjects for worker Deployments: one per model, one Prometheus trigger per tier.
 
-A worker pulls only what it can admit now, so a tier's backlog is its durable consumer's lag in JetStream
-(``num_pending + num_ack_pending``, read by KEDA from the NATS servers' ``/jsz``): the same queue ops see in
-``switchyard top``. Stream and consumer names come from ``shared/subjects.py``, never typed by hand; a renamed
-subject changes this output, and the test that compares it with the committed manifest fails until it is rendered
-again:
+A worker pulls only what it can admit now, so a tier's backlog is what waits in JetStream: every tenant's queue of
+the model in that tier (a queue per tenant, so that tenants share the tier fairly: scheduler/tenant_share.py).
+The gateways read it from JetStream every few seconds into ``switchyard:queue_depth{model, tier}`` (the same
+number ``switchyard top`` and ``tiers show`` print), and KEDA reads that gauge from Prometheus. (KEDA's
+``nats-jetstream`` scaler reads one consumer's lag, and a tier has a consumer per tenant.) Metric and label names
+come from the code (gateway/metrics.py), never typed by hand; a test compares this output with the committed
+manifest:
 
     python -m switchyard.deploy.k8s_scaling --model smollm2 > deploy/k8s/base/worker-scaledobject.yaml
 
 KEDA hands the HPA one metric per trigger and the HPA follows the largest wish, within min..max:
 
-    replicas = max over tiers of ceil(lag(tier) / lagThreshold(tier))
+    replicas = max over tiers of ceil(queued(tier) / threshold(tier))
 
 so a lower threshold buys a tier capacity sooner: a few waiting enterprise requests ask for another worker, batch
 asks only once its queue is deep (it may wait hours by design, and ``--max-replicas`` caps what it can ask for).
@@ -25,16 +27,24 @@ import sys
 
 import yaml
 
-from switchyard.shared.subjects import model_token, request_consumer, request_stream
+from switchyard.shared.metrics import name as metric_name
+from switchyard.shared.subjects import model_token
 from switchyard.shared.tiers import TIER_NAMES
 
 # Requests waiting per worker before another is asked for. A worker already runs max_num_seqs (32) at once and
-# pulls only what fits, so any lag means every worker is full: the thresholds say how long each tier may queue.
+# pulls only what fits, so any queue means every worker is full: the thresholds say how long each tier may queue.
 LAG_THRESHOLDS = {"enterprise": 4, "pro": 8, "free": 32, "batch": 1024}
-# Used only with --min-replicas 0: the lag that wakes the first worker. Batch lines do not start a GPU one by one.
+# Used only with --min-replicas 0: the queue that wakes the first worker. Batch lines do not start a GPU one by one.
 ACTIVATION_THRESHOLDS = {"enterprise": 0, "pro": 0, "free": 0, "batch": 64}
-MONITORING_ENDPOINT = "nats-headless.nats.svc.cluster.local:8222"  # headless: KEDA finds each consumer's leader
-NATS_ACCOUNT = "SWITCHYARD"  # deploy/k8s/nats-values.yaml
+# prometheus-operator's Service for the Prometheus it runs (the ServiceMonitor/PodMonitor feed it).
+PROMETHEUS_ADDRESS = "http://prometheus-operated.monitoring.svc.cluster.local:9090"
+QUEUE_METRIC = metric_name("queue_depth")
+
+
+def queue_query(model: str, tier: str) -> str:
+    """The tier's queue of ``model``: every gateway exports the same reading, so the largest is it."""
+    escaped = model.replace("\\", "\\\\").replace('"', '\\"')
+    return f'max({QUEUE_METRIC}{{model="{escaped}",tier="{tier}"}})'
 
 
 def default_deployment(model: str) -> str:
@@ -42,23 +52,22 @@ def default_deployment(model: str) -> str:
     return "switchyard-worker-" + re.sub(r"[^a-z0-9-]+", "-", model_token(model).lower()).strip("-")
 
 
-def scaled_object(model: str, deployment: str, monitoring_endpoint: str = MONITORING_ENDPOINT,
+def scaled_object(model: str, deployment: str, prometheus_address: str = PROMETHEUS_ADDRESS,
                   lag_thresholds: dict[str, int] | None = None, activation_thresholds: dict[str, int] | None = None,
-                  min_replicas: int = 1, max_replicas: int = 8, account: str = NATS_ACCOUNT) -> dict:
+                  min_replicas: int = 1, max_replicas: int = 8) -> dict:
     """The ScaledObject for ``model``'s workers (``deployment``), as a dict; thresholds default per tier."""
     lag = {**LAG_THRESHOLDS, **(lag_thresholds or {})}
     activation = {**ACTIVATION_THRESHOLDS, **(activation_thresholds or {})}
     triggers = [{
-        "type": "nats-jetstream",
+        "type": "prometheus",
         "name": tier,
         # KEDA's trigger metadata is a map of strings: numbers are quoted.
         "metadata": {
-            "natsServerMonitoringEndpoint": monitoring_endpoint,
-            "account": account,
-            "stream": request_stream(tier),
-            "consumer": request_consumer(model, tier),
-            "lagThreshold": str(lag[tier]),
-            "activationLagThreshold": str(activation[tier]),
+            "serverAddress": prometheus_address,
+            "query": queue_query(model, tier),
+            "threshold": str(lag[tier]),
+            "activationThreshold": str(activation[tier]),
+            "ignoreNullValues": "true",  # no gateway has read the queue yet: nothing queued
         },
     } for tier in TIER_NAMES]
     return {
@@ -72,7 +81,7 @@ def scaled_object(model: str, deployment: str, monitoring_endpoint: str = MONITO
             "maxReplicaCount": max_replicas,
             "pollingInterval": 10,
             "cooldownPeriod": 300,
-            # NATS monitoring unreachable: keep what runs (never shrink on missing data), at least min_replicas.
+            # Prometheus unreachable: keep what runs (never shrink on missing data), at least min_replicas.
             "fallback": {"failureThreshold": 3, "replicas": max(min_replicas, 1),
                          "behavior": "currentReplicasIfHigher"},
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
@@ -108,16 +117,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m switchyard.deploy.k8s_scaling", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="served model name, as workers register it")
     p.add_argument("--deployment", help="worker Deployment to scale (default: switchyard-worker-<model>)")
-    p.add_argument("--monitoring-endpoint", default=MONITORING_ENDPOINT, help="NATS monitoring host:port")
-    p.add_argument("--account", default=NATS_ACCOUNT, help="NATS account holding the request streams")
-    p.add_argument("--lag", type=_tier_values, default={}, help="per tier lagThreshold, e.g. enterprise=2,free=64")
-    p.add_argument("--activation", type=_tier_values, default={}, help="per tier activationLagThreshold")
+    p.add_argument("--prometheus", default=PROMETHEUS_ADDRESS, help="the Prometheus KEDA queries")
+    p.add_argument("--lag", type=_tier_values, default={}, help="per tier threshold, e.g. enterprise=2,free=64")
+    p.add_argument("--activation", type=_tier_values, default={}, help="per tier activationThreshold")
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--max-replicas", type=int, default=8)
     args = p.parse_args(argv)
     command = sys.argv[1:] if argv is None else argv
-    print(render(args.model, args.deployment, command, monitoring_endpoint=args.monitoring_endpoint,
-                 account=args.account, lag_thresholds=args.lag, activation_thresholds=args.activation,
+    print(render(args.model, args.deployment, command, prometheus_address=args.prometheus,
+                 lag_thresholds=args.lag, activation_thresholds=args.activation,
                  min_replicas=args.min_replicas, max_replicas=args.max_replicas), end="")
 
 

@@ -19,6 +19,7 @@ class TierUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_queued: int | None = Field(None, ge=1)
+    max_queued_per_tenant: int | None = Field(None, ge=0)  # 0: a quarter of max_queued
     max_wait_s: float | None = Field(None, gt=0)
     weight: float | None = Field(None, gt=0)
 

@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from switchyard.gateway.admin import admin_router
+from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.auth import AuthContext, Authenticator
 from switchyard.gateway.batches import batches_router
 from switchyard.gateway.body_limit import BodySizeLimit
@@ -30,6 +31,7 @@ from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.request_ids import RequestIds
+from switchyard.gateway.safety import InputSafety
 from switchyard.gateway.routing import Router
 from switchyard.gateway.serving import CompletionService
 from switchyard.gateway.service_tiers import ServiceTier
@@ -55,6 +57,8 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # First: a safety configuration that cannot work stops the start; the classifier is loaded once, here.
+        app.state.safety = safety = InputSafety(config.gateway.safety, metrics)
         nc = await nats_client.connect(config.nats_url, "switchyard-gateway", tls_ca=config.nats_tls_ca)
         js = nc.jetstream()
         await ensure_streams(js, config.nats_replicas)
@@ -72,11 +76,12 @@ def create_app(config: SwitchyardConfig) -> FastAPI:
         app.state.service = CompletionService(
             Relay(nc, js, config.gateway.stall_timeout_s, config.gateway.retry_after_s, liveness,
                   Failover(js, registry, liveness)), registry,
-            app.state.policies, app.state.limiter, config.gateway, metrics,
+            app.state.policies, app.state.limiter, config.gateway, metrics, safety=safety,
+            affinity=AffinityIndex(js, config.nats_replicas) if config.gateway.affinity else None,
         )
         poller = QueuePoller(metrics, js, registry, db)
         poller.start()
-        jobs = Jobs(nc, js, pool, registry, config.database_url) if config.gateway.run_jobs else None
+        jobs = Jobs(nc, js, pool, registry, config.database_url, safety) if config.gateway.run_jobs else None
         try:
             yield
         finally:

@@ -34,6 +34,7 @@ class AuthContext:
     tpm_limit: int | None
     monthly_token_budget: int | None  # None: unlimited
     priority_allowed: bool = False  # may ask for service_tier "priority" (gateway/service_tiers.py)
+    safety_policy: str | None = None  # off | log | block; None: the deployment's default (gateway/safety.py)
 
 
 def invalid_key() -> OpenAIError:
@@ -82,9 +83,11 @@ class Authenticator:
     async def _lookup(pool, digest: bytes) -> AuthContext | None:
         row = await pool.fetchrow(
             "SELECT k.id AS key_id, t.id AS tenant_id, t.name, t.tier, t.rpm_limit, t.tpm_limit, "
-            "t.monthly_token_budget, t.priority_allowed FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+            "t.monthly_token_budget, t.priority_allowed, t.safety_policy "
+            "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
             "WHERE k.key_hash = $1 AND k.revoked_at IS NULL", digest)
         if row is None:
             return None
         return AuthContext(row["tenant_id"], row["name"], row["key_id"], row["tier"], row["rpm_limit"],
-                           row["tpm_limit"], row["monthly_token_budget"], row["priority_allowed"])
+                           row["tpm_limit"], row["monthly_token_budget"], row["priority_allowed"],
+                           row["safety_policy"])

@@ -60,8 +60,9 @@ class Failover:
             deadline_at=now + max(1.0, request.deadline_at - request.created_at))
         try:
             # Its own message id: the original's is still in the stream's duplicate window.
-            await publish_once(self._js, subjects.request_subject(request.model, request.tier), encode(continuation),
-                               f"{request.request_id}.resume{attempt}", within_s=15.0, headers=inject_headers())
+            subject = subjects.request_subject(request.model, request.tier, request.tenant_id)
+            await publish_once(self._js, subject, encode(continuation), f"{request.request_id}.resume{attempt}",
+                               within_s=15.0, headers=inject_headers())
         except Exception as exc:  # queue full, or NATS away: the request ends with worker_lost
             log.warning("could not continue request %s elsewhere: %r", request.request_id, exc)
             return None

@@ -49,6 +49,10 @@ class GatewayMetrics:
                                          "Age of the oldest usage record not yet written to Postgres.", registry=r)
         self.batch_lines = Gauge(name("batch_lines"), "Lines of batches not yet ended, by state.", ("state",),
                                  registry=r)
+        self.safety_input = Counter(name("safety_input_verdicts"),
+                                    "Requests judged by the input safety filter (gateway/safety.py), by tier, category "
+                                    "(none: allowed) and action: allowed, logged, blocked.",
+                                    ("tier", "category", "action"), registry=r)
         self.served_models: set[str] = set()  # names a model label may take (the registry's), see model_label
 
     def model_label(self, model: str | None) -> str:

@@ -21,6 +21,7 @@ from switchyard.gateway.limits import estimate_tokens
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.registry import ModelRegistry
 from switchyard.shared import subjects
+from switchyard.shared.jetstream import queued_tenants
 from switchyard.shared.messages import GenerateRequest, UsageRecord, decode
 from switchyard.shared.tiers import TIER_NAMES
 
@@ -39,7 +40,7 @@ BATCH_LINE_STATES = ("pending", "queued", "completed", "failed", "cancelled")
 
 
 class QueueState(msgspec.Struct):
-    depth: int  # requests not yet delivered to a worker
+    depth: int  # requests not yet started by a worker (a few taken but not yet started included)
     oldest_age_s: float | None  # the oldest request still in the stream (None: empty)
     backlog_tokens: int  # estimated, see BACKLOG_SAMPLE
 
@@ -58,10 +59,10 @@ def _request_tokens(data: bytes) -> int:
 
 
 async def queue_state(js: JetStreamContext, model: str, tier: str) -> QueueState:
-    """The queue of ``model`` in ``tier``, read from its stream and durable consumer."""
-    stream, subject = subjects.request_stream(tier), subjects.request_subject(model, tier)
+    """The queue of ``model`` in ``tier`` (every tenant's), read from its stream."""
+    stream, subject = subjects.request_stream(tier), subjects.model_tier_subjects(model, tier)
     try:
-        depth = (await js.consumer_info(stream, subjects.request_consumer(model, tier))).num_pending or 0
+        depth = sum((await queued_tenants(js, model, tier)).values())
     except NotFoundError:
         depth = 0
     if not depth:
@@ -129,7 +130,8 @@ class QueuePoller:
     async def poll(self) -> None:
         m = self._metrics
         served = await self._registry.models()
-        m.served_models.update(served)
+        # Configured models too: a queue gauge exists before any worker does (KEDA wakes the first one on it).
+        m.served_models.update(served, self._registry.catalog_models)
         for model in sorted(m.served_models):
             for tier in TIER_NAMES:
                 state = await queue_state(self._js, model, tier)

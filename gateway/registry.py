@@ -69,6 +69,11 @@ class ModelRegistry:
                 return model
         return self._catalog_aliases.get(name, name)
 
+    @property
+    def catalog_models(self) -> list[str]:
+        """The models the deployment is configured with, live or not."""
+        return list(self._catalog)
+
     def aliases(self, model: str) -> list[str]:
         """Every alias of ``model`` known now (live workers' and the catalog's)."""
         found = {a for w in self._cached.get(model, ()) for a in w.aliases} | set(self._catalog.get(model, ()))

@@ -27,6 +27,7 @@ from switchyard.gateway.failover import Failover
 from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import QUEUE_FULL_CODES, is_transient, oversize_error, publish_once
+from switchyard.shared.stream_config import is_subject_cap
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
 from switchyard.shared.tracing import inject_headers, tracer
 
@@ -37,7 +38,10 @@ DEADLINE_GRACE_S = 2.0
 PUBLISH_RETRY_S = 15.0
 # After this gateway's own reconnect, a stream whose live worker says nothing for this long lost its last deltas.
 # Longer than a worker may legitimately go quiet through the same outage (its acks and records retry for seconds).
-RECONNECT_SILENCE_S = 20.0  # a JetStream cluster elects a new stream leader within about 4 s of losing a node
+RECONNECT_SILENCE_S = 20.0
+# An offer's fallback waits this long past the offer's own end, so a worker whose clock runs a little behind the
+# gateway's has dropped its copy by the time the request goes to the shared queue.
+OFFER_GRACE_S = 0.1  # a JetStream cluster elects a new stream leader within about 4 s of losing a node
 
 
 class RelayedRequest:
@@ -70,6 +74,7 @@ class RelayedRequest:
         self._taken_at: float | None = None
         self._first_token_at: float | None = None
         self._reconnects_at_last_delta = liveness.num_reconnects if liveness is not None else 0
+        self._fallback: tuple[float, object] | None = None  # see fall_back
 
     async def _next(self, timeout: float) -> TokenDelta:
         while True:
@@ -134,8 +139,20 @@ class RelayedRequest:
         self.is_finished = True
         return TokenDelta(self.request.request_id, error=error)
 
+    def fall_back(self, at: float, publish) -> None:
+        """The request was offered to one worker: unless a first message comes by unix time ``at``, ``publish()``
+        puts it in the shared queue (see Relay.submit)."""
+        self._fallback = (at, publish)
+
     async def first(self) -> TokenDelta:
         """The worker's first message; raises OpenAIError (503) if no worker takes it before the deadline."""
+        if self._fallback is not None:
+            at, publish = self._fallback
+            self._fallback = None
+            try:
+                return self._checked(await self._next(max(0.01, at - time.time())))
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                await publish()  # the preferred worker did not take it soon: any worker may
         timeout = max(0.1, self.request.deadline_at + DEADLINE_GRACE_S - time.time())
         try:
             delta = await self._next(timeout)
@@ -146,6 +163,9 @@ class RelayedRequest:
                 self._retry_after_s,
                 code="queue_timeout",
             ) from None
+        return self._checked(delta)
+
+    def _checked(self, delta: TokenDelta) -> TokenDelta:
         if delta.error is not None:
             raise OpenAIError.from_info(delta.error, self._error_headers(delta.error.status))
         return delta
@@ -249,9 +269,14 @@ class Relay:
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
 
-    async def submit(self, request: GenerateRequest) -> RelayedRequest:
+    async def submit(self, request: GenerateRequest, offer_to: str | None = None,
+                     offer_s: float = 0.5) -> RelayedRequest:
         """Publish ``request``; raises OpenAIError 429 ``queue_full`` when JetStream refuses it, 413
-        ``request_too_large`` when it does not fit in one NATS message."""
+        ``request_too_large`` when it does not fit in one NATS message.
+
+        ``offer_to``: a worker that holds the request's prefix (gateway/affinity.py). The request is offered to it
+        alone first; if no first message comes within ``offer_s``, it goes to the shared queue too (the worker
+        drops an offer it finds past its time, and a rare double start is dismissed like any other)."""
         payload = encode(request)
         too_large = oversize_error(self._nc, payload)
         if too_large is not None:
@@ -259,33 +284,47 @@ class Relay:
         sub = await self._nc.subscribe(subjects.token_subject(request.request_id))
         relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s, self._liveness,
                                  self._failover)
+        shared = subjects.request_subject(request.model, request.tier, request.tenant_id)
+        try:
+            if offer_to is None:
+                await self._publish(request, shared, payload, request.request_id)
+            else:
+                offer = msgspec.structs.replace(request, affinity_until=time.time() + offer_s)
+                await self._publish(request, subjects.affinity_subject(offer_to, request.tier), encode(offer),
+                                    f"{request.request_id}.offer")
+                relayed.fall_back(offer.affinity_until + OFFER_GRACE_S,
+                                  lambda: self._publish(request, shared, payload, request.request_id))
+        except BaseException:
+            await relayed.close()
+            raise
+        return relayed
+
+    async def _publish(self, request: GenerateRequest, subject: str, payload: bytes, msg_id: str) -> None:
+        """Publish to a queue; JetStream's refusals become the client's answer (429 queue_full, 503)."""
         try:
             # Retried through a JetStream leader election (a cluster node lost) for a few seconds; the message id
             # keeps a retried request from being queued twice.
             with tracer.start_as_current_span("publish", attributes={"request_id": request.request_id,
                                                                      "tier": request.tier}):
-                await publish_once(self._js, subjects.request_subject(request.model, request.tier), payload,
-                                   request.request_id, within_s=PUBLISH_RETRY_S, headers=inject_headers())
+                await publish_once(self._js, subject, payload, msg_id, within_s=PUBLISH_RETRY_S,
+                                   headers=inject_headers())
         except APIError as exc:
-            await relayed.close()
             if exc.err_code not in QUEUE_FULL_CODES and exc.code == 503:  # (a full queue is a 503 too)
                 raise service_unavailable("The request queue is unavailable right now; please retry.",
                                           self._retry_after_s) from None
             if exc.err_code in QUEUE_FULL_CODES:
                 # Counted by `switchyard tiers show`; core publish, so a refusal never waits on a second ack.
                 await self._nc.publish(subjects.rejected_subject(request.model, request.tier), b"")
+                whose = "Your" if is_subject_cap(exc) else "The"
                 raise OpenAIError(
                     429,
-                    f"The {request.tier} tier queue for model `{request.model}` is full; please retry later.",
+                    f"{whose} {request.tier} tier queue for model `{request.model}` is full; please retry later.",
                     type="rate_limit_error",
                     code="queue_full",
                     headers={"Retry-After": str(self._retry_after_s)},
                 ) from None
             raise
         except Exception as exc:
-            await relayed.close()
             if not is_transient(exc):
                 raise
             raise service_unavailable("The request queue did not answer; please retry.", self._retry_after_s) from None
-        return relayed
-

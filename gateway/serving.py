@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.auth import AuthContext
 from switchyard.gateway.errors import OpenAIError, model_not_found
 from switchyard.gateway.fanout import MergedRelay
@@ -25,6 +26,7 @@ from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay, RelayedRequest
 from switchyard.gateway.request_ids import current_request_id
 from switchyard.gateway.responses import CHAT, TEXT, BodyBuilder, ChunkBuilder, Shape, sse
+from switchyard.gateway.safety import InputSafety
 from switchyard.gateway.service_tiers import ServiceTier, flex_refusal
 from switchyard.shared.config import GatewayConfig
 from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, Usage
@@ -49,8 +51,13 @@ OnFinish = Callable[[Outcome], Awaitable[None]]
 
 class CompletionService:
     def __init__(self, relay: Relay, registry: ModelRegistry, policies: PolicyCache, limiter: Limiter,
-                 config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+                 config: GatewayConfig, metrics: GatewayMetrics | None = None,
+                 safety: InputSafety | None = None, affinity: AffinityIndex | None = None) -> None:
+        """``safety``: the input filter and tenants' safety policies (None: no filtering at all). ``affinity``:
+        which worker holds a conversation's prefix (None: every request to the shared queue)."""
         self._relay = relay
+        self._affinity = affinity
+        self._safety = safety
         self._metrics = metrics or GatewayMetrics()
         self._registry = registry
         self._policies = policies
@@ -102,12 +109,13 @@ class CompletionService:
             shared_prefix_cache=self._config.shared_prefix_cache,
             end_user=body.end_user,
             metadata=getattr(body, "metadata", None),  # chat only
+            safety=self._safety.wire_policy(auth) if self._safety is not None else None,
             **fields,
         )
 
     async def _submit(self, request: GenerateRequest, parts: list[GenerateRequest]) -> RelayedRequest | MergedRelay:
         if len(parts) == 1:
-            return await self._relay.submit(parts[0])
+            return await self._relay.submit(parts[0], await self._offer_to(parts[0]), self._config.affinity_wait_s)
         submitted: list[RelayedRequest] = []
         try:
             for part in parts:
@@ -119,6 +127,22 @@ class CompletionService:
             raise
         return MergedRelay(request, submitted)
 
+    async def _offer_to(self, request: GenerateRequest) -> str | None:
+        """The live worker of the model that holds the request's prefix, if any."""
+        if self._affinity is None:
+            return None
+        worker = await self._affinity.lookup(request)
+        if worker is None:
+            return None
+        live = (await self._registry.models()).get(request.model, [])
+        return worker if any(w.worker_id == worker for w in live) else None
+
+    async def _remember(self, relayed, outcome: Outcome) -> None:
+        """Where this reply's conversation is cached now (for its next turn)."""
+        if self._affinity is not None and outcome.finish_reason in ("stop", "length", "tool_calls"):
+            await self._affinity.record(relayed.request, outcome.text, outcome.tool_calls,
+                                        getattr(relayed, "worker_id", None))
+
     async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape,
                      service: ServiceTier, admission: Admission, on_finish: OnFinish | None = None,
                      logprobs_asked: bool | None = None):
@@ -127,6 +151,8 @@ class CompletionService:
                 if not await self._registry.is_served(request.model):
                     raise model_not_found(request.model)
                 self._metrics.served_models.add(request.model)
+                if self._safety is not None:  # the input filter: a refused request is never queued
+                    await self._safety.screen(request, parts)
                 relayed = await self._submit(request, parts)
                 try:
                     first = await relayed.first()
@@ -167,6 +193,7 @@ class CompletionService:
             await self._limiter.settle(admission, outcome.usage.total_tokens)
             if on_finish is not None:
                 await on_finish(outcome)
+            await self._remember(relayed, outcome)
 
     async def _all_deltas(self, relayed, first: TokenDelta) -> AsyncIterator[TokenDelta]:
         timer = self._metrics.stream(relayed.request)
@@ -212,9 +239,10 @@ class CompletionService:
             # A cancelled stream's tokens are unknown here (the worker bills them): keep the reservation then.
             used = usage.total_tokens if usage is not None else admission.reserved_tokens
             await asyncio.shield(self._limiter.settle(admission, used))
+            outcome.text = "".join(outcome.parts)
+            outcome.usage = usage or Usage()
+            if shape.kind.is_chat:
+                outcome.tool_calls = calls.body(False)["choices"][0]["message"].get("tool_calls", [])
             if on_finish is not None:
-                outcome.text = "".join(outcome.parts)
-                outcome.usage = usage or Usage()
-                if shape.kind.is_chat:
-                    outcome.tool_calls = calls.body(False)["choices"][0]["message"].get("tool_calls", [])
                 await asyncio.shield(on_finish(outcome))
+            await asyncio.shield(self._remember(relayed, outcome))

@@ -55,13 +55,16 @@ async def create_tenant(conn: asyncpg.Connection, name: str, tier: str = "free",
     return tenant_id
 
 
-_UPDATABLE = ("tier", "rpm_limit", "tpm_limit", "monthly_token_budget", "priority_allowed")
+_UPDATABLE = ("tier", "rpm_limit", "tpm_limit", "monthly_token_budget", "priority_allowed", "safety_policy")
+SAFETY_POLICIES = ("off", "log", "block")  # gateway/safety.py; None: the deployment's default
 
 
 async def update_tenant(conn: asyncpg.Connection, name: str, **changes) -> None:
     """Set the given fields (a value of None clears a limit back to the tier default / unlimited)."""
     if "tier" in changes:
         _check_tier(changes["tier"])
+    if changes.get("safety_policy") not in (None, *SAFETY_POLICIES):
+        raise TenancyError(f"unknown safety policy {changes['safety_policy']!r}; known: {', '.join(SAFETY_POLICIES)}")
     fields = [f for f in _UPDATABLE if f in changes]
     if not fields:
         return

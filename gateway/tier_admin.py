@@ -26,19 +26,22 @@ class TierChangeError(ValueError):
 
 async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: str, *,
                       max_queued: int | None = None, max_wait_s: float | None = None,
-                      weight: float | None = None) -> tuple[TierPolicy, TierPolicy]:
+                      weight: float | None = None, max_queued_per_tenant: int | None = None,
+                      ) -> tuple[TierPolicy, TierPolicy]:
     """Apply the given fields to ``tier``'s policy live; returns ``(old, new)``."""
     if tier not in TIER_NAMES:
         raise TierChangeError(f"unknown tier {tier!r}; known: {', '.join(TIER_NAMES)}")
     if max_queued is not None and max_queued < 1:
         raise TierChangeError("max_queued must be at least 1")
+    if max_queued_per_tenant is not None and max_queued_per_tenant < 0:
+        raise TierChangeError("max_queued_per_tenant must be 0 (a quarter of max_queued) or more")
     if max_wait_s is not None and max_wait_s <= 0:
         raise TierChangeError("max_wait_s must be positive")
     if weight is not None and weight <= 0:
         raise TierChangeError("weight must be positive")
     old = (await read_policies(js))[tier]
-    changes = {k: v for k, v in (("max_queued", max_queued), ("max_wait_s", max_wait_s), ("weight", weight))
-               if v is not None}
+    changes = {k: v for k, v in (("max_queued", max_queued), ("max_wait_s", max_wait_s), ("weight", weight),
+                                 ("max_queued_per_tenant", max_queued_per_tenant)) if v is not None}
     new = msgspec.structs.replace(old, **changes)
     await write_policy(js, tier, new)
     async with pool.acquire() as conn:
@@ -71,6 +74,7 @@ async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]])
                 "backlog_tokens": queue.backlog_tokens,
                 "running": sum(w.running.get(tier, 0) for w in workers),
                 "max_queued": policy.max_queued,
+                "max_queued_per_tenant": policy.tenant_cap,
                 "max_wait_s": policy.max_wait_s,
                 "weight": policy.weight,
                 "workers": len(workers),

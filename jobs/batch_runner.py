@@ -45,6 +45,7 @@ from switchyard.gateway.batch_format import (
 )
 from switchyard.gateway.errors import model_not_found
 from switchyard.gateway.registry import ModelRegistry
+from switchyard.gateway.safety import InputSafety
 from switchyard.jobs import batch_store
 from switchyard.jobs.batch_store import BatchStore
 from switchyard.jobs.consumer import consume_once
@@ -79,10 +80,16 @@ class _LineTooLarge(Exception):
         self.error = error
 
 
+class _LineRefused(_LineTooLarge):
+    """A line the tenant's safety policy refuses (gateway/safety.py): it fails alone, with ``error``."""
+
+
 class BatchRunner:
     def __init__(self, nc, js: JetStreamContext, pool: asyncpg.Pool, registry: ModelRegistry,
-                 database_url: str) -> None:
+                 database_url: str, safety: InputSafety | None = None) -> None:
+        """``safety``: the input filter each line passes before it is queued (None: none)."""
         self._nc = nc
+        self._safety = safety
         self._js = js
         self._store = BatchStore(pool)
         self._registry = registry
@@ -266,15 +273,16 @@ class BatchRunner:
     async def _publish_lines(self, batch, lines, from_status: str) -> None:
         """Publish ``lines`` (stopping at a full queue) and record where each one sits in the stream."""
         published, failed = [], []
+        tenant_policy = await self._store.tenant_safety_policy(batch["tenant_id"]) if self._safety else None
         try:
             for line in lines:
                 try:
-                    seq = await self._publish(batch, line)
+                    seq = await self._publish(batch, line, tenant_policy)
                 except ValidationError as exc:  # validated before; only a changed schema gets here
                     error = ErrorInfo(f"Invalid request body: {exc.errors()[0].get('msg')}.", code="invalid_request")
                     failed.append((line["request_id"], json.dumps(error_response(line["request_id"], error))))
                     continue
-                except _LineTooLarge as exc:  # this line alone fails; the batch goes on
+                except _LineTooLarge as exc:  # too large or refused: this line alone fails; the batch goes on
                     failed.append((line["request_id"], json.dumps(error_response(line["request_id"], exc.error))))
                     continue
                 if seq is None:
@@ -284,12 +292,18 @@ class BatchRunner:
             if published or failed:
                 await self._store.mark_published(published, failed)
 
-    async def _publish(self, batch, line) -> int | None:
-        """Publish one line; returns its stream sequence, or None when the batch queue is full."""
+    async def _publish(self, batch, line, tenant_policy: str | None = None) -> int | None:
+        """Publish one line; returns its stream sequence, or None when the batch queue is full. ``tenant_policy``:
+        the tenant's own safety policy (None: the deployment's default)."""
         request = wire_request(
             batch["endpoint"], json.loads(line["body"]), line["request_id"], tenant_id=batch["tenant_id"],
             api_key_id=batch["api_key_id"], created_at=time.time(), deadline_at=batch["expires_at"].timestamp(),
             result_subject=subjects.result_subject(batch["id"]), tier=BATCH_TIER)
+        if self._safety is not None:  # judged as an interactive request is, when it would be queued
+            request.safety = self._safety.wire_policy(tenant_policy=tenant_policy)
+            refusal = await self._safety.screen_wire(request)
+            if refusal is not None:
+                raise _LineRefused(refusal)
         # The first publish is deduplicated by the request id itself (a leader that died before recording it
         # publishes it again); a deliberate re-publish needs a new message id, or JetStream would drop it.
         attempts = line["attempts"]
@@ -299,8 +313,8 @@ class BatchRunner:
         if too_large is not None:
             raise _LineTooLarge(too_large)
         try:
-            ack = await self._js.publish(subjects.request_subject(request.model, BATCH_TIER), payload,
-                                         headers={"Nats-Msg-Id": msg_id})
+            subject = subjects.request_subject(request.model, BATCH_TIER, request.tenant_id)
+            ack = await self._js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id})
         except APIError as exc:
             if exc.err_code in QUEUE_FULL_CODES:
                 return None

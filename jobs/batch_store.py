@@ -133,6 +133,10 @@ class BatchStore:
 
     # -- lines ----------------------------------------------------------------------------------------------------
     # -- limits -------------------------------------------------------------------------------------------------
+    async def tenant_safety_policy(self, tenant_id: str) -> str | None:
+        """The tenant's own safety policy: off, log, block, or None (the deployment's default)."""
+        return await self._pool.fetchval("SELECT safety_policy FROM tenants WHERE id = $1", tenant_id)
+
     async def tenant_limits(self, tenant_id: str) -> asyncpg.Record:
         """The tenant's tier, tokens-per-minute limit and monthly budget (None: the tier's / unlimited)."""
         return await self._pool.fetchrow("SELECT tier, tpm_limit, monthly_token_budget FROM tenants WHERE id = $1",

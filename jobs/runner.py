@@ -16,6 +16,7 @@ import asyncpg
 from switchyard.gateway.database import Database
 from switchyard.gateway.limits import Limiter
 from switchyard.gateway.registry import ModelRegistry
+from switchyard.gateway.safety import InputSafety
 from switchyard.jobs.batch_runner import BatchRunner
 from switchyard.jobs.held_writes import run_held_writer
 from switchyard.jobs.housekeeping import run_housekeeping
@@ -30,9 +31,11 @@ RESTART_BACKOFF_S = (1.0, 30.0)  # a job that failed starts again after 1 s, dou
 class Jobs:
     """The running consumers; ``stop()`` ends them."""
 
-    def __init__(self, nc, js, pool: asyncpg.Pool, registry: ModelRegistry, database_url: str) -> None:
+    def __init__(self, nc, js, pool: asyncpg.Pool, registry: ModelRegistry, database_url: str,
+                 safety: InputSafety | None = None) -> None:
+        """``safety``: the input filter batch lines pass before they are queued (None: none)."""
         self._stop = stop = asyncio.Event()
-        runner = BatchRunner(nc, js, pool, registry, database_url)
+        runner = BatchRunner(nc, js, pool, registry, database_url, safety)
         self._tasks = [
             asyncio.create_task(self._supervised("usage-writer", lambda: run_usage_writer(js, pool, stop))),
             asyncio.create_task(self._supervised("housekeeping",

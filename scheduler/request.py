@@ -26,6 +26,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
+    FINISHED_FILTERED = enum.auto()  # halted by the output safety filter
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -43,6 +44,7 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "cancelled",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_FILTERED: "content_filter",
 }
 
 

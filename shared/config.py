@@ -42,6 +42,27 @@ class RouteRule(BaseModel):
     max_difficulty: float | None = Field(None, ge=0, le=1)
 
 
+class SafetyConfig(BaseModel):
+    """The safety filters' rule set and classifier (shared/safety.py); each tenant's policy (off, log, block) says
+    what happens when they flag a request's input or output. The gateway sends the rule set to the workers with
+    each request, so gateways and workers never disagree on it."""
+
+    # Tenants with no policy of their own (``switchyard tenants update NAME --safety ...``).
+    default_policy: Literal["off", "log", "block"] = "block"
+    builtin_rules: bool = True  # shared/safety.py BUILTIN_RULES: prompt-injection phrases, private keys
+    rules: dict[str, list[str]] = Field(default_factory=dict)  # category -> regexes, matched case-insensitively
+    keywords: dict[str, list[str]] = Field(default_factory=dict)  # category -> whole words or phrases
+    rules_file: Path | None = None  # JSON {"rules": {...}, "keywords": {...}}, added to the two above
+    classifier: bool = True  # alt-profanity-check's model (shared/profanity.py), category "profanity"
+    classifier_threshold: float = Field(0.9, gt=0, lt=1)  # flag a window of words at this probability
+    # An input filter of your own, "package.module:factory" (called with this config; returns a ContentFilter),
+    # e.g. a guard model where a GPU is at hand. The output filter always uses the rule set and classifier.
+    input_filter: str | None = None
+    # Prompts longer than this are judged on a thread, not on the event loop. Up to 64 kB judging takes under
+    # 5 ms (bench/safety.py), less than the GIL's switch interval: a thread would hold the loop as long, plus a hop.
+    inline_max_chars: int = Field(65_536, ge=0)
+
+
 class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -68,9 +89,14 @@ class GatewayConfig(BaseModel):
     drain_timeout_s: float = Field(60.0, ge=0)
     # Gateways sharing each key's rate limits: while Postgres is away each enforces 1/num_gateways of them alone.
     num_gateways: int = Field(1, ge=1)
+    # Cache-aware placement (gateway/affinity.py): a follow-up turn, or a request sharing a long system prompt, is
+    # first offered to the worker that served its prefix, for affinity_wait_s, then to every worker.
+    affinity: bool = True
+    affinity_wait_s: float = Field(0.5, gt=0)
     # ``model`` names that route by ``routes`` (first rule whose model a worker serves); empty routes: no routing.
     route_names: list[str] = Field(default_factory=lambda: ["auto"])
     routes: list[RouteRule] = Field(default_factory=list)
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)  # input and output filters
 
 
 class WorkerConfig(BaseModel):

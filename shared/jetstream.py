@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -18,6 +19,7 @@ from switchyard.shared import subjects
 from switchyard.shared.messages import ErrorInfo, WorkerInfo, decode
 from switchyard.shared.stream_config import (
     QUEUE_FULL_CODES,
+    affinity_stream_config,
     batch_results_stream_config,
     dead_letter_stream_config,
     events_stream_config,
@@ -68,6 +70,23 @@ async def _drop_legacy_streams(js: JetStreamContext) -> None:
             await js.delete_stream(name)
 
 
+async def _upgrade_request_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """A tier stream of the earlier layout (a subject per model, no tenant token) takes today's subjects when it
+    holds nothing; one still holding requests is refused clearly (nothing would consume them)."""
+    info = await js.stream_info(config.name)
+    if info.config.subjects == config.subjects:
+        return
+    if info.state.messages:
+        raise RuntimeError(
+            f"JetStream stream {config.name!r} from an earlier Switchyard still holds {info.state.messages} queued "
+            f"requests under its old subjects {info.config.subjects}. Let it drain with the earlier version, or "
+            f"purge it (losing those requests), then start again.")
+    log.info("stream %s: subjects %s -> %s", config.name, info.config.subjects, config.subjects)
+    await js.update_stream(dataclasses.replace(info.config, subjects=config.subjects,
+                                               max_msgs=config.max_msgs,
+                                               max_msgs_per_subject=config.max_msgs_per_subject))
+
+
 async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
     """Create the per-tier request streams, USAGE, EVENTS, BATCH_RESULTS and DEAD_LETTERS, and the tiers and
     workers buckets, if missing, and seed the tier policies.
@@ -80,9 +99,11 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
     await seed_policies(js, replicas)
     policies = await read_policies(js)
     for tier in TIER_NAMES:
-        await _ensure_stream(js, tier_stream_config(tier, policies[tier].max_queued), replicas)
+        config = tier_stream_config(tier, policies[tier].max_queued, policies[tier].tenant_cap)
+        await _ensure_stream(js, config, replicas)
+        await _upgrade_request_stream(js, config)
     for config in (usage_stream_config(), events_stream_config(), batch_results_stream_config(),
-                   held_writes_stream_config(), dead_letter_stream_config()):
+                   held_writes_stream_config(), dead_letter_stream_config(), affinity_stream_config()):
         await _ensure_stream(js, config, replicas)
     await workers_bucket(js, replicas)
 
@@ -93,20 +114,43 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
 REQUEST_ACK_WAIT_S = 5.0
 
 
-async def ensure_request_consumer(js: JetStreamContext, model: str, tier: str,
+# A tenant's consumer that no worker has pulled from for this long is deleted by JetStream (tenants come and go;
+# a returning tenant's first request has its consumer made again at once).
+REQUEST_CONSUMER_IDLE_S = 3600.0
+
+
+async def ensure_request_consumer(js: JetStreamContext, model: str, tier: str, tenant: str | None,
                                   ack_wait_s: float = REQUEST_ACK_WAIT_S) -> str:
-    """Durable pull consumer shared by all workers of ``model`` for ``tier``; returns its name. An existing one
-    of an earlier configuration is updated (JetStream edits ack_wait in place)."""
-    name = subjects.request_consumer(model, tier)
+    """Durable pull consumer of one tenant's queue of ``model`` in ``tier``, shared by every worker of the model;
+    returns its name. An existing one of an earlier configuration is updated (JetStream edits it in place)."""
+    name = subjects.request_consumer(model, tier, tenant)
     config = ConsumerConfig(
         durable_name=name,
-        filter_subject=subjects.request_subject(model, tier),
+        filter_subject=subjects.request_subject(model, tier, tenant),
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait_s,
         max_deliver=5,
+        inactive_threshold=REQUEST_CONSUMER_IDLE_S,
     )
     await js.add_consumer(subjects.request_stream(tier), config)
     return name
+
+
+async def ensure_affinity_consumer(js: JetStreamContext, worker_id: str, tier: str) -> str:
+    """Durable pull consumer of the requests offered to one worker in ``tier`` (deleted by JetStream once the
+    worker is gone for a while); returns its name."""
+    name = subjects.affinity_consumer(worker_id, tier)
+    await js.add_consumer(subjects.AFFINITY_STREAM, ConsumerConfig(
+        durable_name=name, filter_subject=subjects.affinity_subject(worker_id, tier), ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=REQUEST_ACK_WAIT_S, max_deliver=5, inactive_threshold=300.0))
+    return name
+
+
+async def queued_tenants(js: JetStreamContext, model: str, tier: str) -> dict[str, int]:
+    """Tenant token -> requests in its queue of ``model`` in ``tier`` (taken but unacknowledged ones included)."""
+    info = await js.stream_info(subjects.request_stream(tier),
+                                subjects_filter=subjects.model_tier_subjects(model, tier))
+    return {subject.rsplit(".", 1)[-1]: count for subject, count in (info.state.subjects or {}).items()}
 
 
 async def ensure_usage_consumer(js: JetStreamContext) -> str:

@@ -86,6 +86,16 @@ class Resume(msgspec.Struct):
     attempt: int = 1  # 1 for the first continuation, 2 if that worker died too, ...
 
 
+class SafetyPolicy(msgspec.Struct):
+    """How a worker filters a request's output as it is generated (workers/engine/output_filter.py): set by the
+    gateway from the tenant's policy, with the deployment's whole rule set, so every worker applies the same."""
+
+    mode: str  # block: halt the choice (finish_reason content_filter) | log: let it through, count it
+    rules: dict[str, list[str]] = msgspec.field(default_factory=dict)  # category -> regexes (case-insensitive)
+    classifier_threshold: float | None = None  # the profanity classifier flags at this probability; None: off
+    version: str = ""  # a digest of the rules and threshold: a worker compiles each rule set once
+
+
 class GenerateRequest(msgspec.Struct):
     """Published by the gateway on ``llm.req.<model>.<tier>``.
 
@@ -117,8 +127,12 @@ class GenerateRequest(msgspec.Struct):
     response_format: ResponseFormat | None = None  # None: free text
     tool_use: ToolUse | None = None  # None: no tools
     prompt_token_ids: list[int] | None = None  # a completions prompt given as token ids
+    # An offer to the worker that holds the request's prefix (gateway/affinity.py): taken after this unix time, it
+    # is dropped (the gateway has given it to the shared queue by then). 0: not an offer.
+    affinity_until: float = 0.0
     end_user: str | None = None  # the client's ``user`` (or ``safety_identifier``), kept with its usage record
     metadata: dict[str, str] | None = None  # the client's ``metadata``, kept with its usage record
+    safety: SafetyPolicy | None = None  # the output filter; None: the tenant's policy is off
 
 
 class Usage(msgspec.Struct):

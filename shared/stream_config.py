@@ -6,10 +6,16 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 
 from switchyard.shared import subjects
 
-# JetStream's error code for a publish refused because a stream or subject limit is reached (discard-new).
+# JetStream's error code for a publish refused because a stream (the tier) or subject (a tenant's queue) limit is
+# reached (discard-new); nats-server 2.15 answers 10077 for both and tells them apart in the description.
 ERR_MAX_MSGS = 10077
 ERR_MAX_MSGS_PER_SUBJECT = 10078
 QUEUE_FULL_CODES = {ERR_MAX_MSGS, ERR_MAX_MSGS_PER_SUBJECT}
+
+
+def is_subject_cap(error) -> bool:
+    """Whether a queue-full refusal is a subject's cap (one tenant's queue), not the whole stream's (the tier)."""
+    return error.err_code == ERR_MAX_MSGS_PER_SUBJECT or "per subject" in (error.description or "")
 
 REQUEST_MAX_AGE_S = 3600.0
 USAGE_MAX_AGE_S = 30 * 24 * 3600.0
@@ -18,18 +24,37 @@ BATCH_RESULTS_MAX_AGE_S = 7 * 24 * 3600.0
 DEAD_LETTER_MAX_AGE_S = 30 * 24 * 3600.0
 
 
-def tier_stream_config(tier: str, max_queued: int) -> StreamConfig:
-    # Discard-new per subject makes JetStream itself refuse work beyond a tier's cap for one model, whatever the
-    # number of gateways; the refusal reaches the publisher synchronously, so the client gets 429 at once.
+def tier_stream_config(tier: str, max_queued: int, tenant_cap: int) -> StreamConfig:
+    # Discard-new makes JetStream itself refuse work beyond a tier's cap (every model) and beyond a tenant's cap
+    # (each subject is one tenant's queue of one model), whatever the number of gateways; the refusal reaches the
+    # publisher synchronously, so the client gets 429 at once.
     return StreamConfig(
         name=subjects.request_stream(tier),
         subjects=[subjects.tier_subjects(tier)],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
-        max_msgs_per_subject=max_queued,
+        max_msgs=max_queued,
+        max_msgs_per_subject=tenant_cap,
         discard=DiscardPolicy.NEW,
         discard_new_per_subject=True,
         max_age=REQUEST_MAX_AGE_S,
+        duplicate_window=120.0,
+    )
+
+
+AFFINITY_MAX_AGE_S = 300.0
+
+
+def affinity_stream_config() -> StreamConfig:
+    """Requests offered to the one worker that holds their prefix; one it does not take within its short wait
+    is published to the shared queue too (gateway/affinity.py), and the worker drops its stale copy, so nothing
+    waits here for long. File storage: an offered request is an accepted one."""
+    return StreamConfig(
+        name=subjects.AFFINITY_STREAM,
+        subjects=[f"{subjects.AFFINITY_PREFIX}.>"],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_age=AFFINITY_MAX_AGE_S,
         duplicate_window=120.0,
     )
 

@@ -2,7 +2,8 @@
 
 | name                       | kind                         | carries                                   |
 |----------------------------|------------------------------|-------------------------------------------|
-| llm.req.<model>.<tier>     | JetStream REQUESTS_<TIER>    | GenerateRequest (work queue, capped)      |
+| llm.req.<model>.<tier>.<tenant> | JetStream REQUESTS_<TIER> | GenerateRequest (work queue, capped per tier and per tenant) |
+| llm.aff.<worker>.<tier>    | JetStream AFFINITY, 5 min    | GenerateRequest for the worker holding its prefix (affinity.py) |
 | llm.tok.<request_id>       | core NATS                    | TokenDelta (one per request per step)     |
 | llm.cancel.<request_id>    | core NATS                    | empty body: stop this request             |
 | llm.usage                  | JetStream USAGE, limits      | UsageRecord (one per finished request)    |
@@ -10,6 +11,7 @@
 | llm.result.<batch_id>      | JetStream BATCH_RESULTS, 7 d | BatchResult (a batch line's outcome)      |
 | KV bucket `workers`        | JetStream KV, TTL            | WorkerInfo, key <model>.<worker_id>       |
 | KV bucket `tiers`          | JetStream KV, file           | TierPolicy, key <tier>                    |
+| KV bucket `affinity`       | JetStream KV, memory, TTL    | worker id, key <hash of a conversation prefix> |
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from __future__ import annotations
 import re
 
 REQUEST_PREFIX = "llm.req"
+AFFINITY_PREFIX = "llm.aff"  # llm.aff.<worker_id>.<tier>: a request offered to the worker that holds its prefix
+AFFINITY_STREAM = "AFFINITY"
+AFFINITY_BUCKET = "affinity"
 EVENTS_STREAM = "EVENTS"
 EVENTS_PREFIX = "llm.events"
 TOKEN_PREFIX = "llm.tok"
@@ -44,8 +49,28 @@ def model_token(model: str) -> str:
     return _UNSAFE.sub("_", model)
 
 
-def request_subject(model: str, tier: str) -> str:
-    return f"{REQUEST_PREFIX}.{model_token(model)}.{tier}"
+def request_subject(model: str, tier: str, tenant: str | None) -> str:
+    """A tenant's queue of ``model`` in ``tier``: its own subject, so JetStream caps it on its own and a worker
+    picks which tenant to serve next (fair share, scheduler/tenant_share.py)."""
+    return f"{REQUEST_PREFIX}.{model_token(model)}.{tier}.{tenant_token(tenant)}"
+
+
+def tenant_token(tenant: str | None) -> str:
+    """A tenant id as one subject token ("_" for a request without a tenant)."""
+    return model_token(tenant) if tenant else "_"
+
+
+def affinity_subject(worker_id: str, tier: str) -> str:
+    return f"{AFFINITY_PREFIX}.{worker_id}.{tier}"
+
+
+def affinity_consumer(worker_id: str, tier: str) -> str:
+    return f"aff-{worker_id}-{tier}"
+
+
+def model_tier_subjects(model: str, tier: str) -> str:
+    """Every tenant's queue of ``model`` in ``tier``."""
+    return f"{REQUEST_PREFIX}.{model_token(model)}.{tier}.*"
 
 
 def request_stream(tier: str) -> str:
@@ -54,16 +79,16 @@ def request_stream(tier: str) -> str:
 
 
 def tier_subjects(tier: str) -> str:
-    return f"{REQUEST_PREFIX}.*.{tier}"
+    return f"{REQUEST_PREFIX}.*.{tier}.*"
 
 
 def rejected_subject(model: str, tier: str) -> str:
     return f"{EVENTS_PREFIX}.rejected.{model_token(model)}.{tier}"
 
 
-def request_consumer(model: str, tier: str) -> str:
-    """Durable pull consumer shared by every worker of ``model`` for one tier."""
-    return f"req-{model_token(model)}-{tier}"
+def request_consumer(model: str, tier: str, tenant: str | None) -> str:
+    """Durable pull consumer of one tenant's queue, shared by every worker of ``model``."""
+    return f"req-{model_token(model)}-{tier}-{tenant_token(tenant)}"
 
 
 def token_subject(request_id: str) -> str:

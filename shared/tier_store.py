@@ -1,8 +1,10 @@
 """Live tier policies in the JetStream KV bucket ``tiers``, and the per-tier request streams they cap.
 
     KV tiers/<tier> = TierPolicy      (file storage: survives restarts; every gateway and worker reads it)
-    stream REQUESTS_<TIER>            subjects llm.req.*.<tier>, max_msgs_per_subject = policy.max_queued,
-                                      discard new per subject: JetStream itself refuses the 429s
+    stream REQUESTS_<TIER>            subjects llm.req.*.<tier>.*: a subject per model and tenant;
+                                      max_msgs = policy.max_queued (the tier), max_msgs_per_subject =
+                                      policy.tenant_cap (one tenant's queue of one model); discard new: JetStream
+                                      itself refuses the 429s
 
 One stream per tier because JetStream caps every subject of a stream alike, and tiers need their own caps.
 Readers cache for ``CACHE_S`` so a change applies everywhere within about a second without a KV read per request.
@@ -59,38 +61,47 @@ async def read_policies(js: JetStreamContext) -> dict[str, TierPolicy]:
     return policies
 
 
-async def _deepest_queue(js: JetStreamContext, tier: str) -> int:
+async def _queue_depths(js: JetStreamContext, tier: str) -> tuple[int, int]:
+    """The tier's queued requests, and its deepest subject's (one tenant's queue of one model)."""
     info = await js.stream_info(subjects.request_stream(tier), subjects_filter=subjects.tier_subjects(tier))
-    return max((info.state.subjects or {}).values(), default=0)
+    return info.state.messages, max((info.state.subjects or {}).values(), default=0)
 
 
-async def apply_queue_cap(js: JetStreamContext, tier: str, target: int) -> int:
-    """Bring the tier stream's per-subject cap to ``target`` without dropping queued requests; returns the cap set.
+async def apply_queue_cap(js: JetStreamContext, tier: str, policy: TierPolicy) -> tuple[int, int]:
+    """Bring the tier stream's caps (the tier's, and each tenant's) to ``policy``'s without dropping queued
+    requests; returns the caps set.
 
-    JetStream enforces a lowered cap by deleting the oldest messages, which would lose accepted work. So the cap
-    never goes below the deepest queue: while that queue is over the target, new requests are refused (it is
-    full), and as it drains, `reconcile_queue_caps` lowers the cap step by step until it reaches the target.
+    JetStream enforces a lowered cap by deleting the oldest messages, which would lose accepted work. So a cap
+    never goes below what is queued: while the queue is over the target, new requests are refused (it is full),
+    and as it drains, `reconcile_queue_caps` lowers the cap step by step until it reaches the target.
     """
     info = await js.stream_info(subjects.request_stream(tier))
-    current = info.config.max_msgs_per_subject
-    cap = target if target >= current else max(target, await _deepest_queue(js, tier))
-    if cap != current:
+    current = tuple(v if v is not None and v >= 0 else float("inf")  # JetStream's -1: no limit
+                    for v in (info.config.max_msgs, info.config.max_msgs_per_subject))
+    target = (policy.max_queued, policy.tenant_cap)
+    if all(t >= c for t, c in zip(target, current)):
+        caps = target
+    else:
+        total, deepest = await _queue_depths(js, tier)
+        caps = (max(target[0], min(current[0], total)) if target[0] < current[0] else target[0],
+                max(target[1], min(current[1], deepest)) if target[1] < current[1] else target[1])
+    if caps != current:
         # From the stream's own config: replicas and anything else set at creation stay as they are.
-        await js.update_stream(dataclasses.replace(info.config, max_msgs_per_subject=cap))
-    return cap
+        await js.update_stream(dataclasses.replace(info.config, max_msgs=caps[0], max_msgs_per_subject=caps[1]))
+    return caps
 
 
 async def reconcile_queue_caps(js: JetStreamContext, policies: dict[str, TierPolicy]) -> None:
     """Finish lowering any cap that is still above its target (run every second by each gateway)."""
     for tier in TIER_NAMES:
-        await apply_queue_cap(js, tier, policies[tier].max_queued)
+        await apply_queue_cap(js, tier, policies[tier])
 
 
 async def write_policy(js: JetStreamContext, tier: str, policy: TierPolicy) -> None:
-    """Apply ``policy`` live: the stream's cap at once, the rest as readers' caches expire (about a second)."""
+    """Apply ``policy`` live: the stream's caps at once, the rest as readers' caches expire (about a second)."""
     kv = await tiers_bucket(js)
     await kv.put(tier, encode(policy))
-    await apply_queue_cap(js, tier, policy.max_queued)
+    await apply_queue_cap(js, tier, policy)
 
 
 class PolicyCache:

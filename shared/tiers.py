@@ -44,11 +44,18 @@ def tiers_by_priority() -> list[Tier]:
 class TierPolicy(msgspec.Struct, frozen=True):
     """What ops set per tier; stored in the ``tiers`` KV bucket (the live value) and mirrored in Postgres."""
 
-    max_queued: int  # queued requests per model; more are refused with 429 queue_full
+    max_queued: int  # queued requests in the tier (every model); more are refused with 429 queue_full
     max_wait_s: float  # a request not started within this is answered queue_timeout, never run late
     weight: float  # share of a worker's pulls when several tiers have work
     rpm: int = 0  # default requests per minute per API key (0: unlimited)
     tpm: int = 0  # default tokens per minute per API key (0: unlimited)
+    # Queued requests of one tenant for one model: a tenant's flood fills its own queue, never the tier's, so the
+    # tier's other tenants still get in (0: a quarter of max_queued).
+    max_queued_per_tenant: int = 0
+
+    @property
+    def tenant_cap(self) -> int:
+        return self.max_queued_per_tenant or max(1, self.max_queued // 4)
 
 
 DEFAULT_POLICIES: dict[str, TierPolicy] = {

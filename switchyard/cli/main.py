@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     tsub.add_parser("show", help="per model and tier: queued, oldest wait, running, limits, 429s")
     tset = tsub.add_parser("set", help="change a tier's policy live (recorded in Postgres)")
     tset.add_argument("tier")
-    tset.add_argument("--max-queued", type=int, help="queued requests per model before 429 queue_full")
+    tset.add_argument("--max-queued", type=int, help="queued requests in the tier before 429 queue_full")
+    tset.add_argument("--max-queued-per-tenant", type=int,
+                      help="queued requests of one tenant for one model (0: a quarter of --max-queued)")
     tset.add_argument("--max-wait", type=float, help="seconds a request may wait before queue_timeout")
     tset.add_argument("--weight", type=float, help="share of worker pulls when several tiers have work")
     p.set_defaults(func=cmd_tiers)
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         tp.add_argument("--monthly-budget", type=int, help="tokens per calendar month for the tenant")
         tp.add_argument("--priority", action=argparse.BooleanOptionalAction,
                         help="may ask for service_tier \"priority\" (the top tier); enterprise tenants always may")
+        tp.add_argument("--safety", choices=["block", "log", "off", "default"],
+                        help="what the safety filters do with flagged input or output: refuse/halt it, log and "
+                             "count it, or nothing (default: the deployment's gateway.safety.default_policy)")
     tsub.add_parser("list")
     p.set_defaults(func=cmd_tenants, tenants_cmd="list")
 

@@ -44,13 +44,15 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                 pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=1)
                 try:
                     old, new = await change_tier(js, pool, args.tier, getpass.getuser(), max_queued=args.max_queued,
-                                                 max_wait_s=args.max_wait, weight=args.weight)
+                                                 max_wait_s=args.max_wait, weight=args.weight,
+                                                 max_queued_per_tenant=args.max_queued_per_tenant)
                 except TierChangeError as exc:
                     print(f"error: {exc}", file=sys.stderr)
                     return 2
                 finally:
                     await pool.close()
-                print(f"{args.tier}: max_queued {old.max_queued} -> {new.max_queued}, "
+                print(f"{args.tier}: max_queued {old.max_queued} -> {new.max_queued}, per tenant "
+                      f"{old.tenant_cap} -> {new.tenant_cap}, "
                       f"max_wait_s {old.max_wait_s:g} -> {new.max_wait_s:g}, weight {old.weight:g} -> {new.weight:g}")
             else:
                 served = await ModelRegistry(js).models(fresh=True)
@@ -58,7 +60,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                 for r in rows:  # seconds as an operator reads them
                     r["oldest_wait_s"] = None if r["oldest_wait_s"] is None else f"{r['oldest_wait_s']:.1f}s"
                 print_table(rows, ("model", "tier", "queued", "oldest_wait_s", "backlog_tokens", "running",
-                                   "max_queued", "max_wait_s", "weight", "workers", "rejected_5m"))
+                                   "max_queued", "max_queued_per_tenant", "max_wait_s", "weight", "workers",
+                                   "rejected_5m"))
             return 0
         finally:
             await nc.close()
@@ -104,6 +107,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or "free", **limits)
             if args.priority is not None:
                 await tenancy.update_tenant(conn, args.name, priority_allowed=args.priority)
+            if args.safety is not None:
+                await tenancy.update_tenant(conn, args.name, safety_policy=_safety_policy(args.safety))
             print(f"created tenant {args.name} ({tenant_id})")
         elif args.tenants_cmd == "update":
             changes = {k: v for k, v in limits.items() if v is not None}
@@ -111,12 +116,18 @@ def cmd_tenants(args: argparse.Namespace) -> int:
                 changes["tier"] = args.tier
             if args.priority is not None:
                 changes["priority_allowed"] = args.priority
+            if args.safety is not None:
+                changes["safety_policy"] = _safety_policy(args.safety)
             await tenancy.update_tenant(conn, args.name, **changes)
             print(f"updated tenant {args.name}")
         else:
             print_table([dict(r) for r in await tenancy.list_tenants(conn)])
 
     return _with_db(args, work)
+
+
+def _safety_policy(choice: str) -> str | None:
+    return None if choice == "default" else choice  # NULL: the deployment's default policy
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

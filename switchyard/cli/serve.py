@@ -43,6 +43,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     import asyncpg
 
     from switchyard.gateway.registry import ModelRegistry
+    from switchyard.gateway.safety import InputSafety
     from switchyard.jobs.runner import Jobs
     from switchyard.shared import nats_client
     from switchyard.shared.jetstream import ensure_streams
@@ -60,7 +61,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         try:
             await ensure_streams(js, config.nats_replicas)
             pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
-            jobs = Jobs(nc, js, pool, ModelRegistry(js), config.database_url)
+            jobs = Jobs(nc, js, pool, ModelRegistry(js), config.database_url, InputSafety(config.gateway.safety))
             try:
                 await jobs.wait()
             finally:  # Ctrl-C / SIGTERM cancel the wait: let each job finish its record

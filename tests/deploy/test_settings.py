@@ -8,8 +8,8 @@ import pytest
 
 from switchyard.cli.main import build_parser
 from switchyard.cli.options import load_config
-from switchyard.shared.config import (ENV_PREFIX, GatewayConfig, ModelEntry, RouteRule, SwitchyardConfig, WorkerConfig,
-                                     settings_env)
+from switchyard.shared.config import (ENV_PREFIX, GatewayConfig, ModelEntry, RouteRule, SafetyConfig, SwitchyardConfig,
+                                     WorkerConfig, settings_env)
 
 # A value for every field of the gateway and worker sections, each different from its default.
 WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l3"], dtype="float32", device="cpu",
@@ -21,7 +21,9 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
-               route_names=["auto", "smart"], routes=[RouteRule(model="llama", tiers=["pro"], max_difficulty=0.5)])
+               route_names=["auto", "smart"], routes=[RouteRule(model="llama", tiers=["pro"], max_difficulty=0.5)],
+               affinity=False, affinity_wait_s=0.25,
+               safety=SafetyConfig(default_policy="log", keywords={"house": ["zorp"]}, classifier_threshold=0.8))
 
 
 def test_the_fixtures_cover_every_setting():

@@ -33,7 +33,8 @@ def tiers_model(e2e, auth):
     yield e2e.base_url, auth
     for tier, row in original.items():
         httpx.put(f"{e2e.base_url}/admin/tiers/{tier}", headers=ADMIN, json={
-            "max_queued": row["max_queued"], "max_wait_s": row["max_wait_s"], "weight": row["weight"]})
+            "max_queued": row["max_queued"], "max_wait_s": row["max_wait_s"], "weight": row["weight"],
+            "max_queued_per_tenant": 0})
     worker.stop()
 
 
@@ -43,6 +44,10 @@ def body(max_tokens: int, stream: bool = False) -> dict:
 
 
 async def set_tier(http: httpx.AsyncClient, tier: str, **policy) -> None:
+    """These tests are about a tier's cap, sent by one tenant: that tenant may fill it (tenant caps:
+    test_fair_share.py)."""
+    if "max_queued" in policy:
+        policy.setdefault("max_queued_per_tenant", policy["max_queued"])
     r = await http.put(f"/admin/tiers/{tier}", headers=ADMIN, json=policy)
     assert r.status_code == 200, r.text
 

@@ -17,7 +17,7 @@ import pytest
 
 from switchyard.deploy.services import wait_until_ready
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import live_workers
+from switchyard.shared.jetstream import ensure_request_consumer, live_workers
 from switchyard.shared.messages import TokenDelta, decode
 from tests.support.system import poll
 
@@ -135,7 +135,7 @@ async def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker_exactly
 
 
 async def test_a_request_pulled_by_a_worker_that_dies_before_starting_it_is_redelivered_within_seconds(
-        e2e, system, auth, nats_url):
+        e2e, system, auth, nats_url, database_url):
     """The worker that dies right after pulling is played by this test: it takes the request from the model's
     durable consumer, as a worker's intake does, and disconnects without acking. The real worker is frozen
     (SIGSTOP) meanwhile, so the test's pull is the one that gets it."""
@@ -150,7 +150,13 @@ async def test_a_request_pulled_by_a_worker_that_dies_before_starting_it_is_rede
                 f"{system}/v1/completions", headers=auth,
                 json={"model": name, "prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}))
             js = nc.jetstream()
-            consumer = subjects.request_consumer(name, "pro")
+            conn = await asyncpg.connect(database_url)
+            try:
+                tenant = await conn.fetchval("SELECT id FROM tenants WHERE name = 'e2e'")
+            finally:
+                await conn.close()
+            # The tenant's queue of the model, as the worker's intake pulls it (tenant_queues.py).
+            consumer = await ensure_request_consumer(js, name, "pro", tenant)
             puller = await js.pull_subscribe_bind(consumer, stream=subjects.request_stream("pro"))
             (pulled,) = await puller.fetch(1, timeout=10)
             await nc.close()  # the puller dies holding it

@@ -25,6 +25,7 @@ def test_every_finished_state_sorts_after_preempted() -> None:
         (RequestStatus.FINISHED_LENGTH, "length"),
         (RequestStatus.FINISHED_ABORTED, "cancelled"),
         (RequestStatus.FINISHED_ERROR, "error"),
+        (RequestStatus.FINISHED_FILTERED, "content_filter"),
     ],
 )
 def test_finish_reason_maps_to_openai(status: RequestStatus, reason: str | None) -> None:

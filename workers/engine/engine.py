@@ -29,6 +29,7 @@ from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParam
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
 from switchyard.workers.engine.guided import Grammars, fill_masks
+from switchyard.workers.engine.output_filter import OutputSafety, StreamGuard
 from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected, eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator, sample
 from switchyard.workers.engine.stats import EngineStats
@@ -75,6 +76,7 @@ class _Choice:
     unsent_text: str = ""
     matcher: object | None = None  # the grammar its tokens must follow (llguidance), None for free text
     tools: ToolCallParser | None = None  # reads tool calls out of its text, when the request has tools
+    guard: StreamGuard | None = None  # the output safety filter, when the tenant's policy is not off
 
     def emittable(self, text: str) -> str:
         """``text`` from the detokenizer, less what the client already has, plus what it is still owed."""
@@ -133,6 +135,7 @@ class Engine:
         self._grammars: Grammars | None = None
         self._requests: dict[str, _Request] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
+        self.safety = OutputSafety()  # output filters; the worker takes their verdicts after each step
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs
         self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
         self.num_out_of_memory_steps = 0  # steps the device had no memory for (see _shed_for_memory)
@@ -201,7 +204,8 @@ class Engine:
             choice = _Choice(state, index,
                              IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
                              make_generator(seed),
-                             unreported_logprobs=[] if params.logprobs else None)
+                             unreported_logprobs=[] if params.logprobs else None,
+                             guard=self.safety.guard(req, index))
             if prepared.matcher is not None:  # each choice follows the grammar on its own
                 choice.matcher = prepared.matcher if index == 0 else prepared.matcher.deep_copy()
             if req.tool_use is not None and req.tool_use.choice != "none":
@@ -242,6 +246,8 @@ class Engine:
         owed = choice.unsent_text + primed
         choice.skip_chars = max(0, text_len - len(owed))
         choice.unsent_text = owed[text_len:]
+        if choice.guard is not None:
+            choice.guard.prime(owed[:text_len])
         if choice.generator is not None and choice.request.params.temperature >= GREEDY_TEMPERATURE:
             # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
             for _ in token_ids:
@@ -471,6 +477,11 @@ class Engine:
             self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
             return self._finish(seq, "stop", choice.emittable(text + choice.detokenizer.flush()))
         text = choice.emittable(text)
+        if choice.guard is not None:
+            text = choice.guard.feed(text)
+            if choice.guard.is_halted:  # flagged under a block policy: nothing more goes out, its seat is freed now
+                self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_FILTERED)
+                return self._finish(seq, finish_reason(RequestStatus.FINISHED_FILTERED), "")
         calls = None
         if choice.tools is not None:
             text, calls = choice.tools.feed(text)
@@ -493,6 +504,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, text: str, error: ErrorInfo | None = None) -> TokenDelta:
         choice: _Choice = seq.data
+        if choice.guard is not None:  # the end's text is judged too (it may trip the filter)
+            text, reason = choice.guard.finish(text, reason)
         state = choice.request
         state.num_finished += 1
         state.completion_tokens += seq.num_output_tokens

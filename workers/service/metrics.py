@@ -40,6 +40,10 @@ class WorkerMetrics:
                                    buckets=TOKEN_INTERVAL_BUCKETS, registry=r)
         self.batch_size = Histogram(name("engine_batch_size"), "Sequences run in one engine step.", ("model",),
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.safety_output = Counter(name("safety_output_verdicts"),
+                                     "Choices flagged by the output safety filter (workers/engine/output_filter.py), "
+                                     "by category and action: blocked (halted, finish_reason content_filter) or "
+                                     "logged.", (*labels, "category", "action"), registry=r)
         r.register(_EngineCollector(self))
 
     # -- observations (event loop) -------------------------------------------------------------------------
@@ -53,6 +57,12 @@ class WorkerMetrics:
 
     def finished(self, tier: str, finish_reason: str) -> None:
         self.request_success.labels(self.model, tier, finish_reason).inc()
+
+    def safety_flagged(self, events) -> None:
+        """Count and log the output filter's verdicts of a step (``SafetyEvent``s): ids and category, never text."""
+        for e in events:
+            self.safety_output.labels(self.model, e.tier, e.category, e.action).inc()
+            log.warning("request %s choice %d: output flagged (%s), %s", e.request_id, e.index, e.category, e.action)
 
     def stepped(self, step_s: float, stats: EngineStats | None) -> None:
         self.step_time.labels(self.model).observe(step_s)

@@ -35,7 +35,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from switchyard.scheduler.background import BackgroundPolicy
 from switchyard.scheduler.tier_share import TierShare
 from switchyard.shared import nats_client, subjects
-from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams, is_transient, workers_bucket
+from switchyard.shared.jetstream import ensure_streams, is_transient, workers_bucket
 from switchyard.shared.messages import (
     BatchResult,
     ErrorInfo,
@@ -53,6 +53,7 @@ from switchyard.workers.engine.stats import EngineStats
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher, Tracked, attempt_of
 from switchyard.workers.service.request_trace import record_request_trace
+from switchyard.workers.service.tenant_queues import TenantQueues
 
 log = logging.getLogger("switchyard.worker")
 
@@ -70,6 +71,7 @@ class _StepResult:
     rejected: list[tuple[Tracked, object, ErrorInfo]] = field(default_factory=list)
     deltas: list[TokenDelta] = field(default_factory=list)
     stats: EngineStats | None = None  # the engine after the step, for the metrics
+    safety_events: list = field(default_factory=list)  # the output filter's verdicts (output_filter.SafetyEvent)
 
 
 class Worker:
@@ -109,9 +111,9 @@ class Worker:
         self._work = asyncio.Event()
         self._wake = asyncio.Event()
         self._capacity = asyncio.Event()
-        # Tiers that may have queued work: set by the doorbell, cleared by an empty fetch, all set by a sweep.
-        # An empty fetch costs its whole timeout, so tiers known to be empty are not asked.
-        self._maybe_pending: set[str] = {t.name for t in tiers_by_priority()}
+        # The queues a tier and tenant each (made in run): which may have work (doorbell, sweep) and whose turn
+        # it is. An empty fetch costs its whole timeout, so queues known to be empty are not asked.
+        self._queues: TenantQueues | None = None
         self._num_admitting = 0  # handed to the step running now, not yet in the engine
         self._jump_headroom = max(1, engine.max_num_seqs // 8)
         self._intake_idle = asyncio.Event()  # the intake has nothing more to take right now
@@ -166,14 +168,14 @@ class Worker:
         self._out = Publisher(nc, self._js, self.worker_id)
         try:
             await ensure_streams(self._js, self._nats_replicas)
-            subs = {}
-            for tier in tiers_by_priority():
-                name = await ensure_request_consumer(self._js, self.model_name, tier.name)
-                subs[tier.name] = await self._js.pull_subscribe_bind(name, stream=subjects.request_stream(tier.name))
+            self._queues = TenantQueues(self._js, self.model_name, [t.name for t in tiers_by_priority()],
+                                        self.worker_id)
+            await self._queues.sweep()  # work queued before this worker started rings no doorbell
             self._policies = PolicyCache(self._js)
             doorbell = await nc.subscribe(
                 f"{subjects.REQUEST_PREFIX}.{subjects.model_token(self.model_name)}.>", cb=self._on_doorbell
             )
+            offers = await nc.subscribe(f"{subjects.AFFINITY_PREFIX}.{self.worker_id}.*", cb=self._on_doorbell)
             cancels = await nc.subscribe(f"{subjects.CANCEL_PREFIX}.*", cb=self._on_cancel)
             kv = await workers_bucket(self._js)
             await self._beat(kv)
@@ -182,7 +184,7 @@ class Worker:
             drained = asyncio.Event()
             heartbeat = asyncio.create_task(self._heartbeat_loop(kv, drained, reconnected))
             alive = asyncio.create_task(self._alive_loop(drained))
-            intake = asyncio.create_task(self._intake_loop(subs, stop))
+            intake = asyncio.create_task(self._intake_loop(stop))
             log.info("worker %s serving %s (context %d)", self.worker_id, self.model_name, self.engine.max_context)
             if ready is not None:
                 ready.set()
@@ -196,16 +198,17 @@ class Worker:
                     await task
             with contextlib.suppress(Exception):
                 await kv.delete(subjects.worker_key(self.model_name, self.worker_id))
-            for sub in [doorbell, cancels, *subs.values()]:
+            for sub in (doorbell, offers, cancels):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+            await self._queues.close()
         finally:
             self._intake_thread.shutdown(wait=False, cancel_futures=True)
             await nc.close()
 
     async def _on_doorbell(self, msg) -> None:
-        self._maybe_pending.add(msg.subject.rsplit(".", 1)[-1])
-        self._wake.set()
+        if self._queues is not None and self._queues.ring(msg.subject):
+            self._wake.set()
 
     async def _on_cancel(self, msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
@@ -271,31 +274,35 @@ class Worker:
 
     def _state_summary(self) -> str:
         e = self.engine
+        pending = self._queues.summary() if self._queues else {}
         return (f"active={len(self._active)} pending_adds={len(self._pending_adds)} admitting={self._num_admitting} "
                 f"running={e.num_running} waiting={e.num_waiting} free_slots={e.num_free_slots} "
-                f"kv_usage={e.scheduler.kv_cache.usage:.2f} maybe_pending={sorted(self._maybe_pending)} "
+                f"kv_usage={e.scheduler.kv_cache.usage:.2f} maybe_pending={pending} "
                 f"intake_idle={self._intake_idle.is_set()} background_limit={self._background_limit()}")
 
     # -- intake ---------------------------------------------------------------------------------------------
-    async def _intake_loop(self, subs: dict, stop: asyncio.Event) -> None:
-        """Pull one request at a time while the engine can admit more, from the tier the weighted share picks.
+    async def _intake_loop(self, stop: asyncio.Event) -> None:
+        """Pull one request at a time while the engine can admit more: from the tier the weighted tier share picks,
+        and within it from the tenant the token-weighted tenant share picks (workers/service/tenant_queues.py).
 
-        Taking one at a time keeps the share exact and the backlog in JetStream, where any worker can take it.
+        Taking one at a time keeps both shares exact and the backlog in JetStream, where any worker can take it.
         """
+        tiers = [t.name for t in tiers_by_priority()]
         share = TierShare({t: p.weight for t, p in DEFAULT_POLICIES.items()},
                           {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
+        queues = self._queues
         while not stop.is_set():
-            eligible = set(subs) if self._num_admittable() > 0 else self._tiers_that_may_jump_in()
+            eligible = set(tiers) if self._num_admittable() > 0 else self._tiers_that_may_jump_in()
             if BATCH_TIER in eligible and not self._may_take_batch():
                 eligible.discard(BATCH_TIER)  # its seats while interactive traffic is about are taken
-            if not eligible & self._maybe_pending:
+            if not eligible & queues.pending_tiers():
                 self._intake_idle.set()
                 self._capacity.clear()
                 self._wake.clear()
                 await _first_of(self._capacity, self._wake, timeout=_IDLE_SWEEP_S)
                 if not self._capacity.is_set() and not self._wake.is_set():
                     # Redeliveries and work queued before we subscribed ring no doorbell: look everywhere.
-                    self._maybe_pending.update(subs)
+                    await queues.sweep()
                 continue
             self._intake_idle.clear()
             try:
@@ -307,24 +314,17 @@ class Worker:
             for tier in share.order():
                 if tier not in eligible:
                     continue
-                if tier not in self._maybe_pending:
+                if tier not in queues.pending_tiers():
                     share.note_empty(tier)
                     continue
-                try:
-                    msgs = await subs[tier].fetch(batch=1, timeout=_FETCH_TIMEOUT_S)
-                except (NatsTimeoutError, asyncio.TimeoutError):
-                    self._maybe_pending.discard(tier)
+                msg = await queues.take(tier, _FETCH_TIMEOUT_S)
+                if msg is None:
                     share.note_empty(tier)
                     continue
-                except Exception as exc:  # disconnected: nats-py reconnects on its own; try again shortly
-                    log.warning("fetch from %s failed: %s", tier, exc)
-                    await asyncio.sleep(0.5)
-                    break
-                for msg in msgs:
-                    if await self._receive(msg):
-                        share.charge(tier)
+                if await self._receive(msg):
+                    share.charge(tier)
                 took = True
-                break  # start over: the share decides again for the next request
+                break  # start over: the shares decide again for the next request
             if not took:
                 share.note_idle()
 
@@ -344,6 +344,10 @@ class Worker:
             # JetStream redelivered a request this worker runs (its ack was lost): the copy is dropped, the
             # original goes on; answering the copy would end the original's stream.
             log.warning("dropping a redelivered copy of running request %s", request.request_id)
+            await msg.ack()
+            return 0
+        if request.affinity_until and time.time() > request.affinity_until:
+            # An offer this worker took too late: the gateway has given the request to every worker by now.
             await msg.ack()
             return 0
         self._unacked[id(msg)] = msg
@@ -427,6 +431,7 @@ class Worker:
         if self.engine.has_unfinished_requests():
             result.deltas = self.engine.step(background_limit)
         result.stats = self.engine.stats()
+        result.safety_events = self.engine.safety.take_events()
         return result
 
     async def _step_loop(self, stop: asyncio.Event) -> None:
@@ -490,7 +495,7 @@ class Worker:
             publishing = asyncio.create_task(self._publish_result(result))
             freed = bool(result.rejected) or any(d.finish_reason for d in result.deltas)
             self._capacity.set()  # freed seats, or admissions that change who may jump in: let the intake look
-            if freed and self._maybe_pending:
+            if freed and self._queues.has_pending():
                 # Let the intake refill the freed seats before the next step starts, not a whole step later;
                 # bounded, so an empty queue costs at most a few milliseconds.
                 self._intake_idle.clear()
@@ -498,6 +503,7 @@ class Worker:
 
     async def _publish_result(self, result: _StepResult) -> None:
         """Publish a step's outcome: rejections, admissions, deltas, and the records of what finished."""
+        self.metrics.safety_flagged(result.safety_events)  # counted before a client can see the halt
         # Acks are confirmed round trips, retried through an outage: all of a step's at once, not one after another.
         await asyncio.gather(*(self._ack(msg) for _, msg, _ in result.rejected),
                              *(self._ack(msg) for _, msg in result.admitted))
@@ -507,6 +513,7 @@ class Worker:
         for tracked, msg in result.admitted:
             self.metrics.started(tracked.request.tier, tracked.admitted_at - tracked.request.created_at,
                                  tracked.prompt_tokens)
+            self._queues.charge(tracked.request.tier, tracked.request.tenant_id, prompt_tokens=tracked.prompt_tokens)
             await self._out.delta(TokenDelta(tracked.request.request_id, dropped_messages=tracked.dropped_messages,
                                              prompt_tokens=tracked.prompt_tokens,
                                              attempt=attempt_of(tracked.request)))
@@ -521,6 +528,7 @@ class Worker:
                 continue
             if delta.num_tokens:
                 generated[tracked.request.tier] = generated.get(tracked.request.tier, 0) + delta.num_tokens
+                self._queues.charge(tracked.request.tier, tracked.request.tenant_id, generated_tokens=delta.num_tokens)
             if delta.num_tokens and tracked.first_token_at is None:
                 tracked.first_token_at = now
             delta.attempt = attempt_of(tracked.request)

@@ -1,0 +1,60 @@
+"""Token-weighted fair share between tenants, on fabricated service: a flood cannot starve a light tenant, and a
+tenant coming back cannot spend credit saved while it was away."""
+
+from __future__ import annotations
+
+from switchyard.scheduler.tenant_share import TenantShare
+
+
+def serve(share: TenantShare, queued: dict[str, int], steps: int, cost: dict[str, int]) -> list[str]:
+    """Pull ``steps`` requests, each charged ``cost[tenant]`` tokens; returns who was served, in order."""
+    served = []
+    for _ in range(steps):
+        backlogged = [t for t, n in queued.items() if n]
+        if not backlogged:
+            break
+        share.set_backlogged(backlogged)
+        tenant = share.order(backlogged)[0]
+        queued[tenant] -= 1
+        share.charge(tenant, prompt_tokens=cost[tenant], generated_tokens=cost[tenant])
+        served.append(tenant)
+    return served
+
+
+def test_a_flood_shares_service_with_a_light_tenant_by_tokens():
+    share = TenantShare()
+    served = serve(share, {"heavy": 100, "light": 10}, 20, {"heavy": 100, "light": 100})
+    # Alternating while both are backlogged: all ten light requests within the first twenty served, never two
+    # heavy ones in a row before the light tenant's queue is empty.
+    assert served.count("light") == 10
+    last_light = max(i for i, t in enumerate(served) if t == "light")
+    assert all(not (served[i] == served[i + 1] == "heavy") for i in range(last_light))
+
+
+def test_service_is_shared_by_tokens_not_requests():
+    share = TenantShare()
+    served = serve(share, {"long": 50, "short": 50}, 40, {"long": 400, "short": 100})
+    # Equal tokens: four short requests for each long one.
+    assert abs(served.count("short") - 4 * served.count("long")) <= 4
+
+
+def test_a_returning_tenant_is_lifted_to_the_others_and_cannot_burst():
+    share = TenantShare()
+    serve(share, {"a": 30, "b": 30}, 40, {"a": 10, "b": 10})  # both got ~20 requests of service
+    share.set_backlogged(["a", "b"])
+    share.charge("a", 1000)  # a keeps going alone for a while...
+    share.set_backlogged(["a"])
+    share.charge("a", 5000)
+    share.set_backlogged(["a", "new"])  # ...then a tenant never seen arrives: it starts level with a
+    assert share.counter("new") == share.counter("a")
+    served = serve(share, {"a": 10, "new": 10}, 10, {"a": 10, "new": 10})
+    assert 4 <= served.count("new") <= 6, served  # alternating, not ten in a row
+
+
+def test_forget_keeps_the_queued_tenants():
+    share = TenantShare()
+    share.charge("gone", 5)
+    share.set_backlogged(["here"])
+    share.charge("here", 5)
+    share.forget(keep=[])
+    assert (share.counter("gone"), share.counter("here")) == (0.0, 5.0)

@@ -1,0 +1,147 @@
+"""One worker's view of its model's request queues: a queue per tier and tenant, and which to pull from next.
+
+    llm.req.<model>.<tier>.<tenant>  ──  durable consumer req-<model>-<tier>-<tenant> (shared by the model's workers)
+    llm.aff.<worker>.<tier>          ──  durable consumer aff-<worker>-<tier>: requests offered to this worker alone
+                                         because it holds their prefix (gateway/affinity.py); taken first in a tier
+
+Which tenants have requests queued is learnt from the doorbell (every publish on ``llm.req.<model>.>`` reaches
+the worker's core subscription too) and, for what rings no bell (redeliveries, requests queued before the worker
+started, bells lost on the way), from a sweep of the stream's per-subject counts. Within a tier the backlogged
+tenant that was served least goes first (scheduler/tenant_share.py); between tiers the worker's weighted tier
+share decides, as before. Consumers and subscriptions are made when a tenant first has work; JetStream deletes a
+consumer nobody pulled from for an hour, and a subscription whose fetch fails is made again on next use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+
+from switchyard.scheduler.tenant_share import TenantShare
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import ensure_affinity_consumer, ensure_request_consumer, queued_tenants
+
+log = logging.getLogger("switchyard.worker")
+
+MAX_SUBSCRIPTIONS = 512  # per worker: beyond it the least recently pulled tenant's is closed (and made again)
+
+
+class TenantQueues:
+    def __init__(self, js: JetStreamContext, model: str, tiers: list[str], worker_id: str = "") -> None:
+        self._js = js
+        self._model = model
+        self._worker_id = worker_id
+        self._offered: set[str] = set()  # tiers with requests offered to this worker
+        self._tiers = list(tiers)
+        self._pending: dict[str, set[str]] = {t: set() for t in tiers}  # tier -> tenant tokens that may have work
+        self._shares: dict[str, TenantShare] = {t: TenantShare() for t in tiers}
+        self._subs: dict[tuple[str, str], object] = {}  # (tier, tenant) -> pull subscription, least recent first
+
+    # -- what may be queued -----------------------------------------------------------------------------------
+    def ring(self, subject: str) -> bool:
+        """A doorbell: a request was published on ``subject``; True when it is one of this model's queues."""
+        parts = subject.split(".")
+        if len(parts) == 4 and parts[2] == self._worker_id and parts[3] in self._pending:  # llm.aff.<me>.<tier>
+            self._offered.add(parts[3])
+            return True
+        if len(parts) != 5 or parts[3] not in self._pending:
+            return False
+        self._pending[parts[3]].add(parts[4])
+        return True
+
+    async def sweep(self) -> None:
+        """Every tenant with requests in the stream, whatever rang."""
+        for tier in self._tiers:
+            try:
+                counts = await queued_tenants(self._js, self._model, tier)
+            except Exception as exc:  # NATS reconnecting: the next sweep sees them
+                log.debug("sweep of %s failed: %r", tier, exc)
+                continue
+            self._pending[tier].update(t for t, n in counts.items() if n)
+        if self._worker_id:
+            try:
+                info = await self._js.stream_info(subjects.AFFINITY_STREAM,
+                                                  subjects_filter=subjects.affinity_subject(self._worker_id, "*"))
+                self._offered.update(s.rsplit(".", 1)[-1] for s, n in (info.state.subjects or {}).items() if n)
+            except Exception as exc:
+                log.debug("sweep of offers failed: %r", exc)
+
+    def pending_tiers(self) -> set[str]:
+        return {tier for tier, tenants in self._pending.items() if tenants} | self._offered
+
+    def has_pending(self) -> bool:
+        return any(self._pending.values()) or bool(self._offered)
+
+    def summary(self) -> dict[str, int]:
+        """Tier -> tenants that may have work, offers counted as one (for the worker's state line)."""
+        return {tier: len(tenants) + (tier in self._offered) for tier, tenants in self._pending.items()
+                if tenants or tier in self._offered}
+
+    # -- taking ---------------------------------------------------------------------------------------------
+    async def take(self, tier: str, timeout_s: float):
+        """One request message of ``tier``, from the least served of its tenants that has one; None when none
+        had (each tenant that came up empty is forgotten until it rings again)."""
+        if tier in self._offered:  # a request whose prefix this worker holds comes before the tenants' turn
+            msg = await self._fetch(("offer", tier), timeout_s)
+            if msg is not None:
+                return msg
+            self._offered.discard(tier)
+        share = self._shares[tier]
+        tenants = self._pending[tier]
+        share.set_backlogged(tenants)
+        for tenant in share.order(tenants):
+            msg = await self._fetch((tier, tenant), timeout_s)
+            if msg is not None:
+                return msg
+            tenants.discard(tenant)
+        return None
+
+    async def _fetch(self, key: tuple[str, str], timeout_s: float):
+        """One message from a queue's consumer, or None (empty; or failed, and its subscription made again next
+        time: the consumer gone idle, a restarted server, NATS away)."""
+        try:
+            sub = await self._subscription(*key)
+            msgs = await sub.fetch(batch=1, timeout=timeout_s)
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            return None
+        except Exception as exc:
+            log.warning("fetch from %s failed: %r", "/".join(key), exc)
+            await self._drop(*key)
+            return None
+        return msgs[0] if msgs else None
+
+    def charge(self, tier: str, tenant: str | None, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
+        """Service given to a tenant of ``tier`` (admission: its prompt; each step: what it generated)."""
+        share = self._shares.get(tier)
+        if share is not None:
+            share.charge(subjects.tenant_token(tenant), prompt_tokens, generated_tokens)
+
+    async def close(self) -> None:
+        for key in list(self._subs):
+            await self._drop(*key)
+
+    async def _subscription(self, tier: str, tenant: str):
+        key = (tier, tenant)
+        sub = self._subs.pop(key, None)
+        if sub is None and tier == "offer":  # (tier, tenant) is ("offer", tier) for this worker's offers
+            name = await ensure_affinity_consumer(self._js, self._worker_id, tenant)
+            sub = await self._js.pull_subscribe_bind(name, stream=subjects.AFFINITY_STREAM)
+        elif sub is None:
+            # The consumer is named after the token, which is what the subject carries: make it for that token.
+            name = await ensure_request_consumer(self._js, self._model, tier, tenant)
+            sub = await self._js.pull_subscribe_bind(name, stream=subjects.request_stream(tier))
+            while len(self._subs) >= MAX_SUBSCRIPTIONS:
+                await self._drop(*next(iter(self._subs)))
+        self._subs[key] = sub  # most recently used last
+        return sub
+
+    async def _drop(self, tier: str, tenant: str) -> None:
+        sub = self._subs.pop((tier, tenant), None)
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may be closing: nothing left to release then
+                pass
