@@ -5,9 +5,9 @@ command line.
 NATS gets one user per role, each allowed only the subjects its processes use (nothing anonymous):
 
     role      publishes                                              subscribes
-    gateway   llm.req.> llm.cancel.> llm.events.> llm.usage          llm.tok.> llm.alive.>
-              llm.held.> llm.dead.>                                  (and hosts the jobs: billing, batches)
-    worker    llm.tok.> llm.usage llm.result.> llm.alive.>           llm.req.> (the doorbell) llm.cancel.>
+    gateway   llm.req.> llm.aff.> llm.cancel.> llm.events.>          llm.tok.> llm.alive.>
+              llm.usage llm.held.> llm.dead.>                        (and hosts the jobs: billing, batches)
+    worker    llm.tok.> llm.usage llm.result.> llm.alive.>           llm.req.> llm.aff.> (doorbells) llm.cancel.>
     admin     everything (the CLI: tiers, tenants, usage)
 
 Both service roles use the JetStream API (``$JS.API.>``, acks ``$JS.ACK.>``, KV ``$KV.>``) and reply inboxes
@@ -32,13 +32,13 @@ _SHARED_PUBLISH = ["$JS.API.>", "$JS.ACK.>", "$KV.>", "_INBOX.>"]
 _SHARED_SUBSCRIBE = ["_INBOX.>"]
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "gateway": {
-        "publish": ["llm.req.>", "llm.cancel.>", "llm.events.>", "llm.usage", "llm.held.>", "llm.dead.>",
+        "publish": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.events.>", "llm.usage", "llm.held.>", "llm.dead.>",
                     *_SHARED_PUBLISH],
         "subscribe": ["llm.tok.>", "llm.alive.>", *_SHARED_SUBSCRIBE],
     },
     "worker": {
         "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", *_SHARED_PUBLISH],
-        "subscribe": ["llm.req.>", "llm.cancel.>", *_SHARED_SUBSCRIBE],
+        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", *_SHARED_SUBSCRIBE],
     },
     "admin": {"publish": [">"], "subscribe": [">"]},
 }

@@ -5,6 +5,7 @@ a whole system serves through them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import stat
@@ -140,6 +141,13 @@ def test_a_system_serves_through_its_credentials_and_shows_no_secret(data_dir):
                 lines = [line for line in r.iter_lines() if line.startswith("data: ")]
             assert r.status_code == 200 and lines[-1] == "data: [DONE]"
             request_id = r.headers["X-Request-Id"]
+            # A second turn with that history is offered to the worker that served the first (llm.aff.>).
+            reply = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                            for line in lines[:-1] if json.loads(line[6:])["choices"])
+            follow_up = {**body, "stream": False, "messages": [*body["messages"],
+                                                               {"role": "assistant", "content": reply},
+                                                               {"role": "user", "content": "and then?"}]}
+            assert http.post("/v1/chat/completions", json=follow_up).status_code == 200
 
         async def billed():  # the billing writer (a gateway job) consumed the worker's usage record
             conn = await asyncpg.connect(config.database_url)

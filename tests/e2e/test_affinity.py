@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import asyncpg
-import httpx
 import pytest
+from openai import AsyncOpenAI
 
 from switchyard.deploy.services import wait_until_ready
 from switchyard.deploy.system import LocalSystem
@@ -37,9 +37,13 @@ async def usage_rows(database_url: str, request_ids: list[str]) -> dict[str, asy
 
 
 @pytest.fixture
-async def key(new_key) -> dict[str, str]:
+async def key(new_key) -> str:
     _, secret = await new_key("pro", rpm_limit=10_000, tpm_limit=10_000_000)
-    return {"Authorization": f"Bearer {secret}"}
+    return secret
+
+
+def request_id(completion) -> str:
+    return completion.id.removeprefix("chatcmpl-")
 
 
 async def test_follow_up_turns_go_to_the_worker_holding_the_conversation(e2e, key, database_url):
@@ -52,17 +56,16 @@ async def test_follow_up_turns_go_to_the_worker_holding_the_conversation(e2e, ke
     ids: list[list[str]] = []
     try:
         wait_until_ready(e2e.url(port), model, timeout_s=60, watch=[gateway])
-        async with httpx.AsyncClient(base_url=e2e.url(port), timeout=60, headers=key) as http:
+        async with AsyncOpenAI(base_url=f"{e2e.url(port)}/v1", api_key=key, max_retries=0, timeout=60) as client:
             async def conversation(n: int) -> None:
                 messages = [{"role": "system", "content": SYSTEM + f" Conversation {n}."}]
                 mine = []
-                for turn in range(3):
+                for turn in range(3):  # the whole history each turn, as chat clients send it
                     messages.append({"role": "user", "content": f"Turn {turn} of conversation {n}: go on."})
-                    r = await http.post("/v1/chat/completions", json={"model": model, "messages": messages,
-                                                                       "max_tokens": 8, "temperature": 0})
-                    assert r.status_code == 200, r.text
-                    messages.append(r.json()["choices"][0]["message"])
-                    mine.append(r.headers["X-Request-Id"])
+                    completion = await client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                                                      temperature=0)
+                    messages.append(completion.choices[0].message.model_dump(exclude_none=True))
+                    mine.append(request_id(completion))
                 ids.append(mine)
 
             await asyncio.gather(*(conversation(n) for n in range(6)))
@@ -82,42 +85,41 @@ async def test_a_busy_holder_does_not_hold_the_turn_up(e2e, system, key, databas
     model = "tiny-affinity-busy"
     workers = start_two(e2e, model, seats=1)
     try:
-        async with httpx.AsyncClient(base_url=system, timeout=120, headers=key) as http:
+        async with AsyncOpenAI(base_url=f"{system}/v1", api_key=key, max_retries=0, timeout=120) as client:
             history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first"}]
-            first = await http.post("/v1/chat/completions", json={"model": model, "messages": history,
-                                                                   "max_tokens": 4})
-            assert first.status_code == 200
-            history.append(first.json()["choices"][0]["message"])
+            first = await client.chat.completions.create(model=model, messages=history, max_tokens=4)
+            history.append(first.choices[0].message.model_dump(exclude_none=True))
             # A long follow-up goes to the holder (its prefix is there) and takes its only seat...
             busy, release = asyncio.Event(), asyncio.Event()
 
-            async def long_turn() -> str:
-                body = {"model": model, "messages": [*history, {"role": "user", "content": "long"}],
-                        "max_tokens": 3000, "ignore_eos": True, "stream": True}
-                async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-                    assert resp.status_code == 200
-                    async for line in resp.aiter_lines():  # read on: a client that stops reading goes away
-                        if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                            busy.set()
-                        if release.is_set() or line == "data: [DONE]":
-                            break
-                return resp.headers["X-Request-Id"], line
+            async def long_turn() -> tuple[str, bool]:
+                stream = await client.chat.completions.create(
+                    model=model, messages=[*history, {"role": "user", "content": "long"}], max_tokens=3000,
+                    stream=True, extra_body={"ignore_eos": True})
+                finished = False
+                async for chunk in stream:  # read on: a client that stops reading goes away
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        busy.set()
+                    finished = finished or bool(chunk.choices and chunk.choices[0].finish_reason)
+                    if release.is_set():
+                        break
+                await stream.close()
+                return chunk.id.removeprefix("chatcmpl-"), finished
 
             hog = asyncio.create_task(long_turn())
             await asyncio.wait_for(busy.wait(), 30)
             # ...so another follow-up of the same history, offered to the holder first, runs on the other worker
             # while the long one still runs there.
-            other = await http.post("/v1/chat/completions", json={
-                "model": model, "messages": [*history, {"role": "user", "content": "short"}], "max_tokens": 4})
-            assert other.status_code == 200, other.text
+            other = await client.chat.completions.create(
+                model=model, messages=[*history, {"role": "user", "content": "short"}], max_tokens=4)
             assert not hog.done(), "the short turn must not have waited for the long one"
             release.set()
-            hog_id, last_line = await hog
-            assert last_line != "data: [DONE]", "the long turn was still running when the short one ended"
-        rows = await usage_rows(database_url, [first.headers["X-Request-Id"], hog_id, other.headers["X-Request-Id"]])
+            hog_id, hog_finished = await hog
+            assert not hog_finished, "the long turn was still running when the short one ended"
+        rows = await usage_rows(database_url, [request_id(first), hog_id, request_id(other)])
     finally:
         for w in workers:
             w.stop()
-    holder = rows[first.headers["X-Request-Id"]]["worker_id"]
+    holder = rows[request_id(first)]["worker_id"]
     assert rows[hog_id]["worker_id"] == holder
-    assert rows[other.headers["X-Request-Id"]]["worker_id"] not in (None, holder)
+    assert rows[request_id(other)]["worker_id"] not in (None, holder)

@@ -8,7 +8,9 @@ import asyncio
 
 import asyncpg
 import httpx
+import openai
 import pytest
+from openai import AsyncOpenAI
 
 from switchyard.deploy.services import wait_until_ready
 from tests.e2e.conftest import ADMIN_KEY
@@ -55,8 +57,12 @@ async def test_a_flood_fills_its_own_queue_and_the_light_tenant_is_served_next(o
                            json={"max_queued": 20, "max_queued_per_tenant": 5, "max_wait_s": 120})
         assert r.status_code == 200, r.text
 
+        clients = {name: AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=120)
+                   for name, key in keys.items()}
+
         def post(name: str):
-            return http.post("/v1/chat/completions", json=body(4), headers={"Authorization": f"Bearer {keys[name]}"})
+            return clients[name].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go"}],
+                                                         max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
 
         async def queued() -> int:
             rows = (await http.get("/admin/tiers", headers=ADMIN)).json()["data"]
@@ -76,24 +82,26 @@ async def test_a_flood_fills_its_own_queue_and_the_light_tenant_is_served_next(o
         await asyncio.wait_for(started.wait(), 30)
         finished: list[str] = []
 
-        async def request(name: str) -> httpx.Response:
-            r = await post(name)
-            if r.status_code == 200:
-                finished.append(name)
-            return r
+        async def request(name: str):
+            completion = await post(name)
+            finished.append(name)
+            return completion
 
         heavy = [asyncio.create_task(request("heavy")) for _ in range(5)]
         await poll(queued, lambda n: n == 5, timeout_s=20, what="the heavy tenant's 5 queued")
-        over = await post("heavy")  # its own queue is full: refused, though the tier has room
-        assert over.status_code == 429 and over.json()["error"]["code"] == "queue_full", over.text
-        assert over.json()["error"]["message"].startswith("Your free tier queue")
+        with pytest.raises(openai.RateLimitError) as over:  # its own queue is full: refused, the tier has room
+            await post("heavy")
+        assert over.value.body["code"] == "queue_full"
+        assert over.value.body["message"].startswith("Your free tier queue")
         light = [asyncio.create_task(request("light")) for _ in range(2)]
         await poll(queued, lambda n: n == 7, timeout_s=20, what="the light tenant's 2 queued too")
         release.set()
         await hogging
         responses = await asyncio.gather(*heavy, *light)
+        for client in clients.values():
+            await client.close()
 
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    assert all(r.usage.completion_tokens == 4 for r in responses)
     # Served one at a time, least-served tenant first: the light tenant's two within the first four, not after the
     # heavy tenant's five as first-in-first-out would have it.
     assert sorted(i for i, name in enumerate(finished) if name == "light")[-1] < 4, finished
