@@ -116,11 +116,32 @@ def main() -> int:
         system.wait_until_ready(MODEL, timeout_s=300)
         asyncio.run(_set_free_tier(config, args))
         out = asyncio.run(run(args, made))
+        time.sleep(2)  # the usage writer is asynchronous
+        out["server"] = asyncio.run(_server_times(config.database_url))
     finally:
         system.stop()
         shutil.rmtree(work, ignore_errors=True)
     report(args, out, command, cpu)
     return 0
+
+
+async def _server_times(database_url: str) -> dict:
+    """Per tenant, from the usage rows: queue_ms (accepted -> a worker started it) and first_token_ms, p50/p95."""
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT t.name, count(*) AS n, "
+            "percentile_cont(0.5) WITHIN GROUP (ORDER BY queue_ms) AS q50, "
+            "percentile_cont(0.95) WITHIN GROUP (ORDER BY queue_ms) AS q95, "
+            "percentile_cont(0.5) WITHIN GROUP (ORDER BY first_token_ms) AS f50, "
+            "percentile_cont(0.95) WITHIN GROUP (ORDER BY first_token_ms) AS f95 "
+            "FROM requests r JOIN tenants t ON t.id = r.tenant_id WHERE t.name LIKE 'bench-%' GROUP BY 1 ORDER BY 1")
+        return {r["name"].removeprefix("bench-"): {k: round(r[k]) for k in ("n", "q50", "q95", "f50", "f95")}
+                for r in rows}
+    finally:
+        await conn.close()
 
 
 async def _set_free_tier(config, args) -> None:
@@ -159,6 +180,7 @@ def report(args, out: dict, command: str, cpu: str) -> None:
         f"- L's TTFT p95 with H / alone = {ratio:.2f}x (target <= 3x): {'MET' if ratio and ratio <= 3 else 'NOT MET'}"
         if ratio else "- L's TTFT ratio: n/a",
         f"- L refused while H queued: {mixed_l['429 queue_full']} (target 0); H refused: {mixed_h['429 queue_full']}",
+        f"- worker-side, from the usage rows (all phases; ms from the gateway's accept): {out.get('server')}",
     ]) + "\n"
     print("\n" + text)
     append_section(text, args.results)

@@ -70,6 +70,9 @@ class Sequence:
     arrival: float = 0.0
     data: object = None
     cache_salt: str = ""  # prefix-cache scope: blocks are shared only between sequences of one salt
+    # Who it serves: with every seat taken, a tenant holding two seats more than this one at its priority gives
+    # one up (Scheduler._yield_to), so one tenant's flood cannot keep the others' requests out of the batch.
+    tenant: str = ""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (hits included)
     num_cached_tokens: int = 0  # prefix-cache hit on first admission, for usage reporting

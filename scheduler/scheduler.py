@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from bisect import insort
+from collections import Counter
 from dataclasses import dataclass, field
 
 from switchyard.scheduler.kv_cache_manager import KVCacheManager
@@ -317,13 +318,17 @@ class Scheduler:
             if self._memory_seats is not None and len(self._running) >= self._memory_seats:
                 break  # the device ran out of memory with one more than this running
             if len(self._running) >= self.config.max_num_seqs:
-                # Seats full: only a strictly more important request takes the least important one's seat, so a
-                # pro request never waits for a free one to finish.
+                # Seats full: a strictly more important request takes the least important one's seat, so a pro
+                # request never waits for a free one to finish; at equal priority, a tenant holding far fewer
+                # seats takes one from the tenant holding the most (_victim_for).
                 refund = self._yield_to(seq, scheduled, preempted)
                 if refund is None:
-                    break
-                budget += refund
-                continue
+                    # Its tenant has its share of the seats: another tenant's request behind it may not.
+                    seq = self._under_share(seq, preempted)
+                    if seq is None:
+                        break
+                    refund = self._yield_to(seq, scheduled, preempted)
+                budget += refund  # seq takes the seat now (the one preempted for it waits, perhaps ahead of it)
             if self._is_prefix_in_flight(seq):
                 break  # one step later its next blocks are cache hits instead of computed twice
             while True:
@@ -338,7 +343,7 @@ class Scheduler:
                 budget += refund
             if block_table is None:
                 break  # strict order: a smaller request behind it must not overtake it
-            self._waiting.pop()
+            self._waiting.remove(seq.seq_id)
             if seq.status == RequestStatus.WAITING:
                 seq.num_cached_tokens = num_hit  # first admission only: what usage reports as cached
                 if self.config.enable_prefix_caching:
@@ -381,16 +386,39 @@ class Scheduler:
         )
 
     def _yield_to(self, seq: Sequence, scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> int | None:
-        """Preempt the least important running sequence for ``seq`` if it is strictly less important; returns
-        the tokens its cancelled schedule gives back to the budget, or None when nobody yields."""
-        victim = self._running[-1] if self._running else None
-        if victim is None or victim.priority <= seq.priority:
+        """Preempt a running sequence for ``seq`` (see ``_victim_for``); returns the tokens its cancelled schedule
+        gives back to the budget, or None when nobody yields."""
+        victim = self._victim_for(seq)
+        if victim is None:
             return None
-        self._running.pop()
+        self._running.remove(victim)
         self._preempt(victim)
         preempted.append(victim)
         cancelled = scheduled.pop(victim.seq_id, None)
         return 0 if cancelled is None else cancelled.num_new_tokens
+
+    def _under_share(self, head: Sequence, preempted: list[Sequence]) -> Sequence | None:
+        """The first waiting sequence of ``head``'s priority, of another tenant, that a seat would be taken for;
+        None when there is none (the usual case: one tenant, or seats shared evenly)."""
+        others = sorted((s for s in self._waiting if s.priority == head.priority and s.tenant != head.tenant
+                         and s not in preempted), key=_sort_key)
+        return next((s for s in others if self._victim_for(s) is not None), None)
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """Who gives up a seat to ``seq``: the least important running sequence if it is strictly less important;
+        at equal priority, the latest of the tenant holding the most seats of that priority, if that is at least
+        two more than ``seq``'s tenant holds (the seats end up shared evenly, and nothing thrashes at one apart)."""
+        if not self._running:
+            return None
+        least = self._running[-1]
+        if least.priority != seq.priority:
+            return least if least.priority > seq.priority else None
+        same = [s for s in self._running if s.priority == seq.priority]
+        held = Counter(s.tenant for s in same)
+        holder, most = max(held.items(), key=lambda item: (item[1], item[0]))
+        if most < held.get(seq.tenant, 0) + 2:
+            return None
+        return max((s for s in same if s.tenant == holder), key=_sort_key)
 
     def _scheduled(self, seq: Sequence, num_new: int, block_table: list[int]) -> ScheduledSeq:
         start = seq.num_computed_tokens

@@ -120,6 +120,7 @@ async def test_a_busy_holder_does_not_hold_the_turn_up(e2e, system, key, databas
     finally:
         for w in workers:
             w.stop()
-    holder = rows[request_id(first)]["worker_id"]
-    assert rows[hog_id]["worker_id"] == holder
-    assert rows[request_id(other)]["worker_id"] not in (None, holder)
+    # The long turn ran on the holder (or, on a machine too loaded to take the offer in time, on the other): the
+    # short one ran on the worker that was free, whichever the offer went to first.
+    busy_worker = rows[hog_id]["worker_id"]
+    assert rows[request_id(other)]["worker_id"] not in (None, busy_worker)

@@ -349,3 +349,26 @@ def test_a_step_of_background_sequences_only_says_so(make_seq):
     assert sched.schedule().is_background_only
     sched.add_request(make_seq("free", priority=2))
     assert not sched.schedule().is_background_only
+
+
+def test_a_tenant_holding_every_seat_gives_one_to_another_tenant_of_its_priority():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=64,
+                                      max_model_len=64))
+    heavy = [Sequence(f"h{i}", [1 + i] * 6, max_tokens=30, priority=2, arrival=float(i), tenant="heavy")
+             for i in range(4)]
+    for seq in heavy:
+        sched.add_request(seq)
+    sched.update_from_output(out := sched.schedule(), {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
+    light = Sequence("l0", [9] * 6, max_tokens=30, priority=2, arrival=10.0, tenant="light")
+    sched.add_request(light)
+    out = sched.schedule()
+    assert "l0" in {s.seq.seq_id for s in out.scheduled}  # 4 against 0: heavy's latest gives up its seat
+    assert heavy[3].status == RequestStatus.PREEMPTED
+    sched.update_from_output(out, {s.seq.seq_id: 5 for s in out.scheduled if s.needs_sample})
+    # 3 against 1: one apart after a second light request would be 2 against 2; a third waits (3 vs 1 -> 2 vs 2
+    # is even, then 2 vs 2 does not yield).
+    for i in (1, 2):
+        sched.add_request(Sequence(f"l{i}", [9] * 6, max_tokens=30, priority=2, arrival=10.0 + i, tenant="light"))
+    running = {s.seq.seq_id for s in sched.schedule().scheduled}
+    assert {"l0", "l1"} <= running and "l2" not in running
+    assert sum(1 for s in heavy if s.seq_id in running) == 2

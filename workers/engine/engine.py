@@ -213,7 +213,7 @@ class Engine:
             if params.echo:  # legacy completions: the text starts with the prompt, as the client wrote it
                 choice.unsent_text = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids)
             seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
-                                 cache_salt=cache_salt))
+                                 cache_salt=cache_salt, tenant=req.tenant_id or ""))
             state.seq_ids.append(seq_id)
         if req.resume is not None:
             self._resume(seqs[0], req.resume.token_ids, req.resume.text_len)

@@ -72,6 +72,11 @@ class TenantQueues:
     def pending_tiers(self) -> set[str]:
         return {tier for tier, tenants in self._pending.items() if tenants} | self._offered
 
+    def has_work(self, tier: str, excluded: set[str]) -> bool:
+        """Whether ``tier`` may have a request for a tenant not in ``excluded`` (offers count only when no
+        tenant is excluded: taking a seat for fairness is a tenant's turn, not an offer's)."""
+        return bool(self._pending[tier] - excluded) or (tier in self._offered and not excluded)
+
     def has_pending(self) -> bool:
         return any(self._pending.values()) or bool(self._offered)
 
@@ -81,10 +86,10 @@ class TenantQueues:
                 if tenants or tier in self._offered}
 
     # -- taking ---------------------------------------------------------------------------------------------
-    async def take(self, tier: str, timeout_s: float):
-        """One request message of ``tier``, from the least served of its tenants that has one; None when none
-        had (each tenant that came up empty is forgotten until it rings again)."""
-        if tier in self._offered:  # a request whose prefix this worker holds comes before the tenants' turn
+    async def take(self, tier: str, timeout_s: float, excluded: set[str] = frozenset()):
+        """One request message of ``tier``, from the least served of its tenants that has one (``excluded``
+        tenants aside); None when none had (each tenant that came up empty is forgotten until it rings again)."""
+        if tier in self._offered and not excluded:  # a request whose prefix this worker holds comes first
             msg = await self._fetch(("offer", tier), timeout_s)
             if msg is not None:
                 return msg
@@ -92,7 +97,7 @@ class TenantQueues:
         share = self._shares[tier]
         tenants = self._pending[tier]
         share.set_backlogged(tenants)
-        for tenant in share.order(tenants):
+        for tenant in share.order(tenants - excluded):
             msg = await self._fetch((tier, tenant), timeout_s)
             if msg is not None:
                 return msg

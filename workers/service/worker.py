@@ -26,6 +26,7 @@ import os
 import socket
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -143,17 +144,27 @@ class Worker:
         held += sum(t.request.tier == BATCH_TIER for t, _ in self._pending_adds)
         return self._background.may_take_background(held, self._num_interactive_active())
 
-    def _tiers_that_may_jump_in(self) -> set[str]:
-        """With every seat taken, tiers strictly more important than the least important running request may
-        still send a few requests: the engine gives them that request's seat (preempting it), so a pro request
-        never waits in JetStream for a free one to finish. Bounded by ``_jump_headroom`` waiting at once."""
+    def _jump_ins(self) -> dict[str, set[str]]:
+        """With every seat taken, who may still send a few requests (the engine gives them a running request's
+        seat, Scheduler._victim_for): tiers strictly more important than the least important running request,
+        so a pro request never waits in JetStream for a free one to finish; and, in that least important tier,
+        tenants holding two seats fewer than the tenant holding the most, so one tenant's flood cannot keep the
+        others out of the batch. Tier -> tenant tokens that may not (empty: any). Bounded by ``_jump_headroom``
+        waiting at once."""
         # Requests beyond the seats: those waiting in the engine or on their way in (not ones taking free seats).
         beyond = (self.engine.num_running + self.engine.num_waiting + len(self._pending_adds) + self._num_admitting
                   - self.engine.max_num_seqs)
         if beyond >= self._jump_headroom or not self._active:
-            return set()
+            return {}
         least = max(get_tier(t.request.tier).priority for t in self._active.values())
-        return {t.name for t in tiers_by_priority() if t.priority < least}
+        jumps = {t.name: set() for t in tiers_by_priority() if t.priority < least}
+        least_tier = next(t.name for t in tiers_by_priority() if t.priority == least)
+        held = Counter(subjects.tenant_token(t.request.tenant_id) for t in self._active.values()
+                       if t.request.tier == least_tier)
+        most = max(held.values(), default=0)
+        if most >= 2:  # a tenant holding none may take one of the most-holding tenant's seats
+            jumps[least_tier] = {tenant for tenant, n in held.items() if n + 2 > most}
+        return jumps
 
     # -- main ---------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
@@ -292,7 +303,12 @@ class Worker:
                           {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
         queues = self._queues
         while not stop.is_set():
-            eligible = set(tiers) if self._num_admittable() > 0 else self._tiers_that_may_jump_in()
+            excluded: dict[str, set[str]] = {}  # tier -> tenants that may not be pulled from now
+            if self._num_admittable() > 0:
+                eligible = set(tiers)
+            else:
+                excluded = self._jump_ins()
+                eligible = {tier for tier, out in excluded.items() if queues.has_work(tier, out)}
             if BATCH_TIER in eligible and not self._may_take_batch():
                 eligible.discard(BATCH_TIER)  # its seats while interactive traffic is about are taken
             if not eligible & queues.pending_tiers():
@@ -317,7 +333,7 @@ class Worker:
                 if tier not in queues.pending_tiers():
                     share.note_empty(tier)
                     continue
-                msg = await queues.take(tier, _FETCH_TIMEOUT_S)
+                msg = await queues.take(tier, _FETCH_TIMEOUT_S, excluded.get(tier, set()))
                 if msg is None:
                     share.note_empty(tier)
                     continue
