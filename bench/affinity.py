@@ -93,11 +93,14 @@ def summarize(runs: list[list[dict]], turns: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--conversations", type=int, default=8)
+    # Fewer conversations than either worker has seats: both always have a free one, so without affinity a turn
+    # goes to whichever worker pulls first (in a closed loop with every seat busy, the worker a turn just left is
+    # the one with the free seat, and placement would look sticky by accident).
+    p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-words", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command = command_line()

@@ -164,6 +164,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_waiting_new(self) -> int:
+        """Waiting sequences never admitted yet (the others were preempted and are already counted as pulled)."""
+        return sum(1 for seq in self._waiting if seq.status == RequestStatus.WAITING)
+
     def counts_by_priority(self) -> tuple[dict[int, int], dict[int, int]]:
         """Running and waiting sequences per priority."""
         running: dict[int, int] = {}

@@ -168,6 +168,11 @@ class Engine:
         return self.scheduler.num_waiting
 
     @property
+    def num_waiting_new(self) -> int:
+        """Of those, the ones not started yet (preempted ones aside)."""
+        return self.scheduler.num_waiting_new
+
+    @property
     def num_free_slots(self) -> int:
         """How many more requests the worker may pull now (the backlog stays in JetStream)."""
         if self.scheduler.kv_cache.usage > 0.95:

@@ -151,9 +151,10 @@ class Worker:
         tenants holding two seats fewer than the tenant holding the most, so one tenant's flood cannot keep the
         others out of the batch. Tier -> tenant tokens that may not (empty: any). Bounded by ``_jump_headroom``
         waiting at once."""
-        # Requests beyond the seats: those waiting in the engine or on their way in (not ones taking free seats).
-        beyond = (self.engine.num_running + self.engine.num_waiting + len(self._pending_adds) + self._num_admitting
-                  - self.engine.max_num_seqs)
+        # Requests pulled beyond the seats: new ones waiting in the engine or on their way in (not ones taking free
+        # seats, nor ones preempted to make room: they were pulled long ago).
+        beyond = (self.engine.num_running + self.engine.num_waiting_new + len(self._pending_adds)
+                  + self._num_admitting - self.engine.max_num_seqs)
         if beyond >= self._jump_headroom or not self._active:
             return {}
         least = max(get_tier(t.request.tier).priority for t in self._active.values())
