@@ -22,9 +22,7 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,8 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.overload import MODEL, ms, pct  # noqa: E402
+from bench.local import cpu_name, local_system, lscpu, unlimited_keys  # noqa: E402
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
-from tests.support import system as support  # noqa: E402
 from tests.support.system import free_port  # noqa: E402
 
 WORDS = ("river mountain ledger cobalt harbor lantern orchard falcon meadow quartz signal timber velvet willow "
@@ -104,31 +102,15 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command = command_line()
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    print(cpu)
-    from switchyard.deploy.system import LocalSystem
-    from switchyard.migrations import apply_migrations
-    from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
+    cpu = lscpu()
+    from switchyard.shared.config import GatewayConfig
 
-    model = SwitchyardConfig().model_cache_dir / MODEL
-    if not (model / "config.json").exists():
-        sys.exit(f"no model at {model}: run `switchyard models pull {MODEL}`")
-    work = Path(tempfile.mkdtemp(prefix="switchyard-affinity-"))
-    os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
-    config = SwitchyardConfig(data_dir=work, gateway=GatewayConfig(port=free_port()),
-                              worker=WorkerConfig(model=str(model), served_model_name=MODEL, torch_threads=1,
-                                                  max_num_seqs=args.max_num_seqs))
-    system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
+    system, config, work = local_system("affinity", GatewayConfig(port=free_port()),
+                                        {"torch_threads": 1, "max_num_seqs": args.max_num_seqs})
     results = {}
     try:
         system.start_servers()
-
-        async def key() -> str:
-            await apply_migrations(config.database_url)
-            return await support.make_key(config.database_url, "bench-affinity", "pro", rpm_limit=2**31 - 1,
-                                          tpm_limit=2**31 - 1)
-
-        api_key = asyncio.run(key())
+        (api_key,) = asyncio.run(unlimited_keys(config.database_url, "pro", "affinity"))
         system.start_worker("worker-a")
         system.start_worker("worker-b")
         for seed, affinity in ((1, True), (2, False)):
@@ -149,7 +131,7 @@ def main() -> int:
 
 
 def report(args, results: dict, command: str, cpu: str) -> None:
-    model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if "Model name" in ln), "?")
+    model_name = cpu_name(cpu)
     rows = [[("on" if a else "off"), f"{r['share'] * 100:.1f}%", r["prompt"], ms(r["first_p50"]),
              ms(r["ttft_p50"]), ms(r["ttft_p95"]), f"{r['wall']:.1f}"] for a, r in results.items()]
     on = results[True]["share"]

@@ -20,9 +20,7 @@ import datetime
 import os
 import random
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +29,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.overload import MODEL, drain, ms, one, poisson, summarize  # noqa: E402
+from bench.local import cpu_name, local_system, lscpu, unlimited_keys  # noqa: E402
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
-from tests.support import system as support  # noqa: E402
 from tests.support.system import free_port  # noqa: E402
 
 TIER = "free"
@@ -84,32 +82,14 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command = command_line()
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    print(cpu)
-    from switchyard.deploy.system import LocalSystem
-    from switchyard.migrations import apply_migrations
-    from switchyard.shared.config import SwitchyardConfig, WorkerConfig
-
-    model = SwitchyardConfig().model_cache_dir / MODEL
-    if not (model / "config.json").exists():
-        sys.exit(f"no model at {model}: run `switchyard models pull {MODEL}`")
-    work = Path(tempfile.mkdtemp(prefix="switchyard-fairness-"))
-    os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
+    cpu = lscpu()
     from switchyard.shared.config import GatewayConfig
 
-    config = SwitchyardConfig(data_dir=work, gateway=GatewayConfig(port=free_port(), queue_timeout_s=args.max_wait),
-                              worker=WorkerConfig(model=str(model), served_model_name=MODEL,
-                                                  max_num_seqs=args.max_num_seqs))
-    system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
+    system, config, work = local_system("fairness", GatewayConfig(port=free_port(), queue_timeout_s=args.max_wait),
+                                        {"max_num_seqs": args.max_num_seqs})
     try:
         system.start_servers()
-
-        async def keys() -> dict[str, str]:
-            await apply_migrations(config.database_url)
-            return {name: await support.make_key(config.database_url, f"bench-{name}", TIER, rpm_limit=2**31 - 1,
-                                                 tpm_limit=2**31 - 1) for name in ("H", "L")}
-
-        made = asyncio.run(keys())
+        made = dict(zip(("H", "L"), asyncio.run(unlimited_keys(config.database_url, TIER, "H", "L"))))
         system.start_worker()
         system.start_gateway()
         args.base_url = system.url()
@@ -164,7 +144,7 @@ async def _set_free_tier(config, args) -> None:
 def report(args, out: dict, command: str, cpu: str) -> None:
     alone, mixed_l, mixed_h = out["rows"]
     ratio = mixed_l["TTFT p95"] / alone["TTFT p95"] if mixed_l["TTFT p95"] and alone["TTFT p95"] else None
-    model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if "Model name" in ln), "?")
+    model_name = cpu_name(cpu)
     cols = ("phase", "sent", "completed", "429 queue_full", "503 queue_timeout", "other err", "lost", "TTFT p50",
             "TTFT p95")
     rows = [[{"alone": "L alone", "mixed-L": "L with H", "mixed-H": "H"}[s["phase"]],

@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from switchyard.scheduler.background import BackgroundPolicy
 from switchyard.scheduler.tier_share import TierShare
