@@ -6,7 +6,7 @@ import json
 
 from switchyard.cli.batch import rewrite_input
 from switchyard.gateway.batch_format import output_line, parse_input, request_id_for, response_body, wire_request
-from switchyard.shared.messages import BatchChoice, BatchResult, Usage
+from switchyard.shared.messages import BatchChoice, BatchResult, ToolCall, Usage
 
 CHAT = "/v1/chat/completions"
 
@@ -81,3 +81,27 @@ def test_cli_model_override_keeps_line_numbers():
     rows = out.decode().splitlines()
     assert url == CHAT and len(rows) == 4 and rows[2] == "not json"
     assert json.loads(rows[0])["body"]["model"] == json.loads(rows[3])["body"]["model"] == "other"
+
+
+def test_a_line_with_tools_and_a_schema_keeps_them_and_its_calls_come_back():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "required",
+            "response_format": fmt}
+    req = wire_request(CHAT, body, "r", tenant_id="t", api_key_id=None, created_at=1.0, deadline_at=2.0,
+                       result_subject="s", tier="batch")
+    assert (req.tool_use.choice, req.tool_use.tools[0].name, req.response_format.type) == ("required", "f",
+                                                                                           "json_schema")
+    result = BatchResult("r", "w", choices=[BatchChoice(0, "", "tool_calls", [ToolCall("call_1", "f", "{}")])],
+                         usage=Usage(5, 2, 0))
+    (choice,) = response_body(CHAT, "r", "m", 1.0, result)["choices"]
+    assert choice["message"] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    # What a batch cannot do is refused per line, naming the parameter.
+    _, errors = parse_input(line("a", body={**body, "service_tier": "flex"}).encode(), CHAT)
+    assert [e["param"] for e in errors] == ["body.service_tier"]
+    _, errors = parse_input("\n".join([
+        line("b", url="/v1/completions", body={"model": "m", "prompt": ["x", "y"]}),
+        line("c", url="/v1/completions", body={"model": "m", "prompt": "x", "best_of": 2}),
+    ]).encode(), "/v1/completions")
+    assert [e["param"] for e in errors] == ["body.prompt", "body.best_of"]
