@@ -18,18 +18,18 @@ instead of computing them n times.
 from __future__ import annotations
 
 import logging
-import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, Sequence, finish_reason
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, Usage
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
+from switchyard.workers.engine.choice import Choice, RequestState
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
 from switchyard.workers.engine.guided import Grammars, fill_masks
-from switchyard.workers.engine.output_filter import OutputSafety, StreamGuard
+from switchyard.workers.engine.output_filter import OutputSafety
 from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected, eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator, sample
 from switchyard.workers.engine.stats import EngineStats
@@ -58,47 +58,6 @@ class EngineConfig:
     background_layers_per_call: int = 1
     # CUDA with triton attention: replay decode steps from CUDA graphs captured at start (off: every step eager).
     cuda_graphs: bool = True
-
-
-@dataclass(slots=True)
-class _Choice:
-    """Per-sequence engine state (``Sequence.data``)."""
-
-    request: "_Request"
-    index: int
-    detokenizer: IncrementalDetokenizer
-    generator: random.Random | None  # a seeded request's uniforms (sampling.make_generator)
-    num_unreported_tokens: int = 0
-    unreported_logprobs: list[TokenLogprob] | None = None  # only when the request asked for logprobs
-    # A continuation (GenerateRequest.resume): characters of text the client has already received that the
-    # detokenizer will emit again (to drop), or text it emitted while primed that the client never got (to send).
-    skip_chars: int = 0
-    unsent_text: str = ""
-    matcher: object | None = None  # the grammar its tokens must follow (llguidance), None for free text
-    tools: ToolCallParser | None = None  # reads tool calls out of its text, when the request has tools
-    guard: StreamGuard | None = None  # the output safety filter, when the tenant's policy is not off
-
-    def emittable(self, text: str) -> str:
-        """``text`` from the detokenizer, less what the client already has, plus what it is still owed."""
-        if self.skip_chars:
-            cut = min(self.skip_chars, len(text))
-            text, self.skip_chars = text[cut:], self.skip_chars - cut
-        if self.unsent_text:
-            text, self.unsent_text = self.unsent_text + text, ""
-        return text
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    params: SamplingParams
-    num_prompt_tokens: int
-    seq_ids: list[str]
-    held: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for choice 0's prefill
-    num_dropped_messages: int = 0
-    num_finished: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
 
 
 class Engine:
@@ -133,7 +92,7 @@ class Engine:
         self._eos = eos_token_ids(model, tokenizer)
         self.vocab_size = int(hf_config.vocab_size)  # the model's logits
         self._grammars: Grammars | None = None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self.safety = OutputSafety()  # output filters; the worker takes their verdicts after each step
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs
@@ -192,7 +151,7 @@ class Engine:
             prepared = prepare_prompt(self.tokenizer, req, self.max_context, self.grammars, self.vocab_size)
         params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
-        state = _Request(req.request_id, params, len(prompt_ids), seq_ids=[],
+        state = RequestState(req.request_id, params, len(prompt_ids), seq_ids=[],
                          num_dropped_messages=prepared.num_dropped_messages)
         arrival = time.monotonic()
         # vLLM's cache_salt idea: a tenant's blocks are found only by its own requests (see GenerateRequest).
@@ -206,7 +165,7 @@ class Engine:
         for index in range(params.n):
             seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"
             seed = None if params.seed is None else params.seed + index
-            choice = _Choice(state, index,
+            choice = Choice(state, index,
                              IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
                              make_generator(seed),
                              unreported_logprobs=[] if params.logprobs else None,
@@ -233,7 +192,7 @@ class Engine:
     def _resume(seq: Sequence, token_ids: list[int], text_len: int) -> None:
         """Make a new sequence go on from ``token_ids`` generated elsewhere, of whose text the client has
         ``text_len`` characters."""
-        choice: _Choice = seq.data
+        choice: Choice = seq.data
         try:
             seq.resume(token_ids)
         except ValueError as exc:
@@ -295,7 +254,7 @@ class Engine:
         self._pending.extend(self._end_request(state, status, error))
         return True
 
-    def _end_request(self, state: _Request, status: RequestStatus, error: ErrorInfo | None = None) -> list[TokenDelta]:
+    def _end_request(self, state: RequestState, status: RequestStatus, error: ErrorInfo | None = None) -> list[TokenDelta]:
         """End every choice of a request that has not finished yet (held ones too) with ``status``; returns their
         finals."""
         held, state.held = state.held, []
@@ -454,7 +413,7 @@ class Engine:
         return text
 
     def _on_token(self, seq: Sequence) -> TokenDelta | None:
-        choice: _Choice = seq.data
+        choice: Choice = seq.data
         choice.num_unreported_tokens += 1
         if choice.request.held:  # choice 0's prompt is in the cache now: the other choices can share it
             for held in choice.request.held:
@@ -462,10 +421,8 @@ class Engine:
             choice.request.held.clear()
         token_id = seq.last_token_id
         params = choice.request.params
-        if choice.matcher is not None and token_id not in self._eos:
-            choice.matcher.consume_token(token_id)
-            if choice.matcher.is_error():  # cannot happen for a token its mask allowed; never loop on it
-                log.error("request %s left its grammar: %s", choice.request.request_id, choice.matcher.get_error())
+        if token_id not in self._eos:
+            choice.follow_grammar(token_id)
         if token_id in self._eos and not params.ignore_eos:
             if choice.unreported_logprobs:  # the EOS token ends the text; it is not part of it
                 choice.unreported_logprobs.pop()
@@ -478,25 +435,20 @@ class Engine:
         if seq.is_finished:  # the scheduler ended it: max_tokens or the model's context
             return self._finish(seq, finish_reason(seq.status) or "length",
                                 choice.emittable(text + choice.detokenizer.flush()))
-        if choice.matcher is not None and choice.matcher.is_stopped():  # the grammar is complete: nothing may follow
+        if choice.grammar_is_complete:  # nothing may follow
             self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
             return self._finish(seq, "stop", choice.emittable(text + choice.detokenizer.flush()))
-        text = choice.emittable(text)
-        if choice.guard is not None:
-            text = choice.guard.feed(text)
-            if choice.guard.is_halted:  # flagged under a block policy: nothing more goes out, its seat is freed now
-                self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_FILTERED)
-                return self._finish(seq, finish_reason(RequestStatus.FINISHED_FILTERED), "")
-        calls = None
-        if choice.tools is not None:
-            text, calls = choice.tools.feed(text)
+        text, calls, halted = choice.outgoing(choice.emittable(text))
+        if halted:  # flagged by the output filter under a block policy: nothing more goes out, its seat freed now
+            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_FILTERED)
+            return self._finish(seq, finish_reason(RequestStatus.FINISHED_FILTERED), "")
         if not text and not calls:
             return None  # held back (split character, possible stop string or tool tag): nothing worth a message
         return self._delta(seq, text, tool_calls=calls or None)
 
     def _delta(self, seq: Sequence, text: str, reason: str | None = None, usage: Usage | None = None,
                error: ErrorInfo | None = None, tool_calls: list | None = None) -> TokenDelta:
-        choice: _Choice = seq.data
+        choice: Choice = seq.data
         num_tokens = choice.num_unreported_tokens
         delta = TokenDelta(choice.request.request_id, text=text, num_tokens=num_tokens,
                            index=choice.index, finish_reason=reason, usage=usage,
@@ -508,27 +460,19 @@ class Engine:
         return delta
 
     def _finish(self, seq: Sequence, reason: str, text: str, error: ErrorInfo | None = None) -> TokenDelta:
-        choice: _Choice = seq.data
-        if choice.guard is not None:  # the end's text is judged too (it may trip the filter)
-            text, reason = choice.guard.finish(text, reason)
+        choice: Choice = seq.data
+        text, calls, reason = choice.final(text, reason)
         state = choice.request
         state.num_finished += 1
         state.completion_tokens += seq.num_output_tokens
         state.cached_tokens = max(state.cached_tokens, seq.num_cached_tokens)
         if state.num_finished == len(state.seq_ids):
             self._requests.pop(state.request_id, None)
-        calls = None
-        if choice.tools is not None:
-            text, calls = choice.tools.feed(text)
-            more_text, more_calls = choice.tools.finish()
-            text, calls = text + more_text, calls + more_calls
-            if choice.tools.num_calls and reason == "stop":
-                reason = "tool_calls"  # OpenAI's finish when the model called tools
         # Usage so far on every choice's final: the last one carries the request's total.
         return self._delta(seq, text, reason, self._usage(state), error, tool_calls=calls or None)
 
     @staticmethod
-    def _usage(state: _Request) -> Usage:
+    def _usage(state: RequestState) -> Usage:
         return Usage(prompt_tokens=state.num_prompt_tokens, completion_tokens=state.completion_tokens,
                      cached_tokens=state.cached_tokens)
 
