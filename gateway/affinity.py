@@ -96,14 +96,13 @@ class AffinityIndex:
             log.debug("affinity lookup failed: %r", exc)
             return None
 
-    async def record(self, request: GenerateRequest, reply: str, tool_calls: list[dict], worker_id: str | None
+    async def record(self, request: GenerateRequest, reply: str, tool_calls: list[ToolCall], worker_id: str | None
                      ) -> None:
         """``worker_id`` served ``request`` with ``reply``: the next turn's history, and a long system prompt,
         are found there."""
         if not worker_id or not request.messages or request.sampling.n != 1:
             return
-        calls = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in tool_calls] or None
-        history = [*request.messages, ChatMessage("assistant", reply, tool_calls=calls)]
+        history = [*request.messages, ChatMessage("assistant", reply, tool_calls=tool_calls or None)]
         keys = [k for k in (prefix_key(request, history), system_key(request)) if k]
         for key in keys:
             self._local[key] = worker_id

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from switchyard.gateway.limits import estimate_tokens
 from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from switchyard.gateway.responses import CHAT, TEXT, usage_json
+from switchyard.gateway.responses import CHAT, TEXT, tool_call_json, usage_json
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
@@ -168,9 +168,7 @@ def response_body(endpoint: str, request_id: str, model: str, created_at: float,
         if kind.is_chat:
             message = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
             if c.tool_calls:
-                message["tool_calls"] = [{"id": t.id, "type": "function",
-                                          "function": {"name": t.name, "arguments": t.arguments}}
-                                         for t in c.tool_calls]
+                message["tool_calls"] = [tool_call_json(t) for t in c.tool_calls]
             choice = {"index": c.index, "message": message}
         else:
             choice = {"index": c.index, "text": c.text}

@@ -26,10 +26,11 @@ from switchyard.gateway.auth import AuthContext
 from switchyard.gateway.database import CALL_TIMEOUT_S, OUTAGE_ERRORS, bounded
 from switchyard.gateway.errors import OpenAIError
 from switchyard.gateway.protocol import ChatCompletionRequest, unsupported
+from switchyard.gateway.responses import tool_call_from_json, tool_call_json
 from switchyard.gateway.serving import Outcome
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import publish_once
-from switchyard.shared.messages import ChatMessage, ConversationTurn, ToolCall, encode
+from switchyard.shared.messages import ChatMessage, ConversationTurn, encode
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -78,16 +79,14 @@ def _msg_json(row) -> dict:
 
 
 def _history_message(row) -> ChatMessage:
-    calls = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
-             for c in json.loads(row["tool_calls"])] if row["tool_calls"] is not None else None
+    calls = [tool_call_from_json(c) for c in json.loads(row["tool_calls"])] if row["tool_calls"] is not None else None
     return ChatMessage(row["role"], row["content"], tool_calls=calls, tool_call_id=row["tool_call_id"])
 
 
 async def write_turn(pool, turn: ConversationTurn) -> None:
     """Store a turn's two messages in one transaction. Their ids come from the request id, so writing a turn
     again (a held one redelivered) stores nothing twice."""
-    calls = json.dumps([{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                        for c in turn.assistant_tool_calls]) if turn.assistant_tool_calls else None
+    calls = json.dumps([tool_call_json(c) for c in turn.assistant_tool_calls]) if turn.assistant_tool_calls else None
     async with pool.acquire() as conn, conn.transaction():
         for suffix, role, content, status, tool_calls, call_id in (
                 ("q", turn.user_role, turn.user_content, "completed", None, turn.tool_call_id),
@@ -181,10 +180,8 @@ def conversations_router(caller, admit) -> APIRouter:
             # Both turns land together, once the reply ended; a reply cut short is kept, marked incomplete.
             turn = ConversationTurn(
                 outcome.request_id, conversation_id, body.content, outcome.text,
-                "completed" if outcome.finish_reason in ("stop", "length", "tool_calls") else "incomplete",
-                user_role=body.role, tool_call_id=body.tool_call_id,
-                assistant_tool_calls=[ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
-                                      for c in outcome.tool_calls])
+                "completed" if outcome.completed else "incomplete",
+                user_role=body.role, tool_call_id=body.tool_call_id, assistant_tool_calls=outcome.tool_calls)
             try:
                 await bounded(write_turn(pool, turn), CALL_TIMEOUT_S)
             except OUTAGE_ERRORS as exc:  # held in JetStream; jobs/held_writes.py writes it once Postgres is back

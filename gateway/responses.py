@@ -10,7 +10,8 @@ import secrets
 from dataclasses import dataclass, field
 
 from switchyard.gateway.logprobs import LogprobsFormatter
-from switchyard.shared.messages import GenerateRequest, TokenDelta, TokenLogprob, ToolCallDelta, Usage
+from switchyard.shared.messages import (GenerateRequest, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, Usage,
+                                       add_tool_call_parts)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,15 @@ def sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def tool_call_json(call: ToolCall) -> dict:
+    """A whole call as OpenAI writes it in a message (responses, batch output lines, stored conversations)."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_from_json(item: dict) -> ToolCall:
+    return ToolCall(item["id"], item["function"]["name"], item["function"]["arguments"])
+
+
 def tool_call_chunk(part: ToolCallDelta) -> dict:
     """One streamed ``tool_calls`` item: the call's first part has its id, type and name."""
     function = {"arguments": part.arguments}
@@ -82,28 +92,25 @@ def header(shape: Shape, request: GenerateRequest, chunk: bool) -> dict:
 class _Choice:
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    calls: list[dict] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None
 
 
 class BodyBuilder:
-    """A whole (non-streamed) response, from every delta of the request."""
+    """A whole (non-streamed) response, from every delta of the request; ``logprobs`` False keeps none (a
+    streamed reply gathered only for what it said)."""
 
-    def __init__(self, shape: Shape, request: GenerateRequest) -> None:
-        self._shape, self._request = shape, request
+    def __init__(self, shape: Shape, request: GenerateRequest, logprobs: bool = True) -> None:
+        self._shape, self._request, self._keep_logprobs = shape, request, logprobs
         self._choices = [_Choice() for _ in range(request.sampling.n)]
         self.usage = Usage()
 
     def add(self, delta: TokenDelta) -> None:
         c = self._choices[delta.index]
         c.texts.append(delta.text)
-        c.logprobs += delta.logprobs or ()
-        for part in delta.tool_calls or ():
-            if part.id is not None:
-                c.calls.append({"id": part.id, "type": "function",
-                                "function": {"name": part.name, "arguments": part.arguments}})
-            elif c.calls:
-                c.calls[-1]["function"]["arguments"] += part.arguments
+        if self._keep_logprobs:
+            c.logprobs += delta.logprobs or ()
+        add_tool_call_parts(c.calls, delta.tool_calls)
         if delta.finish_reason is not None:
             c.finish_reason = delta.finish_reason
         if delta.usage is not None:
@@ -111,6 +118,9 @@ class BodyBuilder:
 
     def text(self, index: int) -> str:
         return "".join(self._choices[index].texts)
+
+    def tool_calls(self, index: int) -> list[ToolCall]:
+        return self._choices[index].calls
 
     def finish_reason(self, index: int) -> str | None:
         return self._choices[index].finish_reason
@@ -144,7 +154,7 @@ class BodyBuilder:
             if kind.is_chat:
                 message = {"role": "assistant", "content": text if text or not c.calls else None}
                 if c.calls:
-                    message["tool_calls"] = c.calls
+                    message["tool_calls"] = [tool_call_json(call) for call in c.calls]
                 choice = {"index": out_index, "message": message, "logprobs": formatted}
             else:
                 choice = {"index": out_index, "text": text, "logprobs": formatted}

@@ -29,7 +29,7 @@ from switchyard.gateway.responses import CHAT, TEXT, BodyBuilder, ChunkBuilder, 
 from switchyard.gateway.safety import InputSafety
 from switchyard.gateway.service_tiers import ServiceTier, flex_refusal
 from switchyard.shared.config import GatewayConfig
-from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, Usage
+from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, ToolCall, Usage
 from switchyard.shared.tier_store import PolicyCache
 
 
@@ -41,9 +41,18 @@ class Outcome:
     text: str = ""
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
-    parts: list[str] = field(default_factory=list)
     request_id: str = ""
-    tool_calls: list[dict] = field(default_factory=list)  # OpenAI's shape: {"id", "type", "function"}
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def completed(self) -> bool:
+        """The reply ended as replies do (not cancelled, failed or filtered)."""
+        return self.finish_reason in ("stop", "length", "tool_calls")
+
+    def take(self, reply: BodyBuilder) -> None:
+        """Choice 0 of ``reply``, whose deltas are all in."""
+        self.text, self.tool_calls = reply.text(0), reply.tool_calls(0)
+        self.finish_reason, self.usage = reply.finish_reason(0), reply.usage
 
 
 OnFinish = Callable[[Outcome], Awaitable[None]]
@@ -139,7 +148,7 @@ class CompletionService:
 
     async def _remember(self, relayed, outcome: Outcome) -> None:
         """Where this reply's conversation is cached now (for its next turn)."""
-        if self._affinity is not None and outcome.finish_reason in ("stop", "length", "tool_calls"):
+        if self._affinity is not None and outcome.completed:
             await self._affinity.record(relayed.request, outcome.text, outcome.tool_calls,
                                         getattr(relayed, "worker_id", None))
 
@@ -162,7 +171,7 @@ class CompletionService:
             except BaseException:
                 await self._limiter.settle(admission, 0)  # never ran: the whole reservation goes back
                 raise
-        except OpenAIError as exc:
+        except OpenAIError as exc:  # a request that could not start: flex says so its own way
             raise flex_refusal(exc, self._config.retry_after_s) if service.is_flex else exc
         if request.truncate_history:
             shape.extra = {**shape.extra, "dropped_messages": first.dropped_messages}
@@ -171,21 +180,17 @@ class CompletionService:
             headers["X-Switchyard-Dropped-Messages"] = str(first.dropped_messages)
         outcome = Outcome(request_id=request.request_id)
         if shape.stream:
-            return StreamingResponse(self._stream(relayed, first, shape, service, admission, outcome, on_finish),
+            return StreamingResponse(self._stream(relayed, first, shape, admission, outcome, on_finish),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         try:
             builder = BodyBuilder(shape, relayed.request if len(parts) == 1 else request)
             async for delta in self._all_deltas(relayed, first):
                 if delta.error is not None:
-                    error = OpenAIError.from_info(delta.error)
-                    raise flex_refusal(error, self._config.retry_after_s) if service.is_flex else error
+                    raise OpenAIError.from_info(delta.error)
                 builder.add(delta)
-            body = builder.body(request.sampling.logprobs if logprobs_asked is None else logprobs_asked)
-            if shape.kind.is_chat:
-                message = body["choices"][0]["message"]
-                outcome.text, outcome.tool_calls = message["content"] or "", message.get("tool_calls", [])
-            outcome.finish_reason, outcome.usage = builder.finish_reason(0), builder.usage
-            return JSONResponse(body, headers=headers)
+            outcome.take(builder)
+            return JSONResponse(builder.body(request.sampling.logprobs if logprobs_asked is None else logprobs_asked),
+                                headers=headers)
         finally:
             if not relayed.is_finished:
                 await relayed.cancel()
@@ -204,12 +209,12 @@ class CompletionService:
             yield delta
         timer.finished()
 
-    async def _stream(self, relayed, first: TokenDelta, shape: Shape, service: ServiceTier, admission: Admission,
-                      outcome: Outcome, on_finish: OnFinish | None) -> AsyncIterator[bytes]:
+    async def _stream(self, relayed, first: TokenDelta, shape: Shape, admission: Admission, outcome: Outcome,
+                      on_finish: OnFinish | None) -> AsyncIterator[bytes]:
         req = relayed.request
         chunks = ChunkBuilder(shape, req)
         usage: Usage | None = None
-        calls = BodyBuilder(shape, req)  # choice 0's tool calls, for on_finish
+        reply = BodyBuilder(shape, req, logprobs=False)  # choice 0, for on_finish and the affinity index
         try:
             if shape.kind.is_chat:
                 for i in range(req.sampling.n):
@@ -218,13 +223,10 @@ class CompletionService:
                 if delta.usage is not None:
                     usage = delta.usage
                 if delta.error is not None:
-                    error = OpenAIError.from_info(delta.error)
-                    yield sse((flex_refusal(error, self._config.retry_after_s) if service.is_flex else error).body())
+                    yield sse(OpenAIError.from_info(delta.error).body())
                     break
                 if delta.index == 0:
-                    outcome.parts.append(delta.text)
-                    outcome.finish_reason = delta.finish_reason or outcome.finish_reason
-                    calls.add(delta)
+                    reply.add(delta)
                 for chunk in chunks.from_delta(delta):
                     yield chunk
             if shape.include_usage and usage is not None:
@@ -239,10 +241,8 @@ class CompletionService:
             # A cancelled stream's tokens are unknown here (the worker bills them): keep the reservation then.
             used = usage.total_tokens if usage is not None else admission.reserved_tokens
             await asyncio.shield(self._limiter.settle(admission, used))
-            outcome.text = "".join(outcome.parts)
+            outcome.take(reply)
             outcome.usage = usage or Usage()
-            if shape.kind.is_chat:
-                outcome.tool_calls = calls.body(False)["choices"][0]["message"].get("tool_calls", [])
             if on_finish is not None:
                 await asyncio.shield(on_finish(outcome))
             await asyncio.shield(self._remember(relayed, outcome))

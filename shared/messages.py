@@ -174,6 +174,17 @@ class ToolCallDelta(msgspec.Struct):
     arguments: str = ""
 
 
+def add_tool_call_parts(calls: list[ToolCall], parts: list[ToolCallDelta] | None) -> None:
+    """Fold streamed parts into whole calls, in place: a part with an id starts a call, the others add to the
+    arguments of the last one."""
+    for part in parts or ():
+        if part.id is not None:
+            calls.append(ToolCall(part.id, part.name or "", part.arguments))
+        elif calls:
+            last = calls[-1]
+            calls[-1] = ToolCall(last.id, last.name, last.arguments + part.arguments)
+
+
 class TokenDelta(msgspec.Struct):
     """Published by the worker on ``llm.tok.<request_id>``: one message per request per engine step.
 

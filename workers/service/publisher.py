@@ -13,9 +13,9 @@ from switchyard.shared.messages import (
     ErrorInfo,
     GenerateRequest,
     TokenDelta,
-    ToolCall,
     Usage,
     UsageRecord,
+    add_tool_call_parts,
     encode,
 )
 from switchyard.workers.engine.prompts import PreparedPrompt
@@ -49,12 +49,7 @@ class Tracked:
         choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))
         choice.text += delta.text
         choice.finish_reason = delta.finish_reason or choice.finish_reason
-        for part in delta.tool_calls or ():  # a call's first part names it, the rest add to its arguments
-            if part.id is not None:
-                choice.tool_calls.append(ToolCall(part.id, part.name or "", part.arguments))
-            elif choice.tool_calls:
-                last = choice.tool_calls[-1]
-                choice.tool_calls[-1] = ToolCall(last.id, last.name, last.arguments + part.arguments)
+        add_tool_call_parts(choice.tool_calls, delta.tool_calls)
 
 
 
