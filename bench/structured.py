@@ -117,8 +117,8 @@ def main() -> None:
             t = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - t
-            sequences, tokens = engine._last_batch
-            if sequences == args.batch and tokens == args.batch:  # every sequence decoding, no prefill chunk
+            stats = engine.stats()
+            if stats.batch_size == args.batch and stats.num_batched_tokens == args.batch:  # all decoding, no prefill
                 full += 1
                 if full > args.skip:
                     times.append(elapsed)

@@ -77,7 +77,10 @@ class AffinityIndex:
         """The worker that holds the longest known prefix of ``request`` (chat only), or None."""
         if not request.messages or request.sampling.n != 1:
             return None
-        keys = [k for k in (prefix_key(request, request.messages[:-1]) if len(request.messages) > 1 else None,
+        # Only a history that ends with a reply can have been recorded (record keys end with one): a first turn
+        # costs no KV read for it.
+        follows_a_reply = len(request.messages) > 1 and request.messages[-2].role == "assistant"
+        keys = [k for k in (prefix_key(request, request.messages[:-1]) if follows_a_reply else None,
                             system_key(request)) if k]
         for key in keys:
             worker = self._local.get(key) or await self._read(key)

@@ -405,9 +405,13 @@ class Scheduler:
     def _under_share(self, head: Sequence, preempted: list[Sequence]) -> Sequence | None:
         """The first waiting sequence of ``head``'s priority, of another tenant, that a seat would be taken for;
         None when there is none (the usual case: one tenant, or seats shared evenly)."""
+        if not self._running or self._running[-1].priority != head.priority:
+            return None
+        held = self._seats_by_tenant(head.priority)
+        most = max(held.values())
         others = sorted((s for s in self._waiting if s.priority == head.priority and s.tenant != head.tenant
                          and s not in preempted), key=_sort_key)
-        return next((s for s in others if self._victim_for(s) is not None), None)
+        return next((s for s in others if held.get(s.tenant, 0) + 2 <= most), None)
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
         """Who gives up a seat to ``seq``: the least important running sequence if it is strictly less important;
@@ -418,12 +422,14 @@ class Scheduler:
         least = self._running[-1]
         if least.priority != seq.priority:
             return least if least.priority > seq.priority else None
-        same = [s for s in self._running if s.priority == seq.priority]
-        held = Counter(s.tenant for s in same)
+        held = self._seats_by_tenant(seq.priority)
         holder, most = max(held.items(), key=lambda item: (item[1], item[0]))
         if most < held.get(seq.tenant, 0) + 2:
             return None
-        return max((s for s in same if s.tenant == holder), key=_sort_key)
+        return max((s for s in self._running if s.priority == seq.priority and s.tenant == holder), key=_sort_key)
+
+    def _seats_by_tenant(self, priority: int) -> Counter:
+        return Counter(s.tenant for s in self._running if s.priority == priority)
 
     def _scheduled(self, seq: Sequence, num_new: int, block_table: list[int]) -> ScheduledSeq:
         start = seq.num_computed_tokens

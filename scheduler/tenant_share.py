@@ -17,6 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+# Counters kept for tenants not queued now, at most: a returning tenant is lifted to the others anyway, so an
+# idle tenant's counter only matters while it is recent, and a worker sees tenants come and go for days.
+MAX_IDLE_COUNTERS = 1024
+
+
 class TenantShare:
     def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
         """The weights follow the paper's default: a generated token costs about twice a prompt token."""
@@ -50,6 +55,8 @@ class TenantShare:
         """Record service given to ``tenant``."""
         self._counters[tenant] = self.counter(tenant) + (self._input_weight * prompt_tokens
                                                          + self._output_weight * generated_tokens)
+        if len(self._counters) > len(self._backlogged) + MAX_IDLE_COUNTERS:
+            self.forget(keep=())
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the counters of tenants not in ``keep`` and not queued (a worker sees tenants come and go)."""

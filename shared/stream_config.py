@@ -28,18 +28,16 @@ def tier_stream_config(tier: str, max_queued: int, tenant_cap: int) -> StreamCon
     # Discard-new makes JetStream itself refuse work beyond a tier's cap (every model) and beyond a tenant's cap
     # (each subject is one tenant's queue of one model), whatever the number of gateways; the refusal reaches the
     # publisher synchronously, so the client gets 429 at once.
-    return StreamConfig(
-        name=subjects.request_stream(tier),
-        subjects=[subjects.tier_subjects(tier)],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE,
-        max_msgs=max_queued,
-        max_msgs_per_subject=tenant_cap,
-        discard=DiscardPolicy.NEW,
-        discard_new_per_subject=True,
-        max_age=REQUEST_MAX_AGE_S,
-        duplicate_window=120.0,
-    )
+    return _work_queue(subjects.request_stream(tier), subjects.tier_subjects(tier), REQUEST_MAX_AGE_S,
+                       max_msgs=max_queued, max_msgs_per_subject=tenant_cap, discard=DiscardPolicy.NEW,
+                       discard_new_per_subject=True)
+
+
+def _work_queue(name: str, subject: str, max_age_s: float, **limits) -> StreamConfig:
+    """A file-backed queue of requests (each taken once, by one worker); a publish retried with its message id
+    within two minutes is stored once."""
+    return StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.WORK_QUEUE,
+                        storage=StorageType.FILE, max_age=max_age_s, duplicate_window=120.0, **limits)
 
 
 AFFINITY_MAX_AGE_S = 300.0
@@ -49,14 +47,7 @@ def affinity_stream_config() -> StreamConfig:
     """Requests offered to the one worker that holds their prefix; one it does not take within its short wait
     is published to the shared queue too (gateway/affinity.py), and the worker drops its stale copy, so nothing
     waits here for long. File storage: an offered request is an accepted one."""
-    return StreamConfig(
-        name=subjects.AFFINITY_STREAM,
-        subjects=[f"{subjects.AFFINITY_PREFIX}.>"],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE,
-        max_age=AFFINITY_MAX_AGE_S,
-        duplicate_window=120.0,
-    )
+    return _work_queue(subjects.AFFINITY_STREAM, f"{subjects.AFFINITY_PREFIX}.>", AFFINITY_MAX_AGE_S)
 
 
 def events_stream_config() -> StreamConfig:

@@ -58,3 +58,14 @@ def test_forget_keeps_the_queued_tenants():
     share.charge("here", 5)
     share.forget(keep=[])
     assert (share.counter("gone"), share.counter("here")) == (0.0, 5.0)
+
+
+def test_idle_tenants_counters_are_bounded():
+    from switchyard.scheduler.tenant_share import MAX_IDLE_COUNTERS
+
+    share = TenantShare()
+    share.set_backlogged(["busy"])
+    for i in range(MAX_IDLE_COUNTERS + 10):
+        share.charge(f"t{i}", 1)
+    share.charge("busy", 7)
+    assert share.counter("busy") == 7.0 and len(share._counters) <= MAX_IDLE_COUNTERS + 1

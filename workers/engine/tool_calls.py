@@ -52,11 +52,8 @@ def _function_json(tool: ToolSpec) -> dict:
 
 
 def _call_text(name: str, arguments: str) -> str:
-    try:
-        args = json.loads(arguments)
-    except ValueError:
-        args = arguments  # as the client sent it: the model sees what it was told
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
+    call = {"name": name, "arguments": _loads_or_text(arguments)}
+    return f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}"
 
 
 def chat_messages(tokenizer, messages: list[ChatMessage], tool_use: ToolUse | None) -> tuple[list[dict], list | None]:
@@ -95,6 +92,7 @@ def chat_messages(tokenizer, messages: list[ChatMessage], tool_use: ToolUse | No
 
 
 def _loads_or_text(arguments: str):
+    """The arguments as JSON, or as the client sent them when they are not: the model sees what it was told."""
     try:
         return json.loads(arguments)
     except ValueError:
