@@ -43,3 +43,8 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python bench/results.py SECTION.md ...: append sections written elsewhere (a GPU call)
+    for name in sys.argv[1:]:
+        append_section(Path(name).read_text())

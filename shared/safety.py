@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -163,6 +164,7 @@ def default_filter(config: SafetyConfig) -> ContentFilter:
 
 _MAX_COMPILED = 16  # rule sets a worker keeps compiled (one per configuration its gateways have had)
 _compiled: OrderedDict[str, DefaultFilter] = OrderedDict()
+_compiled_lock = threading.Lock()
 
 
 def filter_for(policy: SafetyPolicy) -> DefaultFilter:
@@ -170,14 +172,16 @@ def filter_for(policy: SafetyPolicy) -> DefaultFilter:
     ValueError for a rule that does not compile (the gateway checks its rules at start, so only a bug does)."""
     key = policy.version or hashlib.sha256(
         json.dumps([policy.rules, policy.classifier_threshold], sort_keys=True).encode()).hexdigest()[:16]
-    found = _compiled.get(key)
-    if found is None:
-        threshold = policy.classifier_threshold
-        found = DefaultFilter(RuleSet(policy.rules), load_classifier() if threshold is not None else None,
-                              threshold if threshold is not None else 1.0)
+    with _compiled_lock:  # a worker's intake thread compiles, its step thread looks up
+        found = _compiled.get(key)
+        if found is not None:
+            _compiled.move_to_end(key)
+            return found
+    threshold = policy.classifier_threshold
+    found = DefaultFilter(RuleSet(policy.rules), load_classifier() if threshold is not None else None,
+                          threshold if threshold is not None else 1.0)
+    with _compiled_lock:
         _compiled[key] = found
         if len(_compiled) > _MAX_COMPILED:
             _compiled.popitem(last=False)
-    else:
-        _compiled.move_to_end(key)
     return found

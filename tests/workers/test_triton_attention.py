@@ -132,3 +132,37 @@ def test_rows_of_a_padded_batch_with_no_context_give_zeros():
     out = attention.forward(q, k, v, k_cache, v_cache, meta)
     assert torch.isfinite(out).all()
     assert out[1].abs().max() == 0
+
+
+class _Launch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` runs ``body``."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def __getitem__(self, grid):
+        return self.body
+
+
+def test_the_start_up_check_passes_working_kernels_and_names_what_fails(monkeypatch):
+    """An import proves nothing about a kernel: the backend is chosen only after its kernels ran once at the
+    model's shapes and agreed with plain attention (else the engine falls back to SDPA and logs why)."""
+    from switchyard.workers.executor import attention as backends
+    from switchyard.workers.executor.attention import triton_kernels
+    from switchyard.workers.executor.attention.triton_paged import probe
+
+    working, reason = backends._working_triton(8, 2, 16, 16, DEVICE, torch.float32)
+    assert working is not None and working.name == "triton" and "passed" in reason
+    assert probe(TritonAttention(4, 4, 32, 4, DEVICE, torch.float32), torch.float32) is None
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(triton_kernels, "_decode_split_kernel", _Launch(no_compiler))
+    working, reason = backends._working_triton(8, 2, 16, 16, DEVICE, torch.float32)
+    assert working is None and "RuntimeError: PTX assembly failed" in reason
+    monkeypatch.undo()
+
+    monkeypatch.setattr(triton_kernels, "_decode_reduce_kernel", _Launch(lambda *args, **kwargs: None))
+    assert "differs from plain attention" in probe(TritonAttention(8, 2, 16, 16, DEVICE, torch.float32),
+                                                   torch.float32)

@@ -58,6 +58,7 @@ class EngineConfig:
     background_layers_per_call: int = 1
     # CUDA with triton attention: replay decode steps from CUDA graphs captured at start (off: every step eager).
     cuda_graphs: bool = True
+    attention_backend: str | None = None  # None: the best for the device (executor.attention.make_attention)
 
 
 class Engine:
@@ -77,7 +78,8 @@ class Engine:
         # never fewer than one full-context sequence needs, or that sequence could never run.
         num_blocks = min(num_blocks, 2 * config.max_num_seqs * blocks_per_seq)
         num_blocks = max(num_blocks, blocks_per_seq + 1)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device=device, dtype=dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device=device, dtype=dtype,
+                                  attention_backend=config.attention_backend)
         if config.cuda_graphs and device.type == "cuda" and self.runner.attention.name == "triton":
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_context)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -330,7 +332,9 @@ class Engine:
             choices = [seq.data for seq in to_sample]
             guided = [i for i, c in enumerate(choices) if c.matcher is not None]
             # The masks are computed while the device still runs the forward (its kernels are only queued).
-            masks = (guided, fill_masks([choices[i].matcher for i in guided], logits.shape[1])) if guided else None
+            masks = None
+            if guided:
+                masks = (guided, fill_masks([choices[i].matcher for i in guided], logits.shape[1], logits.is_cuda))
             token_ids = sample(
                 logits,
                 [c.request.params for c in choices],

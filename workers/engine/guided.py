@@ -13,18 +13,24 @@ lazy lexemes let a tool call be constrained from its opening tag on while the te
 
 JSON is generated compact with a space after ``,`` and ``:`` (Python's ``json.dumps`` style): bounded, so even a
 model that loves whitespace finishes its object, and the style models have seen most.
+
+llguidance is imported, and the tokenizer's automaton built, at the first request with a grammar: an engine that
+never sees one needs neither (a slow or stand-in tokenizer, a machine without the wheel).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
 import torch
 
 from switchyard.shared.messages import ResponseFormat
+from switchyard.workers.executor.transfers import to_device
+
+if TYPE_CHECKING:
+    import llguidance
 
 # Applied to every JSON schema: see the module docstring.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -36,9 +42,18 @@ class GrammarError(ValueError):
     """The schema or grammar cannot be compiled; the message says why (for a 400)."""
 
 
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as exc:
+        raise GrammarError("constrained decoding needs the llguidance package (pip install llguidance)") from exc
+    return llguidance
+
+
 def json_schema_grammar(schema: dict) -> str:
     """The grammar of JSON text valid against ``schema``."""
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
+    return _llguidance().LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
 
 
 def response_format_grammar(fmt: ResponseFormat) -> str:
@@ -59,8 +74,11 @@ class Grammars:
     """Compiles grammars for one tokenizer and keeps the compiled ones; hands out a fresh matcher per request."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
-        """``vocab_size``: the model's logits (may exceed the tokenizer's vocabulary: padded embeddings)."""
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        """``vocab_size``: the model's logits (may exceed the tokenizer's vocabulary: padded embeddings). Nothing
+        is built until the first ``matcher`` call (see the module docstring)."""
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._tokenizer = None  # llguidance's view of the tokenizer, built at the first grammar
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -73,7 +91,12 @@ class Grammars:
             if compiled is not None:
                 self._compiled.move_to_end(grammar)
                 return compiled.deep_copy()
-        compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            if self._tokenizer is None:
+                try:
+                    self._tokenizer = _llguidance().hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size)
+                except ValueError as exc:  # "Only fast tokenizers are supported"
+                    raise GrammarError(f"this model's tokenizer cannot be used for grammars: {exc}") from exc
+        compiled = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0)
         if compiled.is_error():
             raise GrammarError(compiled.get_error())
         with self._lock:
@@ -87,13 +110,14 @@ class Grammars:
 _executor: llguidance.LLExecutor | None = None
 
 
-def fill_masks(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+def fill_masks(matchers: list[llguidance.LLMatcher], vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
     """The allowed tokens of each matcher as a ``[len(matchers), ceil(vocab/32)]`` int32 bitmask (bit ``t % 32``
-    of word ``t // 32`` set: token ``t`` allowed), computed in llguidance's threads."""
+    of word ``t // 32`` set: token ``t`` allowed), computed in llguidance's threads. ``pin_memory`` (masks bound
+    for a GPU): in page-locked memory, so the copy to the device is a real asynchronous one."""
     global _executor
     if _executor is None:
-        _executor = llguidance.LLExecutor()
-    bitmask = torch.full((len(matchers), -(-vocab_size // _BITS)), -1, dtype=torch.int32)
+        _executor = _llguidance().LLExecutor()
+    bitmask = torch.full((len(matchers), -(-vocab_size // _BITS)), -1, dtype=torch.int32, pin_memory=pin_memory)
     _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                       bitmask.shape[1] * 4, len(matchers))
     return bitmask
@@ -117,5 +141,5 @@ def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) ->
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         logits.masked_fill_(disallowed, float("-inf"))
         return
-    index = torch.tensor(rows, device=device)
+    index = to_device(rows, torch.long, device)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(disallowed, float("-inf")))

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from switchyard.shared.messages import GenerateRequest
-from switchyard.shared.profanity import WINDOW_WORDS, load_classifier
+from switchyard.shared.profanity import WINDOW_WORDS
 from switchyard.shared.safety import ALLOWED, DefaultFilter, Verdict, filter_for
 
 CONTEXT_CHARS = 256  # released text kept as the rules' context: the longest phrase a rule may span
@@ -131,7 +131,9 @@ class OutputSafety:
     verdicts flagged since the worker last took them."""
 
     def __init__(self) -> None:
-        load_classifier()  # now, at start: never a second's stall in the first filtered request's step
+        # The classifier is not loaded here: only a tenant whose policy uses it needs it (the intake compiles a
+        # request's filter before the step sees it, prompts.prepare_prompt), and a worker whose tenants have none
+        # never pays its second of loading, nor needs its wheel.
         self._events: list[SafetyEvent] = []
 
     def guard(self, request: GenerateRequest, index: int) -> StreamGuard | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest
+from switchyard.shared.safety import filter_for
 from switchyard.workers.engine.guided import GrammarError, Grammars, response_format_grammar
 from switchyard.workers.engine.tool_calls import call_grammar, chat_messages
 
@@ -108,7 +109,7 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int, grammars: 
     if not prompt_ids:  # nothing to continue from: no logits to sample a first token from (vLLM refuses it too)
         raise RequestRejected(ErrorInfo(f"The {param} is empty: it has no tokens to continue from.",
                                         code="invalid_value", param=param))
-    vocab = min(vocab_size or len(tokenizer), len(tokenizer))
+    vocab = _vocabulary_size(tokenizer, vocab_size)
     for name, ids in (("prompt", prompt_ids if req.prompt_token_ids is not None else ()),
                       ("logit_bias", req.sampling.logit_bias or ())):
         if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
@@ -126,7 +127,20 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int, grammars: 
         param = "tools" if req.tool_use is not None and req.tool_use.choice != "none" else "response_format"
         raise RequestRejected(ErrorInfo(f"The {param} cannot be used for constrained decoding: {exc}",
                                         code="invalid_request", param=param)) from exc
+    if req.safety is not None and req.safety.mode in ("log", "block"):
+        # Compiled here, off the step thread: the first request whose policy uses the classifier loads it (about
+        # a second), and a step must never wait for that.
+        filter_for(req.safety)
     return PreparedPrompt(prompt_ids, max_tokens, dropped, matcher)
+
+
+def _vocabulary_size(tokenizer, vocab_size: int | None) -> int:
+    """Token ids a prompt may hold: the model's logits and the tokenizer's vocabulary, whichever is smaller (a
+    tokenizer without ``len``, a stand-in for a random-weight model, has the model's)."""
+    known = [n for n in (vocab_size, len(tokenizer) if hasattr(tokenizer, "__len__") else None) if n is not None]
+    if not known:
+        raise ValueError("the vocabulary size is unknown: pass vocab_size for a tokenizer without len()")
+    return min(known)
 
 
 def resolve_max_tokens(req: GenerateRequest, num_prompt: int, max_context: int, param: str) -> int:

@@ -70,13 +70,16 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], batch: int, vocab: int, device) -> torch.Tensor:
-    """``[B, V]`` float counts of each token id per row, in one bincount over the flattened batch."""
-    lengths = [len(ids) for ids in token_ids]
-    if sum(lengths) == 0:
-        return torch.zeros(batch, vocab, device=device)
-    flat = to_device([t for ids in token_ids for t in ids], torch.long, device)
-    rows = to_device([row for row, n in enumerate(lengths) for _ in range(n)], torch.long, device)
-    return torch.bincount(rows * vocab + flat, minlength=batch * vocab).view(batch, vocab).float()
+    """``[B, V]`` float counts of each token id per row, in one scatter-add over the flattened batch.
+
+    Not ``torch.bincount``: its output size depends on the data, so on a GPU it reads the largest id back to the
+    host first, a sync in the middle of the step; a scatter into a buffer of known size queues without waiting."""
+    counts = torch.zeros(batch * vocab, device=device)
+    index = [row * vocab + t for row, ids in enumerate(token_ids) for t in ids]
+    if index:
+        counts.index_put_((to_device(index, torch.long, device),), torch.ones(len(index), device=device),
+                          accumulate=True)
+    return counts.view(batch, vocab)
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

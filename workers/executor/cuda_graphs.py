@@ -12,6 +12,15 @@ The host writes the step into a pinned twin of that buffer and copies it over wi
 is rewritten only when the next step is staged, after the engine has waited for this step's sampled tokens, so the
 copy has long finished by then. Padding rows write their K/V into a spare block past the pool and have no context,
 so attention gives them zeros and they touch no sequence's cache.
+
+A graph replays raw addresses, so every tensor its kernels touch must live as long as it does: the buffers above,
+the logits it writes, and the decode kernels' scratch (kept per size in ``_metadata``; freed after capture, the
+next capture's ``empty_cache`` would hand that memory back and a replay would write into whatever took it). The
+graphs hold their runner weakly: the runner owns them, and a cycle would keep its KV cache alive until the
+garbage collector happened to run.
+
+On CPU (Triton interpreted, for CI and ``bench/gpu.py --dry-run``) each "graph" is ``EagerReplay``: the same
+buffers and staging, with the forward run again at each replay, so everything but the capture itself is tested.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +61,28 @@ class GraphPass:
     logit_rows: list[int]
 
 
+class EagerReplay:
+    """A CPU stand-in for ``torch.cuda.CUDAGraph`` over a ``DecodeGraphs`` size: ``replay()`` runs the forward
+    again on the graphs' buffers and writes the logits where a captured graph would."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int) -> None:
+        self._graphs = weakref.ref(graphs)
+        self._size = size
+
+    def replay(self) -> None:
+        graphs = self._graphs()
+        graphs.logits[self._size].copy_(graphs.forward(self._size))
+
+
 class DecodeGraphs:
     """Captured decode forwards of one ``ModelRunner`` (see the module docstring)."""
 
     def __init__(self, runner, max_batch: int, max_context: int, spare_block: int):
         if not isinstance(runner.attention, TritonAttention):
             raise ValueError("CUDA graphs need the triton attention backend")
-        self.runner = runner
+        self._runner = weakref.ref(runner)
+        self.attention: TritonAttention = runner.attention
+        self.is_emulated = runner.device.type != "cuda"
         self.block_size = runner.block_size
         self.max_context = max_context
         self.max_blocks = -(-max_context // self.block_size)
@@ -65,7 +90,7 @@ class DecodeGraphs:
         n = self.sizes[-1]
         self.spare_slot = spare_block * self.block_size
         total = 4 * n + 1 + n * self.max_blocks
-        self.host = torch.zeros(total, dtype=torch.long, pin_memory=True)
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=not self.is_emulated)
         self._host = self.host.numpy()
         self.device_buffer = torch.zeros(total, dtype=torch.long, device=runner.device)
         buf = self.device_buffer
@@ -73,34 +98,46 @@ class DecodeGraphs:
         self.split = buf[4 * n:4 * n + 1]
         self.tables = buf[4 * n + 1:].view(n, self.max_blocks)
         self.num_splits: dict[int, int] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._metadata: dict[int, TritonMetadata] = {}  # per size: what its graph reads, its scratch included
+        self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
-    def _metadata(self, size: int) -> TritonMetadata:
-        attention: TritonAttention = self.runner.attention
+    def _make_metadata(self, size: int) -> TritonMetadata:
+        attention = self.attention
         splits = self.num_splits[size] = num_decode_splits(size, attention.num_kv_heads, self.max_context,
                                                            attention.num_sms)
         decode = attention.decode_batch(size, self.tables[:size], self.seq_lens[:size], self.split, splits)
-        return TritonMetadata(self.positions[:size], self.slots[:size], 0, None, decode)
+        self._metadata[size] = TritonMetadata(self.positions[:size], self.slots[:size], 0, None, decode)
+        return self._metadata[size]
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The decode forward of ``size`` rows over the buffers: what a graph of that size records."""
+        return self._runner().forward_logits(self.ids[:size], self._metadata[size])
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Record one graph per ladder size, largest first so the smaller ones reuse its memory."""
-        torch.cuda.synchronize()
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         self._pad_all_rows()
         self._host[4 * self.sizes[-1]] = self.block_size
         self.device_buffer.copy_(self.host)
+        if self.is_emulated:
+            for size in self.sizes:
+                self._make_metadata(size)
+                self.logits[size] = self.forward(size)
+                self.graphs[size] = EagerReplay(self, size)
+            return
+        torch.cuda.synchronize()
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            meta = self._metadata(size)
-            self.runner.forward_logits(self.ids[:size], meta)  # compiles the kernels outside the graph
+            self._make_metadata(size)
+            self.forward(size)  # compiles the kernels outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.runner.forward_logits(self.ids[:size], meta)
+                self.logits[size] = self.forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
@@ -139,7 +176,7 @@ class DecodeGraphs:
             max_context = max(max_context, pos + 1)
         host[4 * n] = split_size(max_context, self.num_splits[size], bs)
         used = tables + rows * self.max_blocks
-        self.device_buffer[:used].copy_(self.host[:used], non_blocking=True)
+        self.device_buffer[:used].copy_(self.host[:used], non_blocking=not self.is_emulated)
         return GraphPass(rows, size, [i for i, c in enumerate(chunks) if c.needs_logits])
 
     def replay(self, staged: GraphPass) -> torch.Tensor:

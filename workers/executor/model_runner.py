@@ -193,15 +193,16 @@ class ModelRunner:
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (SwiGLU uses silu)")
         self.ops = make_ops(dev, dt)
 
-        # On CUDA one spare block past the pool takes the K/V writes of a CUDA graph's padding rows.
-        self.spare_block = num_blocks if self.device.type == "cuda" else None
-        shape = (num_blocks + (self.device.type == "cuda"), block_size, self.num_kv_heads, self.head_dim)
-        # Zeroed, not empty: padded gather rows are masked out, but 0 * NaN from garbage memory would still be NaN.
-        self.k_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
         self.attention: PagedAttention = make_attention(
             self.num_heads, self.num_kv_heads, self.head_dim, block_size, dev, attention_backend, dt
         )
+        # With the triton backend one spare block past the pool takes the K/V writes of a decode graph's padding
+        # rows (executor.cuda_graphs).
+        self.spare_block = num_blocks if self.attention.name == "triton" else None
+        shape = (num_blocks + (self.spare_block is not None), block_size, self.num_kv_heads, self.head_dim)
+        # Zeroed, not empty: padded gather rows are masked out, but 0 * NaN from garbage memory would still be NaN.
+        self.k_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
         self.graphs: DecodeGraphs | None = None
 
     @staticmethod
@@ -289,10 +290,10 @@ class ModelRunner:
         return self._logits(hidden)
 
     def capture_cuda_graphs(self, max_batch: int, max_context: int | None = None) -> DecodeGraphs:
-        """Record decode steps of up to ``max_batch`` sequences with up to ``max_context`` positions (CUDA, triton
-        attention); later decode-only steps that fit replay them."""
+        """Record decode steps of up to ``max_batch`` sequences with up to ``max_context`` positions (triton
+        attention; on CPU replayed eagerly, see ``cuda_graphs``); later decode-only steps that fit replay them."""
         if self.spare_block is None:
-            raise ValueError("CUDA graphs need a CUDA runner")
+            raise ValueError("CUDA graphs need the triton attention backend")
         self.graphs = DecodeGraphs(self, max_batch, min(max_context or self.max_context, self.max_context),
                                    self.spare_block)
         self.graphs.capture()

@@ -39,16 +39,13 @@ def make_attention(
     if backend is None:
         backend, reason = "sdpa", "no paged kernel for this device and dtype"
         if device.type == "cuda":
-            from switchyard.workers.executor.attention.triton_paged import triton_available
-
             if block_size % FLASH_BLOCK_MULTIPLE == 0 and flash_attn_varlen():
                 backend, reason = "flash", "flash-attn is installed and the block size is a multiple of 256"
-            elif triton_available():
-                backend = "triton"
-                reason = ("flash-attn is not installed" if not flash_attn_varlen() else
-                          f"flash-attn needs a block size that is a multiple of {FLASH_BLOCK_MULTIPLE}")
             else:
-                reason = "neither flash-attn nor Triton is importable"
+                triton, reason = _working_triton(num_heads, num_kv_heads, head_dim, block_size, device, dtype)
+                if triton is not None:
+                    log.info("attention backend triton: %s", reason)
+                    return triton
         elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             from switchyard.workers.executor.attention.cpu_paged import load_kernel
 
@@ -71,3 +68,19 @@ def make_attention(
     if backend == "sdpa":
         return SdpaAttention(num_heads, num_kv_heads, head_dim, block_size, device)
     raise ValueError(f"unknown attention backend {backend!r} (expected 'sdpa', 'cpu_paged', 'triton' or 'flash')")
+
+
+def _working_triton(num_heads, num_kv_heads, head_dim, block_size, device, dtype) -> tuple[PagedAttention | None, str]:
+    """The Triton backend when its kernels run here (``triton_paged.probe``), else None; and the reason."""
+    from switchyard.workers.executor.attention.triton_paged import TritonAttention, probe, triton_available
+
+    why_not_flash = ("flash-attn is not installed" if not flash_attn_varlen() else
+                     f"flash-attn needs a block size that is a multiple of {FLASH_BLOCK_MULTIPLE}")
+    if not triton_available():
+        return None, f"{why_not_flash} and Triton is not importable"
+    attention = TritonAttention(num_heads, num_kv_heads, head_dim, block_size, device, dtype)
+    failure = probe(attention, dtype)
+    if failure is not None:
+        log.warning("the Triton attention kernels failed their start-up check: %s", failure)
+        return None, f"{why_not_flash} and the Triton kernels failed their start-up check ({failure})"
+    return attention, f"{why_not_flash}; the kernels passed their start-up check"

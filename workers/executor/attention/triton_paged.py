@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from switchyard.workers.executor.attention.base import AttentionMetadata, ChunkShape, HeadLayout, plan_slots, write_kv
 from switchyard.workers.executor.transfers import to_device
@@ -26,11 +27,46 @@ MIN_SPLIT = 64  # fewer context positions than this per split are not worth a pa
 
 
 def triton_available() -> bool:
+    """Whether Triton imports (``probe`` says whether its kernels work on a device)."""
     try:
         import triton  # noqa: F401
     except Exception:
         return False
     return True
+
+
+def probe(attention: TritonAttention, dtype: torch.dtype) -> str | None:
+    """Compile and run this backend's kernels once, at its shapes, on a two-step case (a 5-token prefill over two
+    blocks, then a decode) and compare them with plain attention; None when they agree, else why not.
+
+    An import proves little: a Triton without a backend for this GPU, a missing ptxas or a kernel the compiler
+    rejects at these shapes only show at the first launch, which would be the first request's step. This also
+    leaves the kernels compiled for that step."""
+    heads, kv_heads, d, bs = attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.block_size
+    n = 5
+    num_blocks = -(-(n + 1) // bs) + 1
+    table = list(range(num_blocks - 1, -1, -1))  # blocks out of order, as a real table may be
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n + 1, h, d, generator=gen).to(attention.device, dtype) for h in (heads, kv_heads, kv_heads))
+    k_cache = torch.zeros(num_blocks, bs, kv_heads, d, device=attention.device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    try:
+        out = torch.cat([
+            attention.forward(q[:n], k[:n], v[:n], k_cache, v_cache, attention.prepare([(0, n, table)])),
+            attention.forward(q[n:], k[n:], v[n:], k_cache, v_cache, attention.prepare([(n, 1, table)])),
+        ]).float()
+    except Exception as exc:  # whatever the compiler or driver raises: the reason is what the log needs
+        return f"{type(exc).__name__}: {exc}"
+    causal = torch.ones(n + 1, n + 1, dtype=torch.bool, device=attention.device).tril()
+    expected = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1),
+        v.float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1), attn_mask=causal,
+    ).transpose(0, 1).reshape(n + 1, heads * d)
+    error = (out - expected).abs().max().item()
+    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+    if not error <= tolerance:  # NaN fails too
+        return f"the kernels' output differs from plain attention by {error:.3g} (tolerance {tolerance})"
+    return None
 
 
 def next_power_of_2(n: int) -> int:
