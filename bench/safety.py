@@ -80,7 +80,7 @@ async def time_awaits(make, n: int) -> list[float]:
 
 
 def in_process(n: int) -> tuple[str, dict]:
-    from switchyard.gateway.safety import InputSafety
+    from switchyard.domain.admission.safety import InputSafety
     from switchyard.shared.config import SafetyConfig
     from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
     from switchyard.shared.profanity import load_classifier
@@ -142,7 +142,7 @@ def on_a_system(num_requests: int, max_tokens: list[int]) -> dict[tuple[int, str
     import httpx
 
     from switchyard.deploy.system import LocalSystem
-    from switchyard.gateway.tenancy import update_tenant
+    from switchyard.domain.tenancy import update_tenant
     from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
     from tests.support.system import free_port, make_key
     from tests.support.tiny_model import save_tiny_model

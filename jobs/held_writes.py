@@ -11,7 +11,7 @@ import asyncio
 import asyncpg
 from nats.js import JetStreamContext
 
-from switchyard.gateway.conversations import write_turn
+from switchyard.domain.conversations import write_turn
 from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_held_writes_consumer

@@ -79,8 +79,9 @@ class GatewayConfig(BaseModel):
     # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
     allow_tier_header: bool = False
     admin_key: str | None = None  # enables /admin/* for `Authorization: Bearer <admin_key>`
-    # Host the durable consumers (billing writer, batch runner, housekeeping) in the gateway process; off when they
-    # run alone under `switchyard jobs`.
+    # Run the durable consumers (billing writer, batch runner, housekeeping) beside this gateway: in its process
+    # under `switchyard gateway`, as a `switchyard jobs` child of `switchyard up`; off where they run elsewhere
+    # (Kubernetes' switchyard-jobs, compose's jobs).
     run_jobs: bool = True
     # Let every tenant's requests share one prefix cache (a single-tenant deployment, or prompts that are all
     # public). Off: cached blocks are shared only within a tenant, so cached_tokens cannot probe others' prompts.

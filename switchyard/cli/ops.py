@@ -29,8 +29,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
 
     import asyncpg
 
-    from switchyard.gateway.registry import ModelRegistry
-    from switchyard.gateway.tier_admin import TierChangeError, change_tier, tier_status
+    from switchyard.domain.registry import ModelRegistry
+    from switchyard.domain.tier_admin import TierChangeError, change_tier, tier_status
     from switchyard.shared import nats_client
 
     config = _ops_config(args)
@@ -73,7 +73,7 @@ def _with_db(args: argparse.Namespace, work) -> int:
     """Run ``work(conn)`` against the configured (or running system's) Postgres; TenancyError → exit 2."""
     import asyncpg
 
-    from switchyard.gateway.tenancy import TenancyError
+    from switchyard.domain.tenancy import TenancyError
 
     config = load_config(args)
     if not config.database_url:
@@ -98,7 +98,7 @@ def _with_db(args: argparse.Namespace, work) -> int:
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
-    from switchyard.gateway import tenancy
+    from switchyard.domain import tenancy
 
     async def work(conn) -> None:
         limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "monthly_token_budget": args.monthly_budget} \
@@ -131,7 +131,7 @@ def _safety_policy(choice: str) -> str | None:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from switchyard.gateway import tenancy
+    from switchyard.domain import tenancy
 
     async def work(conn) -> None:
         if args.keys_cmd == "create":
@@ -149,10 +149,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from switchyard.gateway.usage_report import usage_rows
+    from switchyard.domain.usage_report import usage_rows
 
     async def work(conn) -> None:
-        from switchyard.gateway import tenancy
+        from switchyard.domain import tenancy
 
         tenant_id = await tenancy.tenant_id_by_name(conn, args.tenant)
         print_table(await usage_rows(conn, tenant_id, args.start, args.end, args.group_by))

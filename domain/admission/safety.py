@@ -1,5 +1,6 @@
-"""The input filter and each tenant's safety policy, at the gateway: a request's text is judged after its rate
-limits and before anything is queued; the policy travels on with the request to the worker's output filter.
+"""Admission policy: the input filter under each tenant's safety policy. A request's text (a batch line's too) is
+judged after its limits and before anything is queued; the policy travels on with the request to the worker's
+output filter.
 
     tenant's policy (tenants.safety_policy, else gateway.safety.default_policy)
       off    nothing judged, on the way in or out
@@ -20,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from switchyard.gateway.auth import AuthContext
-from switchyard.gateway.errors import OpenAIError
-from switchyard.gateway.metrics import GatewayMetrics
+from prometheus_client import Counter
+
+from switchyard.domain.admission.pipeline import Policy
+from switchyard.domain.admission.ticket import Origin, Ticket
+from switchyard.domain.auth import AuthContext
+from switchyard.domain.errors import OpenAIError
 from switchyard.shared.config import SafetyConfig
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, SafetyPolicy
+from switchyard.shared.messages import SafetyPolicy
 from switchyard.shared.safety import ALLOWED, ContentFilter, Verdict, default_filter, rule_patterns, wire_policy
 
-log = logging.getLogger("switchyard.gateway")
+log = logging.getLogger("switchyard.safety")
 
 MODES = ("off", "log", "block")
 
@@ -36,10 +40,11 @@ class InputSafety:
     """One gateway's input filter (its classifier loaded at construction, once) and the wire policies it hands
     the workers."""
 
-    def __init__(self, config: SafetyConfig, metrics: GatewayMetrics | None = None) -> None:
-        """Raises ValueError or RuntimeError, saying what to fix, for a configuration that cannot work."""
+    def __init__(self, config: SafetyConfig, verdicts: Counter | None = None) -> None:
+        """``verdicts``: counted by tier, category and action (the gateway's safety_input_verdicts). Raises
+        ValueError or RuntimeError, saying what to fix, for a configuration that cannot work."""
         self._config = config
-        self._metrics = metrics
+        self._verdicts = verdicts
         self.filter: ContentFilter = default_filter(config)
         patterns = rule_patterns(config)
         threshold = config.classifier_threshold if config.classifier else None
@@ -50,7 +55,8 @@ class InputSafety:
         return tenant_policy if tenant_policy in MODES else self._config.default_policy
 
     def wire_policy(self, auth: AuthContext | None = None, tenant_policy: str | None = None) -> SafetyPolicy | None:
-        """``GenerateRequest.safety`` for the caller (or a tenant's ``tenant_policy``); None when it is off."""
+        """``GenerateRequest.safety`` for the caller (or a tenant whose own policy is ``tenant_policy``); None when it
+        is off."""
         return self._wire.get(self.mode(auth.safety_policy if auth is not None else tenant_policy))
 
     async def judge(self, texts: list[str]) -> Verdict:
@@ -67,40 +73,36 @@ class InputSafety:
                     return verdict
         return ALLOWED
 
-    async def screen(self, request: GenerateRequest, parts: list[GenerateRequest]) -> None:
-        """Judge a request about to be queued, under the policy it carries (``request.safety``): raises
+    async def screen(self, ticket: Ticket) -> None:
+        """Judge a request about to be queued under the policy it carries (``ticket.safety``): raises
         ``OpenAIError`` 400 ``content_policy_violation`` when a ``block`` policy refuses it."""
-        error = await self.screen_wire(request, parts)
-        if error is not None:
-            raise OpenAIError(error.status, error.message, code=error.code, param=error.param)
-
-    async def screen_wire(self, request: GenerateRequest, parts: list[GenerateRequest] | None = None,
-                          ) -> ErrorInfo | None:
-        """As ``screen``, the refusal returned (a batch line fails with it) rather than raised."""
-        policy = request.safety
+        policy = ticket.safety
         if policy is None:
-            return None
-        texts, param = texts_of(request, parts or [request])
-        verdict = await self.judge(texts)
+            return
+        verdict = await self.judge(ticket.texts)
         action = "allowed" if verdict.allowed else ("blocked" if policy.mode == "block" else "logged")
-        if self._metrics is not None:
-            self._metrics.safety_input.labels(request.tier, verdict.category or "none", action).inc()
+        if self._verdicts is not None:
+            self._verdicts.labels(ticket.tier, verdict.category or "none", action).inc()
         if verdict.allowed:
-            return None
-        log.warning("request %s of tenant %s: input flagged (%s), %s", request.request_id, request.tenant_id,
+            return
+        log.warning("request %s of tenant %s: input flagged (%s), %s", ticket.request_id, ticket.auth.tenant_id,
                     verdict.category, action)
-        if action != "blocked":
-            return None
-        return ErrorInfo(f"This request was refused by the content policy ({verdict.category}: {verdict.reason}).",
-                         code="content_policy_violation", param=param, status=400)
+        if action == "blocked":
+            raise OpenAIError(400, f"This request was refused by the content policy ({verdict.category}: "
+                              f"{verdict.reason}).", code="content_policy_violation", param=ticket.texts_param)
 
 
-def texts_of(request: GenerateRequest, parts: list[GenerateRequest]) -> tuple[list[str], str]:
-    """The text a request brings that has not been judged before, and the parameter it came in."""
-    if request.messages is not None:
-        # A conversation turn (a server-assembled history): only its last message is new.
-        messages = request.messages[-1:] if request.truncate_history else request.messages
-        texts = [m.content for m in messages]
-        texts += [c.arguments for m in messages for c in m.tool_calls or ()]
-        return texts, "content" if request.truncate_history else "messages"
-    return [p.prompt for p in parts if p.prompt], "prompt"
+class InputFilter(Policy):
+    """Last, once the request is let through by everything cheaper: the text it brings that was not judged before
+    (every message of a chat request, a conversation turn's new message, each prompt given as text)."""
+
+    origins = frozenset({Origin.REQUEST, Origin.BATCH_LINE})
+
+    def __init__(self, safety: InputSafety | None) -> None:
+        """``safety`` None: nothing judged and no policy sent (a deployment without filters)."""
+        self._safety = safety
+
+    async def check(self, ticket: Ticket) -> None:
+        if self._safety is not None:
+            ticket.safety = self._safety.wire_policy(ticket.auth)
+            await self._safety.screen(ticket)

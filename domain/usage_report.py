@@ -1,6 +1,6 @@
 """A tenant's usage and cost from the billing rows (the ``requests`` table), grouped by model or day.
 
-Shared by ``GET /v1/usage`` and ``switchyard usage``.
+Shared by ``GET /v1/usage`` and ``switchyard usage`` (which reads it on a connection of its own).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import datetime as dt
 
 import asyncpg
 
-from switchyard.gateway.errors import OpenAIError
+from switchyard.domain.errors import OpenAIError
 
 _GROUPS = {"model": "model", "day": "to_char(date_trunc('day', created_at), 'YYYY-MM-DD')"}
 
@@ -28,8 +28,8 @@ def parse_time(value: str | None, default: dt.datetime, param: str) -> dt.dateti
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 
-async def usage_rows(conn: asyncpg.Connection, tenant_id: str, start: str | None, end: str | None,
-                     group_by: str) -> list[dict]:
+async def usage_rows(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str, start: str | None,
+                     end: str | None, group_by: str) -> list[dict]:
     if group_by not in _GROUPS:
         raise OpenAIError(400, "group_by must be 'model' or 'day'.", param="group_by", code="invalid_value")
     now = dt.datetime.now(dt.timezone.utc)
@@ -45,3 +45,13 @@ async def usage_rows(conn: asyncpg.Connection, tenant_id: str, start: str | None
     return [{group_by: r[group_by], "requests": r["requests"], "prompt_tokens": int(r["prompt_tokens"]),
              "completion_tokens": int(r["completion_tokens"]), "cached_tokens": int(r["cached_tokens"]),
              "cost_usd": float(r["cost_usd"])} for r in rows]
+
+
+class UsageReport:
+    """``usage_rows`` on the gateway's pool."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def rows(self, tenant_id: str, start: str | None, end: str | None, group_by: str) -> list[dict]:
+        return await usage_rows(self._pool, tenant_id, start, end, group_by)

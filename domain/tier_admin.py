@@ -13,7 +13,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from switchyard.gateway.queue_metrics import queue_state
+from switchyard.domain.queues import queue_state
 from switchyard.shared import subjects
 from switchyard.shared.messages import WorkerInfo
 from switchyard.shared.tier_store import read_policies, write_policy

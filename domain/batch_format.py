@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
 
-from switchyard.gateway.limits import estimate_tokens
-from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from switchyard.gateway.responses import CHAT, TEXT, tool_call_json, usage_json
+from switchyard.domain.api.chat import ChatCompletionRequest
+from switchyard.domain.api.completions import CompletionRequest
+from switchyard.domain.api.shapes import CHAT, TEXT, choice_json, usage_json
+from switchyard.domain.limits import estimate_tokens
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
@@ -60,10 +61,9 @@ def _describe(exc: ValidationError) -> tuple[str, str]:
     return f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.", param
 
 
-def _estimate(parsed: BaseModel) -> int:
-    if isinstance(parsed, ChatCompletionRequest):
-        return estimate_tokens(parsed.num_chars(), parsed.max_completion_tokens or parsed.max_tokens, parsed.n)
-    return estimate_tokens(parsed.num_chars(), parsed.sampling().max_tokens, parsed.n)
+def _estimate(parsed: ChatCompletionRequest | CompletionRequest) -> int:
+    """What a line may use, as admission estimates any request (domain/admission/ticket.py)."""
+    return estimate_tokens(parsed.num_chars(), parsed.max_output_tokens, parsed.num_choices)
 
 
 def _not_in_a_batch(parsed: BaseModel) -> tuple[str, str] | None:
@@ -148,10 +148,17 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[InputLine], list[di
     return lines, errors
 
 
-def wire_request(endpoint: str, body: dict, request_id: str, *, tenant_id: str, api_key_id: str | None,
-                 created_at: float, deadline_at: float, result_subject: str, tier: str) -> GenerateRequest:
-    """The request a line becomes: exactly what the endpoint would publish, on the batch tier."""
-    parsed = ENDPOINTS[endpoint].model_validate(body)
+def parse_body(endpoint: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
+    """A line's body as its endpoint validates it (raises pydantic's ValidationError)."""
+    return ENDPOINTS[endpoint].model_validate(body)
+
+
+def wire_request(endpoint: str, body: dict | ChatCompletionRequest | CompletionRequest, request_id: str, *,
+                 tenant_id: str, api_key_id: str | None, created_at: float, deadline_at: float, result_subject: str,
+                 tier: str) -> GenerateRequest:
+    """The request a line becomes: exactly what the endpoint would publish, on the batch tier. ``body``: as
+    stored, or already parsed (``parse_body``)."""
+    parsed = parse_body(endpoint, body) if isinstance(body, dict) else body
     fields = parsed.wire_fields() if isinstance(parsed, ChatCompletionRequest) else \
         parsed.wire_fields(parsed.prompts[0])
     return GenerateRequest(request_id=request_id, model=parsed.model, tier=tier, created_at=created_at,
@@ -163,16 +170,7 @@ def wire_request(endpoint: str, body: dict, request_id: str, *, tenant_id: str, 
 def response_body(endpoint: str, request_id: str, model: str, created_at: float, result: BatchResult) -> dict:
     """The JSON a non-streaming chat/completions (or completions) response has, from a worker's result."""
     kind = CHAT if endpoint == "/v1/chat/completions" else TEXT
-    choices = []
-    for c in result.choices:
-        if kind.is_chat:
-            message = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
-            if c.tool_calls:
-                message["tool_calls"] = [tool_call_json(t) for t in c.tool_calls]
-            choice = {"index": c.index, "message": message}
-        else:
-            choice = {"index": c.index, "text": c.text}
-        choices.append({**choice, "logprobs": None, "finish_reason": c.finish_reason})
+    choices = [choice_json(kind, c.index, c.text, c.tool_calls, c.finish_reason) for c in result.choices]
     usage = usage_json(result.usage) if result.usage is not None else None
     return {"id": kind.id_prefix + request_id, "object": kind.object_full, "created": int(created_at),
             "model": model, "choices": choices, "usage": usage}

@@ -11,7 +11,7 @@ import time
 
 from nats.js import JetStreamContext
 
-from switchyard.gateway.errors import service_unavailable
+from switchyard.domain.errors import service_unavailable
 from switchyard.shared.jetstream import live_workers
 from switchyard.shared.messages import WorkerInfo
 
@@ -24,7 +24,7 @@ _STALE_OK_S = 30.0
 _REMEMBER_S = 60.0
 _UNREACHABLE_RETRY_AFTER_S = 5
 
-log = logging.getLogger("switchyard.gateway")
+log = logging.getLogger("switchyard.registry")
 
 
 class ModelRegistry:

@@ -1,12 +1,14 @@
-"""The gateway's Postgres, and what it does while Postgres is down or hung.
+"""Postgres as the gateway and the jobs reach it, and what they do while it is down or hung.
 
 Every call on the request path (authentication, rate limits, quotas) goes through ``Database.run``, which bounds
 it by ``CALL_TIMEOUT_S`` and, after a failure, stops trying for ``RETRY_AFTER_S`` (one call then probes): during an
 outage a request pays at most one timeout, not one per query, and each caller falls back at once. The fallbacks
 live with their callers: known keys are served from the authentication cache, rate limits from a local share
-(gateway/local_limits.py), conversation turns are held in JetStream (jobs/held_writes.py); billing never touches
+(domain/local_limits.py), conversation turns are held in JetStream (jobs/held_writes.py); billing never touches
 Postgres on the request path (usage records go through JetStream). Anything else that meets the outage (listing
 files, usage reports) answers 503 with Retry-After, never a 500 or a hang (gateway/errors.py).
+
+``connect`` makes the gateway's pool, its connects and statements bounded.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from typing import TypeVar
 
 import asyncpg
 
-from switchyard.gateway.errors import answer, service_unavailable
+from switchyard.domain.errors import service_unavailable
 
-log = logging.getLogger("switchyard.gateway")
+log = logging.getLogger("switchyard.database")
 
 T = TypeVar("T")
 
@@ -44,6 +46,11 @@ def database_unavailable():
     """The 503 for a request that needs Postgres while it is away."""
     return service_unavailable("The database is unavailable right now; please retry.", RETRY_AFTER_S,
                                code="database_unavailable")
+
+
+async def connect(database_url: str, max_size: int = 4) -> asyncpg.Pool:
+    """A pool whose connects and statements are bounded (``POOL_OPTIONS``)."""
+    return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, **POOL_OPTIONS)
 
 
 class Database:
@@ -92,13 +99,10 @@ async def bounded(coro: Awaitable[T], timeout: float) -> T:
     return task.result()
 
 
-def install_outage_handler(app) -> None:
-    """Answer 503 ``database_unavailable`` with Retry-After for any request that meets a Postgres outage outside
-    ``Database.run`` (an endpoint querying the pool directly): never a 500 or a hang."""
-
-    async def outage(request, exc):
-        log.warning("%s %s: Postgres unavailable (%r)", request.method, request.url.path, exc)
-        return answer(request, database_unavailable())
-
-    for error in (DatabaseUnavailable, ConnectionError, asyncio.TimeoutError, *OUTAGE_ERRORS[2:]):  # not all OSError
-        app.add_exception_handler(error, outage)
+async def ping(db: Database) -> bool:
+    """Whether Postgres answers now (through the breaker): /readyz reports it."""
+    try:
+        await db.run(lambda pool: pool.fetchval("SELECT 1"))
+        return True
+    except DatabaseUnavailable:
+        return False

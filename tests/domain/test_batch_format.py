@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from switchyard.cli.batch import rewrite_input
-from switchyard.gateway.batch_format import output_line, parse_input, request_id_for, response_body, wire_request
+from switchyard.domain.batch_format import output_line, parse_input, request_id_for, response_body, wire_request
 from switchyard.shared.messages import BatchChoice, BatchResult, ToolCall, Usage
 
 CHAT = "/v1/chat/completions"

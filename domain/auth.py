@@ -1,4 +1,5 @@
-"""API-key authentication: ``Authorization: Bearer <key>`` → the caller's tenant, key and tier.
+"""API-key authentication: ``Authorization: Bearer <key>`` → the caller's tenant, key and tier (``AuthContext``),
+which every admission policy reads; a batch's lines are admitted under the context of the key that created it.
 
 Lookups go by the key's sha256 (an index probe, so timing says nothing about how close a guess was) and are
 cached for ``CACHE_S`` seconds: a revoked key stops working on every gateway within that time. While Postgres is
@@ -11,11 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from fastapi import Request
-
-from switchyard.gateway.database import Database, DatabaseUnavailable, database_unavailable
-from switchyard.gateway.errors import OpenAIError
-from switchyard.gateway.tenancy import hash_key
+from switchyard.domain.database import Database, DatabaseUnavailable, database_unavailable
+from switchyard.domain.errors import OpenAIError
+from switchyard.domain.tenancy import hash_key
 
 CACHE_S = 5.0
 STALE_OK_S = 3600.0
@@ -48,8 +47,8 @@ class Authenticator:
         self._cache: dict[bytes, tuple[AuthContext | None, float]] = {}
         self._last_used: dict[str, float] = {}
 
-    async def authenticate(self, request: Request) -> AuthContext:
-        header = request.headers.get("authorization", "")
+    async def authenticate(self, header: str) -> AuthContext:
+        """The caller of a request whose ``Authorization`` header is ``header``; raises 401 or 503."""
         scheme, _, secret = header.partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise OpenAIError(401, "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
@@ -82,12 +81,23 @@ class Authenticator:
     @staticmethod
     async def _lookup(pool, digest: bytes) -> AuthContext | None:
         row = await pool.fetchrow(
-            "SELECT k.id AS key_id, t.id AS tenant_id, t.name, t.tier, t.rpm_limit, t.tpm_limit, "
-            "t.monthly_token_budget, t.priority_allowed, t.safety_policy "
-            "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+            f"SELECT k.id AS key_id, {_TENANT_COLUMNS} FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
             "WHERE k.key_hash = $1 AND k.revoked_at IS NULL", digest)
-        if row is None:
-            return None
-        return AuthContext(row["tenant_id"], row["name"], row["key_id"], row["tier"], row["rpm_limit"],
-                           row["tpm_limit"], row["monthly_token_budget"], row["priority_allowed"],
-                           row["safety_policy"])
+        return None if row is None else _context(row)
+
+
+_TENANT_COLUMNS = ("t.id AS tenant_id, t.name, t.tier, t.rpm_limit, t.tpm_limit, t.monthly_token_budget, "
+                   "t.priority_allowed, t.safety_policy")
+
+
+def _context(row) -> AuthContext:
+    return AuthContext(row["tenant_id"], row["name"], row["key_id"], row["tier"], row["rpm_limit"], row["tpm_limit"],
+                       row["monthly_token_budget"], row["priority_allowed"], row["safety_policy"])
+
+
+async def tenant_context(pool, tenant_id: str, key_id: str | None) -> AuthContext | None:
+    """The context of a tenant's own work that no request carries (its batch lines), read now: its tier, limits
+    and policies as they are, under ``key_id`` (the key that created the batch). None: no such tenant."""
+    row = await pool.fetchrow(f"SELECT $2::text AS key_id, {_TENANT_COLUMNS} FROM tenants t WHERE t.id = $1",
+                              tenant_id, key_id)
+    return None if row is None else _context(row)

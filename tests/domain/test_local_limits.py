@@ -3,7 +3,7 @@ window (no burst of twice the limit across a minute boundary)."""
 
 from __future__ import annotations
 
-from switchyard.gateway.local_limits import WINDOW_S, LocalLimiter
+from switchyard.domain.local_limits import WINDOW_S, LocalLimiter
 
 
 def test_each_gateway_enforces_its_share_of_the_requests_and_tokens_per_minute():

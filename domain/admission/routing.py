@@ -1,4 +1,4 @@
-"""Which model serves a request: aliases, and ``model: "auto"`` routed by the operator's rules.
+"""Admission policy: which model serves a request, aliases and ``model: "auto"`` routed by the operator's rules.
 
     model in route_names ("auto")?  ──yes──▶ first rule (GatewayConfig.routes) that matches the request and whose
           │                                  model a worker serves ──▶ that model (none: 503 model_unavailable)
@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 import re
 
-from switchyard.gateway.errors import service_unavailable
-from switchyard.gateway.registry import ModelRegistry
+from switchyard.domain.admission.pipeline import Policy
+from switchyard.domain.admission.ticket import Ticket
+from switchyard.domain.errors import service_unavailable
+from switchyard.domain.registry import ModelRegistry
 from switchyard.shared.config import GatewayConfig, RouteRule
 
 _RETRY_AFTER_S = 5
@@ -84,3 +86,15 @@ class Router:
                     return target
         raise service_unavailable(f"No model that `{model}` routes this request to is serving right now; please "
                                   "retry.", _RETRY_AFTER_S, code="model_unavailable")
+
+
+class ModelRouting(Policy):
+    """After the tier (a rule may match on it): the served model replaces the name asked for. API requests only: a
+    batch line names a served model (its file is checked against the live ones before it starts)."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def check(self, ticket: Ticket) -> None:
+        ticket.model = await self._router.resolve(ticket.model, ticket.tier, ticket.num_chars, ticket.max_tokens,
+                                                  ticket.routing_text)

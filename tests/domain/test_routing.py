@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from switchyard.gateway.errors import OpenAIError
-from switchyard.gateway.routing import Router, difficulty
+from switchyard.domain.errors import OpenAIError
+from switchyard.domain.admission.routing import Router, difficulty
 from switchyard.shared.config import GatewayConfig, RouteRule
 
 EASY = ["hi there", "thanks!", "What's your name?", "tell me a joke"]

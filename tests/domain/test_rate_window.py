@@ -9,10 +9,10 @@ from unittest import mock
 import asyncpg
 import pytest
 
-from switchyard.gateway.auth import AuthContext
-from switchyard.gateway.database import Database
-from switchyard.gateway.errors import OpenAIError
-from switchyard.gateway.limits import Limiter
+from switchyard.domain.auth import AuthContext
+from switchyard.domain.database import Database
+from switchyard.domain.errors import OpenAIError
+from switchyard.domain.limits import Limiter
 from switchyard.shared.tiers import TierPolicy
 from tests.support.system import make_key
 
@@ -21,7 +21,7 @@ POLICY = TierPolicy(max_queued=10, max_wait_s=10, weight=1, rpm=10, tpm=0)
 
 async def _admitted(limiter: Limiter, auth: AuthContext, at: float, count: int) -> int:
     admitted = 0
-    with mock.patch("switchyard.gateway.limits.time.time", return_value=at):
+    with mock.patch("switchyard.domain.limits.time.time", return_value=at):
         for _ in range(count):
             try:
                 await limiter.admit(auth, POLICY, 1)

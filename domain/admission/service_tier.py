@@ -1,4 +1,5 @@
-"""OpenAI's ``service_tier`` on this platform's tiers: which tier runs a request, and what the response says.
+"""Admission policy: OpenAI's ``service_tier`` on this platform's tiers, which tier runs a request and what the
+response says.
 
 | asked                 | runs on                          | response says | limits                                        |
 |-----------------------|----------------------------------|---------------|-----------------------------------------------|
@@ -13,25 +14,15 @@ could not be run soon (its queue full, or not started within its wait), as OpenA
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from switchyard.gateway.auth import AuthContext
-from switchyard.gateway.errors import OpenAIError
+from switchyard.domain.admission.pipeline import ALL_ORIGINS, Policy
+from switchyard.domain.admission.ticket import Origin, ServiceTier, Ticket
+from switchyard.domain.auth import AuthContext
+from switchyard.domain.errors import OpenAIError
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES
 
 PRIORITY_TIER = TIER_NAMES[0]
 # Errors that mean "could not be run soon": for a flex request they are its 429.
 _CANNOT_RUN_SOON = ("queue_full", "queue_timeout")
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceTier:
-    tier: str  # the platform tier that runs it
-    label: str  # what the response's service_tier says
-
-    @property
-    def is_flex(self) -> bool:
-        return self.label == "flex"
 
 
 def choose(asked: str | None, auth: AuthContext, tier_override: str | None = None) -> ServiceTier:
@@ -55,3 +46,16 @@ def flex_refusal(error: OpenAIError, retry_after_s: int) -> OpenAIError:
     return OpenAIError(429, "Resource unavailable: flex capacity could not run this request soon enough; retry "
                             "later or use the default tier.", type="rate_limit_error", code="resource_unavailable",
                        headers={"Retry-After": str(retry_after_s)})
+
+
+class ServiceTierChoice(Policy):
+    """First: which tier runs the request decides its queue, its limits and its price. A batch and its lines run
+    on the batch tier whatever their bodies say (a line may only ask for auto or default)."""
+
+    origins = ALL_ORIGINS
+
+    async def check(self, ticket: Ticket) -> None:
+        if ticket.origin is Origin.REQUEST:
+            ticket.service = choose(ticket.service_tier, ticket.auth, ticket.tier_override)
+        else:
+            ticket.service = ServiceTier(BATCH_TIER)

@@ -1,4 +1,5 @@
-"""Per-key rate limits (requests and tokens per minute) and the tenant's monthly token budget.
+"""Per-key rate limits: requests and tokens per minute, over a sliding minute (the admission policy that applies
+them is domain/admission/rate_limits.py).
 
 Shared state is Postgres: one atomic upsert per request on a (key, minute) row admits or refuses it, so the
 limits hold across any number of gateways without a lock or a read-then-write race; Postgres is already on the
@@ -6,9 +7,7 @@ request path's host and durable. Tokens are reserved at admission (estimated pro
 + n x max_tokens) and settled to what was really used when the request ends: the unused part returned, use beyond
 the reservation charged.
 
-While Postgres is away, each gateway enforces its share of every key's limits in memory (gateway/local_limits.py)
-and monthly budgets are judged by the last total read (or not at all if none was: usage is still billed, and the
-budget holds again once Postgres is back).
+While Postgres is away, each gateway enforces its share of every key's limits in memory (domain/local_limits.py).
 
 Response headers follow OpenAI: ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``.
 """
@@ -20,15 +19,14 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from switchyard.gateway.auth import AuthContext
-from switchyard.gateway.database import Database, DatabaseUnavailable
-from switchyard.gateway.errors import OpenAIError
-from switchyard.gateway.local_limits import LocalLimiter
+from switchyard.domain.auth import AuthContext
+from switchyard.domain.database import Database, DatabaseUnavailable
+from switchyard.domain.errors import OpenAIError
+from switchyard.domain.local_limits import LocalLimiter
 from switchyard.shared.tiers import TierPolicy
 
 UNLIMITED = 1 << 62
 DEFAULT_COMPLETION_RESERVE = 1024  # reserved when a request sets no max_tokens
-QUOTA_CACHE_S = 5.0
 
 # A sliding minute, approximated from two fixed ones: the previous minute's counts weigh by how much of it still
 # lies within the last 60 s ($6, rounded up), so a key cannot spend its limit at 0:59 and again at 1:00 (a 2x
@@ -63,8 +61,9 @@ def estimate_tokens(text_chars: int, max_tokens: int | None, n: int = 1) -> int:
 
 
 @dataclass(slots=True)
-class Admission:
-    """A request let through: its reservation, and the headers every response to it carries."""
+class Reservation:
+    """A request let through: the tokens it holds in its key's window, and the headers every response to it
+    carries."""
 
     key_id: str
     window_start: dt.datetime
@@ -104,11 +103,9 @@ class Limiter:
         """``local_share``: the part of each key's limits this gateway enforces alone while Postgres is away."""
         self._db = db
         self._local = LocalLimiter(local_share)
-        self._quota_cache: dict[str, tuple[int, float]] = {}
 
-    async def admit(self, auth: AuthContext, policy: TierPolicy, tokens: int) -> Admission:
-        """Count the request and reserve ``tokens``; raises 429 ``rate_limit_exceeded`` or ``insufficient_quota``."""
-        await self._check_quota(auth)
+    async def admit(self, auth: AuthContext, policy: TierPolicy, tokens: int) -> Reservation:
+        """Count the request and reserve ``tokens``; raises 429 ``rate_limit_exceeded``."""
         rpm = auth.rpm_limit or policy.rpm or UNLIMITED
         tpm = auth.tpm_limit or policy.tpm or UNLIMITED
         window_start, reset_s = _window(time.time())
@@ -132,57 +129,36 @@ class Limiter:
             raise OpenAIError(429, f"Rate limit reached for {which} per minute: limit {limit}. Please try again in "
                               f"{reset_s:.0f}s.", type="rate_limit_error", code="rate_limit_exceeded",
                               headers=headers)
-        return Admission(auth.key_id, window_start, tokens, _headers(rpm, tpm, row["requests"], row["tokens"],
+        return Reservation(auth.key_id, window_start, tokens, _headers(rpm, tpm, row["requests"], row["tokens"],
                                                                       reset_s))
 
     def _admit_locally(self, auth: AuthContext, rpm: int, tpm: int, tokens: int,
-                       window_start: dt.datetime) -> Admission:
+                       window_start: dt.datetime) -> Reservation:
         wait_s = self._local.admit(auth.key_id, rpm, tpm, tokens)
         if wait_s is not None:
             raise OpenAIError(429, f"Rate limit reached (limits enforced per gateway while the database is away). "
                               f"Please try again in {wait_s:.0f}s.", type="rate_limit_error",
                               code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(wait_s))})
-        return Admission(auth.key_id, window_start, tokens, local=True)
+        return Reservation(auth.key_id, window_start, tokens, local=True)
 
-    async def settle(self, admission: Admission, used_tokens: int) -> None:
+    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         """Bring the window to what the request really used: the unused part of the reservation goes back (all of
         it for a request that never ran), and use beyond it (a prompt that took more tokens than the ~4 characters
         a token estimate) is charged, even past the limit, so the key's next requests wait for it."""
-        if admission.settled:
+        if reservation.settled:
             return
-        admission.settled = True
-        if admission.local:
-            self._local.settle(admission.key_id, admission.reserved_tokens, used_tokens)
+        reservation.settled = True
+        if reservation.local:
+            self._local.settle(reservation.key_id, reservation.reserved_tokens, used_tokens)
             return
-        difference = used_tokens - admission.reserved_tokens
+        difference = used_tokens - reservation.reserved_tokens
         if difference != 0:
             try:
                 await self._db.run(lambda pool: pool.execute(
                     "UPDATE rate_windows SET tokens = greatest(tokens + $3, 0) WHERE key_id = $1 "
-                    "AND window_start = $2", admission.key_id, admission.window_start, difference))
+                    "AND window_start = $2", reservation.key_id, reservation.window_start, difference))
             except DatabaseUnavailable:  # the window keeps its reservation: a limit errs on the safe side
                 pass
-
-    async def _check_quota(self, auth: AuthContext) -> None:
-        if auth.monthly_token_budget is None:
-            return
-        cached = self._quota_cache.get(auth.tenant_id)
-        now = time.monotonic()
-        if cached is None or now - cached[1] > QUOTA_CACHE_S:
-            try:
-                used = await self._db.run(lambda pool: pool.fetchval(
-                    "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) FROM requests "
-                    "WHERE tenant_id = $1 AND created_at >= date_trunc('month', now())", auth.tenant_id))
-            except DatabaseUnavailable:
-                if cached is None:
-                    return  # never read: judged again once Postgres is back (the usage is billed meanwhile)
-            else:
-                cached = (int(used), now)
-                self._quota_cache[auth.tenant_id] = cached
-        if cached[0] >= auth.monthly_token_budget:
-            raise OpenAIError(429, f"You exceeded your monthly token budget ({auth.monthly_token_budget} tokens). "
-                              "Ask your administrator to raise it.", type="insufficient_quota",
-                              code="insufficient_quota")
 
     async def prune(self) -> None:
         """Drop windows older than an hour (called periodically)."""

@@ -11,8 +11,9 @@ import msgspec
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from switchyard.gateway.errors import OpenAIError
-from switchyard.gateway.tier_admin import TierChangeError, change_tier, tier_status
+from switchyard.domain.errors import OpenAIError
+from switchyard.domain.tier_admin import TierChangeError, change_tier, tier_status
+from switchyard.gateway.services import GatewayServices
 
 
 class TierUpdate(BaseModel):
@@ -24,8 +25,9 @@ class TierUpdate(BaseModel):
     weight: float | None = Field(None, gt=0)
 
 
-def admin_router(admin_key: str | None) -> APIRouter:
+def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/admin")
+    admin_key = services.config.gateway.admin_key
 
     def authorize(request: Request) -> None:
         if not admin_key:
@@ -38,18 +40,17 @@ def admin_router(admin_key: str | None) -> APIRouter:
     @router.get("/tiers")
     async def get_tiers(request: Request):
         authorize(request)
-        served = await request.app.state.registry.models(fresh=True)
-        return {"object": "list", "data": await tier_status(request.app.state.js, served)}
+        served = await services.registry.models(fresh=True)
+        return {"object": "list", "data": await tier_status(services.js, served)}
 
     @router.put("/tiers/{tier}")
     async def put_tier(tier: str, body: TierUpdate, request: Request):
         authorize(request)
         try:
-            old, new = await change_tier(request.app.state.js, request.app.state.pool, tier, "admin-api",
-                                         **body.model_dump())
+            old, new = await change_tier(services.js, services.db.pool, tier, "admin-api", **body.model_dump())
         except TierChangeError as exc:
             raise OpenAIError(400, str(exc), code="invalid_value", param="tier") from None
-        request.app.state.policies.invalidate()  # other gateways follow within a second
+        services.tier_policies.invalidate()  # other gateways follow within a second
         return {"tier": tier, "old": _plain(old), "new": _plain(new)}
 
     return router
