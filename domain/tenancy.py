@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from switchyard.shared.tiers import TIER_NAMES
+from switchyard.shared.tiers import FIRST_TENANT_TIER, NEW_TENANT_TIER, TIER_NAMES
 
 KEY_PREFIX = "sk-sy-"
 
@@ -42,7 +42,7 @@ def _check_tier(tier: str) -> None:
         raise TenancyError(f"unknown tier {tier!r}; known: {', '.join(TIER_NAMES)}")
 
 
-async def create_tenant(conn: asyncpg.Connection, name: str, tier: str = "free", *, rpm_limit: int | None = None,
+async def create_tenant(conn: asyncpg.Connection, name: str, tier: str = NEW_TENANT_TIER, *, rpm_limit: int | None = None,
                         tpm_limit: int | None = None, monthly_token_budget: int | None = None) -> str:
     _check_tier(tier)
     tenant_id = new_id("ten")
@@ -56,7 +56,7 @@ async def create_tenant(conn: asyncpg.Connection, name: str, tier: str = "free",
 
 
 _UPDATABLE = ("tier", "rpm_limit", "tpm_limit", "monthly_token_budget", "priority_allowed", "safety_policy")
-SAFETY_POLICIES = ("off", "log", "block")  # gateway/safety.py; None: the deployment's default
+SAFETY_POLICIES = ("off", "log", "block")  # domain/admission/safety.py; None: the deployment's default
 
 
 async def update_tenant(conn: asyncpg.Connection, name: str, **changes) -> None:
@@ -108,8 +108,8 @@ async def revoke_key(conn: asyncpg.Connection, key_id: str) -> None:
 
 
 async def ensure_default_tenant(conn: asyncpg.Connection) -> NewKey | None:
-    """On a first start (no tenants at all): a `default` tenant on the pro tier and one key for it."""
+    """On a first start (no tenants at all): a `default` tenant (on ``FIRST_TENANT_TIER``) and one key for it."""
     if await conn.fetchval("SELECT count(*) FROM tenants"):
         return None
-    await create_tenant(conn, "default", "pro")
+    await create_tenant(conn, "default", FIRST_TENANT_TIER)
     return await create_key(conn, "default", "created by switchyard up")

@@ -9,6 +9,7 @@ import sys
 from switchyard.cli.options import load_config
 from switchyard.cli.tables import print_table
 from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.tiers import NEW_TENANT_TIER
 
 
 def _ops_config(args: argparse.Namespace) -> SwitchyardConfig:
@@ -104,7 +105,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "monthly_token_budget": args.monthly_budget} \
             if args.tenants_cmd in ("create", "update") else {}
         if args.tenants_cmd == "create":
-            tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or "free", **limits)
+            tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or NEW_TENANT_TIER, **limits)
             if args.priority is not None:
                 await tenancy.update_tenant(conn, args.name, priority_allowed=args.priority)
             if args.safety is not None:
