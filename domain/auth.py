@@ -32,8 +32,8 @@ class AuthContext:
     rpm_limit: int | None  # None: the tier's default
     tpm_limit: int | None
     monthly_token_budget: int | None  # None: unlimited
-    priority_allowed: bool = False  # may ask for service_tier "priority" (gateway/service_tiers.py)
-    safety_policy: str | None = None  # off | log | block; None: the deployment's default (gateway/safety.py)
+    priority_allowed: bool = False  # may ask for service_tier "priority" (domain/admission/service_tier.py)
+    safety_policy: str | None = None  # off | log | block; None: the deployment's default (domain/admission/safety.py)
 
 
 def invalid_key() -> OpenAIError:

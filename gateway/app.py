@@ -47,7 +47,6 @@ def create_app(config: SwitchyardConfig, services: GatewayServices | None = None
     telemetry = {"exclude": lambda scope: not scope.get("path", "").startswith("/v1/"), "operation_spans": False,
                  "metrics": False, "logs": False}
     app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
-    app.state.services = services  # for the server around the app (DrainingServer); routes get it explicitly
     install_error_handlers(app, services.metrics)
     app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_request_bytes)
     app.add_middleware(CountInFlight, counter=services.in_flight)

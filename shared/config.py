@@ -30,7 +30,7 @@ def default_data_dir() -> Path:
 
 
 class RouteRule(BaseModel):
-    """One rule of ``model: "auto"`` routing (gateway/routing.py): a request matching every condition given goes to
+    """One rule of ``model: "auto"`` routing (domain/admission/routing.py): a request matching every condition given goes to
     ``model``. Prompt tokens are estimated as the gateway estimates them everywhere (characters / 4)."""
 
     model: str

@@ -123,7 +123,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # Which tier runs it (gateway/service_tiers.py); the response says which did.
+    # Which tier runs it (domain/admission/service_tier.py); the response says which did.
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     # Kept with the request's usage record (requests.metadata), as OpenAI keeps it with a stored completion.
     metadata: dict[str, str] | None = None

@@ -16,14 +16,15 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     from switchyard.gateway.app import create_app
     from switchyard.gateway.drain import DrainingServer
+    from switchyard.gateway.services import GatewayServices
     from switchyard.jobs.runner import running_jobs
     from switchyard.shared.tracing import setup_tracing
 
     config = load_config(args)
     setup_tracing("switchyard-gateway", config.traces_exporter, config.traces_file)
+    services = GatewayServices(config)
     companions = [lambda: running_jobs(config)] if config.gateway.run_jobs else []
-    app = create_app(config, companions=companions)
-    services = app.state.services
+    app = create_app(config, services, companions)
     # After the drain nothing is open: uvicorn's own grace period only closes idle keep-alive connections.
     # log_config=None: uvicorn's loggers go through the process's own (shared/logs.py), text or JSON alike.
     server_config = uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port, log_config=None,
