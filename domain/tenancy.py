@@ -42,8 +42,9 @@ def _check_tier(tier: str) -> None:
         raise TenancyError(f"unknown tier {tier!r}; known: {', '.join(TIER_NAMES)}")
 
 
-async def create_tenant(conn: asyncpg.Connection, name: str, tier: str = NEW_TENANT_TIER, *, rpm_limit: int | None = None,
-                        tpm_limit: int | None = None, monthly_token_budget: int | None = None) -> str:
+async def create_tenant(conn: asyncpg.Connection, name: str, tier: str = NEW_TENANT_TIER, *,
+                        rpm_limit: int | None = None, tpm_limit: int | None = None,
+                        monthly_token_budget: int | None = None) -> str:
     _check_tier(tier)
     tenant_id = new_id("ten")
     try:

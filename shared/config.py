@@ -30,8 +30,8 @@ def default_data_dir() -> Path:
 
 
 class RouteRule(BaseModel):
-    """One rule of ``model: "auto"`` routing (domain/admission/routing.py): a request matching every condition given goes to
-    ``model``. Prompt tokens are estimated as the gateway estimates them everywhere (characters / 4)."""
+    """One rule of ``model: "auto"`` routing (domain/admission/routing.py): a request matching every condition given
+    goes to ``model``. Prompt tokens are estimated as the gateway estimates them everywhere (characters / 4)."""
 
     model: str
     tiers: list[str] | None = None

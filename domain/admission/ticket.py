@@ -49,7 +49,7 @@ class RequestBody(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ServiceTier:
-    """The tier that runs a request, and what its response's ``service_tier`` says (domain/admission/service_tier.py)."""
+    """The tier that runs a request, and what its response's ``service_tier`` says (admission/service_tier.py)."""
 
     tier: str  # the platform tier that runs it
     label: str = "default"  # OpenAI's: default, flex, priority
