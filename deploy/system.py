@@ -89,13 +89,15 @@ class LocalSystem:
         another ``port``); with ``run_jobs`` (the default) the system's jobs start beside it, once."""
         gateway = self.config.gateway.model_copy(update=settings)
         if gateway.run_jobs and self._jobs is None:
-            self.start_jobs()
+            self.start_jobs(**settings)
         # The gateway process itself never hosts them: they are the jobs child's.
         return self._start_service(name, "gateway", {"gateway": gateway.model_copy(update={"run_jobs": False})})
 
-    def start_jobs(self, name: str = "jobs") -> ServiceProcess:
-        """The durable consumers (billing writer, batch runner, housekeeping), as a ``switchyard jobs`` child."""
-        self._jobs = self._start_service(name, "jobs", {})
+    def start_jobs(self, name: str = "jobs", **settings) -> ServiceProcess:
+        """The durable consumers (billing writer, batch runner, housekeeping), as a ``switchyard jobs`` child, with
+        the system's gateway settings (their input filter's, ...), ``settings`` overriding some."""
+        gateway = self.config.gateway.model_copy(update=settings)
+        self._jobs = self._start_service(name, "jobs", {"gateway": gateway})
         return self._jobs
 
     def url(self, port: int | None = None) -> str:
