@@ -129,7 +129,7 @@ async def _set_free_tier(config, args) -> None:
     import asyncpg
     import nats
 
-    from switchyard.gateway.tier_admin import change_tier
+    from switchyard.domain.tier_admin import change_tier
 
     nc = await nats.connect(config.nats_url)
     pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=1)

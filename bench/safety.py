@@ -4,7 +4,7 @@
     .venv/bin/python bench/safety.py --no-system     # in-process timings only
 
 In process, on clean English prompts of realistic sizes (a chat turn of 200 characters to a 256 kB document):
-- the input filter as the gateway runs it (``InputSafety.screen`` on a wire request: rules, classifier over
+- the input filter as the gateway runs it (``InputSafety.screen`` on an admission ticket: rules, classifier over
   windows, metrics; on the event loop up to ``inline_max_chars``, on a thread above), and its parts alone: the rule
   set, the classifier; the wheel's own ``predict_prob`` for comparison;
 - the same judgement always inline and always on a thread (``asyncio.to_thread``), for the crossover;
@@ -80,9 +80,11 @@ async def time_awaits(make, n: int) -> list[float]:
 
 
 def in_process(n: int) -> tuple[str, dict]:
-    from switchyard.gateway.safety import InputSafety
+    from switchyard.domain.admission.safety import InputSafety
+    from switchyard.domain.admission.ticket import Origin, Ticket
+    from switchyard.domain.auth import AuthContext
     from switchyard.shared.config import SafetyConfig
-    from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
+    from switchyard.shared.messages import GenerateRequest, SamplingParams
     from switchyard.shared.profanity import load_classifier
     from switchyard.shared.safety import filter_for
     from switchyard.workers.engine.output_filter import OutputSafety
@@ -97,13 +99,13 @@ def in_process(n: int) -> tuple[str, dict]:
     rows, p95 = [], {}
     for label, size in SIZES.items():
         text = prose(size)
-        request = GenerateRequest("bench", "m", "pro", SamplingParams(), 0.0, 0.0, messages=[ChatMessage("user", text)],
-                                  safety=safety.wire_policy(tenant_policy="block"))
+        auth = AuthContext("bench", "bench", "key", "pro", None, None, None, safety_policy="block")
+        request = Ticket(Origin.REQUEST, auth, "bench", "m", texts=[text], safety=safety.wire_policy(auth))
         assert judge.check(text).allowed, label  # clean, or the numbers would time a refusal
         reps = max(50, n * 200 // size) if size > 1000 else n
-        screen = asyncio.run(time_awaits(lambda: safety.screen(request, [request]), reps))
-        on_loop = asyncio.run(time_awaits(lambda: inline.screen(request, [request]), reps))
-        on_thread = asyncio.run(time_awaits(lambda: threaded.screen(request, [request]), reps))
+        screen = asyncio.run(time_awaits(lambda: safety.screen(request), reps))
+        on_loop = asyncio.run(time_awaits(lambda: inline.screen(request), reps))
+        on_thread = asyncio.run(time_awaits(lambda: threaded.screen(request), reps))
         rules = time_calls(lambda: judge.rules.match(text), reps)
         clf = time_calls(lambda: classifier.max_probability(classifier.words(text)), reps)
         wheel = time_calls(lambda: predict_prob([text]), max(20, reps // 10))
@@ -142,7 +144,7 @@ def on_a_system(num_requests: int, max_tokens: list[int]) -> dict[tuple[int, str
     import httpx
 
     from switchyard.deploy.system import LocalSystem
-    from switchyard.gateway.tenancy import update_tenant
+    from switchyard.domain.tenancy import update_tenant
     from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
     from tests.support.system import free_port, make_key
     from tests.support.tiny_model import save_tiny_model
@@ -219,7 +221,8 @@ def main() -> int:
     text = (f"## Safety filters: latency added to a clean request ({time.strftime('%Y-%m-%d')})\n\n"
             f"`{command_line()}` on {cpu}, {os.cpu_count()} CPUs. Default rule set (built-ins) and classifier "
             f"(alt-profanity-check, threshold 0.9), loaded once in {summary['load_s']:.2f} s. Clean English prose; "
-            f"`input filter` is `InputSafety.screen` on a wire request, as the gateway runs it before queueing.\n\n"
+            f"`input filter` is `InputSafety.screen` on an admission ticket, as the gateway runs it before "
+            "queueing.\n\n"
             f"{table}\n\n{summary['output']}\n\nWorst input-filter p95 up to 64 kB (16k tokens): {worst:.2f} ms "
             f"(target < 5 ms); 256 kB: {summary['p95']['256 kB']:.2f} ms, on a thread.\n")
     if args.system:

@@ -29,13 +29,12 @@ import yaml
 
 from switchyard.shared.metrics import name as metric_name
 from switchyard.shared.subjects import model_token
-from switchyard.shared.tiers import TIER_NAMES
+from switchyard.shared.tiers import TIER_NAMES, TIERS
 
-# Requests waiting per worker before another is asked for. A worker already runs max_num_seqs (32) at once and
-# pulls only what fits, so any queue means every worker is full: the thresholds say how long each tier may queue.
-LAG_THRESHOLDS = {"enterprise": 4, "pro": 8, "free": 32, "batch": 1024}
-# Used only with --min-replicas 0: the queue that wakes the first worker. Batch lines do not start a GPU one by one.
-ACTIVATION_THRESHOLDS = {"enterprise": 0, "pro": 0, "free": 0, "batch": 64}
+# Requests waiting per worker before another is asked for, and (only with --min-replicas 0) the queue that wakes
+# the first worker: each tier's own (shared/tiers.py).
+LAG_THRESHOLDS = {t.name: t.scale_threshold for t in TIERS}
+ACTIVATION_THRESHOLDS = {t.name: t.scale_activation for t in TIERS}
 # prometheus-operator's Service for the Prometheus it runs (the ServiceMonitor/PodMonitor feed it).
 PROMETHEUS_ADDRESS = "http://prometheus-operated.monitoring.svc.cluster.local:9090"
 QUEUE_METRIC = metric_name("queue_depth")

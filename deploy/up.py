@@ -1,7 +1,8 @@
 """``switchyard up``: the whole system on one machine.
 
 Order: NATS (embedded unless --nats-url) → Postgres (embedded unless --database-url) → migrations → model pull
-→ worker → gateway → ready banner (``LocalSystem``). Ctrl-C (or SIGTERM) stops everything in reverse order, by PID.
+→ worker → jobs (billing, batches, housekeeping: ``switchyard jobs``) → gateway → ready banner (``LocalSystem``).
+Ctrl-C (or SIGTERM) stops everything in reverse order, by PID; a service that exits is started again.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ async def _default_key(database_url: str, data_dir: Path) -> str:
     """The default tenant's key: created (and kept, 0600, in the data dir) on the first start, reused after."""
     import asyncpg
 
-    from switchyard.gateway.tenancy import ensure_default_tenant
+    from switchyard.domain.tenancy import ensure_default_tenant
 
     path = data_dir / KEY_FILE
     conn = await asyncpg.connect(database_url)
@@ -101,7 +102,7 @@ def run_up(config: SwitchyardConfig) -> int:
             system.start_worker(f"worker-{entry.served_name}" if config.models else "worker", model=str(path),
                                 served_model_name=entry.served_name, aliases=entry.aliases,
                                 max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs)
-        system.start_gateway()
+        system.start_gateway()  # and the jobs beside it, unless gateway.run_jobs is off
         for entry in models:
             system.wait_until_ready(entry.served_name, timeout_s=300)
         print(_banner(system.url(), models[0].served_name, api_key, [m.served_name for m in models[1:]]))

@@ -1,1 +1,2 @@
-"""The HTTP edge: OpenAI-compatible routes, authentication, limits, publishing to NATS and relaying SSE."""
+"""The HTTP edge: OpenAI-compatible routes per resource over named services, publishing to NATS and relaying SSE;
+authentication, admission and storage are the domain room's (``switchyard.domain``)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from switchyard.gateway.files import MAX_FILE_BYTES, MULTIPART_SLACK
+from switchyard.domain.files import MAX_FILE_BYTES, MULTIPART_SLACK
 
 FILES_PATH = "/v1/files"
 

@@ -64,8 +64,8 @@ class CountInFlight:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, draining first: see the module docstring. ``state`` is the app's ``state``: its
-    ``draining`` flag is what /readyz reads."""
+    """uvicorn's server, draining first: see the module docstring. ``state`` has the ``draining`` flag /readyz
+    reads (the gateway's services)."""
 
     def __init__(self, config: uvicorn.Config, state, counter: InFlightCounter, drain_timeout_s: float) -> None:
         super().__init__(config)

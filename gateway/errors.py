@@ -1,11 +1,13 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+"""How errors are answered over HTTP: OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``.
 
 Handlers turn request validation failures into 400 (never a 422 with a pydantic dump), pass our own
-``OpenAIError`` through, and log anything else with the request path before answering a generic 500.
+``OpenAIError`` (domain/errors.py) through, answer a Postgres outage met outside ``Database.run`` with 503 and
+Retry-After, and log anything else with the request path before answering a generic 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import FastAPI, Request
@@ -13,56 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from switchyard.shared.messages import ErrorInfo
+from switchyard.domain.database import OUTAGE_ERRORS, DatabaseUnavailable, database_unavailable
+from switchyard.domain.errors import OpenAIError
+from switchyard.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("switchyard.gateway")
-
-
-class OpenAIError(Exception):
-    """An error the client should see as-is."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    @classmethod
-    def from_info(cls, info: ErrorInfo, headers: dict[str, str] | None = None) -> "OpenAIError":
-        return cls(info.status, info.message, type=info.type, code=info.code, param=info.param, headers=headers)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(
-        404,
-        f"The model `{model}` does not exist or no worker serves it.",
-        code="model_not_found",
-        param="model",
-    )
-
-
-def service_unavailable(message: str, retry_after_s: int, code: str = "service_unavailable") -> OpenAIError:
-    return OpenAIError(
-        503, message, type="service_unavailable", code=code, headers={"Retry-After": str(retry_after_s)}
-    )
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str]:
@@ -91,17 +48,15 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
 _STATUS_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
 
 
-def answer(request: Request, error: OpenAIError) -> JSONResponse:
-    """``error`` as the response to ``request``, counted in the gateway's error metrics (by status and code, with
-    the model and tier the route put on ``request.state`` once it knew them)."""
-    metrics = getattr(request.app.state, "metrics", None)
-    if metrics is not None:
+def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
+    """Every error answered OpenAI-shaped and counted in ``metrics`` (by status and code, with the model and tier
+    the route put on ``request.state`` once it knew them)."""
+
+    def answer(request: Request, error: OpenAIError) -> JSONResponse:
         metrics.error(getattr(request.state, "model", None), getattr(request.state, "tier", None), error.status,
                       error.code)
-    return error.response()
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
-
-def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         return answer(request, exc)
@@ -115,6 +70,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _STATUS_CODES.get(exc.status_code)
         return answer(request, OpenAIError(exc.status_code, str(exc.detail), code=code))
+
+    async def _outage(request: Request, exc: Exception) -> JSONResponse:
+        # A Postgres outage met outside ``Database.run`` (a store querying its pool directly): 503 with
+        # Retry-After, never a 500 or a hang.
+        log.warning("%s %s: Postgres unavailable (%r)", request.method, request.url.path, exc)
+        return answer(request, database_unavailable())
+
+    for error in (DatabaseUnavailable, ConnectionError, asyncio.TimeoutError, *OUTAGE_ERRORS[2:]):  # not all OSError
+        app.add_exception_handler(error, _outage)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -22,12 +22,12 @@ import time
 import msgspec
 from nats.js import JetStreamContext
 
+from switchyard.domain.publish import RequestPublisher
+from switchyard.domain.registry import ModelRegistry
 from switchyard.gateway.liveness import WorkerLiveness
-from switchyard.gateway.registry import ModelRegistry
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import publish_once
 from switchyard.shared.messages import GenerateRequest, Resume, UsageRecord, encode
-from switchyard.shared.tracing import inject_headers
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -35,9 +35,11 @@ log = logging.getLogger("switchyard.gateway")
 class Failover:
     """Continues requests of dead workers on live ones; one per gateway, shared by every relayed request."""
 
-    def __init__(self, js: JetStreamContext, registry: ModelRegistry, liveness: WorkerLiveness,
-                 max_attempts: int = 2) -> None:
+    def __init__(self, js: JetStreamContext, publisher: RequestPublisher, registry: ModelRegistry,
+                 liveness: WorkerLiveness, max_attempts: int = 2) -> None:
+        """``js`` bills what a dead worker streamed (the USAGE stream); ``publisher`` queues continuations."""
         self._js = js
+        self._publisher = publisher
         self._registry = registry
         self._liveness = liveness
         self._max_attempts = max_attempts
@@ -60,9 +62,7 @@ class Failover:
             deadline_at=now + max(1.0, request.deadline_at - request.created_at))
         try:
             # Its own message id: the original's is still in the stream's duplicate window.
-            subject = subjects.request_subject(request.model, request.tier, request.tenant_id)
-            await publish_once(self._js, subject, encode(continuation), f"{request.request_id}.resume{attempt}",
-                               within_s=15.0, headers=inject_headers())
+            await self._publisher.publish(continuation, msg_id=f"{request.request_id}.resume{attempt}")
         except Exception as exc:  # queue full, or NATS away: the request ends with worker_lost
             log.warning("could not continue request %s elsewhere: %r", request.request_id, exc)
             return None

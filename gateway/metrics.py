@@ -50,8 +50,8 @@ class GatewayMetrics:
         self.batch_lines = Gauge(name("batch_lines"), "Lines of batches not yet ended, by state.", ("state",),
                                  registry=r)
         self.safety_input = Counter(name("safety_input_verdicts"),
-                                    "Requests judged by the input safety filter (gateway/safety.py), by tier, category "
-                                    "(none: allowed) and action: allowed, logged, blocked.",
+                                    "Requests judged by the input safety filter (domain/admission/safety.py), by tier, "
+                                    "category (none: allowed) and action: allowed, logged, blocked.",
                                     ("tier", "category", "action"), registry=r)
         self.served_models: set[str] = set()  # names a model label may take (the registry's), see model_label
 

@@ -19,29 +19,24 @@ from collections.abc import AsyncIterator
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
-from nats.js.errors import APIError
 
-from switchyard.gateway.errors import OpenAIError, service_unavailable
+from switchyard.domain.errors import OpenAIError, service_unavailable
+from switchyard.domain.publish import QueueFull, RequestPublisher
 from switchyard.gateway.failover import Failover
 from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import QUEUE_FULL_CODES, is_transient, oversize_error, publish_once
-from switchyard.shared.stream_config import is_subject_cap
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode, encode
-from switchyard.shared.tracing import inject_headers, tracer
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode
 
 log = logging.getLogger("switchyard.gateway")
 
 # The worker must start a request before its deadline; this margin covers its reply's trip back.
 DEADLINE_GRACE_S = 2.0
-PUBLISH_RETRY_S = 15.0
 # After this gateway's own reconnect, a stream whose live worker says nothing for this long lost its last deltas.
 # Longer than a worker may legitimately go quiet through the same outage (its acks and records retry for seconds).
 RECONNECT_SILENCE_S = 20.0
 # An offer's fallback waits this long past the offer's own end, so a worker whose clock runs a little behind the
 # gateway's has dropped its copy by the time the request goes to the shared queue.
-OFFER_GRACE_S = 0.1  # a JetStream cluster elects a new stream leader within about 4 s of losing a node
+OFFER_GRACE_S = 0.1
 
 
 class RelayedRequest:
@@ -260,10 +255,10 @@ class RelayedRequest:
 class Relay:
     """Submits requests; one per gateway process, shared by all handlers."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, stall_timeout_s: float, retry_after_s: int,
+    def __init__(self, nc: NATS, publisher: RequestPublisher, stall_timeout_s: float, retry_after_s: int,
                  liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
         self._nc = nc
-        self._js = js
+        self._publisher = publisher
         self._liveness = liveness
         self._failover = failover
         self._stall_timeout_s = stall_timeout_s
@@ -277,54 +272,26 @@ class Relay:
         ``offer_to``: a worker that holds the request's prefix (gateway/affinity.py). The request is offered to it
         alone first; if no first message comes within ``offer_s``, it goes to the shared queue too (the worker
         drops an offer it finds past its time, and a rare double start is dismissed like any other)."""
-        payload = encode(request)
-        too_large = oversize_error(self._nc, payload)
-        if too_large is not None:
-            raise OpenAIError.from_info(too_large)
+        payload = self._publisher.encode(request)
         sub = await self._nc.subscribe(subjects.token_subject(request.request_id))
         relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s, self._liveness,
                                  self._failover)
-        shared = subjects.request_subject(request.model, request.tier, request.tenant_id)
         try:
             if offer_to is None:
-                await self._publish(request, shared, payload, request.request_id)
+                await self._publish(request, payload)
             else:
                 offer = msgspec.structs.replace(request, affinity_until=time.time() + offer_s)
-                await self._publish(request, subjects.affinity_subject(offer_to, request.tier), encode(offer),
-                                    f"{request.request_id}.offer")
-                relayed.fall_back(offer.affinity_until + OFFER_GRACE_S,
-                                  lambda: self._publish(request, shared, payload, request.request_id))
+                await self._publish(offer, subject=subjects.affinity_subject(offer_to, request.tier),
+                                    msg_id=f"{request.request_id}.offer")
+                relayed.fall_back(offer.affinity_until + OFFER_GRACE_S, lambda: self._publish(request, payload))
         except BaseException:
             await relayed.close()
             raise
         return relayed
 
-    async def _publish(self, request: GenerateRequest, subject: str, payload: bytes, msg_id: str) -> None:
-        """Publish to a queue; JetStream's refusals become the client's answer (429 queue_full, 503)."""
+    async def _publish(self, request: GenerateRequest, payload: bytes | None = None, **where) -> None:
         try:
-            # Retried through a JetStream leader election (a cluster node lost) for a few seconds; the message id
-            # keeps a retried request from being queued twice.
-            with tracer.start_as_current_span("publish", attributes={"request_id": request.request_id,
-                                                                     "tier": request.tier}):
-                await publish_once(self._js, subject, payload, msg_id, within_s=PUBLISH_RETRY_S,
-                                   headers=inject_headers())
-        except APIError as exc:
-            if exc.err_code not in QUEUE_FULL_CODES and exc.code == 503:  # (a full queue is a 503 too)
-                raise service_unavailable("The request queue is unavailable right now; please retry.",
-                                          self._retry_after_s) from None
-            if exc.err_code in QUEUE_FULL_CODES:
-                # Counted by `switchyard tiers show`; core publish, so a refusal never waits on a second ack.
-                await self._nc.publish(subjects.rejected_subject(request.model, request.tier), b"")
-                whose = "Your" if is_subject_cap(exc) else "The"
-                raise OpenAIError(
-                    429,
-                    f"{whose} {request.tier} tier queue for model `{request.model}` is full; please retry later.",
-                    type="rate_limit_error",
-                    code="queue_full",
-                    headers={"Retry-After": str(self._retry_after_s)},
-                ) from None
+            await self._publisher.publish(request, payload, **where)
+        except QueueFull:
+            await self._publisher.count_refusal(request)  # a 429 the client gets
             raise
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            raise service_unavailable("The request queue did not answer; please retry.", self._retry_after_s) from None

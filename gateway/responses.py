@@ -1,6 +1,7 @@
 """The shapes of OpenAI responses built from the workers' deltas: whole bodies, stream chunks, usage, tool calls.
 
-No I/O: ``CompletionService`` (gateway/serving.py) feeds deltas in and sends what comes out.
+No I/O: ``CompletionService`` (gateway/serving.py) feeds deltas in and sends what comes out. The pieces a
+batch line shares (usage, choices, tool calls) are domain/api/shapes.py's.
 """
 
 from __future__ import annotations
@@ -9,23 +10,10 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
+from switchyard.domain.api.shapes import Kind, choice_json, usage_json
 from switchyard.gateway.logprobs import LogprobsFormatter
 from switchyard.shared.messages import (GenerateRequest, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, Usage,
                                        add_tool_call_parts)
-
-
-@dataclass(slots=True)
-class Kind:
-    """What differs between chat and text completions in the response shapes."""
-
-    id_prefix: str
-    object_full: str
-    object_chunk: str
-    is_chat: bool
-
-
-CHAT = Kind("chatcmpl-", "chat.completion", "chat.completion.chunk", True)
-TEXT = Kind("cmpl-", "text_completion", "text_completion", False)
 
 
 @dataclass(slots=True)
@@ -43,28 +31,9 @@ class Shape:
     extra: dict = field(default_factory=dict)  # fields added to the response (conversation_id, ...)
 
 
-def usage_json(usage: Usage) -> dict:
-    """OpenAI's ``usage`` object (with cached prompt tokens), as every response and batch result line has it."""
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
 def sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
-
-
-def tool_call_json(call: ToolCall) -> dict:
-    """A whole call as OpenAI writes it in a message (responses, batch output lines, stored conversations)."""
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def tool_call_from_json(item: dict) -> ToolCall:
-    return ToolCall(item["id"], item["function"]["name"], item["function"]["arguments"])
 
 
 def tool_call_chunk(part: ToolCallDelta) -> dict:
@@ -148,18 +117,9 @@ class BodyBuilder:
         choices = []
         for out_index, i in enumerate(self._ranked()):
             c = self._choices[i]
-            text = "".join(c.texts)
             formatted = LogprobsFormatter(kind.is_chat, logprobs_asked).format(c.logprobs) if logprobs_asked \
                 else None
-            if kind.is_chat:
-                message = {"role": "assistant", "content": text if text or not c.calls else None}
-                if c.calls:
-                    message["tool_calls"] = [tool_call_json(call) for call in c.calls]
-                choice = {"index": out_index, "message": message, "logprobs": formatted}
-            else:
-                choice = {"index": out_index, "text": text, "logprobs": formatted}
-            choice["finish_reason"] = c.finish_reason
-            choices.append(choice)
+            choices.append(choice_json(kind, out_index, "".join(c.texts), c.calls, c.finish_reason, formatted))
         return {**header(self._shape, self._request, chunk=False), "choices": choices,
                 "usage": usage_json(self.usage)}
 

@@ -1,8 +1,9 @@
-"""Chat and text completions: validated body → wire request(s) → relay → OpenAI response or SSE stream.
+"""Chat and text completions: an admitted ticket and its body → wire request(s) → relay → OpenAI response or SSE
+stream.
 
-The request path reads top to bottom: check the model → build the wire request (one per prompt) → publish →
-await the worker's first message (so errors such as context_length_exceeded still get their HTTP status) →
-answer. The response shapes live in gateway/responses.py.
+The request path reads top to bottom: (admitted: domain/admission) → build the wire request (one per prompt) →
+publish → await the worker's first message (so errors such as context_length_exceeded still get their HTTP status)
+→ answer → settle the ticket with the tokens used. The response shapes live in gateway/responses.py.
 """
 
 from __future__ import annotations
@@ -15,19 +16,19 @@ from dataclasses import dataclass, field
 import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from switchyard.domain.admission.pipeline import Pipeline
+from switchyard.domain.admission.service_tier import flex_refusal
+from switchyard.domain.admission.ticket import Ticket
+from switchyard.domain.api.chat import ChatCompletionRequest
+from switchyard.domain.api.completions import CompletionRequest
+from switchyard.domain.api.shapes import CHAT, TEXT
+from switchyard.domain.errors import OpenAIError
+from switchyard.domain.registry import ModelRegistry
 from switchyard.gateway.affinity import AffinityIndex
-from switchyard.gateway.auth import AuthContext
-from switchyard.gateway.errors import OpenAIError, model_not_found
 from switchyard.gateway.fanout import MergedRelay
-from switchyard.gateway.limits import Admission, Limiter
 from switchyard.gateway.metrics import GatewayMetrics
-from switchyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from switchyard.gateway.registry import ModelRegistry
 from switchyard.gateway.relay import Relay, RelayedRequest
-from switchyard.gateway.request_ids import current_request_id
-from switchyard.gateway.responses import CHAT, TEXT, BodyBuilder, ChunkBuilder, Shape, sse
-from switchyard.gateway.safety import InputSafety
-from switchyard.gateway.service_tiers import ServiceTier, flex_refusal
+from switchyard.gateway.responses import BodyBuilder, ChunkBuilder, Shape, sse
 from switchyard.shared.config import GatewayConfig
 from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, ToolCall, Usage
 from switchyard.shared.tier_store import PolicyCache
@@ -59,37 +60,34 @@ OnFinish = Callable[[Outcome], Awaitable[None]]
 
 
 class CompletionService:
-    def __init__(self, relay: Relay, registry: ModelRegistry, policies: PolicyCache, limiter: Limiter,
+    def __init__(self, relay: Relay, registry: ModelRegistry, tier_policies: PolicyCache, admission: Pipeline,
                  config: GatewayConfig, metrics: GatewayMetrics | None = None,
-                 safety: InputSafety | None = None, affinity: AffinityIndex | None = None) -> None:
-        """``safety``: the input filter and tenants' safety policies (None: no filtering at all). ``affinity``:
-        which worker holds a conversation's prefix (None: every request to the shared queue)."""
+                 affinity: AffinityIndex | None = None) -> None:
+        """``admission``: settles each ticket once its request ended. ``affinity``: which worker holds a
+        conversation's prefix (None: every request to the shared queue)."""
         self._relay = relay
         self._affinity = affinity
-        self._safety = safety
         self._metrics = metrics or GatewayMetrics()
         self._registry = registry
-        self._policies = policies
-        self._limiter = limiter
+        self._tier_policies = tier_policies
+        self._admission = admission
         self._config = config
 
-    async def chat(self, body: ChatCompletionRequest, service: ServiceTier, auth: AuthContext,
-                   admission: Admission, messages: list[ChatMessage] | None = None, on_finish: OnFinish | None = None,
-                   extra: dict | None = None):
+    async def chat(self, body: ChatCompletionRequest, ticket: Ticket, messages: list[ChatMessage] | None = None,
+                   on_finish: OnFinish | None = None, extra: dict | None = None):
         """``messages``/``on_finish``/``extra`` serve conversations: a server-assembled history (truncated by the
         worker to fit), a callback with the reply once it ends, and fields added to the response."""
         fields = body.wire_fields()
         if messages is not None:
             fields["messages"] = messages
-        request = await self._wire_request(body, service, auth, truncate_history=messages is not None, **fields)
-        shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, service.label,
+        request = await self._wire_request(body, ticket, truncate_history=messages is not None, **fields)
+        shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, ticket.service.label,
                       extra=extra or {})
-        return await self._serve(request, [request], shape, service, admission, on_finish)
+        return await self._serve(request, [request], shape, ticket, on_finish)
 
-    async def completion(self, body: CompletionRequest, service: ServiceTier, auth: AuthContext,
-                         admission: Admission):
+    async def completion(self, body: CompletionRequest, ticket: Ticket):
         prompts = body.prompts
-        outer = await self._wire_request(body, service, auth, **body.wire_fields(prompts[0]))
+        outer = await self._wire_request(body, ticket, **body.wire_fields(prompts[0]))
         parts = [outer] if len(prompts) == 1 else [
             msgspec.structs.replace(outer, request_id=f"{outer.request_id}-p{i}", **body.wire_fields(p))
             for i, p in enumerate(prompts)]
@@ -99,26 +97,26 @@ class CompletionService:
         shape = Shape(TEXT, body.stream, body.include_usage, body.include_obfuscation,
                       returned_per_prompt=body.n if body.num_generated > body.n else None,
                       generated_per_prompt=body.num_generated)
-        return await self._serve(outer, parts, shape, service, admission, logprobs_asked=body.logprobs is not None)
+        return await self._serve(outer, parts, shape, ticket, logprobs_asked=body.logprobs is not None)
 
-    async def _wire_request(self, body, service: ServiceTier, auth: AuthContext, **fields) -> GenerateRequest:
-        policy = (await self._policies.get())[service.tier]
+    async def _wire_request(self, body, ticket: Ticket, **fields) -> GenerateRequest:
+        policy = (await self._tier_policies.get())[ticket.tier]
         now = time.time()
         # The tier's wait limit, live from ops; an interactive gateway caps it (queue_timeout_s), a flex request
         # waits longer (flex_wait_s).
-        wait_s = self._config.flex_wait_s if service.is_flex else self._config.queue_timeout_s
+        wait_s = self._config.flex_wait_s if ticket.service.is_flex else self._config.queue_timeout_s
         return GenerateRequest(
-            request_id=current_request_id(),
-            model=body.model,
-            tier=service.tier,
+            request_id=ticket.request_id,
+            model=ticket.model,
+            tier=ticket.tier,
             created_at=now,
             deadline_at=now + min(policy.max_wait_s, wait_s),
-            tenant_id=auth.tenant_id,
-            api_key_id=auth.key_id,
+            tenant_id=ticket.auth.tenant_id,
+            api_key_id=ticket.auth.key_id,
             shared_prefix_cache=self._config.shared_prefix_cache,
             end_user=body.end_user,
             metadata=getattr(body, "metadata", None),  # chat only
-            safety=self._safety.wire_policy(auth) if self._safety is not None else None,
+            safety=ticket.safety,
             **fields,
         )
 
@@ -152,16 +150,11 @@ class CompletionService:
             await self._affinity.record(relayed.request, outcome.text, outcome.tool_calls,
                                         getattr(relayed, "worker_id", None))
 
-    async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape,
-                     service: ServiceTier, admission: Admission, on_finish: OnFinish | None = None,
-                     logprobs_asked: bool | None = None):
+    async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape, ticket: Ticket,
+                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None):
         try:
             try:
-                if not await self._registry.is_served(request.model):
-                    raise model_not_found(request.model)
                 self._metrics.served_models.add(request.model)
-                if self._safety is not None:  # the input filter: a refused request is never queued
-                    await self._safety.screen(request, parts)
                 relayed = await self._submit(request, parts)
                 try:
                     first = await relayed.first()
@@ -169,10 +162,10 @@ class CompletionService:
                     await relayed.close()
                     raise
             except BaseException:
-                await self._limiter.settle(admission, 0)  # never ran: the whole reservation goes back
+                await self._admission.settle(ticket, 0)  # never ran: whatever it holds goes back
                 raise
         except OpenAIError as exc:  # a request that could not start: flex says so its own way
-            raise flex_refusal(exc, self._config.retry_after_s) if service.is_flex else exc
+            raise flex_refusal(exc, self._config.retry_after_s) if ticket.service.is_flex else exc
         if request.truncate_history:
             shape.extra = {**shape.extra, "dropped_messages": first.dropped_messages}
         headers = {"X-Request-Id": request.request_id}
@@ -180,7 +173,7 @@ class CompletionService:
             headers["X-Switchyard-Dropped-Messages"] = str(first.dropped_messages)
         outcome = Outcome(request_id=request.request_id)
         if shape.stream:
-            return StreamingResponse(self._stream(relayed, first, shape, admission, outcome, on_finish),
+            return StreamingResponse(self._stream(relayed, first, shape, ticket, outcome, on_finish),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         try:
             builder = BodyBuilder(shape, relayed.request if len(parts) == 1 else request)
@@ -195,7 +188,7 @@ class CompletionService:
             if not relayed.is_finished:
                 await relayed.cancel()
             await relayed.close()
-            await self._limiter.settle(admission, outcome.usage.total_tokens)
+            await self._admission.settle(ticket, outcome.usage.total_tokens)
             if on_finish is not None:
                 await on_finish(outcome)
             await self._remember(relayed, outcome)
@@ -209,7 +202,7 @@ class CompletionService:
             yield delta
         timer.finished()
 
-    async def _stream(self, relayed, first: TokenDelta, shape: Shape, admission: Admission, outcome: Outcome,
+    async def _stream(self, relayed, first: TokenDelta, shape: Shape, ticket: Ticket, outcome: Outcome,
                       on_finish: OnFinish | None) -> AsyncIterator[bytes]:
         req = relayed.request
         chunks = ChunkBuilder(shape, req)
@@ -238,9 +231,8 @@ class CompletionService:
             if not relayed.is_finished:
                 await asyncio.shield(relayed.cancel())
             await relayed.close()
-            # A cancelled stream's tokens are unknown here (the worker bills them): keep the reservation then.
-            used = usage.total_tokens if usage is not None else admission.reserved_tokens
-            await asyncio.shield(self._limiter.settle(admission, used))
+            # A cancelled stream's tokens are unknown here (the worker bills them): None says so.
+            await asyncio.shield(self._admission.settle(ticket, usage.total_tokens if usage is not None else None))
             outcome.take(reply)
             outcome.usage = usage or Usage()
             if on_finish is not None:

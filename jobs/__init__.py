@@ -1,4 +1,5 @@
 """Durable consumers of JetStream that write to Postgres: the billing writer, the batch runner, housekeeping.
 
-They run inside the gateway process by default and alone under ``switchyard jobs``.
+They run under ``switchyard jobs`` (a child of ``switchyard up``), or beside the HTTP app under ``switchyard
+gateway`` unless ``--no-jobs``; they use the domain room (``switchyard.domain``), never the gateway.
 """

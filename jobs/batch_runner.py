@@ -1,13 +1,15 @@
-"""Runs batches: every gateway (and ``switchyard jobs``) starts one ``BatchRunner``; the one holding a Postgres
-advisory lock leads.
+"""Runs batches: every copy of the jobs (``switchyard jobs``, or a gateway run with them) starts one
+``BatchRunner``; the one holding a Postgres advisory lock leads.
 
-    leader loop (one gateway; the others retry the lock every LEAD_RETRY_S)
+    leader loop (one process; the others retry the lock every LEAD_RETRY_S)
       consume BATCH_RESULTS ── started marker: line.worker_id ─┐   final result: line completed / failed,
       (durable pull consumer)   (UPDATE … WHERE status='queued', then ack: a redelivered result changes nothing)
       tick, every TICK_S, per unfinished batch:
-        validating  ─ parse the input file ─▶ failed (errors with line numbers) | lines inserted, in_progress
-        in_progress ─ publish pending lines on llm.req.<model>.batch (≤ MAX_IN_FLIGHT queued per batch;
-                      a full batch queue just waits) ─ none pending or queued ─▶ finalizing ─▶ completed
+        validating  ─ parse the input file, models live, admission of the batch (budget, enqueued tokens)
+                      ─▶ failed (errors with line numbers) | lines inserted, in_progress
+        in_progress ─ admit and publish pending lines on llm.req.<model>.batch (≤ MAX_IN_FLIGHT queued per
+                      batch; a full batch queue just waits; jobs/batch_lines.py)
+                      ─ none pending or queued ─▶ finalizing ─▶ completed
         cancelling  ─ pending lines cancelled; queued messages deleted from the stream by seq, running ones
                       get llm.cancel.<id> ─ none queued ─▶ cancelled
         past expires_at ─▶ expired (finished lines kept, the rest cancelled without waiting)
@@ -30,30 +32,21 @@ import time
 import asyncpg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NotFoundError
-from pydantic import ValidationError
+from nats.js.errors import APIError
 
-from switchyard.gateway.batch_format import (
-    CANCELLED,
-    EXPIRED,
-    ResultFiles,
-    error_response,
-    line_outcome,
-    parse_input,
-    request_id_for,
-    wire_request,
-)
-from switchyard.gateway.errors import model_not_found
-from switchyard.gateway.registry import ModelRegistry
-from switchyard.gateway.safety import InputSafety
+from switchyard.domain.admission.pipeline import Pipeline
+from switchyard.domain.admission.ticket import Origin, Ticket
+from switchyard.domain.batch_format import CANCELLED, EXPIRED, ResultFiles, line_outcome, parse_input, request_id_for
+from switchyard.domain.errors import OpenAIError, model_not_found
+from switchyard.domain.publish import QueueUnavailable
+from switchyard.domain.registry import ModelRegistry
 from switchyard.jobs import batch_store
+from switchyard.jobs.batch_lines import LineQueue
 from switchyard.jobs.batch_store import BatchStore
 from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import QUEUE_FULL_CODES, ensure_batch_results_consumer, oversize_error
-from switchyard.shared.messages import BatchResult, ErrorInfo, encode
-from switchyard.shared.tier_store import read_policies
-from switchyard.shared.tiers import BATCH_TIER
+from switchyard.shared.jetstream import ensure_batch_results_consumer
+from switchyard.shared.messages import BatchResult, ErrorInfo
 
 log = logging.getLogger("switchyard.batch")
 
@@ -62,46 +55,31 @@ TICK_S = 1.0
 MAX_IN_FLIGHT = 256  # lines of one batch queued or running at once: the rest wait in Postgres
 CHECK_EVERY_S = 5.0
 WORKER_GONE_S = 4.0  # missing from the heartbeats (already a 10 s TTL) in two checks this far apart
-ENQUEUED_MINUTES = 24 * 60  # a tenant's enqueued batch tokens: at most a day of its tokens-per-minute limit
 STALE_S = 120.0  # left the queue, and no worker said it took it: published again
 CANCEL_GRACE_S = 60.0  # a cancelling batch stops waiting for its running lines after this
 RESULTS_FETCH = 256
-ERR_NO_MESSAGE = 10057  # JetStream: no message at that sequence (taken by a worker, or deleted already)
-_BATCH_STREAM = subjects.request_stream(BATCH_TIER)
 _CANCELLED = json.dumps(CANCELLED)
 _EXPIRED = json.dumps(EXPIRED)
 
 
-class _LineTooLarge(Exception):
-    """A line whose request does not fit in one NATS message: it fails alone, with ``error``."""
-
-    def __init__(self, error: ErrorInfo) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-class _LineRefused(_LineTooLarge):
-    """A line the tenant's safety policy refuses (gateway/safety.py): it fails alone, with ``error``."""
-
-
 class BatchRunner:
     def __init__(self, nc, js: JetStreamContext, pool: asyncpg.Pool, registry: ModelRegistry,
-                 database_url: str, safety: InputSafety | None = None) -> None:
-        """``safety``: the input filter each line passes before it is queued (None: none)."""
-        self._nc = nc
-        self._safety = safety
+                 database_url: str, admission: Pipeline | None = None) -> None:
+        """``admission``: what a batch passes before it starts and each line before it is queued (None: nothing)."""
         self._js = js
         self._store = BatchStore(pool)
+        self._admission = admission
+        self._lines = LineQueue(nc, js, self._store, admission)
         self._registry = registry
         self._database_url = database_url
         self._missing_since: dict[str, float] = {}  # worker id → when first seen missing
 
     # -- leadership -----------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        """Until ``stop``: lead while this gateway holds the lock; otherwise try again every LEAD_RETRY_S.
+        """Until ``stop``: lead while this process holds the lock; otherwise try again every LEAD_RETRY_S.
 
         The lock lives on a dedicated connection: if that connection drops, Postgres releases the lock and another
-        gateway takes over, and this one steps down as soon as its next liveness query fails.
+        process takes over, and this one steps down as soon as its next liveness query fails.
         """
         conn: asyncpg.Connection | None = None
         try:
@@ -193,9 +171,10 @@ class BatchRunner:
                     await self._cancel(batch)
                 else:
                     await self._finalize(batch, "completed", "finalizing")
-            except (OSError, asyncpg.PostgresError, APIError, NatsTimeoutError, asyncio.TimeoutError) as exc:
+            except (OSError, asyncpg.PostgresError, APIError, NatsTimeoutError, asyncio.TimeoutError,
+                    QueueUnavailable) as exc:
                 log.warning("batch %s (%s): %s; retrying next tick", batch["id"], status, exc)
-            except Exception:  # a bug must not stop the other batches (nor this gateway's leadership)
+            except Exception:  # a bug must not stop the other batches (nor this process's leadership)
                 log.exception("batch %s (%s) failed a step; retrying next tick", batch["id"], status)
 
     async def _validate(self, batch) -> None:
@@ -213,7 +192,7 @@ class BatchRunner:
             errors = [{"code": "model_not_found", "message": model_not_found(m).message, "param": "body.model",
                        "line": n} for m, n in first_line.items() if m not in served]
         if not errors:
-            errors = await self._limit_errors(batch, sum(line.estimated_tokens for line in lines))
+            errors = await self._refusal(batch, sum(line.estimated_tokens for line in lines))
         if errors:
             await self._store.fail_validation(batch["id"], errors)
             log.info("batch %s failed validation (%d errors)", batch["id"], len(errors))
@@ -225,141 +204,45 @@ class BatchRunner:
             return  # cancelled while we parsed
         log.info("batch %s in progress: %d lines", batch["id"], len(lines))
 
-    async def _limit_errors(self, batch, estimated_tokens: int) -> list[dict]:
-        """Why the tenant's limits refuse a batch of ``estimated_tokens``: its monthly budget spent, or its enqueued
-        batch tokens (this batch's and those of its batches in progress) over the limit, a day of its
-        tokens-per-minute limit (OpenAI's code and wording). Batches count against the same limits as
-        interactive requests; their rate (tokens per minute) is the batch tier's to pace, not the tenant's."""
-        limits = await self._store.tenant_limits(batch["tenant_id"])
-        if limits is None:
+    async def _refusal(self, batch, estimated_tokens: int) -> list[dict]:
+        """Why admission refuses a batch of ``estimated_tokens`` about to start (its tenant's monthly budget spent,
+        or its batches in progress holding too many tokens), as the batch's errors; none when it may start."""
+        if self._admission is None:
             return []
-        budget = limits["monthly_token_budget"]
-        if budget is not None and await self._store.month_usage(batch["tenant_id"]) >= budget:
-            return [{"code": "insufficient_quota", "line": None, "param": None,
-                     "message": f"You exceeded your monthly token budget ({budget} tokens)."}]
-        tpm = limits["tpm_limit"] or (await read_policies(self._js))[limits["tier"]].tpm
-        if not tpm:
-            return []
-        cap = tpm * ENQUEUED_MINUTES
-        enqueued = await self._store.enqueued_tokens(batch["tenant_id"])
-        if enqueued + estimated_tokens <= cap:
-            return []
-        return [{"code": "token_limit_exceeded", "line": None, "param": None, "message": (
-            f"Enqueued token limit reached: this batch may use {estimated_tokens} tokens and your batches in "
-            f"progress {enqueued}, over your limit of {cap} enqueued tokens. Please try again once some in-progress "
-            "batches have been completed.")}]
+        ticket = Ticket(Origin.BATCH, await self._store.tenant(batch), batch["id"], batch["model"] or "",
+                        estimated_tokens=estimated_tokens)
+        try:
+            await self._admission.check(ticket)
+        except OpenAIError as exc:
+            return [{"code": exc.code, "line": None, "param": None, "message": exc.message}]
+        return []
 
     async def _advance(self, batch) -> None:
         pending, queued = await self._store.count_waiting(batch["id"])
-        if pending and await self._budget_spent(batch):
-            # The budget ran out while the batch ran: what has not been published fails, the rest finishes.
-            error = ErrorInfo("You exceeded your monthly token budget.", code="insufficient_quota",
-                              type="insufficient_quota", status=429)
-            lines = await self._store.pending_lines(batch["id"], pending)
-            await self._store.mark_published([], [(line["request_id"], json.dumps(
-                error_response(line["request_id"], error))) for line in lines])
-            pending = 0
         if not pending and not queued:
             await self._finalize(batch, "completed", "in_progress")
-        elif pending and queued < MAX_IN_FLIGHT:
+            return
+        while pending and queued < MAX_IN_FLIGHT:
             lines = await self._store.pending_lines(batch["id"], MAX_IN_FLIGHT - queued)
-            await self._publish_lines(batch, lines, "pending")
-
-    async def _budget_spent(self, batch) -> bool:
-        limits = await self._store.tenant_limits(batch["tenant_id"])
-        budget = None if limits is None else limits["monthly_token_budget"]
-        return budget is not None and await self._store.month_usage(batch["tenant_id"]) >= budget
-
-    async def _publish_lines(self, batch, lines, from_status: str) -> None:
-        """Publish ``lines`` (stopping at a full queue) and record where each one sits in the stream."""
-        published, failed = [], []
-        tenant_policy = await self._store.tenant_safety_policy(batch["tenant_id"]) if self._safety else None
-        try:
-            for line in lines:
-                try:
-                    seq = await self._publish(batch, line, tenant_policy)
-                except ValidationError as exc:  # validated before; only a changed schema gets here
-                    error = ErrorInfo(f"Invalid request body: {exc.errors()[0].get('msg')}.", code="invalid_request")
-                    failed.append((line["request_id"], json.dumps(error_response(line["request_id"], error))))
-                    continue
-                except _LineTooLarge as exc:  # too large or refused: this line alone fails; the batch goes on
-                    failed.append((line["request_id"], json.dumps(error_response(line["request_id"], exc.error))))
-                    continue
-                if seq is None:
-                    break  # the batch queue is at its cap: the rest waits for the next tick
-                published.append((line["request_id"], seq, from_status))
-        finally:
-            if published or failed:
-                await self._store.mark_published(published, failed)
-
-    async def _publish(self, batch, line, tenant_policy: str | None = None) -> int | None:
-        """Publish one line; returns its stream sequence, or None when the batch queue is full. ``tenant_policy``:
-        the tenant's own safety policy (None: the deployment's default)."""
-        request = wire_request(
-            batch["endpoint"], json.loads(line["body"]), line["request_id"], tenant_id=batch["tenant_id"],
-            api_key_id=batch["api_key_id"], created_at=time.time(), deadline_at=batch["expires_at"].timestamp(),
-            result_subject=subjects.result_subject(batch["id"]), tier=BATCH_TIER)
-        if self._safety is not None:  # judged as an interactive request is, when it would be queued
-            request.safety = self._safety.wire_policy(tenant_policy=tenant_policy)
-            refusal = await self._safety.screen_wire(request)
-            if refusal is not None:
-                raise _LineRefused(refusal)
-        # The first publish is deduplicated by the request id itself (a leader that died before recording it
-        # publishes it again); a deliberate re-publish needs a new message id, or JetStream would drop it.
-        attempts = line["attempts"]
-        msg_id = request.request_id if attempts == 0 else f"{request.request_id}.{attempts}"
-        payload = encode(request)
-        too_large = oversize_error(self._nc, payload)
-        if too_large is not None:
-            raise _LineTooLarge(too_large)
-        try:
-            subject = subjects.request_subject(request.model, BATCH_TIER, request.tenant_id)
-            ack = await self._js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id})
-        except APIError as exc:
-            if exc.err_code in QUEUE_FULL_CODES:
-                return None
-            raise
-        return ack.seq
+            if not lines:
+                return
+            published, full = await self._lines.publish(batch, lines, "pending")
+            if published or full:
+                return  # the rest waits for the next tick
+            # Every one refused (the tenant's budget ran out while the batch ran): the next ones are judged now,
+            # so a spent batch fails its lines in one tick rather than MAX_IN_FLIGHT a tick.
+            pending -= len(lines)
 
     # -- stopping -------------------------------------------------------------------------------------------
-    async def _stop_queued(self, batch_id: str, error: str, wait: bool) -> int:
-        """Take a batch's queued lines back: delete the messages still in the queue, cancel the running ones.
-
-        Returns how many still run (their results come back as cancelled); with ``wait`` false they are marked
-        stopped now and a late result is ignored.
-        """
-        lines = await self._store.queued_lines(batch_id)
-        # Cancels first: a running line stops, and a worker that fetched a message just before its delete
-        # remembers the cancel and refuses the request when it arrives. Then the deletes, front of the queue
-        # first and concurrently, since workers keep pulling meanwhile.
-        for line in lines:
-            await self._nc.publish(subjects.cancel_subject(line["request_id"]), b"")
-        await self._nc.flush()
-        deleted = []
-        for i in range(0, len(lines), 64):
-            deleted += await asyncio.gather(*(self._unqueue(line["stream_seq"]) for line in lines[i:i + 64]))
-        unqueued = [(line["request_id"], error) for line, gone in zip(lines, deleted) if gone or not wait]
-        await self._store.cancel_queued(unqueued)
-        return len(lines) - len(unqueued)
-
-    async def _unqueue(self, seq: int) -> bool:
-        """Delete a line's message if it still waits in the queue; False once a worker has taken it."""
-        try:
-            return await self._js.delete_msg(_BATCH_STREAM, seq)
-        except APIError as exc:
-            if isinstance(exc, NotFoundError) or exc.err_code == ERR_NO_MESSAGE:
-                return False
-            raise
-
     async def _cancel(self, batch) -> None:
         await self._store.cancel_pending(batch["id"], _CANCELLED)
         waited = time.time() - batch["cancelling_at"].timestamp()
-        if await self._stop_queued(batch["id"], _CANCELLED, wait=waited < CANCEL_GRACE_S) == 0:
+        if await self._lines.stop_queued(batch["id"], _CANCELLED, wait=waited < CANCEL_GRACE_S) == 0:
             await self._finalize(batch, "cancelled", "cancelling")
 
     async def _expire(self, batch) -> None:
         await self._store.cancel_pending(batch["id"], _EXPIRED)
-        await self._stop_queued(batch["id"], _EXPIRED, wait=False)
+        await self._lines.stop_queued(batch["id"], _EXPIRED, wait=False)
         await self._finalize(batch, "expired", batch["status"])
 
     # -- the end --------------------------------------------------------------------------------------------
@@ -395,14 +278,9 @@ class BatchRunner:
                     continue
                 if now - self._missing_since.setdefault(row["worker_id"], now) < WORKER_GONE_S:
                     continue
-            else:
-                try:
-                    await self._js.get_msg(_BATCH_STREAM, row["stream_seq"])
-                    await self._store.still_queued(row["request_id"])
-                    continue  # still waiting its turn in the queue: look again in STALE_S
-                except APIError as exc:
-                    if not isinstance(exc, NotFoundError) and exc.err_code != ERR_NO_MESSAGE:
-                        raise
+            elif await self._lines.is_waiting(row["stream_seq"]):
+                await self._store.still_queued(row["request_id"])
+                continue  # still waiting its turn in the queue: look again in STALE_S
             lost.append(row)
         for row in lost:
             log.warning("batch %s: line %s was lost (worker %s); publishing it again", row["id"], row["custom_id"],
@@ -410,7 +288,7 @@ class BatchRunner:
             if row["status"] == "cancelling":
                 await self._store.cancel_queued([(row["request_id"], _CANCELLED)])
             else:
-                await self._publish_lines(row, [row], "queued")
+                await self._lines.publish(row, [row], "queued")
 
 
 def _outcome(row, result: BatchResult) -> tuple[str, dict | None, dict | None] | None:

@@ -2,7 +2,7 @@
 
 Each state change is a guarded UPDATE (``... WHERE status = <the state it leaves>``), so a leader that died
 half-way, or a second one racing it, changes nothing twice. What the runner decides from the rows (a line's
-outcome, the result files) lives in the pure functions of ``gateway.batch_format``.
+outcome, the result files) lives in the pure functions of ``domain.batch_format``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from collections.abc import Callable, Sequence
 
 import asyncpg
 
-from switchyard.gateway.batch_format import ResultFiles
-from switchyard.gateway.files import insert_file
+from switchyard.domain.auth import AuthContext, tenant_context
+from switchyard.domain.batch_format import ResultFiles
+from switchyard.domain.files import insert_file
 from switchyard.shared.messages import BatchResult
+from switchyard.shared.tiers import BATCH_TIER
 
 LOCK_KEY = 0x5359_4241_5443_4852  # "SYBATCHR": one leader across all gateways
 
@@ -133,25 +135,11 @@ class BatchStore:
 
     # -- lines ----------------------------------------------------------------------------------------------------
     # -- limits -------------------------------------------------------------------------------------------------
-    async def tenant_safety_policy(self, tenant_id: str) -> str | None:
-        """The tenant's own safety policy: off, log, block, or None (the deployment's default)."""
-        return await self._pool.fetchval("SELECT safety_policy FROM tenants WHERE id = $1", tenant_id)
-
-    async def tenant_limits(self, tenant_id: str) -> asyncpg.Record:
-        """The tenant's tier, tokens-per-minute limit and monthly budget (None: the tier's / unlimited)."""
-        return await self._pool.fetchrow("SELECT tier, tpm_limit, monthly_token_budget FROM tenants WHERE id = $1",
-                                         tenant_id)
-
-    async def month_usage(self, tenant_id: str) -> int:
-        return await self._pool.fetchval(
-            "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) FROM requests WHERE tenant_id = $1 "
-            "AND created_at >= date_trunc('month', now())", tenant_id)
-
-    async def enqueued_tokens(self, tenant_id: str) -> int:
-        """Estimated tokens of the tenant's batch lines still waiting to run, over all its batches."""
-        return await self._pool.fetchval(
-            "SELECT coalesce(sum(l.estimated_tokens), 0) FROM batch_lines l JOIN batches b ON b.id = l.batch_id "
-            "WHERE b.tenant_id = $1 AND b.status = 'in_progress' AND l.status IN ('pending', 'queued')", tenant_id)
+    async def tenant(self, batch) -> AuthContext:
+        """What admission judges the batch's lines by: its tenant as it is now, under the key that created the
+        batch; a tenant that cannot be read gets the deployment's defaults."""
+        auth = await tenant_context(self._pool, batch["tenant_id"], batch["api_key_id"])
+        return auth or AuthContext(batch["tenant_id"], "", batch["api_key_id"], BATCH_TIER, None, None, None)
 
     async def count_waiting(self, batch_id: str) -> tuple[int, int]:
         """(pending, queued) lines of a batch."""

@@ -17,7 +17,7 @@ from typing import TypeVar
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from switchyard.gateway.database import OUTAGE_ERRORS
+from switchyard.domain.database import OUTAGE_ERRORS
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode
 

@@ -1,4 +1,4 @@
-"""Writes held while Postgres was away (conversation turns, see gateway/conversations.py), written once it is back.
+"""Writes held while Postgres was away (conversation turns, see domain/conversations.py), written once it is back.
 
 Like the billing writer: a record is acked only after its rows are committed, and rows whose ids come from the
 request id are inserted with ON CONFLICT DO NOTHING, so a redelivery never writes twice and nothing is dropped.
@@ -11,7 +11,7 @@ import asyncio
 import asyncpg
 from nats.js import JetStreamContext
 
-from switchyard.gateway.conversations import write_turn
+from switchyard.domain.conversations import write_turn
 from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_held_writes_consumer

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 
-from switchyard.gateway.limits import Limiter
+from switchyard.domain.limits import Limiter
 from switchyard.shared.tier_store import read_policies, reconcile_queue_caps
 
 log = logging.getLogger("switchyard.housekeeping")

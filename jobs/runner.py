@@ -1,5 +1,6 @@
-"""The durable consumers as one unit: started beside the HTTP app by ``switchyard gateway`` (unless
-``gateway.run_jobs`` is off) or alone by ``switchyard jobs``.
+"""The durable consumers as one unit, with the connections and domain services they need (``running_jobs``):
+run alone by ``switchyard jobs`` (a child of ``switchyard up``), or beside the HTTP app by ``switchyard gateway``
+unless ``--no-jobs``.
 
 Every copy may run: the billing writer's inserts are idempotent per request id, housekeeping is idempotent, and
 only the holder of a Postgres advisory lock runs batches.
@@ -11,16 +12,25 @@ import asyncio
 import contextlib
 import logging
 
+from collections.abc import AsyncIterator
+
 import asyncpg
 
-from switchyard.gateway.database import Database
-from switchyard.gateway.limits import Limiter
-from switchyard.gateway.registry import ModelRegistry
-from switchyard.gateway.safety import InputSafety
+from switchyard.domain.admission.pipeline import Pipeline
+from switchyard.domain.admission.policies import admission_pipeline
+from switchyard.domain.admission.routing import Router
+from switchyard.domain.admission.safety import InputSafety
+from switchyard.domain.database import Database
+from switchyard.domain.limits import Limiter
+from switchyard.domain.registry import ModelRegistry
 from switchyard.jobs.batch_runner import BatchRunner
 from switchyard.jobs.held_writes import run_held_writer
 from switchyard.jobs.housekeeping import run_housekeeping
 from switchyard.jobs.usage_writer import run_usage_writer
+from switchyard.shared import nats_client
+from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.jetstream import ensure_streams
+from switchyard.shared.tier_store import PolicyCache
 
 log = logging.getLogger("switchyard.jobs")
 
@@ -32,10 +42,10 @@ class Jobs:
     """The running consumers; ``stop()`` ends them."""
 
     def __init__(self, nc, js, pool: asyncpg.Pool, registry: ModelRegistry, database_url: str,
-                 safety: InputSafety | None = None) -> None:
-        """``safety``: the input filter batch lines pass before they are queued (None: none)."""
+                 admission: Pipeline | None = None) -> None:
+        """``admission``: what batches and their lines pass before they are queued (None: nothing)."""
         self._stop = stop = asyncio.Event()
-        runner = BatchRunner(nc, js, pool, registry, database_url, safety)
+        runner = BatchRunner(nc, js, pool, registry, database_url, admission)
         self._tasks = [
             asyncio.create_task(self._supervised("usage-writer", lambda: run_usage_writer(js, pool, stop))),
             asyncio.create_task(self._supervised("housekeeping",
@@ -69,3 +79,29 @@ class Jobs:
         for task in self._tasks:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, timeout=STOP_TIMEOUT_S)
+
+
+@contextlib.asynccontextmanager
+async def running_jobs(config: SwitchyardConfig) -> AsyncIterator[Jobs]:
+    """The jobs, on connections of their own (NATS as ``switchyard-jobs``, a Postgres pool), until the block ends;
+    then each finishes its record and the connections close."""
+    nc = await nats_client.connect(config.nats_url, "switchyard-jobs", tls_ca=config.nats_tls_ca)
+    js = nc.jetstream()
+    pool = None
+    try:
+        await ensure_streams(js, config.nats_replicas)
+        pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
+        registry = ModelRegistry(js)
+        db = Database(pool)
+        # The same admission as the gateway's (batches and their lines pass the policies that judge them).
+        admission = admission_pipeline(db=db, registry=registry, router=Router(registry, config.gateway),
+                                       tier_policies=PolicyCache(js), safety=InputSafety(config.gateway.safety))
+        jobs = Jobs(nc, js, pool, registry, config.database_url, admission)
+        try:
+            yield jobs
+        finally:  # Ctrl-C / SIGTERM cancel the wait: let each job finish its record
+            await jobs.stop()
+    finally:
+        if pool is not None:
+            await pool.close()
+        await nc.close()

@@ -30,8 +30,8 @@ def default_data_dir() -> Path:
 
 
 class RouteRule(BaseModel):
-    """One rule of ``model: "auto"`` routing (gateway/routing.py): a request matching every condition given goes to
-    ``model``. Prompt tokens are estimated as the gateway estimates them everywhere (characters / 4)."""
+    """One rule of ``model: "auto"`` routing (domain/admission/routing.py): a request matching every condition given
+    goes to ``model``. Prompt tokens are estimated as the gateway estimates them everywhere (characters / 4)."""
 
     model: str
     tiers: list[str] | None = None
@@ -79,8 +79,9 @@ class GatewayConfig(BaseModel):
     # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
     allow_tier_header: bool = False
     admin_key: str | None = None  # enables /admin/* for `Authorization: Bearer <admin_key>`
-    # Host the durable consumers (billing writer, batch runner, housekeeping) in the gateway process; off when they
-    # run alone under `switchyard jobs`.
+    # Run the durable consumers (billing writer, batch runner, housekeeping) beside this gateway: in its process
+    # under `switchyard gateway`, as a `switchyard jobs` child of `switchyard up`; off where they run elsewhere
+    # (Kubernetes' switchyard-jobs, compose's jobs).
     run_jobs: bool = True
     # Let every tenant's requests share one prefix cache (a single-tenant deployment, or prompts that are all
     # public). Off: cached blocks are shared only within a tenant, so cached_tokens cannot probe others' prompts.

@@ -288,7 +288,7 @@ class WorkerInfo(msgspec.Struct):
     host: str = ""  # where the process runs, for an operator (and a test) to find it
     pid: int = 0
     metrics_url: str = ""  # its Prometheus endpoint (worker.metrics_port), "" when it serves none
-    aliases: list[str] = msgspec.field(default_factory=list)  # more names of ``model`` (gateway/registry.py)
+    aliases: list[str] = msgspec.field(default_factory=list)  # more names of ``model`` (domain/registry.py)
 
 
 _encoder = msgspec.msgpack.Encoder()

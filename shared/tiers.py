@@ -1,4 +1,5 @@
-"""Priority tiers: one number end to end (subject, pull order and share, engine priority and preemption).
+"""Priority tiers: one number end to end (subject, pull order and share, engine priority and preemption). A new
+tier is a line of ``TIERS``: everything else (CLI choices, Kubernetes triggers, defaults) reads it from here.
 
 Lower ``priority`` is more important, matching the engine's (priority, arrival) ordering. Each tier has a policy
 that ops change live (``switchyard tiers set``): the queue cap is enforced by JetStream itself, the wait limit by
@@ -10,35 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
-
-
-@dataclass(frozen=True, slots=True)
-class Tier:
-    name: str
-    priority: int
-
-
-TIERS: tuple[Tier, ...] = (
-    Tier("enterprise", 0),
-    Tier("pro", 1),
-    Tier("free", 2),
-    Tier("batch", 3),
-)
-
-TIER_NAMES: tuple[str, ...] = tuple(t.name for t in TIERS)
-INTERACTIVE_TIERS: tuple[str, ...] = ("enterprise", "pro", "free")
-BATCH_TIER = "batch"
-_BY_NAME = {t.name: t for t in TIERS}
-
-
-def get_tier(name: str) -> Tier:
-    """Return the tier called ``name``; raise ``KeyError`` for an unknown tier."""
-    return _BY_NAME[name]
-
-
-def tiers_by_priority() -> list[Tier]:
-    """Tiers from most to least important."""
-    return sorted(TIERS, key=lambda t: t.priority)
 
 
 class TierPolicy(msgspec.Struct, frozen=True):
@@ -58,10 +30,48 @@ class TierPolicy(msgspec.Struct, frozen=True):
         return self.max_queued_per_tenant or max(1, self.max_queued // 4)
 
 
-DEFAULT_POLICIES: dict[str, TierPolicy] = {
-    "enterprise": TierPolicy(max_queued=1000, max_wait_s=60.0, weight=8.0, rpm=6000, tpm=2_000_000),
-    "pro": TierPolicy(max_queued=500, max_wait_s=30.0, weight=4.0, rpm=600, tpm=400_000),
-    "free": TierPolicy(max_queued=200, max_wait_s=20.0, weight=1.0, rpm=60, tpm=40_000),
-    # Batch takes what the interactive tiers leave idle, plus a small guaranteed share (see BatchShare).
-    "batch": TierPolicy(max_queued=100_000, max_wait_s=24 * 3600.0, weight=0.05, rpm=0, tpm=0),
-}
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """A tier, and everything that is said of it once: its priority, the policy it starts with (ops change it
+    live), whether it is interactive, and how its queue asks Kubernetes for workers (deploy/k8s_scaling.py)."""
+
+    name: str
+    priority: int
+    defaults: TierPolicy
+    interactive: bool = True
+    # KEDA: requests waiting per worker before another is asked for (a worker already runs max_num_seqs at once and
+    # pulls only what fits, so any queue means every worker is full: the threshold says how long the tier may queue)
+    scale_threshold: int = 8
+    # KEDA with --min-replicas 0: the queue that wakes the first worker
+    scale_activation: int = 0
+
+
+TIERS: tuple[Tier, ...] = (
+    Tier("enterprise", 0, TierPolicy(max_queued=1000, max_wait_s=60.0, weight=8.0, rpm=6000, tpm=2_000_000),
+         scale_threshold=4),
+    Tier("pro", 1, TierPolicy(max_queued=500, max_wait_s=30.0, weight=4.0, rpm=600, tpm=400_000), scale_threshold=8),
+    Tier("free", 2, TierPolicy(max_queued=200, max_wait_s=20.0, weight=1.0, rpm=60, tpm=40_000), scale_threshold=32),
+    # Batch takes what the interactive tiers leave idle, plus a small guaranteed share (see BatchShare); it may
+    # wait hours by design, so it asks for workers only once its queue is deep, and lines do not wake a GPU one by
+    # one.
+    Tier("batch", 3, TierPolicy(max_queued=100_000, max_wait_s=24 * 3600.0, weight=0.05, rpm=0, tpm=0),
+         interactive=False, scale_threshold=1024, scale_activation=64),
+)
+
+TIER_NAMES: tuple[str, ...] = tuple(t.name for t in TIERS)
+INTERACTIVE_TIERS: tuple[str, ...] = tuple(t.name for t in TIERS if t.interactive)
+BATCH_TIER = next(t.name for t in TIERS if not t.interactive)
+DEFAULT_POLICIES: dict[str, TierPolicy] = {t.name: t.defaults for t in TIERS}
+NEW_TENANT_TIER = "free"  # a tenant created without one (switchyard tenants create)
+FIRST_TENANT_TIER = "pro"  # the `default` tenant a first `switchyard up` creates
+_BY_NAME = {t.name: t for t in TIERS}
+
+
+def get_tier(name: str) -> Tier:
+    """Return the tier called ``name``; raise ``KeyError`` for an unknown tier."""
+    return _BY_NAME[name]
+
+
+def tiers_by_priority() -> list[Tier]:
+    """Tiers from most to least important."""
+    return sorted(TIERS, key=lambda t: t.priority)

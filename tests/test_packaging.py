@@ -14,7 +14,7 @@ import pytest
 from switchyard.workers.executor.kernels import KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED_FOLDERS = ("switchyard", "gateway", "jobs", "workers", "scheduler", "shared", "migrations", "deploy")
+MAPPED_FOLDERS = ("switchyard", "gateway", "domain", "jobs", "workers", "scheduler", "shared", "migrations", "deploy")
 
 
 @pytest.fixture(scope="module")

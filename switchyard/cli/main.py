@@ -14,6 +14,7 @@ from switchyard.cli.options import add_common_flags, add_http_flags, add_model_f
 from switchyard.cli.serve import cmd_gateway, cmd_jobs, cmd_migrate, cmd_up, cmd_worker
 from switchyard.cli.top import cmd_top
 from switchyard.shared.logs import configure_logging
+from switchyard.shared.tiers import TIER_NAMES
 
 
 class _Leaves:
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("create", "update"):
         tp = tsub.add_parser(name)
         tp.add_argument("name")
-        tp.add_argument("--tier", choices=["enterprise", "pro", "free", "batch"])
+        tp.add_argument("--tier", choices=TIER_NAMES)
         tp.add_argument("--rpm", type=int, help="requests per minute per key (default: the tier's)")
         tp.add_argument("--tpm", type=int, help="tokens per minute per key (default: the tier's)")
         tp.add_argument("--monthly-budget", type=int, help="tokens per calendar month for the tenant")

@@ -9,6 +9,7 @@ import sys
 from switchyard.cli.options import load_config
 from switchyard.cli.tables import print_table
 from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.tiers import NEW_TENANT_TIER
 
 
 def _ops_config(args: argparse.Namespace) -> SwitchyardConfig:
@@ -29,8 +30,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
 
     import asyncpg
 
-    from switchyard.gateway.registry import ModelRegistry
-    from switchyard.gateway.tier_admin import TierChangeError, change_tier, tier_status
+    from switchyard.domain.registry import ModelRegistry
+    from switchyard.domain.tier_admin import TierChangeError, change_tier, tier_status
     from switchyard.shared import nats_client
 
     config = _ops_config(args)
@@ -73,7 +74,7 @@ def _with_db(args: argparse.Namespace, work) -> int:
     """Run ``work(conn)`` against the configured (or running system's) Postgres; TenancyError → exit 2."""
     import asyncpg
 
-    from switchyard.gateway.tenancy import TenancyError
+    from switchyard.domain.tenancy import TenancyError
 
     config = load_config(args)
     if not config.database_url:
@@ -98,13 +99,13 @@ def _with_db(args: argparse.Namespace, work) -> int:
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
-    from switchyard.gateway import tenancy
+    from switchyard.domain import tenancy
 
     async def work(conn) -> None:
         limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "monthly_token_budget": args.monthly_budget} \
             if args.tenants_cmd in ("create", "update") else {}
         if args.tenants_cmd == "create":
-            tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or "free", **limits)
+            tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or NEW_TENANT_TIER, **limits)
             if args.priority is not None:
                 await tenancy.update_tenant(conn, args.name, priority_allowed=args.priority)
             if args.safety is not None:
@@ -131,7 +132,7 @@ def _safety_policy(choice: str) -> str | None:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from switchyard.gateway import tenancy
+    from switchyard.domain import tenancy
 
     async def work(conn) -> None:
         if args.keys_cmd == "create":
@@ -149,10 +150,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from switchyard.gateway.usage_report import usage_rows
+    from switchyard.domain.usage_report import usage_rows
 
     async def work(conn) -> None:
-        from switchyard.gateway import tenancy
+        from switchyard.domain import tenancy
 
         tenant_id = await tenancy.tenant_id_by_name(conn, args.tenant)
         print_table(await usage_rows(conn, tenant_id, args.start, args.end, args.group_by))

@@ -10,20 +10,26 @@ from switchyard.cli.options import load_config
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    """The HTTP gateway; unless --no-jobs, the durable consumers run beside it in this process (the gateway itself
+    knows nothing of them: they are handed to the app as a companion)."""
     import uvicorn
 
     from switchyard.gateway.app import create_app
     from switchyard.gateway.drain import DrainingServer
+    from switchyard.gateway.services import GatewayServices
+    from switchyard.jobs.runner import running_jobs
     from switchyard.shared.tracing import setup_tracing
 
     config = load_config(args)
     setup_tracing("switchyard-gateway", config.traces_exporter, config.traces_file)
-    app = create_app(config)
+    services = GatewayServices(config)
+    companions = [lambda: running_jobs(config)] if config.gateway.run_jobs else []
+    app = create_app(config, services, companions)
     # After the drain nothing is open: uvicorn's own grace period only closes idle keep-alive connections.
     # log_config=None: uvicorn's loggers go through the process's own (shared/logs.py), text or JSON alike.
     server_config = uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port, log_config=None,
                                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
-    DrainingServer(server_config, app.state, app.state.in_flight, config.gateway.drain_timeout_s).run()
+    DrainingServer(server_config, services, services.in_flight, config.gateway.drain_timeout_s).run()
     return 0
 
 
@@ -40,13 +46,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """The durable consumers alone (billing writer, batch runner, housekeeping), until SIGTERM or Ctrl-C."""
-    import asyncpg
-
-    from switchyard.gateway.registry import ModelRegistry
-    from switchyard.gateway.safety import InputSafety
-    from switchyard.jobs.runner import Jobs
-    from switchyard.shared import nats_client
-    from switchyard.shared.jetstream import ensure_streams
+    from switchyard.jobs.runner import running_jobs
 
     config = load_config(args)
     if not config.nats_url or not config.database_url:
@@ -55,21 +55,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 2
 
     async def run() -> None:
-        nc = await nats_client.connect(config.nats_url, "switchyard-jobs", tls_ca=config.nats_tls_ca)
-        js = nc.jetstream()
-        pool = None
-        try:
-            await ensure_streams(js, config.nats_replicas)
-            pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
-            jobs = Jobs(nc, js, pool, ModelRegistry(js), config.database_url, InputSafety(config.gateway.safety))
-            try:
-                await jobs.wait()
-            finally:  # Ctrl-C / SIGTERM cancel the wait: let each job finish its record
-                await jobs.stop()
-        finally:
-            if pool is not None:
-                await pool.close()
-            await nc.close()
+        async with running_jobs(config) as jobs:
+            await jobs.wait()
 
     asyncio.run(run())
     return 0

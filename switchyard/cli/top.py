@@ -40,7 +40,7 @@ class TopReader:
         self._gateways = [u.rstrip("/") + "/metrics" for u in gateway_urls]
 
     async def read(self) -> tuple[dict, Samples, Samples, list[str]]:
-        from switchyard.gateway.queue_metrics import queue_state
+        from switchyard.domain.queues import queue_state
         from switchyard.shared.jetstream import live_workers
         from switchyard.shared.tiers import TIER_NAMES
 

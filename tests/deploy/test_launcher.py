@@ -277,7 +277,7 @@ async def test_session_nats_fixture_has_jetstream(nats_url):
 
 
 def test_as_root_postgres_runs_from_binaries_its_user_can_reach(server_dir):
-    from switchyard.deploy.launcher import _searchable_by_all
+    from switchyard.deploy.postgres_install import _searchable_by_all
 
     private = Path(tempfile.mkdtemp())  # 0700, like `mktemp -d` around a CI checkout
     try:

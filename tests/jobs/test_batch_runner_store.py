@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 import asyncpg
 import pytest
 
-from switchyard.gateway.tenancy import create_tenant
+from switchyard.domain.tenancy import create_tenant
 from switchyard.jobs.batch_runner import BatchRunner
 from switchyard.migrations import apply_migrations
 from switchyard.shared.messages import BatchChoice, BatchResult, Usage

@@ -11,7 +11,7 @@ import asyncpg
 import nats
 
 from switchyard.deploy.processes import free_port
-from switchyard.gateway.tenancy import create_key, create_tenant
+from switchyard.domain.tenancy import create_key, create_tenant
 from switchyard.shared import subjects
 
 __all__ = ["free_port", "make_key", "poll", "wait_usage_written"]

@@ -1,0 +1,35 @@
+"""Admission policy: the key's requests and tokens per minute (domain/limits.py keeps the windows).
+
+A request reserves its estimated tokens (prompt estimate + n x max_tokens) when it is admitted; when it ends the
+unused part goes back and use beyond it is charged (all of it back for one that never ran; a stream the client
+left keeps its reservation, since only the worker knows what it used). Every response carries the key's
+``x-ratelimit-*`` headers. Batches are paced by the batch tier, not by a key's rate: API requests only.
+"""
+
+from __future__ import annotations
+
+from switchyard.domain.admission.pipeline import Policy
+from switchyard.domain.admission.ticket import Ticket
+from switchyard.domain.limits import Limiter
+from switchyard.shared.tier_store import PolicyCache
+from switchyard.shared.tracing import tracer
+
+
+class RateLimits(Policy):
+    def __init__(self, limiter: Limiter, tier_policies: PolicyCache) -> None:
+        self._limiter = limiter
+        self._tier_policies = tier_policies
+
+    async def check(self, ticket: Ticket) -> None:
+        # The limits of the tier that runs it: a flex request (batch tier) has the batch tier's defaults, none, and
+        # only its tenant's own rpm/tpm; ``ticket.auth.tier`` here would hold every request to its tenant's tier's.
+        limits_tier = ticket.tier
+        policy = (await self._tier_policies.get())[limits_tier]
+        with tracer.start_as_current_span("rate_limits", attributes={"tier": ticket.tier}):
+            ticket.reservation = await self._limiter.admit(ticket.auth, policy, ticket.estimated_tokens)
+        ticket.headers.update(ticket.reservation.headers)
+
+    async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
+        reservation = ticket.reservation
+        if reservation is not None:
+            await self._limiter.settle(reservation, reservation.reserved_tokens if used_tokens is None else used_tokens)

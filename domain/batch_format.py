@@ -1,0 +1,230 @@
+"""The Batch API's file formats, without I/O: input lines in, wire requests and output lines out.
+
+    input  {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": ..., ...}}
+    output {"id": "batch_req_…", "custom_id": "a", "response": {"status_code": 200, "request_id": "batch_req_…",
+            "body": <the same JSON a non-streaming chat/completions answer has>}, "error": null}
+
+Each line's request id is derived from (batch id, custom_id), so every publish of a line, by any gateway, after
+any restart, carries the same id: JetStream's publish dedupe and the usage writer's ``ON CONFLICT (request_id)``
+then make re-submission safe, and a line is never billed twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ValidationError
+
+from switchyard.domain.api.chat import ChatCompletionRequest
+from switchyard.domain.api.completions import CompletionRequest
+from switchyard.domain.api.shapes import CHAT, TEXT, choice_json, usage_json
+from switchyard.domain.limits import estimate_tokens
+from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
+
+ENDPOINTS: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
+COMPLETION_WINDOWS = {"24h": 24 * 3600.0}
+MAX_LINES = 50_000
+MAX_ERRORS = 100  # a file with thousands of bad lines reports the first ones
+CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request ran."}
+EXPIRED = {"code": "batch_expired", "message": "The batch expired before this request ran."}
+
+
+@dataclass(frozen=True, slots=True)
+class InputLine:
+    line_no: int  # 1-based, as an editor shows it
+    custom_id: str
+    body: dict
+    model: str
+    estimated_tokens: int = 0  # what it may use, as an interactive request reserves (limits.estimate_tokens)
+
+
+def request_id_for(batch_id: str, custom_id: str) -> str:
+    """Deterministic and NATS-subject safe (hex): the same line of the same batch always gets the same id."""
+    digest = hashlib.sha256(f"{batch_id}\x00{custom_id}".encode()).hexdigest()[:32]
+    return f"batch_req_{digest}"
+
+
+def _error(line: int | None, code: str, message: str, param: str | None = None) -> dict:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def _describe(exc: ValidationError) -> tuple[str, str]:
+    first = exc.errors()[0]
+    param = ".".join(["body", *(str(p) for p in first.get("loc", ()))])
+    if first.get("type") == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    return f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.", param
+
+
+def _estimate(parsed: ChatCompletionRequest | CompletionRequest) -> int:
+    """What a line may use, as admission estimates any request (domain/admission/ticket.py)."""
+    return estimate_tokens(parsed.num_chars(), parsed.max_output_tokens, parsed.num_choices)
+
+
+def _not_in_a_batch(parsed: BaseModel) -> tuple[str, str] | None:
+    """What a line may not ask for in a batch: (message, param), or None."""
+    if parsed.stream:
+        return "Streaming is not supported in a batch.", "body.stream"
+    if isinstance(parsed, ChatCompletionRequest):
+        if parsed.service_tier not in (None, "auto", "default"):
+            return "A batch runs on the batch tier: service_tier must be auto or default.", "body.service_tier"
+        return None
+    if len(parsed.prompts) > 1:
+        return "One prompt per line in a batch: put each prompt on a line of its own.", "body.prompt"
+    if parsed.num_generated > parsed.n:
+        return "best_of greater than n is not supported in a batch.", "body.best_of"
+    return None
+
+
+def parse_input(content: bytes, endpoint: str) -> tuple[list[InputLine], list[dict]]:
+    """Validate every line of an input file; returns the lines, or the errors with their line numbers.
+
+    A line must be a JSON object with a unique string ``custom_id``, ``method`` POST, ``url`` equal to the
+    batch's endpoint, and a ``body`` the endpoint itself would accept (non-streaming). Blank lines are skipped.
+    """
+    schema = ENDPOINTS[endpoint]
+    lines: list[InputLine] = []
+    errors: list[dict] = []
+    seen: set[str] = set()
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        return [], [_error(None, "invalid_file", "The input file is not UTF-8 text.")]
+    for line_no, raw in enumerate(text.splitlines(), start=1):
+        if len(errors) >= MAX_ERRORS or len(lines) > MAX_LINES:
+            break
+        if not raw.strip():
+            continue
+        try:
+            item = json.loads(raw)
+        except ValueError:
+            errors.append(_error(line_no, "invalid_json_line", "This line is not valid JSON."))
+            continue
+        if not isinstance(item, dict):
+            errors.append(_error(line_no, "invalid_json_line", "This line is not a JSON object."))
+            continue
+        custom_id = item.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            errors.append(_error(line_no, "missing_required_parameter", "Each line needs a string `custom_id`.",
+                                 "custom_id"))
+            continue
+        if custom_id in seen:
+            errors.append(_error(line_no, "duplicate_custom_id",
+                                 f"The custom_id '{custom_id}' is used by an earlier line; each must be unique.",
+                                 "custom_id"))
+            continue
+        seen.add(custom_id)
+        if item.get("method") != "POST":
+            errors.append(_error(line_no, "invalid_method", "The `method` must be POST.", "method"))
+            continue
+        if item.get("url") != endpoint:
+            errors.append(_error(line_no, "invalid_url", f"The `url` must be the batch's endpoint {endpoint}.",
+                                 "url"))
+            continue
+        body = item.get("body")
+        if not isinstance(body, dict):
+            errors.append(_error(line_no, "invalid_request", "The `body` must be a JSON object.", "body"))
+            continue
+        try:
+            parsed = schema.model_validate(body)
+        except ValidationError as exc:
+            message, param = _describe(exc)
+            errors.append(_error(line_no, "invalid_request", message, param))
+            continue
+        refusal = _not_in_a_batch(parsed)
+        if refusal is not None:
+            errors.append(_error(line_no, "invalid_request", *refusal))
+            continue
+        lines.append(InputLine(line_no, custom_id, body, parsed.model, _estimate(parsed)))
+    if not lines and not errors:
+        errors.append(_error(None, "empty_file", "The input file has no requests."))
+    if len(lines) > MAX_LINES:
+        errors.append(_error(None, "too_many_requests", f"A batch may have at most {MAX_LINES} requests."))
+    return lines, errors
+
+
+def parse_body(endpoint: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
+    """A line's body as its endpoint validates it (raises pydantic's ValidationError)."""
+    return ENDPOINTS[endpoint].model_validate(body)
+
+
+def wire_request(endpoint: str, body: dict | ChatCompletionRequest | CompletionRequest, request_id: str, *,
+                 tenant_id: str, api_key_id: str | None, created_at: float, deadline_at: float, result_subject: str,
+                 tier: str) -> GenerateRequest:
+    """The request a line becomes: exactly what the endpoint would publish, on the batch tier. ``body``: as
+    stored, or already parsed (``parse_body``)."""
+    parsed = parse_body(endpoint, body) if isinstance(body, dict) else body
+    fields = parsed.wire_fields() if isinstance(parsed, ChatCompletionRequest) else \
+        parsed.wire_fields(parsed.prompts[0])
+    return GenerateRequest(request_id=request_id, model=parsed.model, tier=tier, created_at=created_at,
+                           deadline_at=deadline_at, tenant_id=tenant_id, api_key_id=api_key_id,
+                           result_subject=result_subject, end_user=parsed.end_user,
+                           metadata=getattr(parsed, "metadata", None), **fields)
+
+
+def response_body(endpoint: str, request_id: str, model: str, created_at: float, result: BatchResult) -> dict:
+    """The JSON a non-streaming chat/completions (or completions) response has, from a worker's result."""
+    kind = CHAT if endpoint == "/v1/chat/completions" else TEXT
+    choices = [choice_json(kind, c.index, c.text, c.tool_calls, c.finish_reason) for c in result.choices]
+    usage = usage_json(result.usage) if result.usage is not None else None
+    return {"id": kind.id_prefix + request_id, "object": kind.object_full, "created": int(created_at),
+            "model": model, "choices": choices, "usage": usage}
+
+
+def error_response(request_id: str, error: ErrorInfo) -> dict:
+    """A line the worker answered with an error: the HTTP status and body the endpoint would have returned."""
+    return {"status_code": error.status, "request_id": request_id,
+            "body": {"error": {"message": error.message, "type": error.type, "param": error.param,
+                               "code": error.code}}}
+
+
+def line_outcome(endpoint: str, request_id: str, model: str, created_at: float, batch_status: str,
+                 result: BatchResult) -> tuple[str, dict | None, dict | None]:
+    """A line's (status, response, error) from its worker's final result."""
+    if result.error is not None:
+        if result.error.code == "cancelled":
+            return "cancelled", None, CANCELLED
+        return "failed", error_response(request_id, result.error), None
+    stopping = batch_status in ("cancelling", "cancelled", "expired")
+    if stopping and any(c.finish_reason == "cancelled" for c in result.choices):
+        return "cancelled", None, CANCELLED
+    body = response_body(endpoint, request_id, model, created_at, result)
+    return "completed", {"status_code": 200, "request_id": request_id, "body": body}, None
+
+
+def output_line(custom_id: str, request_id: str, response: dict | None, error: dict | None) -> bytes:
+    return json.dumps({"id": request_id, "custom_id": custom_id, "response": response, "error": error},
+                      separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+@dataclass(slots=True)
+class ResultFiles:
+    """What a finished batch publishes: completed lines, the others, and the counts and usage over them."""
+
+    output: bytearray = field(default_factory=bytearray)
+    errors: bytearray = field(default_factory=bytearray)
+    counts: dict = field(default_factory=lambda: {"total": 0, "completed": 0, "failed": 0})
+    usage: dict = field(default_factory=lambda: {
+        "input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0})
+
+    def add(self, custom_id: str, request_id: str, status: str, response: dict | None, error: dict | None) -> None:
+        line = output_line(custom_id, request_id, response, error)
+        self.counts["total"] += 1
+        if status != "completed":  # failed, or cancelled/expired (counted in neither, like OpenAI)
+            self.counts["failed"] += status == "failed"
+            self.errors += line
+            return
+        self.counts["completed"] += 1
+        self.output += line
+        tokens = response["body"].get("usage") or {}
+        self.usage["input_tokens"] += tokens.get("prompt_tokens", 0)
+        self.usage["input_tokens_details"]["cached_tokens"] += \
+            (tokens.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        self.usage["output_tokens"] += tokens.get("completion_tokens", 0)
+        self.usage["total_tokens"] = self.usage["input_tokens"] + self.usage["output_tokens"]

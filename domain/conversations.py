@@ -1,0 +1,136 @@
+"""Server-side conversations and their messages, stored in Postgres per tenant (the routes: gateway/routes/
+conversations.py).
+
+A new turn sends the whole stored history (system prompt first) to the worker, which drops the oldest turns if it
+exceeds the context. Both the user message and the reply are stored only once the reply ends (``store_turn``); a
+reply cut short is stored with status ``incomplete``. While Postgres is away a turn is held in JetStream
+(``HELD_WRITES``) and written by the jobs once it is back (jobs/held_writes.py, ``write_turn``). Another tenant's
+conversation is "not found", exactly like one that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+
+import asyncpg
+from nats.js import JetStreamContext
+
+from switchyard.domain.api.shapes import tool_call_from_json, tool_call_json
+from switchyard.domain.database import CALL_TIMEOUT_S, OUTAGE_ERRORS, bounded
+from switchyard.domain.errors import OpenAIError
+from switchyard.shared import subjects
+from switchyard.shared.jetstream import publish_once
+from switchyard.shared.messages import ChatMessage, ConversationTurn, encode
+
+log = logging.getLogger("switchyard.conversations")
+
+
+def conversation_json(row) -> dict:
+    return {"id": row["id"], "object": "conversation", "created_at": int(row["created_at"].timestamp()),
+            "model": row["model"], "system": row["system_prompt"], "metadata": json.loads(row["metadata"])}
+
+
+def message_json(row) -> dict:
+    out = {"id": row["id"], "object": "conversation.message", "role": row["role"], "content": row["content"],
+           "status": row["status"], "created_at": int(row["created_at"].timestamp())}
+    if row["tool_calls"] is not None:
+        out["tool_calls"] = json.loads(row["tool_calls"])
+    if row["tool_call_id"] is not None:
+        out["tool_call_id"] = row["tool_call_id"]
+    return out
+
+
+def _history_message(row) -> ChatMessage:
+    calls = [tool_call_from_json(c) for c in json.loads(row["tool_calls"])] if row["tool_calls"] is not None else None
+    return ChatMessage(row["role"], row["content"], tool_calls=calls, tool_call_id=row["tool_call_id"])
+
+
+async def write_turn(pool, turn: ConversationTurn) -> None:
+    """Store a turn's two messages in one transaction. Their ids come from the request id, so writing a turn
+    again (a held one redelivered) stores nothing twice."""
+    calls = json.dumps([tool_call_json(c) for c in turn.assistant_tool_calls]) if turn.assistant_tool_calls else None
+    async with pool.acquire() as conn, conn.transaction():
+        for suffix, role, content, status, tool_calls, call_id in (
+                ("q", turn.user_role, turn.user_content, "completed", None, turn.tool_call_id),
+                ("a", "assistant", turn.assistant_content, turn.status, calls, None)):
+            await conn.execute(
+                "INSERT INTO conversation_messages (id, conversation_id, role, content, status, request_id, "
+                "tool_calls, tool_call_id) VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8) ON CONFLICT (id) DO NOTHING",
+                f"msg_{turn.request_id}_{suffix}", turn.conversation_id, role, _storable(content), status,
+                turn.request_id, tool_calls, call_id)
+
+
+def _storable(text: str) -> str:
+    # Postgres text cannot hold NUL; a model (or client) can produce one. Keep the position visible.
+    return text.replace("\x00", "\ufffd")
+
+
+def not_found(conversation_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No conversation found with id '{conversation_id}'.", code="not_found",
+                       param="conversation_id")
+
+
+class Conversations:
+    """A tenant's conversations, through one pool; turns held in JetStream while Postgres is away."""
+
+    def __init__(self, pool: asyncpg.Pool, js: JetStreamContext) -> None:
+        self._pool = pool
+        self._js = js
+
+    async def create(self, tenant_id: str, model: str | None, system: str | None, metadata: dict) -> dict:
+        row = await self._pool.fetchrow(
+            "INSERT INTO conversations (id, tenant_id, model, system_prompt, metadata) VALUES ($1, $2, $3, $4, $5) "
+            "RETURNING *", f"conv_{secrets.token_hex(12)}", tenant_id, model, system, json.dumps(metadata))
+        return conversation_json(row)
+
+    async def owned(self, conversation_id: str, tenant_id: str) -> asyncpg.Record:
+        """The conversation's row; raises 404 for one that does not exist or is another tenant's."""
+        row = await self._pool.fetchrow(
+            "SELECT * FROM conversations WHERE id = $1 AND tenant_id = $2 AND deleted_at IS NULL",
+            conversation_id, tenant_id)
+        if row is None:
+            raise not_found(conversation_id)
+        return row
+
+    async def get(self, conversation_id: str, tenant_id: str) -> dict:
+        return conversation_json(await self.owned(conversation_id, tenant_id))
+
+    async def delete(self, conversation_id: str, tenant_id: str) -> None:
+        await self.owned(conversation_id, tenant_id)
+        await self._pool.execute("UPDATE conversations SET deleted_at = now() WHERE id = $1", conversation_id)
+
+    async def messages(self, conversation_id: str, tenant_id: str, limit: int, after: str | None,
+                       order: str) -> dict:
+        """A page of the conversation's messages, as OpenAI lists things (``first_id``, ``last_id``, ``has_more``)."""
+        await self.owned(conversation_id, tenant_id)
+        if not 1 <= limit <= 100:
+            raise OpenAIError(400, "limit must be between 1 and 100.", param="limit", code="invalid_value")
+        cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        cursor = "" if after is None else (
+            f"AND seq {cmp} (SELECT seq FROM conversation_messages WHERE id = $3 AND conversation_id = $1)")
+        args = [conversation_id, limit + 1] + ([after] if after is not None else [])
+        rows = await self._pool.fetch(
+            f"SELECT * FROM conversation_messages WHERE conversation_id = $1 {cursor} "
+            f"ORDER BY seq {direction} LIMIT $2", *args)
+        data = [message_json(r) for r in rows[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+    async def history(self, conversation: asyncpg.Record) -> list[ChatMessage]:
+        """What the model reads before a new message: the system prompt, then every stored message in order."""
+        history = [ChatMessage("system", conversation["system_prompt"])] if conversation["system_prompt"] else []
+        history += [_history_message(r) for r in await self._pool.fetch(
+            "SELECT role, content, tool_calls, tool_call_id FROM conversation_messages WHERE conversation_id = $1 "
+            "ORDER BY seq", conversation["id"])]
+        return history
+
+    async def store_turn(self, turn: ConversationTurn) -> None:
+        """Both messages of a turn whose reply ended; held in JetStream if Postgres cannot take them now."""
+        try:
+            await bounded(write_turn(self._pool, turn), CALL_TIMEOUT_S)
+        except OUTAGE_ERRORS as exc:  # held in JetStream; jobs/held_writes.py writes it once Postgres is back
+            log.warning("conversation %s: Postgres unavailable (%r), turn %s held", turn.conversation_id, exc,
+                        turn.request_id)
+            await publish_once(self._js, subjects.HELD_TURN_SUBJECT, encode(turn), turn.request_id)

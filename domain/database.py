@@ -1,0 +1,108 @@
+"""Postgres as the gateway and the jobs reach it, and what they do while it is down or hung.
+
+Every call on the request path (authentication, rate limits, quotas) goes through ``Database.run``, which bounds
+it by ``CALL_TIMEOUT_S`` and, after a failure, stops trying for ``RETRY_AFTER_S`` (one call then probes): during an
+outage a request pays at most one timeout, not one per query, and each caller falls back at once. The fallbacks
+live with their callers: known keys are served from the authentication cache, rate limits from a local share
+(domain/local_limits.py), conversation turns are held in JetStream (jobs/held_writes.py); billing never touches
+Postgres on the request path (usage records go through JetStream). Anything else that meets the outage (listing
+files, usage reports) answers 503 with Retry-After, never a 500 or a hang (gateway/errors.py).
+
+``connect`` makes the gateway's pool, its connects and statements bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import asyncpg
+
+from switchyard.domain.errors import service_unavailable
+
+log = logging.getLogger("switchyard.database")
+
+T = TypeVar("T")
+
+CALL_TIMEOUT_S = 2.0  # a request path query takes milliseconds; two seconds without an answer is an outage
+RETRY_AFTER_S = 5  # after a failure, how long callers go straight to their fallbacks before one probes again
+POOL_OPTIONS = dict(timeout=CALL_TIMEOUT_S, command_timeout=10.0)  # connect; any statement of the gateway's
+
+# A database that is down, hung, restarting or out of connections: not a bug, an outage.
+# OperatorInterventionError covers a server shutting down (AdminShutdown, CrashShutdown), not accepting
+# connections yet (CannotConnectNow) and a cancelled statement (QueryCanceled).
+OUTAGE_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
+                 asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError)
+
+
+class DatabaseUnavailable(Exception):
+    """Postgres did not answer (or is known not to right now): the caller falls back or answers 503."""
+
+
+def database_unavailable():
+    """The 503 for a request that needs Postgres while it is away."""
+    return service_unavailable("The database is unavailable right now; please retry.", RETRY_AFTER_S,
+                               code="database_unavailable")
+
+
+async def connect(database_url: str, max_size: int = 4) -> asyncpg.Pool:
+    """A pool whose connects and statements are bounded (``POOL_OPTIONS``)."""
+    return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, **POOL_OPTIONS)
+
+
+class Database:
+    """A pool with bounded calls and a circuit breaker; ``degraded`` says whether Postgres failed recently."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        self._failed_at: float | None = None
+        self._probing = False
+
+    @property
+    def degraded(self) -> bool:
+        return self._failed_at is not None
+
+    async def run(self, call: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
+        """``await call(pool)`` within ``CALL_TIMEOUT_S``; raises DatabaseUnavailable on an outage, and at once
+        while the breaker is open (one caller at a time probes once ``RETRY_AFTER_S`` has passed)."""
+        if self._failed_at is not None:
+            if self._probing or time.monotonic() - self._failed_at < RETRY_AFTER_S:
+                raise DatabaseUnavailable
+            self._probing = True
+        try:
+            result = await bounded(call(self.pool), CALL_TIMEOUT_S)
+        except OUTAGE_ERRORS as exc:
+            if self._failed_at is None:
+                log.warning("Postgres unavailable (%r): serving known keys from cache, limits locally", exc)
+            self._failed_at = time.monotonic()
+            raise DatabaseUnavailable from exc
+        finally:
+            self._probing = False
+        if self._failed_at is not None:
+            log.warning("Postgres is back")
+            self._failed_at = None
+        return result
+
+
+async def bounded(coro: Awaitable[T], timeout: float) -> T:
+    """``await coro``, or TimeoutError after ``timeout`` seconds without waiting for it to wind down: cancelling a
+    query on a hung server waits on that server (asyncpg sends it a cancel request), which is the hang itself."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" noise
+        raise asyncio.TimeoutError
+    return task.result()
+
+
+async def ping(db: Database) -> bool:
+    """Whether Postgres answers now (through the breaker): /readyz reports it."""
+    try:
+        await db.run(lambda pool: pool.fetchval("SELECT 1"))
+        return True
+    except DatabaseUnavailable:
+        return False

@@ -1,0 +1,64 @@
+"""The HTTP side of admission, as every route uses it: who calls (the ``Authorization`` header), then the domain's
+admission pipeline (domain/admission/) on the request's ticket, and what the response carries from it.
+
+    authenticated ──▶ request_ticket ──▶ admit: tier header ─▶ pipeline.check ─▶ request.state: the
+                                                                   model and tier (error metrics' labels), the
+                                                                   x-ratelimit-* headers (every response)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import Request
+
+from switchyard.domain.admission.ticket import Origin, RequestBody, Ticket
+from switchyard.domain.auth import AuthContext
+from switchyard.domain.errors import OpenAIError
+from switchyard.gateway.request_ids import current_request_id
+from switchyard.gateway.services import GatewayServices
+from switchyard.shared.tiers import TIER_NAMES
+from switchyard.shared.tracing import tracer
+
+TIER_HEADER = "X-Switchyard-Tier"
+
+
+def authenticated(services: GatewayServices) -> Callable[[Request], Awaitable[AuthContext]]:
+    """The dependency every /v1 route takes, so a bad key is 401 before the body is even validated."""
+
+    async def caller(request: Request) -> AuthContext:
+        with tracer.start_as_current_span("authenticate"):
+            auth = await services.authenticator.authenticate(request.headers.get("authorization", ""))
+        request.state.auth = auth
+        return auth
+
+    return caller
+
+
+def request_ticket(auth: AuthContext, body: RequestBody, **fields) -> Ticket:
+    """The ticket of an API request: its body as admission reads it (``fields``: what the route knows better)."""
+    return Ticket.for_body(Origin.REQUEST, auth, current_request_id(), body, **fields)
+
+
+async def admit(services: GatewayServices, request: Request, ticket: Ticket) -> Ticket:
+    """Run the admission pipeline on ``ticket``; raises its refusal. Either way the error metrics get the model and
+    tier as far as they were decided, and the response the rate-limit headers."""
+    request.state.model = ticket.model
+    ticket.tier_override = _tier_header(services, request)
+    try:
+        return await services.admission.check(ticket)
+    finally:
+        request.state.tier = ticket.tier
+        request.state.model = ticket.model
+        request.state.rate_headers = ticket.headers
+
+
+def _tier_header(services: GatewayServices, request: Request) -> str | None:
+    """A trusted deployment's tier for the request (``gateway.allow_tier_header``), when it names one."""
+    tier = request.headers.get(TIER_HEADER)
+    if tier is None or not services.config.gateway.allow_tier_header:
+        return None
+    if tier not in TIER_NAMES:
+        raise OpenAIError(400, f"Unknown tier {tier!r}; known: {', '.join(TIER_NAMES)}.", code="invalid_tier",
+                          param=TIER_HEADER)
+    return tier

@@ -1,0 +1,29 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: read the body, admit it, serve it
+(gateway/serving.py)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from switchyard.domain.api.chat import ChatCompletionRequest
+from switchyard.domain.api.completions import CompletionRequest
+from switchyard.domain.auth import AuthContext
+from switchyard.gateway.admission import admit, authenticated, request_ticket
+from switchyard.gateway.services import GatewayServices
+
+
+def router(services: GatewayServices) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    caller = authenticated(services)
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
+        ticket = await admit(services, request, request_ticket(auth, body))
+        return await services.completions.chat(body, ticket)
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
+        ticket = await admit(services, request, request_ticket(auth, body))
+        return await services.completions.completion(body, ticket)
+
+    return router

@@ -1,0 +1,111 @@
+"""The gateway's named services: what its routes use, made when it starts (NATS, Postgres) and closed when it stops.
+
+    config ──▶ GatewayServices.start()
+        nats ─┬─ registry ── router ─┐
+              ├─ tier policies ──────┼─▶ admission (domain/admission/policies.py) ─┐
+        postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
+              publisher ── relay (liveness, failover) ── affinity ──────────────────┘
+        stores: conversations, files, batches, usage      queue gauges (poller)
+
+Routes are handed this object when the app is made (gateway/routes/) and read the service they need from it when
+a request comes; nothing else is looked up at run time.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from switchyard.domain.admission.pipeline import Pipeline
+from switchyard.domain.admission.policies import admission_pipeline
+from switchyard.domain.admission.routing import Router
+from switchyard.domain.admission.safety import InputSafety
+from switchyard.domain.auth import Authenticator
+from switchyard.domain.batches import Batches
+from switchyard.domain.conversations import Conversations
+from switchyard.domain.database import Database, connect
+from switchyard.domain.files import Files
+from switchyard.domain.publish import RequestPublisher
+from switchyard.domain.registry import ModelRegistry
+from switchyard.domain.usage_report import UsageReport
+from switchyard.gateway.affinity import AffinityIndex
+from switchyard.gateway.drain import InFlightCounter
+from switchyard.gateway.failover import Failover
+from switchyard.gateway.liveness import WorkerLiveness
+from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.gateway.queue_metrics import QueuePoller
+from switchyard.gateway.relay import Relay
+from switchyard.gateway.serving import CompletionService
+from switchyard.shared import nats_client
+from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.jetstream import ensure_streams
+from switchyard.shared.tier_store import PolicyCache
+
+
+class GatewayServices:
+    """See the module docstring. Until ``start`` only ``config``, ``metrics``, ``in_flight`` and ``draining`` are
+    there; the others are set by ``start``."""
+
+    nc: NATS
+    js: JetStreamContext
+    db: Database
+    registry: ModelRegistry
+    router: Router
+    tier_policies: PolicyCache
+    authenticator: Authenticator
+    admission: Pipeline
+    completions: CompletionService
+    conversations: Conversations
+    files: Files
+    batches: Batches
+    usage: UsageReport
+
+    def __init__(self, config: SwitchyardConfig, metrics: GatewayMetrics | None = None) -> None:
+        if not config.nats_url or not config.database_url:
+            raise ValueError("the gateway needs nats_url and database_url (switchyard up starts both for you)")
+        self.config = config
+        self.metrics = metrics or GatewayMetrics()
+        self.in_flight = InFlightCounter()
+        self.draining = False  # set by DrainingServer on SIGTERM; /readyz reads it
+        self._pool: asyncpg.Pool | None = None
+        self._poller: QueuePoller | None = None
+
+    async def start(self) -> None:
+        config, gateway = self.config, self.config.gateway
+        # First: a safety configuration that cannot work stops the start; the classifier is loaded once, here.
+        safety = InputSafety(gateway.safety, self.metrics.safety_input)
+        self.nc = await nats_client.connect(config.nats_url, "switchyard-gateway", tls_ca=config.nats_tls_ca)
+        self.js = self.nc.jetstream()
+        await ensure_streams(self.js, config.nats_replicas)
+        self._pool = pool = await connect(config.database_url)
+        self.db = Database(pool)
+        self.registry = ModelRegistry(self.js, {m.served_name: m.aliases for m in config.models})
+        self.router = Router(self.registry, gateway)
+        self.tier_policies = PolicyCache(self.js)
+        self.authenticator = Authenticator(self.db)
+        self.admission = admission_pipeline(db=self.db, registry=self.registry, router=self.router,
+                                            tier_policies=self.tier_policies, safety=safety,
+                                            local_share=1 / gateway.num_gateways)
+        liveness = WorkerLiveness()
+        await liveness.start(self.nc)
+        publisher = RequestPublisher(self.nc, self.js, gateway.retry_after_s)
+        relay = Relay(self.nc, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
+                      Failover(self.js, publisher, self.registry, liveness))
+        affinity = AffinityIndex(self.js, config.nats_replicas) if gateway.affinity else None
+        self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
+                                             self.metrics, affinity=affinity)
+        self.conversations = Conversations(pool, self.js)
+        self.files = Files(pool)
+        self.batches = Batches(pool, self.files)
+        self.usage = UsageReport(pool)
+        self._poller = QueuePoller(self.metrics, self.js, self.registry, self.db, self.batches)
+        self._poller.start()
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            await self._poller.stop()
+        if self._pool is not None:
+            await self._pool.close()
+        if getattr(self, "nc", None) is not None:
+            await self.nc.close()
