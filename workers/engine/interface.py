@@ -17,8 +17,8 @@ worker reads an engine's internals: a second engine (vLLM for GPU fleets, a simu
 class with these methods, built in ``workers/service/main.py``'s ``build_engine``.
 
 What a request's deltas must look like (``TokenDelta``, shared/messages.py): at most one per choice per step; each
-choice's last has ``finish_reason`` and the request's usage so far; the request's very last has ``is_last`` (the
-engine counts its choices, nobody else does) and the whole request's usage.
+choice's last has ``finish_reason`` and the request's usage so far; the request's very last has ``is_last`` and
+the whole request's usage (the engine counts the choices that ended; the worker only reads ``is_last``).
 """
 
 from __future__ import annotations
