@@ -4,10 +4,10 @@ Where a step's cost grows with its batch (CPUs), a step full of batch-job decode
 interactive request that arrives meanwhile. So while interactive traffic is about (an interactive request is
 running, or one arrived in the last ``busy_window_s``), batch (background) requests hold at most
 ``seats_when_busy`` seats and run at most that many per step, taking turns; when there is none, batch work uses
-everything. The worker asks this policy before it pulls a batch request and hands its per-step limit to the
-engine, whose scheduler applies it (``Scheduler.set_background_limit``). Separately, a step that runs background
-sequences only is run a few layers at a time and dropped when an interactive request is added (see
-``Engine.step``): that rule needs no number from here.
+everything. The worker's capacity (workers/service/capacity.py) asks this policy before it pulls a batch request
+and hands its per-step limit to the engine, whose scheduler applies it (``Scheduler.set_background_limit``).
+Separately, a step that runs background sequences only is run a few layers at a time and dropped when an
+interactive request is added (see ``Engine.step``): that rule needs no number from here.
 
 Pure Python: time comes from ``clock`` (monotonic seconds), counts from the caller.
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from switchyard.scheduler.block_pool import Block, BlockPool
@@ -105,6 +106,24 @@ class KVCacheManager:
             i = len(hashes)
             hashes.append(hash_block(hashes[i - 1] if i else None, self._block_tokens(seq, i), seq.cache_salt))
         return hashes[index]
+
+    def is_prefix_in_flight(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
+        """True when one of ``running`` is computing ``seq``'s next uncached full block right now (the same
+        prefix: a burst of requests sharing a system prompt). Admitting ``seq`` in the same step would compute
+        that prefix a second time; waiting a step makes it a prefix-cache hit."""
+        if not self.enable_prefix_caching:
+            return False
+        bs = self.block_size
+        _, num_hit = self.get_computed_blocks(seq)
+        index = num_hit // bs
+        if (index + 1) * bs > seq.num_tokens - 1:
+            return False  # no further full block it could share
+        wanted = self.block_hash(seq, index)
+        return any(
+            other.num_computed_tokens <= index * bs and (index + 1) * bs <= other.num_prompt_tokens
+            and self.block_hash(other, index) == wanted
+            for other in running
+        )
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[Block] = ()) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed."""

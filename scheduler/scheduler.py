@@ -14,76 +14,13 @@ from __future__ import annotations
 
 import sys
 from bisect import insort
-from collections import Counter
-from dataclasses import dataclass, field
 
+from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.kv_cache_manager import KVCacheManager
+from switchyard.scheduler.output import ScheduledSeq, SchedulerOutput
 from switchyard.scheduler.request import RequestStatus, Sequence
 from switchyard.scheduler.request_queue import WaitingQueue
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Batch and cache limits; validated on construction so a bad config fails at startup."""
-
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_blocks: int = 1024
-    enable_prefix_caching: bool = True
-    max_model_len: int = 2048
-    long_prefill_token_threshold: int = 0  # 0 = off; else the most tokens one sequence gets per step
-    # A step that prefills a request leaves out decodes of strictly less important ones: on hardware where a
-    # step's cost grows with its batch (CPUs), that keeps a pro request's first token from waiting on a full
-    # batch of batch-tier decodes. Those decodes lose one step; nothing else changes for them.
-    isolate_priority_prefill: bool = True
-    # Sequences of this priority or less important are background work (batch jobs): they can be limited to a few
-    # per step (set_background_limit) and a step of nothing else may be abandoned. None: no background work.
-    background_priority: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be >= 0 (0 = off)")
-        # One sequence of max_model_len tokens must fit alone once all others are preempted, or it never runs.
-        if self.num_blocks * self.block_size < self.max_model_len:
-            need = -(-self.max_model_len // self.block_size)
-            raise ValueError(
-                f"KV cache holds {self.num_blocks * self.block_size} tokens, less than max_model_len="
-                f"{self.max_model_len}: set num_blocks >= {need} or lower max_model_len"
-            )
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step: compute tokens ``[start_pos, start_pos + num_new_tokens)``."""
-
-    seq: Sequence
-    num_new_tokens: int
-    start_pos: int  # seq.num_computed_tokens before the step
-    block_table: list[int]  # the sequence's block ids, a copy the engine may keep
-    needs_sample: bool  # this chunk reaches the last token, so its logits give the next token
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens this step computes (a slice of the sequence's tokens)."""
-        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs: running sequences first, then newly admitted ones."""
-
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    is_background_only: bool = False  # every scheduled sequence is background work
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from switchyard.scheduler.seats import TenantSeats, outranks
 
 
 def _sort_key(seq: Sequence) -> tuple[int, float, str]:
@@ -334,7 +271,7 @@ class Scheduler:
                         break
                     refund = self._yield_to(seq, scheduled, preempted)
                 budget += refund  # seq takes the seat now (the one preempted for it waits, perhaps ahead of it)
-            if self._is_prefix_in_flight(seq):
+            if self.kv_cache.is_prefix_in_flight(seq, self._running):
                 break  # one step later its next blocks are cache hits instead of computed twice
             while True:
                 computed_blocks, num_hit = self.kv_cache.get_computed_blocks(seq)
@@ -372,24 +309,6 @@ class Scheduler:
                        if e.seq.priority > top and e.start_pos >= e.seq.num_prompt_tokens]:
             del scheduled[seq_id]
 
-    def _is_prefix_in_flight(self, seq: Sequence) -> bool:
-        """True when a running sequence is computing ``seq``'s next uncached full block right now (the same
-        prefix: a burst of requests sharing a system prompt). Admitting ``seq`` in the same step would compute
-        that prefix a second time; waiting a step makes it a prefix-cache hit."""
-        if not self.config.enable_prefix_caching:
-            return False
-        bs = self.config.block_size
-        _, num_hit = self.kv_cache.get_computed_blocks(seq)
-        index = num_hit // bs
-        if (index + 1) * bs > seq.num_tokens - 1:
-            return False  # no further full block it could share
-        wanted = self.kv_cache.block_hash(seq, index)
-        return any(
-            other.num_computed_tokens <= index * bs and (index + 1) * bs <= other.num_prompt_tokens
-            and self.kv_cache.block_hash(other, index) == wanted
-            for other in self._running
-        )
-
     def _yield_to(self, seq: Sequence, scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> int | None:
         """Preempt a running sequence for ``seq`` (see ``_victim_for``); returns the tokens its cancelled schedule
         gives back to the budget, or None when nobody yields."""
@@ -407,29 +326,28 @@ class Scheduler:
         None when there is none (the usual case: one tenant, or seats shared evenly)."""
         if not self._running or self._running[-1].priority != head.priority:
             return None
-        held = self._seats_by_tenant(head.priority)
-        most = max(held.values())
+        seats = self._tenant_seats(head.priority)
         others = sorted((s for s in self._waiting if s.priority == head.priority and s.tenant != head.tenant
                          and s not in preempted), key=_sort_key)
-        return next((s for s in others if held.get(s.tenant, 0) + 2 <= most), None)
+        return next((s for s in others if seats.may_take(s.tenant)), None)
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
-        """Who gives up a seat to ``seq``: the least important running sequence if it is strictly less important;
-        at equal priority, the latest of the tenant holding the most seats of that priority, if that is at least
-        two more than ``seq``'s tenant holds (the seats end up shared evenly, and nothing thrashes at one apart)."""
+        """Who gives up a seat to ``seq`` (scheduler/seats.py): the least important running sequence if ``seq``
+        outranks it; at equal priority, the latest of the tenant holding the most seats of that priority, if
+        ``seq``'s tenant may take one of them."""
         if not self._running:
             return None
         least = self._running[-1]
         if least.priority != seq.priority:
-            return least if least.priority > seq.priority else None
-        held = self._seats_by_tenant(seq.priority)
-        holder, most = max(held.items(), key=lambda item: (item[1], item[0]))
-        if most < held.get(seq.tenant, 0) + 2:
+            return least if outranks(seq.priority, least.priority) else None
+        seats = self._tenant_seats(seq.priority)
+        if not seats.may_take(seq.tenant):
             return None
+        holder = seats.holder()
         return max((s for s in self._running if s.priority == seq.priority and s.tenant == holder), key=_sort_key)
 
-    def _seats_by_tenant(self, priority: int) -> Counter:
-        return Counter(s.tenant for s in self._running if s.priority == priority)
+    def _tenant_seats(self, priority: int) -> TenantSeats:
+        return TenantSeats(s.tenant for s in self._running if s.priority == priority)
 
     def _scheduled(self, seq: Sequence, num_new: int, block_table: list[int]) -> ScheduledSeq:
         start = seq.num_computed_tokens

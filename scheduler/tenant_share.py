@@ -7,7 +7,7 @@ lifted to the smallest counter among the tenants still queued, so it cannot spen
 and a tenant that floods cannot push another's requests behind its own: the difference in service between two
 backlogged tenants stays bounded by about one request's tokens.
 
-Pure bookkeeping, no I/O: the worker (workers/service/worker.py) says which tenants have requests queued, asks
+Pure bookkeeping, no I/O: the worker (workers/service/tenant_queues.py) says which tenants have requests queued, asks
 ``pick`` which to pull from, and charges what it served. Counters are per worker; several workers each
 share their own pulls fairly, so the tier's service is shared fairly too.
 """

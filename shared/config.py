@@ -100,12 +100,10 @@ class GatewayConfig(BaseModel):
     safety: SafetyConfig = Field(default_factory=SafetyConfig)  # input and output filters
 
 
-class WorkerConfig(BaseModel):
-    model: str = "smollm2"  # a registry name (see workers.model_store) or a local HF model directory
-    served_model_name: str | None = None
-    aliases: list[str] = Field(default_factory=list)  # more names clients may use for it (in the worker registry)
-    dtype: str = "auto"  # auto: bfloat16 where supported, else float32
-    device: str = "auto"  # auto: cuda when available
+class EngineSettings(BaseModel):
+    """The engine's part of a worker's settings, handed to the engine whole (workers/engine/config.py takes every
+    field by its name): a new engine setting is a field here and one in ``EngineConfig``, nothing in between."""
+
     max_num_seqs: int = Field(32, ge=1)  # sequences running at once
     max_num_batched_tokens: int = Field(512, ge=16)  # per-step token budget (prefill chunks + decodes)
     block_size: int = Field(16, ge=1)  # tokens per KV block
@@ -113,6 +111,16 @@ class WorkerConfig(BaseModel):
     gpu_memory_fraction: float = Field(0.8, gt=0, le=1)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # CUDA: replay decode steps from graphs captured at start
+
+
+class WorkerConfig(EngineSettings):
+    """A worker's settings: its model and engine (``EngineSettings``), then the service's own."""
+
+    model: str = "smollm2"  # a registry name (see workers.model_store) or a local HF model directory
+    served_model_name: str | None = None
+    aliases: list[str] = Field(default_factory=list)  # more names clients may use for it (in the worker registry)
+    dtype: str = "auto"  # auto: bfloat16 where supported, else float32
+    device: str = "auto"  # auto: cuda when available
     heartbeat_s: float = Field(3.0, gt=0)
     # SIGTERM: stop pulling, keep heartbeating, give running requests this long to finish, then end the rest
     # with 503 worker_shutdown and exit.

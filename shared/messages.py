@@ -190,6 +190,7 @@ class TokenDelta(msgspec.Struct):
 
     The first message (``text == ""``, ``num_tokens == 0``) says the worker took the request. The last one has
     ``finish_reason`` (stop, length, cancelled, error) and ``usage``; an ``error`` may come instead of any text.
+    With ``n`` > 1 each choice's last has ``finish_reason``; the request's last also has ``is_last``.
     """
 
     request_id: str
@@ -212,6 +213,8 @@ class TokenDelta(msgspec.Struct):
     attempt: int = 0  # the run it comes from: 0, then the ``resume.attempt`` of each continuation
     prompt_tokens: int = 0  # on the first message: the prompt's tokens, for billing a request whose worker died
     tool_calls: list[ToolCallDelta] | None = None  # tool calls found in this delta's tokens (``text`` is content)
+    # The request's last delta: every choice has ended (the engine counts them, nobody else need) or it failed.
+    is_last: bool = False
 
 
 class UsageRecord(msgspec.Struct):

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import switchyard.workers.engine.choice as choice_module
 import switchyard.workers.engine.engine as engine_module
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from switchyard.workers.engine.engine import Engine, EngineConfig
@@ -130,7 +131,7 @@ def test_a_request_that_fails_while_being_added_leaves_nothing_behind(engine, mo
             raise OverflowError("injected")
         return None
 
-    monkeypatch.setattr(engine_module, "make_generator", make_generator)
+    monkeypatch.setattr(choice_module, "make_generator", make_generator)
     bad = GenerateRequest("bad", "tiny", "pro", SamplingParams(n=3, seed=1, max_tokens=4), created_at=0.0,
                           deadline_at=1e18, prompt="the fox")
     with pytest.raises(OverflowError):

@@ -5,19 +5,24 @@
                 ──▶ tool-call parser (content and tool_calls apart) ──▶ the choice's delta
 
 The engine decides when a choice ends (EOS, stop string, length, a complete grammar) and asks ``final`` for what
-its last delta carries; everything between a token id and the text a client sees is here.
+its last delta carries; everything between a token id and the text a client sees is here, and so is how a
+continuation's choice takes up the text its first worker already sent (``resume``).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 from switchyard.scheduler import Sequence
-from switchyard.shared.messages import SamplingParams, TokenLogprob, ToolCallDelta
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenLogprob, ToolCallDelta
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
-from switchyard.workers.engine.output_filter import StreamGuard
+from switchyard.workers.engine.output_filter import OutputSafety, StreamGuard
+from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected
+from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator
+from switchyard.workers.engine.tool_calls import call_id
 from switchyard.workers.engine.tool_parser import ToolCallParser
 
 log = logging.getLogger("switchyard.engine")
@@ -30,7 +35,6 @@ class RequestState:
     num_prompt_tokens: int
     seq_ids: list[str]
     held: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for choice 0's prefill
-    num_dropped_messages: int = 0
     num_finished: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -98,3 +102,68 @@ class Choice:
         if self.tools.num_calls and reason == "stop":
             reason = "tool_calls"
         return text + more_text, (calls + more_calls) or None, reason
+
+
+def resume(seq: Sequence, token_ids: list[int], text_len: int) -> None:
+    """Make a new sequence go on from ``token_ids`` generated elsewhere, of whose text the client has
+    ``text_len`` characters."""
+    choice: Choice = seq.data
+    try:
+        seq.resume(token_ids)
+    except ValueError as exc:
+        raise RequestRejected(ErrorInfo(str(exc), code="invalid_value", param="resume")) from exc
+    primed = choice.detokenizer.add_tokens(token_ids)
+    if choice.matcher is not None and not choice.matcher.consume_tokens(token_ids):
+        raise RequestRejected(ErrorInfo("The resumed tokens do not follow the request's response_format.",
+                                        code="invalid_value", param="resume"))
+    if choice.detokenizer.is_stopped:
+        raise RequestRejected(ErrorInfo("The resumed tokens already contain a stop string.",
+                                        code="invalid_value", param="resume"))
+    # The same ids decode to the same text and hold back the same tail, so these differ only if the first
+    # worker decoded differently; either way the client gets each character once. What the client is owed
+    # before them (an echoed prompt) counts as sent text too.
+    owed = choice.unsent_text + primed
+    choice.skip_chars = max(0, text_len - len(owed))
+    choice.unsent_text = owed[text_len:]
+    if choice.guard is not None:
+        choice.guard.prime(owed[:text_len])
+    if choice.generator is not None and choice.request.params.temperature >= GREEDY_TEMPERATURE:
+        # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
+        for _ in token_ids:
+            choice.generator.random()
+
+
+def new_request(req: GenerateRequest, prepared: PreparedPrompt, tokenizer, safety: OutputSafety, priority: int,
+                ) -> tuple[RequestState, list[Sequence]]:
+    """``req``'s state and a sequence per choice, all built before the scheduler sees any of it: a request that
+    fails here (``RequestRejected``) leaves nothing behind. A continuation's one choice goes on from its tokens."""
+    params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
+    if req.resume is not None and (params.n != 1 or req.tool_use is not None):
+        param = "n" if params.n != 1 else "tools"
+        raise RequestRejected(ErrorInfo(f"A request with {param} set cannot be resumed.",
+                                        code="invalid_value", param=param))
+    state = RequestState(req.request_id, params, len(prompt_ids), seq_ids=[])
+    arrival = time.monotonic()
+    # vLLM's cache_salt idea: a tenant's blocks are found only by its own requests (see GenerateRequest).
+    cache_salt = "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
+    seqs = []
+    for index in range(params.n):
+        seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"
+        seed = None if params.seed is None else params.seed + index
+        choice = Choice(state, index,
+                        IncrementalDetokenizer(tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
+                        make_generator(seed),
+                        unreported_logprobs=[] if params.logprobs else None,
+                        guard=safety.guard(req, index))
+        if prepared.matcher is not None:  # each choice follows the grammar on its own
+            choice.matcher = prepared.matcher if index == 0 else prepared.matcher.deep_copy()
+        if req.tool_use is not None and req.tool_use.choice != "none":
+            choice.tools = ToolCallParser(lambda k, i=index: call_id(req.request_id, i, k))
+        if params.echo:  # legacy completions: the text starts with the prompt, as the client wrote it
+            choice.unsent_text = req.prompt if req.prompt is not None else tokenizer.decode(prompt_ids)
+        seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
+                             cache_salt=cache_salt, tenant=req.tenant_id or ""))
+        state.seq_ids.append(seq_id)
+    if req.resume is not None:
+        resume(seqs[0], req.resume.token_ids, req.resume.text_len)
+    return state, seqs

@@ -17,52 +17,32 @@ instead of computing them n times.
 
 from __future__ import annotations
 
+import copy
 import logging
-import time
-from dataclasses import dataclass
+import threading
 
 import torch
 
-from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, Sequence, finish_reason
+from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, Sequence, finish_reason
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
-from switchyard.workers.engine.choice import Choice, RequestState
-from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
+from switchyard.workers.engine.choice import Choice, RequestState, new_request
+from switchyard.workers.engine.config import EngineConfig
 from switchyard.workers.engine.guided import Grammars, fill_masks
-from switchyard.workers.engine.output_filter import OutputSafety
-from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected, eos_token_ids, prepare_prompt
-from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator, sample
-from switchyard.workers.engine.stats import EngineStats
-from switchyard.workers.engine.tool_calls import call_id
-from switchyard.workers.engine.tool_parser import ToolCallParser
+from switchyard.workers.engine.logprobs import TokenLogprobs
+from switchyard.workers.engine.output_filter import OutputSafety, SafetyEvent
+from switchyard.workers.engine.prompts import PreparedPrompt, eos_token_ids, prepare_prompt
+from switchyard.workers.engine.sampling import sample
+from switchyard.workers.engine.stats import EngineCapacity, EngineStats, capacity_of, stats_of
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
 
 log = logging.getLogger("switchyard.engine")
 
 
-_TIER_BY_PRIORITY = {get_tier(name).priority: name for name in TIER_NAMES}
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512  # per-step token budget shared by prefill chunks and decodes
-    block_size: int = 16
-    kv_cache_bytes: int | None = None  # CPU: this many bytes; None: 2 GiB on CPU, 80% of free memory on GPU
-    gpu_memory_fraction: float = 0.8
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # None: the model's own context
-    # A step of background (batch) sequences only runs this many layers per step() call, so an interactive request
-    # added between two calls drops it instead of waiting for it to finish (see Engine.step).
-    background_layers_per_call: int = 1
-    # CUDA with triton attention: replay decode steps from CUDA graphs captured at start (off: every step eager).
-    cuda_graphs: bool = True
-    attention_backend: str | None = None  # None: the best for the device (executor.attention.make_attention)
-
-
 class Engine:
-    """Runs many requests at once on a Llama-family model; see the module docstring."""
+    """Runs many requests at once on a Llama-family model; see the module docstring. The worker serves from it
+    through ``ServingEngine`` (workers/engine/interface.py); tests and benchmarks also drive it directly."""
 
     def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -71,7 +51,7 @@ class Engine:
         dtype = next(model.parameters()).dtype
         hf_config = model.config
         self.max_context = min(int(hf_config.max_position_embeddings), config.max_model_len or 1 << 30)
-        budget = config.kv_cache_bytes or _default_kv_budget(device, config.gpu_memory_fraction)
+        budget = config.kv_budget(device)
         num_blocks = ModelRunner.num_blocks_for_budget(hf_config, dtype, config.block_size, budget)
         blocks_per_seq = -(-self.max_context // config.block_size)
         # Never more than every slot at full context twice over (the rest would only hold stale prefixes), and
@@ -82,22 +62,19 @@ class Engine:
                                   attention_backend=config.attention_backend)
         if config.cuda_graphs and device.type == "cuda" and self.runner.attention.name == "triton":
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_context)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            block_size=config.block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            max_model_len=self.max_context,
-            background_priority=get_tier(BATCH_TIER).priority,
-        ))
+        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_context,
+                                                           background_priority=get_tier(BATCH_TIER).priority))
         self._eos = eos_token_ids(model, tokenizer)
         self.vocab_size = int(hf_config.vocab_size)  # the model's logits
         self._grammars: Grammars | None = None
         self._requests: dict[str, RequestState] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self.safety = OutputSafety()  # output filters; the worker takes their verdicts after each step
-        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs
+        self._logprobs = TokenLogprobs(tokenizer)
+        # prepare() runs off the step thread: on a tokenizer of its own (a fast tokenizer is not safe to share
+        # between threads), one call at a time.
+        self._prepare_tokenizer = None
+        self._prepare_lock = threading.Lock()
         self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
         self.num_out_of_memory_steps = 0  # steps the device had no memory for (see _shed_for_memory)
         self.num_failed_steps = 0  # steps that raised and were run sequence by sequence (_compute_each_alone)
@@ -114,7 +91,11 @@ class Engine:
             self.runner.attention.name, self.runner.linear_kernel, self.runner.packed_weight_bytes / 2**20,
             self.runner.ops.name, "on" if self.runner.graphs is not None else "off")
 
-    # -- admission ----------------------------------------------------------------------------------------
+    # -- the interface (workers/engine/interface.py) ------------------------------------------------------
+    @property
+    def device_type(self) -> str:
+        return self.runner.device.type
+
     @property
     def max_num_seqs(self) -> int:
         return self.config.max_num_seqs
@@ -129,95 +110,57 @@ class Engine:
         return self.scheduler.num_waiting
 
     @property
-    def num_waiting_new(self) -> int:
-        """Of those, the ones not started yet (preempted ones aside)."""
-        return self.scheduler.num_waiting_new
-
-    @property
     def num_free_slots(self) -> int:
         """How many more requests the worker may pull now (the backlog stays in JetStream)."""
-        if self.scheduler.kv_cache.usage > 0.95:
-            return 0
-        return self.scheduler.num_free_slots
+        return self.capacity().num_free_seats
+
+    def capacity(self) -> EngineCapacity:
+        """Seats, KV use and waiting sequences now; call it where steps run (it reads the scheduler's lists)."""
+        return capacity_of(self.scheduler)
+
+    def stats(self) -> EngineStats:
+        """Load per tier and counters since start; call it where steps run (it reads the scheduler's lists)."""
+        return stats_of(self.scheduler, *self._last_batch)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._in_flight is not None
 
+    def prepare(self, req: GenerateRequest) -> PreparedPrompt:
+        """``req``'s prompt, tokenized and checked, and its grammar compiled (``prepare_prompt``): safe to call
+        off the step thread while steps run, so that none of it delays a step."""
+        with self._prepare_lock:
+            if self._prepare_tokenizer is None:
+                self._prepare_tokenizer = copy.deepcopy(self.tokenizer)
+            return prepare_prompt(self._prepare_tokenizer, req, self.max_context, self.grammars, self.vocab_size)
+
+    def warmup(self) -> None:
+        """What would otherwise be made on first use (kernels, allocator, ``prepare``'s tokenizer), made now."""
+        self.runner.warmup()
+        with self._prepare_lock:
+            self._prepare_tokenizer = self._prepare_tokenizer or copy.deepcopy(self.tokenizer)
+
+    def shutdown(self) -> None:
+        """Nothing to release but memory, which goes with the engine: running requests are the worker's to end."""
+
+    def take_safety_events(self) -> list[SafetyEvent]:
+        return self.safety.take_events()
+
     def add_request(self, req: GenerateRequest, prepared: PreparedPrompt | None = None) -> int:
-        """Queue ``req``; returns its prompt token count. ``prepared``: its prompt as ``prepare_prompt`` made it
-        off the step thread; without it the prompt is tokenized here. Raises ``RequestRejected`` before compute
-        for what can never run here (over the context, bad n)."""
+        """Queue ``req``; returns its prompt token count. ``prepared``: its prompt as ``prepare`` made it off the
+        step thread; without it the prompt is tokenized here. Raises ``RequestRejected`` before compute for what
+        can never run here (over the context, bad n)."""
         if req.request_id in self._requests:
             raise ValueError(f"request {req.request_id!r} is already running")
         if prepared is None:
             prepared = prepare_prompt(self.tokenizer, req, self.max_context, self.grammars, self.vocab_size)
-        params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
-        state = RequestState(req.request_id, params, len(prompt_ids), seq_ids=[],
-                         num_dropped_messages=prepared.num_dropped_messages)
-        arrival = time.monotonic()
-        # vLLM's cache_salt idea: a tenant's blocks are found only by its own requests (see GenerateRequest).
-        cache_salt = "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
-        if req.resume is not None and (params.n != 1 or req.tool_use is not None):
-            param = "n" if params.n != 1 else "tools"
-            raise RequestRejected(ErrorInfo(f"A request with {param} set cannot be resumed.",
-                                            code="invalid_value", param=param))
-        # Everything is built before the scheduler sees any of it: a request that fails here leaves nothing behind.
-        seqs = []
-        for index in range(params.n):
-            seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"
-            seed = None if params.seed is None else params.seed + index
-            choice = Choice(state, index,
-                             IncrementalDetokenizer(self.tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
-                             make_generator(seed),
-                             unreported_logprobs=[] if params.logprobs else None,
-                             guard=self.safety.guard(req, index))
-            if prepared.matcher is not None:  # each choice follows the grammar on its own
-                choice.matcher = prepared.matcher if index == 0 else prepared.matcher.deep_copy()
-            if req.tool_use is not None and req.tool_use.choice != "none":
-                choice.tools = ToolCallParser(lambda k, i=index: call_id(req.request_id, i, k))
-            if params.echo:  # legacy completions: the text starts with the prompt, as the client wrote it
-                choice.unsent_text = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids)
-            seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
-                                 cache_salt=cache_salt, tenant=req.tenant_id or ""))
-            state.seq_ids.append(seq_id)
-        if req.resume is not None:
-            self._resume(seqs[0], req.resume.token_ids, req.resume.text_len)
+        state, seqs = new_request(req, prepared, self.tokenizer, self.safety, priority)
         self.scheduler.add_request(seqs[0])
         state.held = seqs[1:]
         if not self.scheduler.is_background(seqs[0]):
             self._drop_in_flight = True  # it must not wait for a batch-only step to finish
         self._requests[req.request_id] = state
-        return len(prompt_ids)
-
-    @staticmethod
-    def _resume(seq: Sequence, token_ids: list[int], text_len: int) -> None:
-        """Make a new sequence go on from ``token_ids`` generated elsewhere, of whose text the client has
-        ``text_len`` characters."""
-        choice: Choice = seq.data
-        try:
-            seq.resume(token_ids)
-        except ValueError as exc:
-            raise RequestRejected(ErrorInfo(str(exc), code="invalid_value", param="resume")) from exc
-        primed = choice.detokenizer.add_tokens(token_ids)
-        if choice.matcher is not None and not choice.matcher.consume_tokens(token_ids):
-            raise RequestRejected(ErrorInfo("The resumed tokens do not follow the request's response_format.",
-                                            code="invalid_value", param="resume"))
-        if choice.detokenizer.is_stopped:
-            raise RequestRejected(ErrorInfo("The resumed tokens already contain a stop string.",
-                                            code="invalid_value", param="resume"))
-        # The same ids decode to the same text and hold back the same tail, so these differ only if the first
-        # worker decoded differently; either way the client gets each character once. What the client is owed
-        # before them (an echoed prompt) counts as sent text too.
-        owed = choice.unsent_text + primed
-        choice.skip_chars = max(0, text_len - len(owed))
-        choice.unsent_text = owed[text_len:]
-        if choice.guard is not None:
-            choice.guard.prime(owed[:text_len])
-        if choice.generator is not None and choice.request.params.temperature >= GREEDY_TEMPERATURE:
-            # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
-            for _ in token_ids:
-                choice.generator.random()
+        return state.num_prompt_tokens
 
     @property
     def grammars(self) -> Grammars:
@@ -225,25 +168,6 @@ class Engine:
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.vocab_size)
         return self._grammars
-
-    def stats(self) -> EngineStats:
-        """Load per tier and counters since start; call it where steps run (it reads the scheduler's lists)."""
-        running, waiting = self.scheduler.counts_by_priority()
-        return EngineStats(
-            running={_TIER_BY_PRIORITY.get(p, "other"): n for p, n in running.items()},
-            waiting={_TIER_BY_PRIORITY.get(p, "other"): n for p, n in waiting.items()},
-            kv_cache_usage=self.scheduler.kv_cache.usage,
-            prefix_cache_queries=self.scheduler.prefix_cache_queries,
-            prefix_cache_hits=self.scheduler.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            batch_size=self._last_batch[0],
-            num_batched_tokens=self._last_batch[1],
-        )
-
-    def num_dropped_messages(self, request_id: str) -> int:
-        """Conversation turns dropped to fit the context when ``request_id`` was added."""
-        state = self._requests.get(request_id)
-        return 0 if state is None else state.num_dropped_messages
 
     def abort_request(self, request_id: str, error: ErrorInfo | None = None) -> bool:
         """Free the request's KV blocks now; its final deltas come with the next step: ``cancelled``, or with
@@ -392,30 +316,6 @@ class Engine:
                           type="server_error", status=503)
         return self._end_request(state, RequestStatus.FINISHED_ERROR, error)
 
-    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> dict[str, TokenLogprob]:
-        """Log-probabilities of the sampled tokens (and the top alternatives) for the rows that asked for them."""
-        rows = [i for i, seq in enumerate(seqs) if seq.data.request.params.logprobs]
-        if not rows:
-            return {}
-        logp = torch.log_softmax(logits[rows].float(), dim=-1)
-        chosen = logp.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=logp.device)).view(-1).tolist()
-        num_top = max(seqs[i].data.request.params.top_logprobs for i in rows)
-        top_values, top_ids = (logp.topk(num_top, dim=-1) if num_top else (logp[:, :0], logp[:, :0].long()))
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        out = {}
-        for j, i in enumerate(rows):
-            k = seqs[i].data.request.params.top_logprobs
-            top = [(self._token_text(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k])]
-            out[seqs[i].seq_id] = TokenLogprob(self._token_text(token_ids[i]), chosen[j], top)
-        return out
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            # As the text is decoded (special tokens left out), so that the tokens spell the content.
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=True)
-        return text
-
     def _on_token(self, seq: Sequence) -> TokenDelta | None:
         choice: Choice = seq.data
         choice.num_unreported_tokens += 1
@@ -470,10 +370,13 @@ class Engine:
         state.num_finished += 1
         state.completion_tokens += seq.num_output_tokens
         state.cached_tokens = max(state.cached_tokens, seq.num_cached_tokens)
+        # Usage so far on every choice's final; the request's last (the one place its choices are counted) has
+        # the request's total.
+        delta = self._delta(seq, text, reason, self._usage(state), error, tool_calls=calls or None)
         if state.num_finished == len(state.seq_ids):
             self._requests.pop(state.request_id, None)
-        # Usage so far on every choice's final: the last one carries the request's total.
-        return self._delta(seq, text, reason, self._usage(state), error, tool_calls=calls or None)
+            delta.is_last = True
+        return delta
 
     @staticmethod
     def _usage(state: RequestState) -> Usage:
@@ -488,10 +391,3 @@ class Engine:
     @property
     def num_blocks(self) -> int:
         return self.scheduler.kv_cache.num_blocks
-
-
-def _default_kv_budget(device: torch.device, fraction: float) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * fraction)
-    return 2 * 2**30

@@ -1,9 +1,33 @@
-"""What the engine reports about itself after a step, for the worker's metrics: a snapshot taken on the step
-thread (the only thread that touches the engine) and handed to the event loop as data."""
+"""What our engine reports about itself after a step: how full it is (``EngineCapacity``, which the worker turns
+into what it may pull) and its load and counters (``EngineStats``, for metrics). Snapshots taken on the step
+thread (the only thread that touches the engine) and handed to the event loop as data; both types belong to the
+engine interface (workers/engine/interface.py), whichever engine fills them in.
+"""
 
 from __future__ import annotations
 
 import msgspec
+
+from switchyard.scheduler import Scheduler
+from switchyard.shared.tiers import TIER_NAMES, get_tier
+
+# Past this KV use the engine takes no new request whatever its seats: the ones it runs need the blocks to grow
+# into, and a new one would only be preempted again.
+KV_NEARLY_FULL = 0.95
+
+_TIER_BY_PRIORITY = {get_tier(name).priority: name for name in TIER_NAMES}
+
+
+class EngineCapacity(msgspec.Struct, frozen=True):
+    """How full an engine is: what the worker's capacity (workers/service/capacity.py) turns into what it may
+    pull from JetStream."""
+
+    max_num_seqs: int  # seats: requests that may run at once
+    num_free_seats: int  # requests that may be added now (0 while the KV cache is nearly full)
+    num_running: int
+    num_waiting: int  # queued inside the engine: not started yet, or preempted
+    num_waiting_new: int  # of those, the ones never started (the preempted ones were pulled long ago)
+    kv_cache_usage: float  # fraction of the KV cache in use, 0..1
 
 
 class EngineStats(msgspec.Struct):
@@ -17,3 +41,25 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int
     batch_size: int = 0  # sequences in the last step that ran
     num_batched_tokens: int = 0  # tokens computed in it (prefill chunks + decodes)
+
+
+def capacity_of(scheduler: Scheduler) -> EngineCapacity:
+    """``scheduler``'s seats and KV use now."""
+    usage = scheduler.kv_cache.usage
+    return EngineCapacity(scheduler.config.max_num_seqs, 0 if usage > KV_NEARLY_FULL else scheduler.num_free_slots,
+                          scheduler.num_running, scheduler.num_waiting, scheduler.num_waiting_new, usage)
+
+
+def stats_of(scheduler: Scheduler, batch_size: int, num_batched_tokens: int) -> EngineStats:
+    """``scheduler``'s load per tier and counters since start, with the size of the last step that ran."""
+    running, waiting = scheduler.counts_by_priority()
+    return EngineStats(
+        running={_TIER_BY_PRIORITY.get(p, "other"): n for p, n in running.items()},
+        waiting={_TIER_BY_PRIORITY.get(p, "other"): n for p, n in waiting.items()},
+        kv_cache_usage=scheduler.kv_cache.usage,
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions,
+        batch_size=batch_size,
+        num_batched_tokens=num_batched_tokens,
+    )

@@ -1,1 +1,2 @@
-"""The worker service: NATS intake, the step loop around ``Engine.step()``, and publishing its outputs."""
+"""The worker service: the I/O shell around an engine (intake, capacity, the step loop, publishing, liveness; see
+``worker.py``), which reaches the engine only through ``workers/engine/interface.py``."""

@@ -1,56 +1,33 @@
-"""What a worker sends out: token deltas (core NATS), usage records and batch results (JetStream, durable)."""
+"""What a worker sends out: token deltas (core NATS), usage records and batch results (JetStream, durable).
+
+    started(tracked)   the first, empty delta ("taken", with the prompt's tokens) and a batch line's "started"
+    relay(tracked, d)  each step's delta of a request (a batch line's text is gathered for its result)
+    finished(tracked)  after the request's last delta: its usage record, then a batch line's whole result
+    error(request, e)  instead of any of these, or of the rest: the request ends with ``e``
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import publish_once
 from switchyard.shared.messages import (
-    BatchChoice,
     BatchResult,
     ErrorInfo,
     GenerateRequest,
     TokenDelta,
     Usage,
     UsageRecord,
-    add_tool_call_parts,
     encode,
 )
-from switchyard.workers.engine.prompts import PreparedPrompt
+from switchyard.workers.service.held import Tracked
 
 log = logging.getLogger("switchyard.worker")
 
 # How long a usage record or batch result is retried through a NATS outage (a cluster electing a leader takes
 # seconds, a restarted server about as long) before it is logged as lost. Deltas wait behind it meanwhile.
 RECORD_RETRY_S = 30.0
-
-
-@dataclass(slots=True)
-class Tracked:
-    """A request this worker has taken: its timings and counts so far, for its usage record."""
-
-    request: GenerateRequest
-    received_at: float
-    admitted_at: float = 0.0
-    first_token_at: float | None = None
-    num_finished: int = 0
-    prompt_tokens: int = 0
-    dropped_messages: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
-    prepared: PreparedPrompt | None = None  # its prompt, tokenized at intake
-    superseded: bool = False  # a gateway took this worker for dead and continued it elsewhere: not billed here
-    trace_context: object | None = None  # the gateway's trace, from the message headers (shared/tracing.py)
-
-    def collect(self, delta: TokenDelta) -> None:
-        choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))
-        choice.text += delta.text
-        choice.finish_reason = delta.finish_reason or choice.finish_reason
-        add_tool_call_parts(choice.tool_calls, delta.tool_calls)
-
 
 
 def attempt_of(request: GenerateRequest) -> int:
@@ -74,9 +51,24 @@ class Publisher:
         self._next_seq[delta.request_id] = delta.seq + 1
         await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
 
+    async def started(self, tracked: Tracked) -> None:
+        """``tracked`` is in the engine: its first delta, and a batch line's hint for the batch runner."""
+        req = tracked.request
+        await self.delta(TokenDelta(req.request_id, dropped_messages=tracked.dropped_messages,
+                                    prompt_tokens=tracked.prompt_tokens, attempt=attempt_of(req)))
+        if req.result_subject:
+            await self.batch_result(req, BatchResult(req.request_id, self.worker_id, started=True))
+
+    async def relay(self, tracked: Tracked, delta: TokenDelta) -> None:
+        """One of the engine's deltas of ``tracked``."""
+        delta.attempt = attempt_of(tracked.request)
+        await self.delta(delta)
+        if tracked.request.result_subject:
+            tracked.collect(delta)
+
     async def error(self, request: GenerateRequest, error: ErrorInfo) -> None:
         """Answer ``request`` with ``error`` instead of running (or finishing) it."""
-        await self.delta(TokenDelta(request.request_id, error=error, attempt=attempt_of(request)))
+        await self.delta(TokenDelta(request.request_id, error=error, attempt=attempt_of(request), is_last=True))
         self._next_seq.pop(request.request_id, None)
         if request.result_subject:
             await self.batch_result(request, BatchResult(request.request_id, self.worker_id, error=error))
@@ -124,6 +116,5 @@ class Publisher:
         if req.result_subject:  # after the usage record: a line is never done but unbilled
             usage = Usage(tracked.prompt_tokens, tracked.completion_tokens, tracked.cached_tokens)
             choices = [tracked.choices[i] for i in sorted(tracked.choices)]
-            await self.batch_result(req, BatchResult(req.request_id, self.worker_id, choices=choices,
-                                                              usage=usage))
+            await self.batch_result(req, BatchResult(req.request_id, self.worker_id, choices=choices, usage=usage))
 

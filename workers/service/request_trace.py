@@ -4,7 +4,7 @@ the gateway's span (the trace context came in the request message's headers), re
 from __future__ import annotations
 
 from switchyard.shared.tracing import child_context, record_span
-from switchyard.workers.service.publisher import Tracked
+from switchyard.workers.service.held import Tracked
 
 
 def record_request_trace(tracked: Tracked, worker_id: str, finish_reason: str, ended_at: float) -> None:

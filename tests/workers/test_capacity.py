@@ -1,0 +1,90 @@
+"""The worker's capacity alone: what it may pull from which tier, for which tenant, and the batch limit per step,
+from an engine's capacity and the requests it holds (no NATS, no model)."""
+
+from __future__ import annotations
+
+from switchyard.scheduler.background import BackgroundPolicy
+from switchyard.shared import subjects
+from switchyard.shared.config import WorkerConfig
+from switchyard.shared.messages import GenerateRequest, SamplingParams
+from switchyard.workers.engine.interface import EngineCapacity
+from switchyard.workers.service.capacity import allowance, background_policy
+from switchyard.workers.service.held import HeldRequests, Tracked
+
+ALL_TIERS = {"enterprise", "pro", "free", "batch"}
+
+
+def tracked(i: int, tier: str, tenant: str = "t") -> Tracked:
+    return Tracked(GenerateRequest(f"r{i}", "tiny", tier, SamplingParams(), created_at=0.0, deadline_at=1e18,
+                                   prompt="x", tenant_id=tenant), received_at=0.0)
+
+
+def holding(active: list[Tracked], pending: list[Tracked] = (), num_admitting: int = 0) -> HeldRequests:
+    held = HeldRequests()
+    held.active = {t.request.request_id: t for t in active}
+    held.pending = [(t, None) for t in pending]
+    held.num_admitting = num_admitting
+    return held
+
+
+def engine(free: int, running: int, seats: int = 8, waiting_new: int = 0) -> EngineCapacity:
+    return EngineCapacity(seats, free, running, waiting_new, waiting_new, 0.1)
+
+
+def no_batch_limit() -> BackgroundPolicy:
+    return BackgroundPolicy(seats_when_busy=None, busy_window_s=10.0)
+
+
+def test_with_free_seats_every_tier_may_be_pulled():
+    allowed = allowance(engine(free=3, running=5), holding([tracked(i, "pro") for i in range(5)]), no_batch_limit())
+    assert allowed.num_free_seats == 3 and set(allowed.pull) == ALL_TIERS
+    assert all(not out for out in allowed.pull.values()) and allowed.background_limit is None
+
+
+def test_requests_on_their_way_in_take_free_seats_too():
+    held = holding([tracked(0, "pro")], pending=[tracked(1, "pro"), tracked(2, "pro")], num_admitting=1)
+    assert allowance(engine(free=3, running=1), held, no_batch_limit()).num_free_seats == 0
+
+
+def test_with_every_seat_taken_only_seat_takers_are_pulled():
+    running = [tracked(i, "free", "heavy") for i in range(6)] + [tracked(6, "free", "light"), tracked(7, "pro")]
+    allowed = allowance(engine(free=0, running=8), holding(running), no_batch_limit())
+    # More important than the least important running tier: anyone; in that tier, not the tenants that hold
+    # enough already (light holds 1, heavy 6: light may still take one of heavy's).
+    heavy = subjects.tenant_token("heavy")
+    assert allowed.pull == {"enterprise": frozenset(), "pro": frozenset(), "free": frozenset({heavy})}
+
+
+def test_tenants_sharing_seats_evenly_take_no_more_but_a_newcomer_may():
+    a, b = subjects.tenant_token("a"), subjects.tenant_token("b")
+    running = [tracked(i, "pro", "a") for i in range(4)] + [tracked(i + 4, "pro", "b") for i in range(3)]
+    allowed = allowance(engine(free=0, running=7, seats=7), holding(running), no_batch_limit())
+    assert allowed.pull == {"enterprise": frozenset(), "pro": frozenset({a, b})}
+    # Nobody holds two seats: no tenant would get one, so the tier is not pulled from at all.
+    one_each = allowance(engine(free=0, running=2, seats=2), holding([tracked(0, "pro", "a"), tracked(1, "pro", "b")]),
+                         no_batch_limit())
+    assert one_each.pull == {"enterprise": frozenset()}
+
+
+def test_seat_takers_are_bounded_by_the_headroom():
+    running = [tracked(i, "free") for i in range(16)]
+    # 16 seats: 2 may wait beyond them; one is in the engine already and one is on its way in.
+    held = holding(running, pending=[tracked(99, "pro")])
+    assert allowance(engine(free=0, running=16, seats=16, waiting_new=1), held, no_batch_limit()).pull == {}
+    assert allowance(engine(free=0, running=16, seats=16), held, no_batch_limit()).pull
+
+
+def test_batch_yields_to_interactive_work():
+    policy = BackgroundPolicy(seats_when_busy=2, busy_window_s=10.0)
+    batch = [tracked(i, "batch") for i in range(2)]
+    allowed = allowance(engine(free=4, running=3), holding(batch + [tracked(9, "pro")]), policy)
+    assert "batch" not in allowed.pull and allowed.background_limit == 2
+    idle = allowance(engine(free=4, running=2), holding(batch), BackgroundPolicy(2, busy_window_s=0.0))
+    assert "batch" in idle.pull and idle.background_limit is None
+
+
+def test_the_default_batch_policy_depends_on_the_device():
+    assert background_policy(WorkerConfig(), "cpu").seats_when_busy == 2
+    assert background_policy(WorkerConfig(), "cuda").seats_when_busy is None
+    assert background_policy(WorkerConfig(batch_seqs_when_busy=0), "cpu").seats_when_busy is None
+    assert background_policy(WorkerConfig(batch_seqs_when_busy=5), "cuda").seats_when_busy == 5

@@ -1,0 +1,65 @@
+"""The engine's settings, and what they come to for its scheduler.
+
+    WorkerConfig (shared/config.py, an EngineSettings) ──from_settings──▶ EngineConfig ──scheduler_config──▶ SchedulerConfig
+         every EngineSettings field, by name                 + what the model and the device decide:
+         (the KV cache given in GiB, taken in bytes)           the context, the number of KV blocks
+
+Settings travel whole: a field goes from one to the next by its name, so a new setting is declared where it is
+set and where it is used, and nothing in between copies it by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from switchyard.scheduler import SchedulerConfig
+from switchyard.shared.config import EngineSettings
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # per-step token budget shared by prefill chunks and decodes
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # CPU: this many bytes; None: 2 GiB on CPU, 80% of free memory on GPU
+    gpu_memory_fraction: float = 0.8
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's own context
+    # A step of background (batch) sequences only runs this many layers per step() call, so an interactive request
+    # added between two calls drops it instead of waiting for it to finish (see Engine.step).
+    background_layers_per_call: int = 1
+    # CUDA with triton attention: replay decode steps from CUDA graphs captured at start (off: every step eager).
+    cuda_graphs: bool = True
+    attention_backend: str | None = None  # None: the best for the device (executor.attention.make_attention)
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> EngineConfig:
+        """The engine's settings as a worker was given them: every field of ``EngineSettings``, by name."""
+        given = settings.model_dump(include=set(EngineSettings.model_fields))
+        gib = given.pop("kv_cache_gib")
+        return cls(**given, kv_cache_bytes=None if gib is None else int(gib * 2**30))
+
+    def kv_budget(self, device: torch.device) -> int:
+        """The KV cache's bytes: as set, else ``gpu_memory_fraction`` of the free memory on a GPU, 2 GiB on a CPU
+        (whose memory the model, the OS and the other processes share)."""
+        if self.kv_cache_bytes:
+            return self.kv_cache_bytes
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return int(free * self.gpu_memory_fraction)
+        return 2 * 2**30
+
+    def scheduler_config(self, num_blocks: int, max_model_len: int, background_priority: int | None,
+                         ) -> SchedulerConfig:
+        """The scheduler's settings: every field the scheduler shares with this config, by name, with what the
+        model and the device decided (``num_blocks``, ``max_model_len``) and the priority from which requests
+        are background (batch) work. The token budget is at least one token per sequence, so a full batch of
+        decodes always fits a step."""
+        shared = {f.name for f in fields(SchedulerConfig)} & {f.name for f in fields(self)}
+        given = {name: getattr(self, name) for name in shared}
+        given["max_num_batched_tokens"] = max(self.max_num_batched_tokens, self.max_num_seqs)
+        given.update(num_blocks=num_blocks, max_model_len=max_model_len, background_priority=background_priority)
+        return SchedulerConfig(**given)
+

@@ -1,0 +1,97 @@
+"""What the worker service needs of an engine: the one typed boundary between them.
+
+    worker service (workers/service/)                 an engine (ours: workers/engine/engine.py)
+    ─────────────────────────────────                 ──────────────────────────────────────────
+    intake thread   prepare(request) ───────────────▶ tokenize, chat template, grammar; checks  ──▶ Prepared
+    step thread     add_request(request, prepared) ─▶ queue it (tier = priority, tenant = cache salt,
+                                                       request.resume = where a continuation starts)
+                    abort_request(request_id, error)
+                    step(background_limit) ─────────▶ schedule → run → update, no I/O           ──▶ [TokenDelta]
+                    capacity() ─────────────────────▶ seats, KV use, waiting: what may be pulled  ──▶ EngineCapacity
+                    stats(), take_safety_events() ──▶ for metrics and heartbeats
+                    shutdown()                         once, after the last step
+
+The worker touches an engine from one thread only (its step thread: torch's OpenMP pool belongs to the calling
+thread), except ``prepare``, which its intake thread calls so that tokenizing never delays a step. Nothing in the
+worker reads an engine's internals: a second engine (vLLM for GPU fleets, a simulated one for load tests) is a
+class with these methods, built in ``workers/service/main.py``'s ``build_engine``.
+
+What a request's deltas must look like (``TokenDelta``, shared/messages.py): at most one per choice per step; each
+choice's last has ``finish_reason`` and the request's usage so far; the request's very last has ``is_last`` and
+the whole request's usage (the engine counts the choices that ended; the worker only reads ``is_last``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
+from switchyard.workers.engine.output_filter import SafetyEvent
+from switchyard.workers.engine.prompts import RequestRejected
+from switchyard.workers.engine.stats import EngineCapacity, EngineStats
+
+__all__ = ["EngineCapacity", "EngineStats", "Prepared", "RequestRejected", "SafetyEvent", "ServingEngine"]
+
+
+class Prepared(Protocol):
+    """A request made ready off the step thread (``ServingEngine.prepare``); opaque to the worker but for this."""
+
+    @property
+    def num_dropped_messages(self) -> int:
+        """Conversation turns dropped to fit the context (the request's first delta says how many)."""
+        ...
+
+
+class ServingEngine(Protocol):
+    """An engine the worker can serve from; see the module docstring for which thread calls what."""
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens one request may hold, prompt and completion (in the worker's heartbeat)."""
+        ...
+
+    @property
+    def device_type(self) -> str:
+        """``cpu`` or ``cuda``: where a step's cost grows with its batch, and where it hardly does."""
+        ...
+
+    def prepare(self, request: GenerateRequest, /) -> Prepared:
+        """Tokenize ``request`` (chat template, history fitted to the context), compile the grammar its output
+        must follow, and check it can run here; raises ``RequestRejected`` with what the client gets otherwise.
+        Safe to call from a thread other than the step thread, while steps run."""
+        ...
+
+    def add_request(self, request: GenerateRequest, prepared: Prepared, /) -> int:
+        """Queue a prepared request; returns its prompt's token count. Raises ``RequestRejected`` for what can
+        never run (and leaves nothing behind); any other exception fails this request alone."""
+        ...
+
+    def abort_request(self, request_id: str, error: ErrorInfo | None = None, /) -> bool:
+        """Stop a request now and free what it holds; its final deltas come with the next step: ``cancelled``,
+        or ``error`` when one is given. False when the engine does not hold it."""
+        ...
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a step would have anything to do (requests to run, finals to send)."""
+        ...
+
+    def step(self, background_limit: int | None = None, /) -> list[TokenDelta]:
+        """One step of every request: schedule → run → update, no I/O. ``background_limit``: at most this many
+        batch-tier sequences run in it (None: no limit; the worker's capacity decides)."""
+        ...
+
+    def capacity(self) -> EngineCapacity:
+        """Seats, KV use and waiting requests now."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Load per tier and counters since start, for metrics."""
+        ...
+
+    def take_safety_events(self) -> list[SafetyEvent]:
+        """The output filter's verdicts since the last call (each is returned once)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the engine holds; no call follows."""
+        ...

@@ -1,0 +1,42 @@
+"""The log-probabilities a request asked for: the model's own (log-softmax of the raw logits, before penalties,
+temperature and grammar masks, as vLLM reports them by default), with each token's text alone."""
+
+from __future__ import annotations
+
+import torch
+
+from switchyard.scheduler import Sequence
+from switchyard.shared.messages import TokenLogprob
+
+
+class TokenLogprobs:
+    """Log-probabilities of sampled tokens and their top alternatives, for the sequences that asked for them."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # token id -> its text alone
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> dict[str, TokenLogprob]:
+        """``logits[i]`` gave ``token_ids[i]`` for ``seqs[i]``; returns seq id -> its entry, for the rows whose
+        request asked for logprobs."""
+        rows = [i for i, seq in enumerate(seqs) if seq.data.request.params.logprobs]
+        if not rows:
+            return {}
+        logp = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = logp.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=logp.device)).view(-1).tolist()
+        num_top = max(seqs[i].data.request.params.top_logprobs for i in rows)
+        top_values, top_ids = (logp.topk(num_top, dim=-1) if num_top else (logp[:, :0], logp[:, :0].long()))
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        out = {}
+        for j, i in enumerate(rows):
+            k = seqs[i].data.request.params.top_logprobs
+            top = [(self._text(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k])]
+            out[seqs[i].seq_id] = TokenLogprob(self._text(token_ids[i]), chosen[j], top)
+        return out
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            # As the text is decoded (special tokens left out), so that the tokens spell the content.
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=True)
+        return text

@@ -1,0 +1,111 @@
+"""What a worker may take on now: the one answer its intake (what to pull, from which tier, for which tenant) and
+its step loop (how many batch sequences the next step runs) both ask for.
+
+    the engine's capacity, as of its last step ─┐
+    the requests held: pending, handed to the   ├──▶ allowance() ──▶ Allowance
+      running step, running (by tier, tenant)   │                     num_free_seats     requests that fit now
+    BackgroundPolicy: batch yields to           │                     pull               tier -> tenants not to pull for
+      interactive work (scheduler/background)   │                     background_limit   batch sequences per step
+    the seat rule (scheduler/seats.py) ─────────┘
+
+With free seats every tier may be pulled. With every seat taken, only what the engine would give a running
+request's seat to (the same seat rule its scheduler follows): a tier more important than the least important one
+running, and in that tier the tenants two seats behind the one holding the most, so a pro request never waits in
+JetStream for a free one to finish and one tenant's flood cannot keep the others out of the batch; at most
+``max_num_seqs // 8`` of them wait in the engine at once. Batch requests are pulled only while the background
+policy lets batch hold another seat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from switchyard.scheduler.background import BackgroundPolicy
+from switchyard.scheduler.seats import TenantSeats, outranks
+from switchyard.shared import subjects
+from switchyard.shared.config import WorkerConfig
+from switchyard.shared.tiers import BATCH_TIER, get_tier, tiers_by_priority
+from switchyard.workers.engine.interface import EngineCapacity
+from switchyard.workers.service.held import HeldRequests
+
+
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """What may be taken on now; see the module docstring."""
+
+    num_free_seats: int  # requests that may be pulled into free seats (<= 0: none)
+    pull: dict[str, frozenset[str]]  # tier -> tenant tokens not to pull for (empty: any); an absent tier: none
+    background_limit: int | None  # batch-tier sequences the next step may run (None: no limit)
+
+
+def allowance(engine: EngineCapacity, held: HeldRequests, background: BackgroundPolicy) -> Allowance:
+    """What may be taken on, given the engine's capacity and what the worker holds on top of it."""
+    num_interactive = sum(t.request.tier != BATCH_TIER for t in held.active.values())
+    # Requests handed to the running step are in the engine's count only once that step is done: count them here.
+    num_free = engine.num_free_seats - len(held.pending) - held.num_admitting
+    if num_free > 0:
+        pull = {t.name: frozenset() for t in tiers_by_priority()}
+    else:
+        pull = _seat_takers(engine, held)
+    if BATCH_TIER in pull:
+        num_batch = (sum(t.request.tier == BATCH_TIER for t in held.active.values())
+                     + sum(t.request.tier == BATCH_TIER for t, _ in held.pending))
+        if not background.may_take_background(num_batch, num_interactive):
+            del pull[BATCH_TIER]  # its seats while interactive traffic is about are taken
+    return Allowance(num_free, pull, background.step_limit(num_interactive))
+
+
+def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozenset[str]]:
+    """With every seat taken: the tiers, and tenants of the least important running tier, whose requests the engine
+    would give a running request's seat to."""
+    # Requests pulled beyond the seats: new ones waiting in the engine or on their way in (not ones taking free
+    # seats, nor ones preempted to make room: they were pulled long ago).
+    beyond = (engine.num_running + engine.num_waiting_new + len(held.pending) + held.num_admitting
+              - engine.max_num_seqs)
+    if beyond >= max(1, engine.max_num_seqs // 8) or not held.active:
+        return {}
+    least = max(get_tier(t.request.tier).priority for t in held.active.values())
+    pull = {t.name: frozenset() for t in tiers_by_priority() if outranks(t.priority, least)}
+    least_tier = next(t.name for t in tiers_by_priority() if t.priority == least)
+    seats = TenantSeats(subjects.tenant_token(t.request.tenant_id) for t in held.active.values()
+                        if t.request.tier == least_tier)
+    excluded = seats.may_not_take()
+    if excluded is not None:
+        pull[least_tier] = frozenset(excluded)
+    return pull
+
+
+def background_policy(settings: WorkerConfig, device_type: str) -> BackgroundPolicy:
+    """The batch policy a worker's settings ask for on its device: unset, 2 seats on a CPU (where a step's cost
+    grows with its batch) and no limit on a GPU (where a decode step costs about the same for 1 or 32); 0: none."""
+    seats = settings.batch_seqs_when_busy
+    if seats is None:
+        seats = 2 if device_type == "cpu" else 0
+    return BackgroundPolicy(seats_when_busy=seats or None, busy_window_s=settings.interactive_busy_s)
+
+
+class Capacity:
+    """The worker's seats as its intake and step loop see them: the engine's capacity after its last step, the
+    requests it holds on top, and the batch policy; ``changed`` is set whenever a step may have changed them."""
+
+    def __init__(self, engine: EngineCapacity, held: HeldRequests, background: BackgroundPolicy) -> None:
+        self.engine = engine
+        self.held = held
+        self.background = background
+        self.changed = asyncio.Event()  # seats freed, or admissions that change who may take a seat
+
+    def update(self, engine: EngineCapacity | None) -> None:
+        """After a step (or failing one): the engine's new capacity (None: unknown, keep the last)."""
+        if engine is not None:
+            self.engine = engine
+        self.changed.set()
+
+    def allowance(self) -> Allowance:
+        return allowance(self.engine, self.held, self.background)
+
+    def summary(self) -> str:
+        e, held = self.engine, self.held
+        return (f"active={len(held.active)} pending_adds={len(held.pending)} admitting={held.num_admitting} "
+                f"running={e.num_running} waiting={e.num_waiting} free_slots={e.num_free_seats} "
+                f"kv_usage={e.kv_cache_usage:.2f}")

@@ -1,0 +1,230 @@
+"""A worker's intake: requests in from JetStream, one at a time, as far as its capacity allows.
+
+    doorbell  llm.req.<model>.> and llm.aff.<worker>.*  ──▶ which queues may have work (tenant_queues.py)
+    run()     capacity.allowance() ─▶ tier (TierShare) ─▶ tenant (TenantShare) ─▶ fetch one message
+    receive   decode ─▶ drop copies and stale offers ─▶ refuse past its deadline ─▶ engine.prepare (intake thread)
+              ─▶ refuse what can never run, or was cancelled meanwhile ─▶ held.add (the step loop adds it)
+    cancels   llm.cancel.*: abort what is held; remember one for a request not here yet (it may be on its way)
+    acks      once the engine took a request, or it was refused; until then marked in progress every second
+
+Taking one request at a time keeps both shares exact and the backlog in JetStream, where any worker can take it.
+Preparing a request (tokenizing, the chat template, compiling its grammar) runs on a thread of the intake's own, so
+it never waits for a step and a step never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from switchyard.scheduler.tier_share import TierShare
+from switchyard.shared.jetstream import is_transient
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, decode
+from switchyard.shared.tier_store import PolicyCache
+from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, tiers_by_priority
+from switchyard.shared.tracing import extract_context
+from switchyard.workers.engine.interface import RequestRejected, ServingEngine
+from switchyard.workers.service.capacity import Capacity
+from switchyard.workers.service.held import HeldRequests, Tracked
+from switchyard.workers.service.publisher import Publisher
+from switchyard.workers.service.tenant_queues import TenantQueues
+from switchyard.workers.service.waiting import first_of
+
+log = logging.getLogger("switchyard.worker")
+
+FETCH_TIMEOUT_S = 0.05  # per fetch; only tiers that may have work are asked
+IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
+EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
+ACK_RETRY_S = 10.0
+CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
+
+
+class Intake:
+    """See the module docstring. ``idle`` is set while it has nothing it may take (the step loop waits for it
+    after freeing seats, so that they are refilled before the next step starts)."""
+
+    def __init__(self, engine: ServingEngine, js, model_name: str, worker_id: str, held: HeldRequests,
+                 capacity: Capacity, out: Publisher) -> None:
+        self._engine = engine
+        self._worker_id = worker_id
+        self._held = held
+        self._capacity = capacity
+        self._out = out
+        self.queues = TenantQueues(js, model_name, [t.name for t in tiers_by_priority()], worker_id)
+        self._policies = PolicyCache(js)
+        self._wake = asyncio.Event()
+        self.idle = asyncio.Event()
+        # Pulled requests not yet acked (not running yet): marked in progress each second, so JetStream hands them
+        # to another worker within its short ack wait only if this one dies. Keyed by id(msg): a redelivered copy
+        # of one request is a message of its own.
+        self._unacked: dict[int, object] = {}
+        # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
+        # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
+        self._early_cancels: dict[str, float] = {}
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-intake")
+
+    async def sweep(self) -> None:
+        """Learn which queues hold work from the streams themselves (work queued before this worker started rings
+        no doorbell)."""
+        await self.queues.sweep()
+
+    async def close(self) -> None:
+        await self.queues.close()
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    # -- signals from NATS ----------------------------------------------------------------------------------
+    async def on_doorbell(self, msg) -> None:
+        if self.queues.ring(msg.subject):
+            self._wake.set()
+
+    async def on_cancel(self, msg) -> None:
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        if msg.data:
+            # Addressed to one worker: a gateway took it for dead and continued the request on another. Only
+            # that worker stops (the continuation shares the request id), and it leaves the billing to the other.
+            if msg.data.decode(errors="replace") != self._worker_id:
+                return
+            tracked = self._held.active.get(request_id)
+            if tracked is not None:
+                tracked.superseded = True
+            elif not self._held.holds(request_id):
+                return  # the run it addresses ended here already: a continuation of it arriving later must run
+        if self._held.holds(request_id):
+            self._held.abort(request_id)
+            return
+        now = time.monotonic()
+        self._early_cancels[request_id] = now  # the newest entry: the loop below stops at it at the latest
+        while next(iter(self._early_cancels.values())) < now - EARLY_CANCEL_S:
+            del self._early_cancels[next(iter(self._early_cancels))]
+
+    # -- pulling --------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pull one request at a time while the capacity allows: from the tier the weighted tier share picks, and
+        within it from the tenant the token-weighted tenant share picks (tenant_queues.py)."""
+        share = TierShare({t: p.weight for t, p in DEFAULT_POLICIES.items()},
+                          {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
+        queues = self.queues
+        while not stop.is_set():
+            allowed = self._capacity.allowance()
+            if allowed.num_free_seats > 0:
+                eligible = set(allowed.pull)
+            else:  # only seat takers: ask only queues that hold some (an empty fetch costs its whole timeout)
+                eligible = {tier for tier, out in allowed.pull.items() if queues.has_work(tier, out)}
+            if not eligible & queues.pending_tiers():
+                self.idle.set()
+                self._capacity.changed.clear()
+                self._wake.clear()
+                await first_of(self._capacity.changed, self._wake, timeout=IDLE_SWEEP_S)
+                if not self._capacity.changed.is_set() and not self._wake.is_set():
+                    # Redeliveries and work queued before we subscribed ring no doorbell: look everywhere.
+                    await queues.sweep()
+                continue
+            self.idle.clear()
+            try:
+                share.set_weights({t: p.weight for t, p in (await self._policies.get()).items()})
+            except Exception as exc:  # NATS reconnecting: keep the weights we had
+                log.warning("could not refresh tier policies: %s", exc)
+            self._wake.clear()
+            took = False
+            for tier in share.order():
+                if tier not in eligible:
+                    continue
+                if tier not in queues.pending_tiers():
+                    share.note_empty(tier)
+                    continue
+                msg = await queues.take(tier, FETCH_TIMEOUT_S, allowed.pull[tier])
+                if msg is None:
+                    share.note_empty(tier)
+                    continue
+                if await self._receive(msg):
+                    share.charge(tier)
+                took = True
+                break  # start over: the shares decide again for the next request
+            if not took:
+                share.note_idle()
+
+    async def _receive(self, msg) -> int:
+        """Take one message: 1 when its request goes to the step loop, 0 when it was dropped or refused."""
+        try:
+            request = decode(msg.data, GenerateRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.error("terminating malformed request message on %s", msg.subject)
+            await msg.term()
+            return 0
+        if request.resume is not None and self._held.holds(request.request_id):
+            # A continuation of a request this worker was just told to give up (its stream broke on the way to
+            # the gateway): taken back once the abort is through.
+            await msg.nak(delay=0.2)
+            return 0
+        if self._held.holds(request.request_id):
+            # JetStream redelivered a request this worker runs (its ack was lost): the copy is dropped, the
+            # original goes on; answering the copy would end the original's stream.
+            log.warning("dropping a redelivered copy of running request %s", request.request_id)
+            await msg.ack()
+            return 0
+        if request.affinity_until and time.time() > request.affinity_until:
+            # An offer this worker took too late: the gateway has given the request to every worker by now.
+            await msg.ack()
+            return 0
+        self._unacked[id(msg)] = msg
+        now = time.time()
+        tracked = Tracked(request, received_at=now, trace_context=extract_context(msg.headers))
+        self._capacity.background.note_arrival(is_background=request.tier == BATCH_TIER)
+        if now > request.deadline_at:
+            return await self.refuse(request, msg, ErrorInfo(
+                f"The request waited in the {request.tier} queue past its deadline and was not run; retry later.",
+                code="queue_timeout", type="rate_limit_error", status=503))
+        try:
+            tracked.prepared = await asyncio.get_running_loop().run_in_executor(
+                self._thread, self._engine.prepare, request)
+        except RequestRejected as exc:
+            return await self.refuse(request, msg, exc.error)
+        except Exception:  # this request's alone: the others, and the intake, go on
+            log.exception("could not tokenize request %s", request.request_id)
+            return await self.refuse(request, msg, ErrorInfo(
+                "The worker could not tokenize the request.", code="internal_error", type="server_error", status=500))
+        # Checked after tokenizing: a cancel may have come before the request or while it was tokenized (a batch
+        # cancel deletes the queued message and counts the line as never started), and either way it must not run.
+        if self._early_cancels.pop(request.request_id, None) is not None:
+            return await self.refuse(request, msg, CANCELLED)
+        self._held.add(tracked, msg)
+        return 1
+
+    # -- answering JetStream --------------------------------------------------------------------------------
+    async def refuse(self, request: GenerateRequest, msg, error: ErrorInfo) -> int:
+        """Answer a request taken from the queue with ``error`` instead of running it; it is done with (acked)."""
+        try:
+            await self._out.error(request, error)
+        finally:
+            await self.ack(msg)  # dropped from the in-progress marks whatever happens: never held forever
+        return 0
+
+    async def ack(self, msg) -> None:
+        """Acknowledge a request for good: confirmed by the server, retried through a cluster's leader election
+        (an ack lost there would have JetStream hand a finished request to a worker again)."""
+        self._unacked.pop(id(msg), None)
+        deadline = time.monotonic() + ACK_RETRY_S
+        while True:
+            try:
+                await msg.ack_sync(timeout=1.0)
+                return
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() > deadline:
+                    log.warning("could not acknowledge %s: %r", msg.subject, exc)
+                    return
+            await asyncio.sleep(0.2)
+
+    async def mark_in_progress(self) -> None:
+        """Tell JetStream the requests pulled but not started yet are still being handled (so it does not hand
+        them to another worker after its ack wait)."""
+        for msg in list(self._unacked.values()):
+            await msg.in_progress()
+
+    def summary(self) -> str:
+        return f"maybe_pending={self.queues.summary()} intake_idle={self.idle.is_set()}"

@@ -1,0 +1,232 @@
+"""A worker's step loop: the engine's steps back to back on the step thread, each one's outcome published while
+the next one runs, and the drain.
+
+    event loop                                         step thread (the only one that touches the engine)
+    ──────────                                         ──────────────────────────────────────────────────
+    held.hand_over() ─ adds, aborts, batch limit ────▶ add_request / abort_request ─▶ step() ─▶ capacity, stats
+    publish step N-1 (acks, deltas, usage)  ◀─ overlap ─┤
+    capacity.update(step N's) ◀────────────────────────┘ StepResult
+    seats freed? let the intake refill them (≤ 20 ms) before step N+1
+
+The publishing of one step always ends before the next step's starts, so a request's deltas stay in order. On
+``stop`` the loop drains: the intake stops pulling, running requests get ``drain_timeout_s`` to finish, and what
+is left then ends with ``worker_shutdown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from switchyard.shared.messages import ErrorInfo, TokenDelta
+from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected, ServingEngine
+from switchyard.workers.service.capacity import Capacity
+from switchyard.workers.service.held import HeldRequests, Tracked
+from switchyard.workers.service.intake import CANCELLED, Intake
+from switchyard.workers.service.metrics import WorkerMetrics
+from switchyard.workers.service.publisher import Publisher
+from switchyard.workers.service.request_trace import record_request_trace
+from switchyard.workers.service.waiting import first_of
+
+log = logging.getLogger("switchyard.worker")
+
+REFILL_WAIT_S = 0.02  # how long a step waits for the intake to refill freed seats
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step on the step thread hands back to the event loop."""
+
+    admitted: list[tuple[Tracked, object]] = field(default_factory=list)  # (tracked, jetstream msg)
+    rejected: list[tuple[Tracked, object, ErrorInfo]] = field(default_factory=list)
+    deltas: list[TokenDelta] = field(default_factory=list)
+    capacity: EngineCapacity | None = None  # the engine after the step: what may be pulled now
+    has_unfinished: bool = False  # whether the engine has more to do without new work
+    stats: EngineStats | None = None  # the engine after the step, for the metrics
+    safety_events: list = field(default_factory=list)  # the output filter's verdicts (interface.SafetyEvent)
+
+
+class StepLoop:
+    """See the module docstring; ``num_steps``, ``step_s`` and ``gap_s`` go into the worker's heartbeat."""
+
+    def __init__(self, engine: ServingEngine, step_thread: ThreadPoolExecutor, held: HeldRequests,
+                 capacity: Capacity, intake: Intake, out: Publisher, metrics: WorkerMetrics,
+                 drain_timeout_s: float) -> None:
+        self._engine = engine
+        self._step_thread = step_thread
+        self._held = held
+        self._capacity = capacity
+        self._intake = intake
+        self._out = out
+        self._metrics = metrics
+        self._drain_timeout_s = drain_timeout_s
+        self._engine_busy = False  # the engine has requests or finals, as of the last step
+        self.num_steps, self.step_s, self.gap_s = 0, 0.0, 0.0  # see WorkerInfo
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Steps back to back while there is work, until ``stop`` is set and everything held has ended."""
+        publishing: asyncio.Task | None = None
+        ended_at: float | None = None  # when the previous step ended, if the loop went straight on
+        drain_deadline: float | None = None
+        held = self._held
+        while True:
+            if stop.is_set() and drain_deadline is None:
+                drain_deadline = time.monotonic() + self._drain_timeout_s
+                log.info("draining: %d requests running, up to %.0f s", len(held.active), self._drain_timeout_s)
+            if drain_deadline is not None and time.monotonic() > drain_deadline and held.active:
+                held.end_all(ErrorInfo("The worker shut down before your request finished; please retry.",
+                                       code="worker_shutdown", type="server_error", status=503))
+                drain_deadline = float("inf")  # once
+            if not (held.has_work() or self._engine_busy):
+                if publishing is not None:
+                    await _published(publishing)
+                    publishing, ended_at = None, None
+                    continue  # publishing may have let the intake add work
+                if stop.is_set():
+                    return
+                held.work.clear()
+                await first_of(stop, held.work)
+                continue
+            adds, aborts = held.hand_over()
+            started_at = time.perf_counter()
+            if ended_at is not None:
+                self.gap_s += started_at - ended_at
+            step = asyncio.get_running_loop().run_in_executor(
+                self._step_thread, self._step_sync, adds, aborts, self._capacity.allowance().background_limit)
+            if publishing is not None:
+                await _published(publishing)
+                publishing = None
+            try:
+                result = await step
+            except Exception:
+                held.num_admitting = 0
+                log.exception("engine step failed; failing %d running requests", len(held.active))
+                await self._fail_all()
+                for _, msg in adds:  # answered with the error: done with, not for another worker to retry
+                    with contextlib.suppress(Exception):
+                        await self._intake.ack(msg)
+                ended_at = None
+                continue
+            held.num_admitting = 0
+            self._engine_busy = result.has_unfinished
+            self._capacity.update(result.capacity)  # freed seats, or admissions that change who may take one
+            ended_at = time.perf_counter()
+            self.num_steps += 1
+            self.step_s += ended_at - started_at
+            self._metrics.stepped(ended_at - started_at, result.stats)
+            publishing = asyncio.create_task(self._publish(result))
+            freed = bool(result.rejected) or any(d.finish_reason for d in result.deltas)
+            if freed and self._intake.queues.has_pending():
+                # Let the intake refill the freed seats before the next step starts, not a whole step later;
+                # bounded, so an empty queue costs at most a few milliseconds.
+                self._intake.idle.clear()
+                await first_of(self._intake.idle, timeout=REFILL_WAIT_S)
+
+    def _step_sync(self, adds, aborts: dict[str, ErrorInfo | None], background_limit: int | None) -> StepResult:
+        """Runs on the step thread: the only place the engine is touched (but ``prepare``)."""
+        engine = self._engine
+        result = StepResult()
+        for tracked, msg in adds:
+            if tracked.request.request_id in aborts:
+                error = aborts[tracked.request.request_id] or CANCELLED
+                result.rejected.append((tracked, msg, error))
+                continue
+            try:
+                tracked.prompt_tokens = engine.add_request(tracked.request, tracked.prepared)
+                tracked.dropped_messages = tracked.prepared.num_dropped_messages
+            except RequestRejected as exc:
+                result.rejected.append((tracked, msg, exc.error))
+                continue
+            except Exception:  # this request's alone (add_request leaves nothing behind): the others go on
+                log.exception("could not add request %s", tracked.request.request_id)
+                result.rejected.append((tracked, msg, ErrorInfo(
+                    "The worker could not start your request.", code="internal_error", type="server_error",
+                    status=500)))
+                continue
+            tracked.admitted_at = time.time()
+            result.admitted.append((tracked, msg))
+        for request_id, error in aborts.items():
+            engine.abort_request(request_id, error)
+        if engine.has_unfinished_requests():
+            result.deltas = engine.step(background_limit)
+        result.has_unfinished = engine.has_unfinished_requests()
+        result.capacity = engine.capacity()
+        result.stats = engine.stats()
+        result.safety_events = engine.take_safety_events()
+        return result
+
+    async def _publish(self, result: StepResult) -> None:
+        """A step's outcome, out: rejections, admissions, deltas, and the records of what finished."""
+        held, out, metrics = self._held, self._out, self._metrics
+        metrics.safety_flagged(result.safety_events)  # counted before a client can see the halt
+        # Acks are confirmed round trips, retried through an outage: all of a step's at once, not one after another.
+        await asyncio.gather(*(self._intake.ack(msg) for _, msg, _ in result.rejected),
+                             *(self._intake.ack(msg) for _, msg in result.admitted))
+        for tracked, _, error in result.rejected:
+            held.active.pop(tracked.request.request_id, None)
+            await out.error(tracked.request, error)
+        for tracked, _ in result.admitted:
+            req = tracked.request
+            metrics.started(req.tier, tracked.admitted_at - req.created_at, tracked.prompt_tokens)
+            self._intake.queues.charge(req.tier, req.tenant_id, prompt_tokens=tracked.prompt_tokens)
+            await out.started(tracked)
+        now = time.time()
+        generated: dict[str, int] = {}
+        for delta in result.deltas:
+            tracked = held.active.get(delta.request_id)
+            if tracked is None:
+                continue
+            req = tracked.request
+            if delta.num_tokens:
+                generated[req.tier] = generated.get(req.tier, 0) + delta.num_tokens
+                self._intake.queues.charge(req.tier, req.tenant_id, generated_tokens=delta.num_tokens)
+                if tracked.first_token_at is None:
+                    tracked.first_token_at = now
+            await out.relay(tracked, delta)
+            if delta.is_last:  # every choice has ended (the engine counts them)
+                if delta.usage is not None:
+                    tracked.completion_tokens = delta.usage.completion_tokens
+                    tracked.cached_tokens = delta.usage.cached_tokens
+                held.active.pop(req.request_id, None)
+                metrics.finished(req.tier, delta.finish_reason)
+                record_request_trace(tracked, out.worker_id, delta.finish_reason, now)
+                await out.finished(tracked, delta.finish_reason, now)
+        metrics.generated(generated)
+
+    async def _fail_all(self) -> None:
+        """A step raised outside the engine's own recovery: every running request fails with a 500."""
+        request_ids = list(self._held.active)
+        capacity, busy = await asyncio.get_running_loop().run_in_executor(
+            self._step_thread, self._abort_sync, request_ids)
+        self._engine_busy = busy
+        for request_id in request_ids:
+            tracked = self._held.active.pop(request_id, None)
+            if tracked is not None:
+                await self._out.error(tracked.request, ErrorInfo(
+                    "The worker had an error processing your request.", code="internal_error",
+                    type="server_error", status=500))
+        self._capacity.update(capacity)
+
+    def _abort_sync(self, request_ids: list[str]) -> tuple[EngineCapacity | None, bool]:
+        """On the step thread: abort ``request_ids``; the engine's capacity after it, and whether it is busy."""
+        for request_id in request_ids:
+            with contextlib.suppress(Exception):
+                self._engine.abort_request(request_id)
+        try:
+            return self._engine.capacity(), self._engine.has_unfinished_requests()
+        except Exception:
+            log.exception("the engine could not report its capacity after a failed step")
+            return None, True
+
+
+async def _published(task: asyncio.Task) -> None:
+    """Wait for a step's publishing; a failure there (NATS gone) is logged, never taken for a failed step."""
+    try:
+        await task
+    except Exception:
+        log.exception("publishing a step's outcome failed")
+
