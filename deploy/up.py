@@ -101,7 +101,8 @@ def run_up(config: SwitchyardConfig) -> int:
             path = model_store.resolve(entry.model, config.model_cache_dir)
             system.start_worker(f"worker-{entry.served_name}" if config.models else "worker", model=str(path),
                                 served_model_name=entry.served_name, aliases=entry.aliases,
-                                max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs)
+                                max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs,
+                                engine=entry.engine or config.worker.engine)
         system.start_gateway()  # and the jobs beside it, unless gateway.run_jobs is off
         for entry in models:
             system.wait_until_ready(entry.served_name, timeout_s=300)

@@ -59,7 +59,6 @@ class RelayedRequest:
         self._sub = sub
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
-        self._num_finished = 0
         self._next_seq = 0
         self.is_finished = False
         self._prompt_tokens = 0
@@ -106,12 +105,10 @@ class RelayedRequest:
                 "arrived); please retry.", code="stream_gap", type="server_error", status=502))
         self._next_seq += 1
         self._account(delta)
-        if delta.finish_reason is not None or delta.error is not None:
-            self._num_finished += 1
-            if self._num_finished >= self.request.sampling.n or delta.error is not None:
-                self.is_finished = True
-                if delta.error is not None and self._dismissed:
-                    await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
+        if delta.is_last or delta.error is not None:  # the engine counts a request's choices, nobody else
+            self.is_finished = True
+            if delta.error is not None and self._dismissed:
+                await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
         return delta
 
     def _account(self, delta: TokenDelta) -> None:

@@ -100,6 +100,10 @@ class GatewayConfig(BaseModel):
     safety: SafetyConfig = Field(default_factory=SafetyConfig)  # input and output filters
 
 
+# The engines a worker can run (one builder each in workers/service/engines.py).
+EngineName = Literal["switchyard"]
+
+
 class EngineSettings(BaseModel):
     """The engine's part of a worker's settings, handed to the engine whole (workers/engine/config.py takes every
     field by its name): a new engine setting is a field here and one in ``EngineConfig``, nothing in between."""
@@ -119,6 +123,8 @@ class WorkerConfig(EngineSettings):
     model: str = "smollm2"  # a registry name (see workers.model_store) or a local HF model directory
     served_model_name: str | None = None
     aliases: list[str] = Field(default_factory=list)  # more names clients may use for it (in the worker registry)
+    # Which engine runs the model (workers/service/engines.py builds each): ``switchyard``, ours, the default.
+    engine: EngineName = "switchyard"
     dtype: str = "auto"  # auto: bfloat16 where supported, else float32
     device: str = "auto"  # auto: cuda when available
     heartbeat_s: float = Field(3.0, gt=0)
@@ -156,6 +162,7 @@ class ModelEntry(BaseModel):
     input_per_mtok: float | None = Field(None, ge=0)
     output_per_mtok: float | None = Field(None, ge=0)
     max_num_seqs: int | None = Field(None, ge=1)  # this model's worker only (default: worker.max_num_seqs)
+    engine: EngineName | None = None  # this model's worker only (default: worker.engine)
 
     @property
     def served_name(self) -> str:

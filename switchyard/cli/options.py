@@ -27,6 +27,7 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     else:
         p.add_argument("--model", help="registry name (smollm2) or a local Hugging Face model directory")
     p.add_argument("--served-model-name", help="the name clients use in the `model` field")
+    p.add_argument("--engine", help="which engine runs the model (default switchyard, ours; see the README)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, help="sequences a worker runs at once")

@@ -79,7 +79,7 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
         for data in [delta(0), delta(1, "ab", [7, 8]), delta(3, "lost-before", [9]),  # seq 2 never came
                      delta(4, "late", [10]),  # the first run goes on a moment: ignored
                      delta(0, worker="w1", attempt=1), delta(1, "c", [11], attempt=1, worker="w1"),
-                     delta(2, "d", [12], attempt=1, worker="w1", finish_reason="length")]:
+                     delta(2, "d", [12], attempt=1, worker="w1", finish_reason="length", is_last=True)]:
             await nc.publish(subjects.token_subject(rid), data)
         await nc.flush()
         await relayed.first()

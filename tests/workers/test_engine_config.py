@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import pytest
+
 from switchyard.scheduler import SchedulerConfig
 from switchyard.shared.config import EngineSettings, WorkerConfig
 from switchyard.workers.engine.config import EngineConfig
@@ -28,3 +30,15 @@ def test_the_scheduler_gets_the_fields_it_shares_with_the_engine_config():
     assert sched.max_num_batched_tokens == 8, "at least one token per sequence"
     assert (sched.num_blocks, sched.max_model_len, sched.background_priority) == (64, 128, 3)
     assert sched.long_prefill_token_threshold == SchedulerConfig().long_prefill_token_threshold
+
+
+def test_the_engine_is_chosen_by_name_and_an_unknown_name_is_refused_with_the_known_ones():
+    import pydantic
+
+    from switchyard.shared.config import SwitchyardConfig, WorkerConfig
+    from switchyard.workers.service.engines import ENGINES, engine_builder
+
+    assert SwitchyardConfig().worker.engine == "switchyard"
+    assert engine_builder("switchyard") is ENGINES["switchyard"]
+    with pytest.raises(pydantic.ValidationError, match="switchyard"):
+        WorkerConfig(engine="no-such-engine")

@@ -9,16 +9,14 @@ import asyncio
 import logging
 import signal
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.tracing import setup_tracing
-from switchyard.workers import model_store
-from switchyard.workers.engine.engine import Engine, EngineConfig
 from switchyard.workers.engine.interface import ServingEngine
+from switchyard.workers.service.engines import engine_builder
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.status_server import StatusServer, WorkerStatus
 from switchyard.workers.service.worker import Worker
@@ -27,17 +25,11 @@ log = logging.getLogger("switchyard.worker")
 
 
 def build_engine(config: SwitchyardConfig) -> ServingEngine:
-    """The engine the worker serves from, loaded and warmed up (kernels, allocator: before the first request, not
-    in it). The one place that picks an engine: another implementation of ``ServingEngine`` is chosen here."""
+    """The engine ``worker.engine`` names (workers/service/engines.py), loaded and warmed up: kernels and
+    allocator before the first request, not in it."""
     if config.worker.torch_threads:
         torch.set_num_threads(config.worker.torch_threads)
-    t0 = time.monotonic()
-    path = model_store.resolve(config.worker.model, config.model_cache_dir)
-    model, tokenizer = model_store.load(path, config.worker.dtype, config.worker.device)
-    log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
-    engine = Engine(model, tokenizer, EngineConfig.from_settings(config.worker))
-    engine.warmup()
-    return engine
+    return engine_builder(config.worker.engine)(config)
 
 
 async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: ThreadPoolExecutor) -> None:

@@ -1,0 +1,44 @@
+"""The engines a worker can serve from, by the name ``worker.engine`` gives (``--engine``, or a model's ``engine``
+in the settings file): each entry builds a ``ServingEngine`` (workers/engine/interface.py) from the settings.
+
+A new engine is a module implementing that interface and one entry here. An entry imports its engine only when
+chosen, so an engine's own dependencies (its wheel, its environment) are needed only where it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import get_args
+
+from switchyard.shared.config import EngineName, SwitchyardConfig
+from switchyard.workers.engine.interface import ServingEngine
+
+log = logging.getLogger("switchyard.worker")
+
+def _switchyard(config: SwitchyardConfig) -> ServingEngine:
+    """Ours: continuous batching over a paged KV cache, Llama-family models (workers/engine/engine.py)."""
+    from switchyard.workers import model_store
+    from switchyard.workers.engine.engine import Engine, EngineConfig
+
+    t0 = time.monotonic()
+    path = model_store.resolve(config.worker.model, config.model_cache_dir)
+    model, tokenizer = model_store.load(path, config.worker.dtype, config.worker.device)
+    log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
+    engine = Engine(model, tokenizer, EngineConfig.from_settings(config.worker))
+    engine.warmup()
+    return engine
+
+
+ENGINES: dict[str, Callable[[SwitchyardConfig], ServingEngine]] = {
+    "switchyard": _switchyard,
+}
+
+
+assert set(ENGINES) == set(get_args(EngineName)), "every engine the settings name has a builder, and no other"
+
+
+def engine_builder(name: str) -> Callable[[SwitchyardConfig], ServingEngine]:
+    """The builder of the engine called ``name`` (the settings allow only the names in ``ENGINES``)."""
+    return ENGINES[name]
