@@ -54,18 +54,21 @@ class PeakRss:
         return self.peak
 
 
-def profile(pid: int, seconds: float, top: int = 15) -> str:
+def profile(pid: int, seconds: float, top: int = 15, watch: tuple[str, ...] = ()) -> tuple[str, dict[str, float]]:
     """Where ``pid`` spent ``seconds``: the functions with most samples on top of the stack (self time) and most
-    samples anywhere on it (inclusive), from ``py-spy record``; a note instead when py-spy is missing."""
+    samples anywhere on it (inclusive), from ``py-spy record``; a note instead when py-spy is missing. Also the
+    inclusive share of each function named in ``watch`` (its samples over all samples).
+
+    py-spy leaves out threads it finds idle (in a sleep or a wait), so shares are of the time the process ran."""
     beside = Path(sys.executable).with_name("py-spy")  # in the venv that runs the benchmark
     spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None:
-        return "(py-spy not installed: `pip install -e '.[bench]'` for the profile)"
+        return "(py-spy not installed: `pip install -e '.[bench]'` for the profile)", {}
     out = Path(f"/tmp/switchyard-pyspy-{pid}-{time.time_ns()}.txt")
     done = subprocess.run([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw",
                            "-o", str(out), "--nonblocking"], capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
-        return f"(py-spy failed: {done.stderr.strip()[-300:]})"
+        return f"(py-spy failed: {done.stderr.strip()[-300:]})", {}
     own, anywhere, total = collections.Counter(), collections.Counter(), 0
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -81,4 +84,4 @@ def profile(pid: int, seconds: float, top: int = 15) -> str:
     lines = [f"{total} samples; self time (top of stack), then inclusive:"]
     lines += [f"  {n / total:6.1%}  {name}" for name, n in own.most_common(top)]
     lines += ["  --"] + [f"  {n / total:6.1%}  {name}" for name, n in anywhere.most_common(top)]
-    return "\n".join(lines)
+    return "\n".join(lines), {name: anywhere[name] / max(1, total) for name in watch}

@@ -103,7 +103,8 @@ def run_step(system, keys: list[str], streams: int, rate: float, args, profile_i
     share = [streams // args.clients + (i < streams % args.clients) for i in range(args.clients)]
     spied: list[str] = []
     if profile_it:  # the middle of the step, once every stream is open
-        threading.Timer(args.ramp + 1, lambda: spied.append(profile(gateways[0], max(2, args.seconds / 2)))).start()
+        threading.Timer(args.ramp + 1,
+                        lambda: spied.append(profile(gateways[0], max(2, args.seconds / 2))[0])).start()
     started = time.perf_counter()
     for i, count in enumerate(share):
         recv, send = context.Pipe(duplex=False)
