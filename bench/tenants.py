@@ -4,8 +4,8 @@ worker and NATS, and what does an idle tenant cost?
     .venv/bin/python bench/tenants.py                        # 10,000 tenants, 1,000 active at once, 60 s
     .venv/bin/python bench/tenants.py --tenants 2000 --active 200 --seconds 30
 
-The engine is the simulated one (workers/simulated_engine.py, a test double): ``--seats`` sequences at 20 tokens/s,
-each request 40 tokens (2 s). Keys for ``--tenants`` tenants are made in Postgres. Then, on the pro tier:
+The engine is the simulated one (workers/simulated_engine.py, a test double): ``--seats`` sequences at ``--rate``
+tokens/s (20), each request 40 tokens (2 s), ``--tokens-per-delta`` to a message after the first. Keys for ``--tenants`` tenants are made in Postgres. Then, on the pro tier:
 
 1. idle: a light tenant L alone, a short request (8 tokens) every 2 s: its TTFT p95 is the reference;
 2. loaded: ``--active`` tenants each keep one 40-token stream going (closed loop) and a heavy tenant H keeps
@@ -48,7 +48,7 @@ TOKENS = 40  # an active or heavy tenant's request
 LIGHT_TOKENS = 8  # L's
 
 
-def start_system(work: Path, seats: int):
+def start_system(work: Path, seats: int, rate: float = 20.0, tokens_per_delta: int = 1):
     from switchyard.deploy.system import LocalSystem
     from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
     from tests.support.system import free_port
@@ -58,7 +58,8 @@ def start_system(work: Path, seats: int):
                               worker=WorkerConfig(engine="simulated", heartbeat_s=1.0))
     system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
     system.start_servers()
-    system.start_worker("worker-sim", model=MODEL, max_num_seqs=seats, simulated_tokens_per_s=20.0)
+    system.start_worker("worker-sim", model=MODEL, max_num_seqs=seats, simulated_tokens_per_s=rate,
+                        simulated_tokens_per_delta=tokens_per_delta)
     system.start_gateway()
     system.wait_until_ready(MODEL, timeout_s=120)
     return system
@@ -160,13 +161,17 @@ def main() -> None:
     p.add_argument("--heavy", type=int, default=200, help="streams the heavy tenant keeps going")
     p.add_argument("--seats", type=int, default=512)
     p.add_argument("--seconds", type=float, default=60.0, help="each phase")
+    p.add_argument("--rate", type=float, default=20.0, help="tokens/s of each sequence")
+    p.add_argument("--tokens-per-delta", type=int, default=1,
+                   help="tokens a delta carries after the first (fewer messages for the same tokens: on a small "
+                        "machine the relay's cost per message, not the worker, bounds a run with every seat taken)")
     p.add_argument("--clients", type=int, default=2, help="client processes")
     p.add_argument("--results", default=str(RESULTS), help="'-' to skip")
     args = p.parse_args()
     cpu = cpu_name(lscpu())
     work = Path(tempfile.mkdtemp(prefix="switchyard-bench-tenants-"))
     os.chmod(work, 0o755)
-    system = start_system(work, args.seats)
+    system = start_system(work, args.seats, args.rate, args.tokens_per_delta)
     try:
         t0 = time.perf_counter()
         all_keys = asyncio.run(make_tenants(system.config.database_url, system.url(), args.tenants + 2))
@@ -178,7 +183,7 @@ def main() -> None:
         print("idle:", alone.summary(), flush=True)
         spied: list[str] = []
         threading.Timer(args.seconds / 3, lambda: spied.append(
-            profile(worker, args.seconds / 3, top=20, watch=("TenantQueues.take",)))).start()
+            profile(worker, args.seconds / 3, top=20, watch=("TenantQueues.take_many",)))).start()
         loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
                       args.seconds, args.clients)
         while not spied:
@@ -192,11 +197,15 @@ def main() -> None:
         time.sleep(10)
         idle_cpu = (cpu_seconds(worker) - cpu_before) / 10
         report, shares = spied[0]
-        pull_share = shares.get("TenantQueues.take", 0.0)
+        pull_share = shares.get("TenantQueues.take_many", 0.0)
     finally:
         system.stop()
         shutil.rmtree(work, ignore_errors=True)
     ratio = loaded.light_ttft(95) / max(1e-9, alone.light_ttft(95))
+    # Seat-seconds served over the phase: whether the worker kept its seats full (or its intake, or the relay,
+    # held it back).
+    busy_seats = sum(n * (LIGHT_TOKENS if role == "light" else TOKENS) / args.rate
+                     for role, n in loaded.served.items()) / args.seconds
     table = markdown_table(
         ("measure", "value"),
         [("tenants with keys (made in)", f"{args.tenants + 2:,} ({made_s:.0f} s)"),
@@ -206,6 +215,8 @@ def main() -> None:
          ("L p95 loaded / alone (target <= 3x)", f"{ratio:.2f}x"),
          ("requests served loaded: L / H / active tenants", loaded.served_line()),
          ("requests failed loaded", str(loaded.failed)),
+         ("seats busy on average, loaded (of the seats)",
+          f"{busy_seats:.0f} ({busy_seats / args.seats:.0%})"),
          ("JetStream consumers on the tier's stream", f"{consumers:,}"),
          ("worker NATS subscriptions", f"{subs:,}"),
          ("worker queue time p95 (bucket bound, s)", f"{queue_p95:g}"),

@@ -5,7 +5,7 @@ over it pulls, admits by tier and tenant, heartbeats, publishes deltas with sequ
 drains and fails over like a real one; only the tokens are made up. Nothing here runs a model:
 
 * time: a sequence's first token is due ``prefill_us_per_token`` x its prompt tokens after it is added, the next
-  ones at ``tokens_per_s`` each. ``step()`` emits what is due (several tokens of a sequence that fell behind go
+  ones at ``tokens_per_s`` each, sent ``tokens_per_delta`` at a time (when the last of them is due). ``step()`` emits what is due (several tokens of a sequence that fell behind go
   in one delta, as a real step never sends more than one per choice) and otherwise waits for the next due token,
   at most ``_IDLE_WAIT_S``, so requests added meanwhile start promptly. Due times sit in a heap: a step costs what
   it emits, not what runs, so thousands of seats are cheap.
@@ -55,6 +55,7 @@ class _Choice:
     index: int
     position: int  # tokens generated (resumed ones included)
     due: float  # when the next token is due (time.monotonic)
+    num_deltas: int = 0  # sent so far: the first goes alone, as soon as its token is due
     owed: str = ""  # text of resumed tokens the client does not have yet, sent first
     text: str = ""  # generated so far, kept only to find stop strings
     finished: bool = False
@@ -75,11 +76,12 @@ class SimulatedEngine:
     device_type = "simulated"  # a step's cost does not grow with its batch (workers/service/capacity.py)
 
     def __init__(self, max_num_seqs: int, tokens_per_s: float, prefill_us_per_token: float = 0.0,
-                 output_tokens: int = 128) -> None:
+                 output_tokens: int = 128, tokens_per_delta: int = 1) -> None:
         self.max_num_seqs = max_num_seqs
         self.tokens_per_s = tokens_per_s
         self.prefill_s_per_token = prefill_us_per_token / 1e6
         self.output_tokens = output_tokens
+        self.tokens_per_delta = tokens_per_delta
         self._requests: dict[str, _Request] = {}
         self._due: list[tuple[float, int, _Choice]] = []  # (due, tie-breaker, choice): the heap of next tokens
         self._tie = 0
@@ -164,7 +166,7 @@ class SimulatedEngine:
             _, _, choice = heapq.heappop(self._due)
             if choice.finished:
                 continue  # aborted after it was pushed
-            count = min(int((now - choice.due) * self.tokens_per_s) + 1,
+            count = min(int((now - choice.due) * self.tokens_per_s + 1e-9) + 1,
                         choice.request.prepared.max_tokens - choice.position)
             out.append(self._advance(choice, count))
             num_seqs, num_tokens = num_seqs + 1, num_tokens + count
@@ -191,6 +193,7 @@ class SimulatedEngine:
             reason = "length" if state.request.sampling.max_tokens is not None else "stop"
             return self._finish(choice, reason, text, positions=ids)
         choice.due += count / self.tokens_per_s
+        choice.num_deltas += 1
         self._push(choice)
         return TokenDelta(state.request.request_id, text=text, num_tokens=count, index=choice.index,
                           token_ids=[self._token_id(state, choice.index, p) for p in ids])
@@ -211,8 +214,11 @@ class SimulatedEngine:
                           finish_reason=reason, usage=usage, error=error, token_ids=ids, is_last=is_last)
 
     def _push(self, choice: _Choice) -> None:
+        """Into the heap, keyed by when its next delta goes: when the last token of that delta is due."""
         self._tie += 1
-        heapq.heappush(self._due, (choice.due, self._tie, choice))
+        group = 1 if choice.num_deltas == 0 else min(self.tokens_per_delta,
+                                                     choice.request.prepared.max_tokens - choice.position)
+        heapq.heappush(self._due, (choice.due + (group - 1) / self.tokens_per_s, self._tie, choice))
 
     @staticmethod
     def _token_id(state: _Request, index: int, position: int) -> int:

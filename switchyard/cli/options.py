@@ -33,6 +33,8 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--simulated-prefill-us-per-token", type=float,
                    help="engine simulated: microseconds of prefill per prompt token")
     p.add_argument("--simulated-output-tokens", type=int, help="engine simulated: a reply's length without max_tokens")
+    p.add_argument("--simulated-tokens-per-delta", type=int,
+                   help="engine simulated: tokens sent together after the first (default 1)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, help="sequences a worker runs at once")

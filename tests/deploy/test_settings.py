@@ -18,7 +18,8 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
               batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
               metrics_port=9400, engine="simulated", simulated_tokens_per_s=40.0,
-              simulated_prefill_us_per_token=5.0, simulated_output_tokens=64)
+              simulated_prefill_us_per_token=5.0, simulated_output_tokens=64,
+              simulated_tokens_per_delta=4)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,

@@ -42,6 +42,17 @@ def test_tokens_come_at_the_set_rate_and_the_last_delta_carries_the_usage():
     assert engine.capacity().num_free_seats == 8
 
 
+def test_tokens_can_come_several_to_a_delta_at_the_same_rate_with_the_same_words():
+    grouped = SimulatedEngine(max_num_seqs=8, tokens_per_s=200, tokens_per_delta=4)
+    started = time.monotonic()
+    (deltas,) = run(grouped, request("a", max_tokens=10)).values()
+    assert time.monotonic() - started >= 9 / 200  # the 10th token is due as without groups
+    # The first alone, then groups of 4 (1, 4, 4, 1 on time; a late step only makes a group larger).
+    assert deltas[0].num_tokens == 1 and all(d.num_tokens >= 4 for d in deltas[1:-1]) and len(deltas) <= 4
+    (single,) = run(SimulatedEngine(max_num_seqs=8, tokens_per_s=200), request("a", max_tokens=10)).values()
+    assert text(deltas) == text(single)
+
+
 def test_choices_differ_and_a_request_without_max_tokens_stops_at_the_reply_length():
     engine = SimulatedEngine(max_num_seqs=8, tokens_per_s=5000, output_tokens=7)
     (deltas,) = run(engine, request("a", n=3)).values()

@@ -1,13 +1,15 @@
-"""A worker's intake: requests in from JetStream, one at a time, as far as its capacity allows.
+"""A worker's intake: requests in from JetStream, as far as its capacity allows.
 
     doorbell  llm.req.<model>.> and llm.aff.<worker>.*  ──▶ which queues may have work (tenant_queues.py)
-    run()     capacity.allowance() ─▶ tier (TierShare) ─▶ tenant (TenantShare) ─▶ fetch one message
+    run()     capacity.allowance() ─▶ tier (TierShare) ─▶ tenants (TenantShare) ─▶ one message from each
     receive   decode ─▶ drop copies and stale offers ─▶ refuse past its deadline ─▶ engine.prepare (intake thread)
               ─▶ refuse what can never run, or was cancelled meanwhile ─▶ held.add (the step loop adds it)
     cancels   llm.cancel.*: abort what is held; remember one for a request not here yet (it may be on its way)
     acks      once the engine took a request, or it was refused; until then marked in progress every second
 
-Taking one request at a time keeps both shares exact and the backlog in JetStream, where any worker can take it.
+Taking only what fits now keeps both shares exact and the backlog in JetStream, where any worker can take it; into
+free seats the least served tenants' next requests are pulled side by side (one each, up to ``PULL_AT_ONCE``), so a
+worker with hundreds of seats fills them at NATS's pace rather than one round trip per request.
 Preparing a request (tokenizing, the chat template, compiling its grammar) runs on a thread of the intake's own, so
 it never waits for a step and a step never waits for it.
 """
@@ -36,7 +38,8 @@ from switchyard.workers.service.waiting import first_of
 
 log = logging.getLogger("switchyard.worker")
 
-FETCH_TIMEOUT_S = 0.05  # per fetch; only tiers that may have work are asked
+FETCH_TIMEOUT_S = 1.0  # per pull, for an answer lost on the way: an empty queue answers at once (pulls.py)
+PULL_AT_ONCE = 16  # requests pulled side by side into free seats, at most (each from another tenant)
 IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
 EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
 ACK_RETRY_S = 10.0
@@ -47,14 +50,14 @@ class Intake:
     """See the module docstring. ``idle`` is set while it has nothing it may take (the step loop waits for it
     after freeing seats, so that they are refilled before the next step starts)."""
 
-    def __init__(self, engine: ServingEngine, js, model_name: str, worker_id: str, held: HeldRequests,
+    def __init__(self, engine: ServingEngine, nc, js, model_name: str, worker_id: str, held: HeldRequests,
                  capacity: Capacity, out: Publisher) -> None:
         self._engine = engine
         self._worker_id = worker_id
         self._held = held
         self._capacity = capacity
         self._out = out
-        self.queues = TenantQueues(js, model_name, [t.name for t in tiers_by_priority()], worker_id)
+        self.queues = TenantQueues(nc, js, model_name, [t.name for t in tiers_by_priority()], worker_id)
         self._policies = PolicyCache(js)
         self._wake = asyncio.Event()
         self.idle = asyncio.Event()
@@ -105,8 +108,8 @@ class Intake:
 
     # -- pulling --------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        """Pull one request at a time while the capacity allows: from the tier the weighted tier share picks, and
-        within it from the tenant the token-weighted tenant share picks (tenant_queues.py)."""
+        """Pull while the capacity allows: from the tier the weighted tier share picks, and within it from the
+        tenants the token-weighted tenant share picks, least served first (tenant_queues.py)."""
         share = TierShare({t: p.weight for t, p in DEFAULT_POLICIES.items()},
                           {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
         queues = self.queues
@@ -114,7 +117,7 @@ class Intake:
             allowed = self._capacity.allowance()
             if allowed.num_free_seats > 0:
                 eligible = set(allowed.pull)
-            else:  # only seat takers: ask only queues that hold some (an empty fetch costs its whole timeout)
+            else:  # only seat takers: ask only queues that hold some
                 eligible = {tier for tier, out in allowed.pull.items() if queues.has_work(tier, out)}
             if not eligible & queues.pending_tiers():
                 self.idle.set()
@@ -138,12 +141,15 @@ class Intake:
                 if tier not in queues.pending_tiers():
                     share.note_empty(tier)
                     continue
-                msg = await queues.take(tier, FETCH_TIMEOUT_S, allowed.pull[tier])
-                if msg is None:
+                # Into free seats several at once (batch one at a time: its policy counts each seat it takes).
+                count = min(allowed.num_free_seats, PULL_AT_ONCE) if tier != BATCH_TIER else 1
+                msgs = await queues.take_many(tier, max(1, count), FETCH_TIMEOUT_S, allowed.pull[tier])
+                if not msgs:
                     share.note_empty(tier)
                     continue
-                if await self._receive(msg):
-                    share.charge(tier)
+                for msg in msgs:
+                    if await self._receive(msg):
+                        share.charge(tier)
                 took = True
                 break  # start over: the shares decide again for the next request
             if not took:

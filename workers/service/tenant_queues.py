@@ -8,8 +8,9 @@ Which tenants have requests queued is learnt from the doorbell (every publish on
 the worker's core subscription too) and, for what rings no bell (redeliveries, requests queued before the worker
 started, bells lost on the way), from a sweep of the stream's per-subject counts. Within a tier the backlogged
 tenant that was served least goes first (scheduler/tenant_share.py); between tiers the worker's weighted tier
-share decides, as before. Consumers and subscriptions are made when a tenant first has work; JetStream deletes a
-consumer nobody pulled from for an hour, and a subscription whose fetch fails is made again on next use.
+share decides, as before. A consumer is made when a tenant first has work here, and again when a pull finds it gone
+(JetStream deletes a consumer nobody pulled from for an hour); every pull goes through one subscription
+(pulls.py), so a thousand active tenants cost the worker no subscription each, and an empty queue answers at once.
 """
 
 from __future__ import annotations
@@ -17,28 +18,29 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
 from switchyard.scheduler.tenant_share import TenantShare
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_affinity_consumer, ensure_request_consumer, queued_tenants
+from switchyard.workers.service.pulls import ConsumerGone, ConsumerPulls
 
 log = logging.getLogger("switchyard.worker")
 
-MAX_SUBSCRIPTIONS = 512  # per worker: beyond it the least recently pulled tenant's is closed (and made again)
+MAX_KNOWN_CONSUMERS = 100_000  # names of consumers made here, remembered to skip making them again (a set of str)
 
 
 class TenantQueues:
-    def __init__(self, js: JetStreamContext, model: str, tiers: list[str], worker_id: str = "") -> None:
+    def __init__(self, nc, js: JetStreamContext, model: str, tiers: list[str], worker_id: str = "") -> None:
         self._js = js
+        self._pulls = ConsumerPulls(nc)
         self._model = model
         self._worker_id = worker_id
         self._offered: set[str] = set()  # tiers with requests offered to this worker
         self._tiers = list(tiers)
         self._pending: dict[str, set[str]] = {t: set() for t in tiers}  # tier -> tenant tokens that may have work
         self._shares: dict[str, TenantShare] = {t: TenantShare() for t in tiers}
-        self._subs: dict[tuple[str, str], object] = {}  # (tier, tenant) -> pull subscription, least recent first
+        self._consumers: dict[tuple[str, str], tuple[str, str]] = {}  # (tier, tenant) -> (stream, consumer) made
 
     # -- what may be queued -----------------------------------------------------------------------------------
     def ring(self, subject: str) -> bool:
@@ -89,34 +91,50 @@ class TenantQueues:
     async def take(self, tier: str, timeout_s: float, excluded: set[str] = frozenset()):
         """One request message of ``tier``, from the least served of its tenants that has one (``excluded``
         tenants aside); None when none had (each tenant that came up empty is forgotten until it rings again)."""
+        msgs = await self.take_many(tier, 1, timeout_s, excluded)
+        return msgs[0] if msgs else None
+
+    async def take_many(self, tier: str, count: int, timeout_s: float, excluded: set[str] = frozenset()) -> list:
+        """Up to ``count`` request messages of ``tier``, one each from the least served tenants that have one, in
+        that order (pulled side by side: a worker with many free seats fills them at the pace of NATS, not of one
+        round trip per request); an offer to this worker first."""
+        got = []
         if tier in self._offered and not excluded:  # a request whose prefix this worker holds comes first
             msg = await self._fetch(("offer", tier), timeout_s)
             if msg is not None:
-                return msg
-            self._offered.discard(tier)
+                got.append(msg)
+            else:
+                self._offered.discard(tier)
         share = self._shares[tier]
         tenants = self._pending[tier]
         share.set_backlogged(tenants)
-        for tenant in share.order(tenants - excluded):
-            msg = await self._fetch((tier, tenant), timeout_s)
-            if msg is not None:
-                return msg
-            tenants.discard(tenant)
-        return None
+        order = share.order(tenants - excluded)
+        start = 0
+        while len(got) < count and start < len(order):
+            asked = order[start:start + count - len(got)]
+            start += len(asked)
+            answers = await asyncio.gather(*(self._fetch((tier, tenant), timeout_s) for tenant in asked))
+            for tenant, msg in zip(asked, answers):
+                if msg is None:
+                    tenants.discard(tenant)
+                else:
+                    got.append(msg)
+        return got
 
     async def _fetch(self, key: tuple[str, str], timeout_s: float):
-        """One message from a queue's consumer, or None (empty; or failed, and its subscription made again next
-        time: the consumer gone idle, a restarted server, NATS away)."""
-        try:
-            sub = await self._subscription(*key)
-            msgs = await sub.fetch(batch=1, timeout=timeout_s)
-        except (NatsTimeoutError, asyncio.TimeoutError):
-            return None
-        except Exception as exc:
-            log.warning("fetch from %s failed: %r", "/".join(key), exc)
-            await self._drop(*key)
-            return None
-        return msgs[0] if msgs else None
+        """One message from a queue's consumer, or None (empty, or failed: the consumer is made again when a pull
+        finds it gone, and a pull that failed otherwise (NATS away) is simply empty this time)."""
+        for _ in range(2):
+            try:
+                stream, consumer = await self._consumer(*key)
+                return await self._pulls.next(stream, consumer, timeout_s)
+            except ConsumerGone:
+                self._consumers.pop(key, None)  # deleted while idle, or a fresh server: made again, once
+            except Exception as exc:
+                log.warning("fetch from %s failed: %r", "/".join(key), exc)
+                self._consumers.pop(key, None)
+                return None
+        return None
 
     def charge(self, tier: str, tenant: str | None, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
         """Service given to a tenant of ``tier`` (admission: its prompt; each step: what it generated)."""
@@ -125,28 +143,19 @@ class TenantQueues:
             share.charge(subjects.tenant_token(tenant), prompt_tokens, generated_tokens)
 
     async def close(self) -> None:
-        for key in list(self._subs):
-            await self._drop(*key)
+        await self._pulls.close()
 
-    async def _subscription(self, tier: str, tenant: str):
+    async def _consumer(self, tier: str, tenant: str) -> tuple[str, str]:
         key = (tier, tenant)
-        sub = self._subs.pop(key, None)
-        if sub is None and tier == "offer":  # (tier, tenant) is ("offer", tier) for this worker's offers
-            name = await ensure_affinity_consumer(self._js, self._worker_id, tenant)
-            sub = await self._js.pull_subscribe_bind(name, stream=subjects.AFFINITY_STREAM)
-        elif sub is None:
+        known = self._consumers.get(key)
+        if known is not None:
+            return known
+        if tier == "offer":  # (tier, tenant) is ("offer", tier) for this worker's offers
+            known = (subjects.AFFINITY_STREAM, await ensure_affinity_consumer(self._js, self._worker_id, tenant))
+        else:
             # The consumer is named after the token, which is what the subject carries: make it for that token.
-            name = await ensure_request_consumer(self._js, self._model, tier, tenant)
-            sub = await self._js.pull_subscribe_bind(name, stream=subjects.request_stream(tier))
-            while len(self._subs) >= MAX_SUBSCRIPTIONS:
-                await self._drop(*next(iter(self._subs)))
-        self._subs[key] = sub  # most recently used last
-        return sub
-
-    async def _drop(self, tier: str, tenant: str) -> None:
-        sub = self._subs.pop((tier, tenant), None)
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection may be closing: nothing left to release then
-                pass
+            known = (subjects.request_stream(tier), await ensure_request_consumer(self._js, self._model, tier, tenant))
+        if len(self._consumers) >= MAX_KNOWN_CONSUMERS:
+            self._consumers.clear()  # only names: making a consumer that exists again is a no-op on the server
+        self._consumers[key] = known
+        return known

@@ -85,7 +85,7 @@ class Worker:
                                        tls_ca=config.nats_tls_ca, reconnected_cb=on_reconnect)
         js = nc.jetstream()
         out = Publisher(nc, js, self.worker_id)
-        intake = self._intake = Intake(self.engine, js, self.model_name, self.worker_id, self._held,
+        intake = self._intake = Intake(self.engine, nc, js, self.model_name, self.worker_id, self._held,
                                        self._capacity, out)
         try:
             await ensure_streams(js, config.nats_replicas)
