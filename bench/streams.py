@@ -111,6 +111,7 @@ def run_step(system, keys: list[str], streams: int, rate: float, args, profile_i
         proc = context.Process(target=run_client, args=(system.url(), keys, model_of(rate), count, tokens,
                                                          args.ramp, i, send))
         proc.start()
+        send.close()  # the child holds the only write end: a client that dies is an EOFError here, not a hang
         pipes.append(recv)
         procs.append(proc)
     reports: list[ClientReport] = [pipe.recv() for pipe in pipes]

@@ -146,6 +146,7 @@ def load(system, keys: dict[str, list[str]], seconds: float, clients: int) -> Lo
         proc = context.Process(target=run_load, args=(system.url(), MODEL, TOKENS, LIGHT_TOKENS, share, seconds,
                                                       send))
         proc.start()
+        send.close()  # the child holds the only write end: a client that dies is an EOFError here, not a hang
         pipes.append(recv)
         procs.append(proc)
     reports = [p.recv() for p in pipes]
@@ -181,13 +182,19 @@ def main() -> None:
         nats_pid = system._stack[0].pid
         alone = load(system, {"light": [light]}, args.seconds / 2, 1)
         print("idle:", alone.summary(), flush=True)
-        spied: list[str] = []
-        threading.Timer(args.seconds / 3, lambda: spied.append(
-            profile(worker, args.seconds / 3, top=20, watch=("TenantQueues.take_many",)))).start()
+        spied: list[tuple[str, dict]] = []
+
+        def spy() -> None:
+            try:
+                spied.append(profile(worker, args.seconds / 3, top=20, watch=("TenantQueues.take_many",)))
+            except Exception as exc:  # the figures without a profile, rather than no figures
+                spied.append((f"(profile failed: {exc!r})", {}))
+
+        spying = threading.Timer(args.seconds / 3, spy)
+        spying.start()
         loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
                       args.seconds, args.clients)
-        while not spied:
-            time.sleep(0.2)
+        spying.join()
         print("loaded:", loaded.summary(), flush=True)
         consumers, subs = asyncio.run(jetstream_counts(system))
         queue_p95 = worker_queue_time_p95(system)
