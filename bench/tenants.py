@@ -3,9 +3,14 @@ worker and NATS, and what does an idle tenant cost?
 
     .venv/bin/python bench/tenants.py                        # 10,000 tenants, 1,000 active at once, 60 s
     .venv/bin/python bench/tenants.py --tenants 2000 --active 200 --seconds 30
+    .venv/bin/python bench/tenants.py --tokens 400 --tokens-per-delta 20    # on a 2-core machine (see below)
 
 The engine is the simulated one (workers/simulated_engine.py, a test double): ``--seats`` sequences at ``--rate``
-tokens/s (20), each request 40 tokens (2 s), ``--tokens-per-delta`` to a message after the first. Keys for ``--tenants`` tenants are made in Postgres. Then, on the pro tier:
+tokens/s (20), each request ``--tokens`` (40: 2 s), ``--tokens-per-delta`` to a message after the first. With
+every seat taken that is 256 requests and 10,240 deltas a second through one gateway: more than a 2-core machine
+running clients, gateway, NATS, Postgres and worker together relays (bench/streams.py), so there longer requests
+sent in larger deltas keep the seats full at a rate the machine carries. Keys for ``--tenants`` tenants are made in
+Postgres. Then, on the pro tier:
 
 1. idle: a light tenant L alone, a short request (8 tokens) every 2 s: its TTFT p95 is the reference;
 2. loaded: ``--active`` tenants each keep one 40-token stream going (closed loop) and a heavy tenant H keeps
@@ -44,7 +49,7 @@ from bench.tenants_load import LoadReport, run_load  # noqa: E402
 ADMIN_KEY = "bench-tenants-admin"
 TIER = "pro"
 MODEL = "sim"
-TOKENS = 40  # an active or heavy tenant's request
+TOKENS = 40  # an active or heavy tenant's request (--tokens)
 LIGHT_TOKENS = 8  # L's
 
 
@@ -136,14 +141,14 @@ async def _metrics_url(system) -> str:
         await nc.close()
 
 
-def load(system, keys: dict[str, list[str]], seconds: float, clients: int) -> LoadReport:
+def load(system, keys: dict[str, list[str]], seconds: float, clients: int, tokens: int = TOKENS) -> LoadReport:
     """Run the clients (L's pacing and every closed loop) in ``clients`` processes; their merged report."""
     context = multiprocessing.get_context("spawn")
     pipes, procs = [], []
     for i in range(clients):
         share = {role: ks[i::clients] for role, ks in keys.items()}
         recv, send = context.Pipe(duplex=False)
-        proc = context.Process(target=run_load, args=(system.url(), MODEL, TOKENS, LIGHT_TOKENS, share, seconds,
+        proc = context.Process(target=run_load, args=(system.url(), MODEL, tokens, LIGHT_TOKENS, share, seconds,
                                                       send))
         proc.start()
         send.close()  # the child holds the only write end: a client that dies is an EOFError here, not a hang
@@ -163,6 +168,8 @@ def main() -> None:
     p.add_argument("--seats", type=int, default=512)
     p.add_argument("--seconds", type=float, default=60.0, help="each phase")
     p.add_argument("--rate", type=float, default=20.0, help="tokens/s of each sequence")
+    p.add_argument("--tokens", type=int, default=TOKENS,
+                   help="an active or heavy tenant's request (longer ones: fewer requests a second for the same seats)")
     p.add_argument("--tokens-per-delta", type=int, default=1,
                    help="tokens a delta carries after the first (fewer messages for the same tokens: on a small "
                         "machine the relay's cost per message, not the worker, bounds a run with every seat taken)")
@@ -193,7 +200,7 @@ def main() -> None:
         spying = threading.Timer(args.seconds / 3, spy)
         spying.start()
         loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
-                      args.seconds, args.clients)
+                      args.seconds, args.clients, args.tokens)
         spying.join()
         print("loaded:", loaded.summary(), flush=True)
         consumers, subs = asyncio.run(jetstream_counts(system))
@@ -211,7 +218,7 @@ def main() -> None:
     ratio = loaded.light_ttft(95) / max(1e-9, alone.light_ttft(95))
     # Seat-seconds served over the phase: whether the worker kept its seats full (or its intake, or the relay,
     # held it back).
-    busy_seats = sum(n * (LIGHT_TOKENS if role == "light" else TOKENS) / args.rate
+    busy_seats = sum(n * (LIGHT_TOKENS if role == "light" else args.tokens) / args.rate
                      for role, n in loaded.served.items()) / args.seconds
     table = markdown_table(
         ("measure", "value"),
