@@ -31,6 +31,7 @@ class TenantShare:
         self._counters: dict[str, float] = {}
         self._backlogged: set[str] = set()
         self._since: dict[str, int] = {}  # backlogged tenant -> when it became so (a number, ever growing)
+        self._before_lift: dict[str, float] = {}  # backlogged tenant -> its own counter when it came back
         self._clock = itertools.count()
 
     def counter(self, tenant: str) -> float:
@@ -47,23 +48,29 @@ class TenantShare:
             if floor is None:  # everyone is new: measure from the smallest counter of all, so nobody jumps
                 floor = min((self.counter(t) for t in tenants), default=0.0)
             for tenant in returning:
+                self._before_lift[tenant] = self.counter(tenant)
                 self._counters[tenant] = max(self.counter(tenant), floor)
                 self._since[tenant] = next(self._clock)
         for tenant in self._backlogged - tenants:
             self._since.pop(tenant, None)
+            self._before_lift.pop(tenant, None)
         self._backlogged = tenants
 
     def order(self, tenants: Iterable[str]) -> list[str]:
-        """``tenants`` (the backlogged ones to consider), least served first; between equals, the one backlogged
-        longest (a returning tenant is lifted level with the least served, and many are when each tenant has a
-        request at a time: by name, the same tenants would always come last)."""
-        since, counters = self._since, self._counters
-        return sorted(tenants, key=lambda t: (counters.get(t, 0.0), since.get(t, 0), t))
+        """``tenants`` (the backlogged ones to consider), least served first. Many are equal when each tenant has
+        a request at a time: every one that comes back is lifted level with the least served. Between equals,
+        the one that had been served least before it was lifted (a light tenant, next to ones that come back from
+        long requests, is not queued behind them all), then the one backlogged longest (by name, the same tenants
+        would always come last)."""
+        since, counters, before = self._since, self._counters, self._before_lift
+        return sorted(tenants, key=lambda t: (counters.get(t, 0.0), before.get(t, 0.0), since.get(t, 0), t))
 
     def charge(self, tenant: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
         """Record service given to ``tenant``."""
         self._counters[tenant] = self.counter(tenant) + (self._input_weight * prompt_tokens
                                                          + self._output_weight * generated_tokens)
+        if tenant in self._before_lift:  # served since it came back: its place among equals is its counter's
+            self._before_lift[tenant] = self._counters[tenant]
         if len(self._counters) > len(self._backlogged) + MAX_IDLE_COUNTERS:
             self.forget(keep=())
 

@@ -79,3 +79,19 @@ def test_between_equally_served_tenants_the_one_queued_longest_goes_first():
     share.set_backlogged(["amy"])  # zed served and gone, back later: behind amy, who waited meanwhile
     share.set_backlogged(["amy", "zed"])
     assert share.order(["amy", "zed"]) == ["amy", "zed"]
+
+
+def test_a_light_tenant_lifted_with_many_goes_before_those_that_were_served_more():
+    share = TenantShare()
+    busy = [f"busy{i}" for i in range(50)]
+    share.set_backlogged(busy + ["light"])
+    for tenant in busy:  # each got a long request's service; the light tenant a short one
+        share.charge(tenant, prompt_tokens=10, generated_tokens=400)
+    share.charge("light", prompt_tokens=10, generated_tokens=8)
+    share.set_backlogged(["waiting"])  # everyone's request done; one tenant still queued, served nothing yet
+    share.charge("waiting", prompt_tokens=1000)  # ...until now: the floor the others come back to
+    share.set_backlogged(["waiting"] + busy)  # the long requests' tenants come back first
+    share.set_backlogged(["waiting"] + busy + ["light"])  # the light one a moment later
+    order = share.order(["waiting"] + busy + ["light"])
+    assert share.counter("light") == share.counter("busy0") == share.counter("waiting")  # all lifted level
+    assert order[0] == "light"  # served least before the lift: first among equals, not behind fifty
