@@ -31,8 +31,23 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine:
     return engine
 
 
+def _vllm(config: SwitchyardConfig) -> ServingEngine:
+    """vLLM (V1, its engine core in this process), for what ours lacks: tensor parallelism, quantization,
+    speculative decoding, KV offload, any architecture vLLM knows (workers/vllm_engine/). Needs vLLM installed
+    where the worker runs (``make vllm-env``); refused with how to install it otherwise."""
+    from switchyard.workers import model_store
+    from switchyard.workers.vllm_engine.environment import require_vllm
+
+    require_vllm()
+    from switchyard.workers.vllm_engine.engine import VllmEngine
+
+    path = model_store.resolve(config.worker.model, config.model_cache_dir)
+    return VllmEngine.from_settings(config.worker, str(path))
+
+
 ENGINES: dict[str, Callable[[SwitchyardConfig], ServingEngine]] = {
     "switchyard": _switchyard,
+    "vllm": _vllm,
 }
 
 
