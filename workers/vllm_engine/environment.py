@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from switchyard.shared.config import WorkerConfig
+from switchyard.workers.engine.interface import EngineUnavailable
 
 VENV_NAME = ".venv-vllm"
 INSTALL_HINT = (
@@ -27,7 +28,7 @@ INSTALL_HINT = (
     "machine: `pip install 'switchyard[vllm]'` (the `vllm` extra) in an environment of its own.")
 
 
-class VllmUnavailable(RuntimeError):
+class VllmUnavailable(EngineUnavailable):
     """vLLM cannot be imported where the vLLM engine was asked for; the message says how to install it."""
 
 
