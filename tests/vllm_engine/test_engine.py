@@ -14,7 +14,7 @@ from switchyard.shared.messages import ErrorInfo, ResponseFormat, Resume, Safety
 pytestmark = pytest.mark.model
 
 LONG = ("Write a long story about a lighthouse keeper who finds a message in a bottle, with many details about the "
-        "sea, the weather, the birds, the ships that pass and the village on the shore. ") * 4
+        "sea, the weather, the birds, the ships that pass and the village on the shore. ") * 3
 
 
 def finals(steps) -> dict:
@@ -42,7 +42,8 @@ def test_a_greedy_reply_streams_as_our_engine_sends_it(engine, request_of):
     logprobs = [lp for d in deltas for lp in d.logprobs or ()]
     assert len(logprobs) == usage.completion_tokens - 1
     assert "".join(lp.token for lp in logprobs) == "The capital of France is Paris."
-    assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1] >= lp.logprob - 1e-6 for lp in logprobs)
+    assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1] for lp in logprobs)
+    assert all(lp.top[0] == (lp.token, pytest.approx(lp.logprob)) for lp in logprobs)  # greedy: the most likely
 
 
 def test_tiers_are_vllm_priorities_enterprise_first(engine, request_of):
@@ -62,8 +63,8 @@ def test_tiers_are_vllm_priorities_enterprise_first(engine, request_of):
 
 def test_when_the_kv_cache_runs_out_the_lowest_tier_is_preempted_and_finishes_last(engine, request_of):
     before = engine.stats()["num_preemptions"]
-    # Four sequences of ~440 tokens do not fit the ~1,100-token cache together.
-    reqs = {t: request_of(prompt=f"{t}: once upon a time", tier=t, max_tokens=400, ignore_eos=True, temperature=0)
+    # Four sequences of ~100 tokens do not fit the ~300-token cache together.
+    reqs = {t: request_of(prompt=f"{t}: once upon a time", tier=t, max_tokens=90, ignore_eos=True, temperature=0)
             for t in ["batch", "free", "pro", "enterprise"]}
     for req in reqs.values():
         engine.add(req)
@@ -74,21 +75,21 @@ def test_when_the_kv_cache_runs_out_the_lowest_tier_is_preempted_and_finishes_la
     assert ended_at[reqs["enterprise"].request_id] <= ended_at[reqs["free"].request_id]
     for req in reqs.values():  # preempted or not, every token arrives once
         (final,) = [d for step in steps for d in step if d.request_id == req.request_id and d.is_last]
-        assert final.usage.completion_tokens == 400
-        assert sum(d.num_tokens for step in steps for d in step if d.request_id == req.request_id) == 400
+        assert final.usage.completion_tokens == 90
+        assert sum(d.num_tokens for step in steps for d in step if d.request_id == req.request_id) == 90
 
 
 def test_an_abort_frees_the_seat_and_the_kv_blocks_and_ends_the_request_cancelled(engine, request_of):
-    long = request_of(prompt="Once upon a time", max_tokens=600, ignore_eos=True, temperature=0)
+    long = request_of(prompt="Once upon a time", max_tokens=200, ignore_eos=True, temperature=0)
     engine.add(long)
-    for _ in range(60):
+    for _ in range(40):
         engine.step()
     held = engine.capacity()
     assert held["num_free_seats"] == 3 and held["kv_cache_usage"] > 0
     assert engine.abort(long.request_id)
     (final,) = engine.step()
     assert (final.finish_reason, final.is_last) == ("cancelled", True)
-    assert 0 < final.usage.completion_tokens < 600
+    assert 0 < final.usage.completion_tokens < 200
     assert engine.capacity()["num_free_seats"] == 4
     short = request_of(prompt="Hi", max_tokens=2, ignore_eos=True)
     engine.add(short)
@@ -105,10 +106,10 @@ def test_the_prefix_cache_is_scoped_per_tenant_unless_shared(engine, request_of)
         return final.usage.cached_tokens
 
     assert cached("alice") == 0
-    assert cached("alice") > 100  # its own blocks
+    assert cached("alice") > 60  # its own blocks
     assert cached("bob") == 0  # never another tenant's
     assert cached("carol", shared=True) == 0
-    assert cached("dave", shared=True) > 100  # the operator's opt-in: one cache for all who share
+    assert cached("dave", shared=True) > 60  # the operator's opt-in: one cache for all who share
 
 
 def test_stop_strings_end_the_text_before_them(engine, request_of):
@@ -166,7 +167,7 @@ def test_what_vllm_cannot_honour_or_nobody_could_is_a_400(engine, request_of):
         (request_of(max_tokens=5, presence_penalty=1.0, resume=resumed), "unsupported_parameter", "presence_penalty"),
         (request_of(max_tokens=5, response_format=ResponseFormat("json_schema", {"type": "nonsense"})),
          "invalid_request", "response_format"),
-        (request_of("word " * 1100, max_tokens=5), "context_length_exceeded", "messages"),
+        (request_of("word " * 300, max_tokens=5), "context_length_exceeded", "messages"),
         (request_of(max_tokens=5, logit_bias={10**6: 1.0}), "invalid_value", "logit_bias"),
     ]
     for req, code, param in cases:
