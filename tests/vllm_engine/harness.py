@@ -72,6 +72,9 @@ class EngineProcess:
     def stats(self) -> dict:
         return self.call("stats")
 
+    def is_alive(self) -> bool:
+        return self._proc.poll() is None
+
     def close(self) -> None:
         if self._proc.poll() is None:
             try:
@@ -98,6 +101,7 @@ def _serve(settings: dict) -> None:
         answers.flush()
 
     answer({"max_context": engine.max_context, "device_type": engine.device_type})
+    added: list[str] = []  # request ids, for a reset
     for line in sys.stdin.buffer:
         command = json.loads(line)
         op = command["op"]
@@ -106,6 +110,7 @@ def _serve(settings: dict) -> None:
                 request = msgspec.convert(command["request"], GenerateRequest, strict=False)
                 try:
                     answer({"prompt_tokens": engine.add_request(request, engine.prepare(request))})
+                    added.append(request.request_id)
                 except Exception as exc:
                     if not hasattr(exc, "error"):
                         raise
@@ -125,6 +130,13 @@ def _serve(settings: dict) -> None:
                 answer(engine.capacity())
             elif op == "stats":
                 answer(engine.stats())
+            elif op == "reset":  # abort whatever is left and finish it
+                for request_id in added:
+                    engine.abort_request(request_id)
+                added.clear()
+                while engine.has_unfinished_requests():
+                    engine.step()
+                answer({})
             elif op == "bye":
                 engine.shutdown()
                 answer({})

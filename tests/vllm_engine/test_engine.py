@@ -14,7 +14,7 @@ from switchyard.shared.messages import ErrorInfo, ResponseFormat, Resume, Safety
 pytestmark = pytest.mark.model
 
 LONG = ("Write a long story about a lighthouse keeper who finds a message in a bottle, with many details about the "
-        "sea, the weather, the birds, the ships that pass and the village on the shore. ") * 3
+        "sea, the weather, the birds, the ships that pass and the village on the shore. ") * 4
 
 
 def finals(steps) -> dict:
@@ -63,39 +63,41 @@ def test_tiers_are_vllm_priorities_enterprise_first(engine, request_of):
 
 def test_when_the_kv_cache_runs_out_the_lowest_tier_is_preempted_and_finishes_last(engine, request_of):
     before = engine.stats()["num_preemptions"]
-    # Four sequences of ~100 tokens do not fit the ~300-token cache together.
-    reqs = {t: request_of(prompt=f"{t}: once upon a time", tier=t, max_tokens=90, ignore_eos=True, temperature=0)
-            for t in ["batch", "free", "pro", "enterprise"]}
+    # Three sequences of ~150 tokens: each takes one 128-token block at first, and a second one past 128 tokens,
+    # which the cache's five cannot give all three.
+    reqs = {t: request_of(prompt=f"{t}: once upon a time", tier=t, max_tokens=140, ignore_eos=True, temperature=0)
+            for t in ["batch", "pro", "enterprise"]}
     for req in reqs.values():
         engine.add(req)
     steps = engine.run()
     ended_at = {d.request_id: i for i, step in enumerate(steps) for d in step if d.is_last}
     assert engine.stats()["num_preemptions"] > before
-    assert max(ended_at, key=ended_at.get) == reqs["batch"].request_id
-    assert ended_at[reqs["enterprise"].request_id] <= ended_at[reqs["free"].request_id]
+    order = sorted(ended_at, key=ended_at.get)
+    assert order == [reqs[t].request_id for t in ("enterprise", "pro", "batch")]
     for req in reqs.values():  # preempted or not, every token arrives once
         (final,) = [d for step in steps for d in step if d.request_id == req.request_id and d.is_last]
-        assert final.usage.completion_tokens == 90
-        assert sum(d.num_tokens for step in steps for d in step if d.request_id == req.request_id) == 90
+        assert final.usage.completion_tokens == 140
+        assert sum(d.num_tokens for step in steps for d in step if d.request_id == req.request_id) == 140
 
 
 def test_an_abort_frees_the_seat_and_the_kv_blocks_and_ends_the_request_cancelled(engine, request_of):
-    long = request_of(prompt="Once upon a time", max_tokens=200, ignore_eos=True, temperature=0)
+    long = request_of(prompt=LONG, max_tokens=60, ignore_eos=True, temperature=0)  # two blocks
     engine.add(long)
-    for _ in range(40):
+    for _ in range(5):
         engine.step()
     held = engine.capacity()
-    assert held["num_free_seats"] == 3 and held["kv_cache_usage"] > 0
+    assert held["num_free_seats"] == 3 and held["kv_cache_usage"] >= 0.4  # two of five blocks
     assert engine.abort(long.request_id)
     (final,) = engine.step()
     assert (final.finish_reason, final.is_last) == ("cancelled", True)
-    assert 0 < final.usage.completion_tokens < 200
+    assert 0 < final.usage.completion_tokens < 60
     assert engine.capacity()["num_free_seats"] == 4
-    short = request_of(prompt="Hi", max_tokens=2, ignore_eos=True)
+    short = request_of(prompt="Hi", max_tokens=3, ignore_eos=True)
     engine.add(short)
+    engine.step()
+    # What vLLM holds while the short request runs: its block, not the aborted one's two.
+    assert 0 < engine.capacity()["kv_cache_usage"] < held["kv_cache_usage"]
     engine.run()
-    # What the last step held: the short request's block, not the aborted one's many.
-    assert engine.stats()["kv_cache_usage"] < held["kv_cache_usage"] / 4
     assert not engine.abort(long.request_id)  # gone
 
 
@@ -106,10 +108,10 @@ def test_the_prefix_cache_is_scoped_per_tenant_unless_shared(engine, request_of)
         return final.usage.cached_tokens
 
     assert cached("alice") == 0
-    assert cached("alice") > 60  # its own blocks
+    assert cached("alice") >= 128  # its own blocks (vLLM-CPU's are 128 tokens)
     assert cached("bob") == 0  # never another tenant's
     assert cached("carol", shared=True) == 0
-    assert cached("dave", shared=True) > 60  # the operator's opt-in: one cache for all who share
+    assert cached("dave", shared=True) >= 128  # the operator's opt-in: one cache for all who share
 
 
 def test_stop_strings_end_the_text_before_them(engine, request_of):
@@ -167,7 +169,7 @@ def test_what_vllm_cannot_honour_or_nobody_could_is_a_400(engine, request_of):
         (request_of(max_tokens=5, presence_penalty=1.0, resume=resumed), "unsupported_parameter", "presence_penalty"),
         (request_of(max_tokens=5, response_format=ResponseFormat("json_schema", {"type": "nonsense"})),
          "invalid_request", "response_format"),
-        (request_of("word " * 300, max_tokens=5), "context_length_exceeded", "messages"),
+        (request_of("word " * 600, max_tokens=5), "context_length_exceeded", "messages"),
         (request_of(max_tokens=5, logit_bias={10**6: 1.0}), "invalid_value", "logit_bias"),
     ]
     for req, code, param in cases:

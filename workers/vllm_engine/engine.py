@@ -240,7 +240,7 @@ class VllmEngine:
         for entry, run in self._by_vllm_id.values():
             counts = running if run.is_started else waiting
             counts[entry.tier] = counts.get(entry.tier, 0) + 1
-        return stats_of(self._step_stats, running, waiting)
+        return stats_of(self._step_stats, running, waiting, bool(self._by_vllm_id))
 
     def take_safety_events(self) -> list[SafetyEvent]:
         return self.safety.take_events()

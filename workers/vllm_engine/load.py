@@ -74,9 +74,10 @@ def capacity_of(stats: StepStats, max_num_seqs: int, num_in_engine: int, num_not
     return EngineCapacity(max_num_seqs, free, running, num_in_engine - running, num_not_started, kv)
 
 
-def stats_of(stats: StepStats, running: dict[str, int], waiting: dict[str, int]) -> EngineStats:
-    """The engine's load per tier (from its choices) and vLLM's counters."""
-    return EngineStats(running=running, waiting=waiting, kv_cache_usage=stats.kv_cache_usage,
+def stats_of(stats: StepStats, running: dict[str, int], waiting: dict[str, int], holds_any: bool) -> EngineStats:
+    """The engine's load per tier (from its choices) and vLLM's counters; ``holds_any``: a choice is in vLLM (else
+    its last KV use is past: aborted and finished requests free their blocks)."""
+    return EngineStats(running=running, waiting=waiting, kv_cache_usage=stats.kv_cache_usage if holds_any else 0.0,
                        prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
                        num_preemptions=stats.num_preemptions, batch_size=stats.batch_size,
                        num_batched_tokens=stats.num_batched_tokens)
