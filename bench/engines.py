@@ -195,6 +195,7 @@ def main() -> int:
     worker = WorkerConfig(model=model_dir, served_model_name=MODEL, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
                           kv_cache_gib=2)
     rows: list[dict] = []
+    failures: list[str] = []  # a side that could not run at all is said, and the others still reported
     work = Path(tempfile.mkdtemp(prefix="switchyard-engines-"))
     os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
     try:
@@ -206,22 +207,32 @@ def main() -> int:
                 update={"engine": "vllm" if side == "vllm engine" else "switchyard"}))
             config.data_dir.mkdir()
             os.chmod(config.data_dir, 0o755)
-            with LocalSystem(config, log_dir=config.data_dir, log_level="WARNING", ephemeral=True) as system:
-                system.start_servers()
-                api_key = asyncio.run(support.make_key(config.database_url, "bench-engines", rpm_limit=2**31 - 1,
-                                                       tpm_limit=2**31 - 1))
-                system.start_worker()
-                system.start_gateway()
-                system.wait_until_ready(MODEL, timeout_s=900)
-                rows += asyncio.run(load(system.url(), api_key, reqs, plan, side))
+            try:
+                with LocalSystem(config, log_dir=config.data_dir, log_level="WARNING", ephemeral=True) as system:
+                    system.start_servers()
+                    api_key = asyncio.run(support.make_key(config.database_url, "bench-engines",
+                                                           rpm_limit=2**31 - 1, tpm_limit=2**31 - 1))
+                    system.start_worker()
+                    system.start_gateway()
+                    system.wait_until_ready(MODEL, timeout_s=900)
+                    rows += asyncio.run(load(system.url(), api_key, reqs, plan, side))
+            except Exception as exc:
+                failures.append(f"{side}: {exc!r}")
+                print(f"{side} failed: {exc!r}", flush=True)
         if "vllm serve" in args.sides:
-            rows += run_vllm_serve(vllm_python(worker), worker, model_dir, reqs, plan, work)
+            try:
+                rows += run_vllm_serve(vllm_python(worker), worker, model_dir, reqs, plan, work)
+            except Exception as exc:
+                failures.append(f"vllm serve: {exc!r}")
+                print(f"vllm serve failed: {exc!r}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     kwargs = engine_kwargs(worker, model_dir, on_gpu=False)
     shown = ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k not in ("model", "tokenizer",
                                                                                    "served_model_name"))
     text = report(rows, args, command, lscpu, " ".join(f"{x:.1f}" for x in os.getloadavg()), shown)
+    if failures:
+        text += "\n\nSides that did not run: " + "; ".join(failures)
     print(text)
     append_section(text, args.results)
     return 0
