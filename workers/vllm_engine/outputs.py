@@ -78,8 +78,9 @@ class ChoiceRun:
                 return out_text, out_calls, Ending("content_filter", abort_vllm=True)
             out_text += text
             out_calls.extend(calls or ())
-        if finish_reason == ERROR:
-            return out_text, out_calls, Ending(ERROR)
+        if finish_reason is not None:  # ended with no token this step (an error inside vLLM, or an empty last output)
+            text = choice.emittable(choice.detokenizer.flush())
+            return out_text, out_calls, Ending(ERROR if finish_reason == ERROR else "stop", text)
         return out_text, out_calls, None
 
     def delta(self, request_id: str, text: str, calls: list[ToolCallDelta] | None, reason: str | None = None,
