@@ -93,7 +93,11 @@ class VllmEngine:
         self._prepare_lock = threading.Lock()
         self._grammars = _CheckedGrammars(self._prepare_tokenizer, self.vocab_size)
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        # What vLLM raises for a request it will not take: its validation errors, and its older ValueErrors.
+        self._refusals = (VLLMClientError, ValueError)
 
         self._sampling_params = lambda kw, grammar: SamplingParams(
             **kw, output_kind=RequestOutputKind.DELTA,
@@ -168,7 +172,7 @@ class VllmEngine:
         try:
             self._llm.add_request(run.vllm_id, run.prompt, self._sampling_params(run.sampling, entry.grammar),
                                   priority=entry.priority)
-        except ValueError as exc:  # vLLM's validation (VLLMValidationError): the request's own fault
+        except self._refusals as exc:  # vLLM's validation: the request's own fault, refused with vLLM's reason
             param = getattr(exc, "parameter", None)
             raise RequestRejected(ErrorInfo(f"vLLM cannot run this request: {exc}", code="invalid_request",
                                             param=param)) from exc
