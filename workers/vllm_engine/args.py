@@ -65,8 +65,8 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     return {k: val for k, val in kwargs.items() if val is not None}
 
 
-def process_env() -> dict[str, str]:
-    """Environment variables vLLM must see before it is imported: its engine core in this process (the worker's
-    step thread drives it, as it drives ours), and no usage report to a server outside."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+def process_env(worker: WorkerConfig) -> dict[str, str]:
+    """Environment variables vLLM must see before it builds an engine: where its engine core runs (see
+    ``VllmSettings.engine_core_process``), and no usage report to a server outside."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if worker.vllm.engine_core_process else "0",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

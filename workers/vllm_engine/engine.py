@@ -4,8 +4,9 @@
                               context check), the grammar checked by compiling it as ours does ─▶ PreparedPrompt
     step thread    add_request ─▶ a ChoiceRun per choice (our Choice: detokenizer, filter, tool parser) and a vLLM
                                   request each: token ids, cache salt = tenant scope, priority = tier
-                   step ─▶ LLMEngine.step() (vLLM V1, its engine core in this process) ─▶ RequestOutputs (new
-                           token ids) ─▶ ChoiceRun.advance (outputs.py) ─▶ TokenDelta, as ours sends them
+                   step ─▶ LLMEngine.step() (vLLM V1; its engine core in a process of its own, as `vllm serve`
+                           runs it, or in this one) ─▶ RequestOutputs (new token ids) ─▶ ChoiceRun.advance
+                           (outputs.py) ─▶ TokenDelta, as ours sends them
                    abort_request ─▶ LLMEngine.abort_request: vLLM frees the KV blocks; our finals next step
                    capacity, stats ─▶ load.py (vLLM's stat logger + the choices held here)
 
@@ -106,8 +107,7 @@ class VllmEngine:
     @classmethod
     def from_settings(cls, worker: WorkerConfig, model_path: str) -> VllmEngine:
         """vLLM's ``LLMEngine`` for ``model_path`` with ``worker``'s settings (workers/vllm_engine/args.py)."""
-        for name, value in vllm_args.process_env().items():
-            os.environ.setdefault(name, value)
+        os.environ.update(vllm_args.process_env(worker))  # the settings own these, whatever the environment said
         import torch
         from transformers import AutoTokenizer
         from vllm import EngineArgs, LLMEngine
