@@ -1,7 +1,7 @@
 """Both engines side by side, and vLLM's own server: the same requests, the same client, one run, one machine.
 
-    flock /tmp/bench.lock .venv/bin/python bench/engines.py                  # concurrency 1, 8, 32
-    flock /tmp/bench.lock .venv/bin/python bench/engines.py --concurrency 32 --requests 48
+    .venv/bin/python bench/engines.py                  # concurrency 1, 8, 32
+    .venv/bin/python bench/engines.py --concurrency 32 --requests 48
 
 Three servers of SmolLM2-135M, all started first and then measured in turn at each concurrency (the others idle),
 so that each level compares the sides under the same load of the machine:
@@ -44,7 +44,7 @@ MODEL = "smollm2"
 ADMIN_KEY = "bench-engines-admin"
 SIDES = ("switchyard", "vllm engine", "vllm serve")
 SERVED = {"switchyard": MODEL, "vllm engine": f"{MODEL}-vllm", "vllm serve": MODEL}
-DEFAULT_REQUESTS = {1: 4, 8: 16, 32: 48}
+DEFAULT_REQUESTS = {1: 2, 8: 12, 32: 48}  # the whole run under 10 minutes on a shared 2-core machine
 
 
 async def level(base_url: str, api_key: str, model: str, reqs: list[dict], concurrency: int, num: int,
@@ -69,12 +69,18 @@ async def level(base_url: str, api_key: str, model: str, reqs: list[dict], concu
     return row
 
 
-def vllm_serve_args(worker, model_dir: str, port: int) -> list[str]:
-    """``vllm serve``'s flags for the engine arguments the vLLM worker builds from ``worker``."""
+def vllm_kwargs(worker, model_dir: str) -> dict:
+    """The engine arguments the vLLM worker builds from ``worker`` on this CPU (its dtype ``auto`` included)."""
+    from switchyard.workers.executor.cpu_dtype import has_native_bf16
     from switchyard.workers.vllm_engine.args import engine_kwargs
 
+    return engine_kwargs(worker, model_dir, on_gpu=False, native_bf16=has_native_bf16())
+
+
+def vllm_serve_args(worker, model_dir: str, port: int) -> list[str]:
+    """``vllm serve``'s flags for the engine arguments the vLLM worker builds from ``worker``."""
     flags = ["--port", str(port), "--host", "127.0.0.1", "--no-enable-log-requests", "--served-model-name", MODEL]
-    for name, value in engine_kwargs(worker, model_dir, on_gpu=False).items():
+    for name, value in vllm_kwargs(worker, model_dir).items():
         if name in ("served_model_name", "tokenizer", "trust_remote_code"):
             continue
         flag = "--" + name.replace("_", "-")
@@ -132,7 +138,7 @@ class VllmServe:
         self._log.close()
 
 
-def report(rows: list[dict], args, command: str, lscpu: str, vllm_args: str) -> str:
+def report(rows: list[dict], args, command: str, lscpu: str, vllm_args: str, dtypes: str) -> str:
     ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
     by = {(r["side"], r["concurrency"]): r for r in rows}
     table = []
@@ -153,7 +159,7 @@ def report(rows: list[dict], args, command: str, lscpu: str, vllm_args: str) -> 
         f"Machine: {machine()}. `lscpu`: {lscpu}. Other engineers' work shared these 2 cores during the run: the last "
         "column is the 1-minute load average while each row ran (2.0 would be this benchmark alone).", "",
         f"Workload: prompts of {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs of {args.output_len[0]}-"
-        f"{args.output_len[1]}, greedy, ignore_eos; max_num_seqs {args.max_num_seqs}, dtype {args.dtype}, KV cache "
+        f"{args.output_len[1]}, greedy, ignore_eos; max_num_seqs {args.max_num_seqs}, dtype {args.dtype} ({dtypes}), KV cache "
         f"2 GiB on every side; at each concurrency the three sides ran one after another, all three servers up. "
         f"vLLM's engine arguments (its worker and `vllm serve` alike): `{vllm_args}`.", "",
         markdown_table(["conc", "side", "reqs", "failed", "out tok", "wall s", "out tok/s", "TTFT p50", "TTFT p99",
@@ -169,13 +175,15 @@ def report(rows: list[dict], args, command: str, lscpu: str, vllm_args: str) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--requests", type=int, help="requests per concurrency (default: 4 at 1, 16 at 8, 48 at 32)")
+    p.add_argument("--requests", type=int, help="requests per concurrency (default: 2 at 1, 12 at 8, 48 at 32)")
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
-    p.add_argument("--dtype", default="float32", help="every side's")
+    # auto: each engine's fastest here. Ours times its projections in float32 and bfloat16 (workers/executor/
+    # cpu_dtype.py); vLLM (its worker and `vllm serve` alike) takes bfloat16 where the CPU has it natively.
+    p.add_argument("--dtype", default="auto", help="every side's (default: each engine's fastest on this CPU)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=48, help="size of the workload the requests are drawn from")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 384))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 192))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
@@ -185,17 +193,18 @@ def main() -> int:
     args.num_requests = max(args.num_requests, *(n for _, n in plan))
 
     import httpx
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from switchyard.deploy.system import LocalSystem
     from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
     from switchyard.workers import model_store
-    from switchyard.workers.vllm_engine.args import engine_kwargs
     from switchyard.workers.vllm_engine.environment import vllm_python
     from tests.support import system as support
 
     model_dir = str(model_store.pull(MODEL, SwitchyardConfig().model_cache_dir))
     reqs = workload(AutoTokenizer.from_pretrained(model_dir), args)
+    ours_dtype = str(model_store.resolve_dtype(args.dtype, "cpu", AutoConfig.from_pretrained(model_dir))
+                     ).removeprefix("torch.")
     worker = WorkerConfig(model=model_dir, max_num_seqs=args.max_num_seqs, dtype=args.dtype, kv_cache_gib=2)
     work = Path(tempfile.mkdtemp(prefix="switchyard-engines-"))
     os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
@@ -236,10 +245,10 @@ def main() -> int:
         if bare is not None:
             bare.stop()
         shutil.rmtree(work, ignore_errors=True)
-    kwargs = engine_kwargs(worker, model_dir, on_gpu=False)
+    kwargs = vllm_kwargs(worker, model_dir)
     shown = ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k not in ("model", "tokenizer",
                                                                                    "served_model_name"))
-    text = report(rows, args, command, lscpu, shown)
+    text = report(rows, args, command, lscpu, shown, f"ours: {ours_dtype}, vLLM: {kwargs['dtype']}")
     print(text)
     append_section(text, args.results)
     return 0

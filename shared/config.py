@@ -128,8 +128,9 @@ class VllmSettings(BaseModel):
     # on a GPU eager only when the worker's cuda_graphs is off.
     enforce_eager: bool | None = None
     # vLLM's engine core (scheduler and model) in a process of its own, as `vllm serve` runs it: its steps go on
-    # while the worker publishes, and its Python never waits for the worker's. False: in the worker's process.
-    engine_core_process: bool = True
+    # while the worker publishes. Off by default: a worker killed outright (SIGKILL, the OOM killer) leaves that
+    # process behind holding its memory, and its stats arrive a step late (admission then counts on older ones).
+    engine_core_process: bool = False
     engine_args: dict = Field(default_factory=dict)  # any other EngineArgs field, passed as given (wins)
     # The interpreter of the environment vLLM is installed in (`make vllm-env`: .venv-vllm), for the launcher's
     # vLLM workers. None: this one when it imports vllm, else the checkout's .venv-vllm.

@@ -31,6 +31,7 @@ from switchyard.shared.messages import TokenDelta, decode
 from switchyard.workers.model_store import pull
 from switchyard.workers.vllm_engine.environment import VllmUnavailable, vllm_cpu_supported, vllm_python
 from tests.e2e.conftest import ADMIN_KEY
+from tests.e2e.test_metrics import scrape, value
 from tests.support.system import poll, stream_completion
 from tests.workers.conftest import model_cache_dir
 
@@ -84,7 +85,24 @@ async def _row(database_url: str, request_id: str) -> asyncpg.Record:
         await conn.close()
 
 
-async def test_a_streamed_chat_is_served_and_billed_like_ours(client, database_url):
+async def vllm_worker_samples(nats_url: str) -> dict:
+    """The live vLLM workers' metrics, summed; their heartbeats must name the engine (and no test double)."""
+    nc = await nats.connect(nats_url)
+    try:
+        workers = [w for w in await live_workers(nc.jetstream()) if w.model == MODEL]
+    finally:
+        await nc.close()
+    assert workers and all((w.engine, w.test_double) == ("vllm", False) for w in workers), workers
+    totals: dict = {}
+    async with httpx.AsyncClient(timeout=30) as http:
+        for worker in workers:
+            for sample, count in (await scrape(http, worker.metrics_url)).items():
+                totals[sample] = totals.get(sample, 0) + count
+    return totals
+
+
+async def test_a_streamed_chat_is_served_billed_and_counted_like_ours(client, nats_url, database_url):
+    before = await vllm_worker_samples(nats_url)
     stream = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=ASK, max_tokens=16, temperature=0, stream=True,
         stream_options={"include_usage": True})
@@ -98,6 +116,17 @@ async def test_a_streamed_chat_is_served_and_billed_like_ours(client, database_u
     assert (row["model"], row["finish_reason"]) == (MODEL, "stop")
     assert (row["prompt_tokens"], row["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
     assert row["worker_id"] and row["first_token_ms"] is not None
+    # The worker's Prometheus counters, as ours keeps them (they move before the gateway answers).
+    after = await vllm_worker_samples(nats_url)
+
+    def grew(metric: str, **labels) -> float:
+        return value(after, metric, **labels) - value(before, metric, **labels)
+
+    labels = {"model": MODEL, "tier": "pro"}
+    assert grew("switchyard:request_success_total", finished_reason="stop", **labels) == 1
+    assert grew("switchyard:generation_tokens_total", **labels) == usage.completion_tokens
+    assert grew("switchyard:prompt_tokens_total", **labels) == usage.prompt_tokens
+    assert grew("switchyard:engine_step_seconds_count", model=MODEL) >= usage.completion_tokens
 
 
 async def test_closing_a_stream_cancels_it_on_the_vllm_worker(system, key, database_url, vllm_workers):

@@ -4,8 +4,8 @@
                               context check), the grammar checked by compiling it as ours does ─▶ PreparedPrompt
     step thread    add_request ─▶ a ChoiceRun per choice (our Choice: detokenizer, filter, tool parser) and a vLLM
                                   request each: token ids, cache salt = tenant scope, priority = tier
-                   step ─▶ LLMEngine.step() (vLLM V1; its engine core in a process of its own, as `vllm serve`
-                           runs it, or in this one) ─▶ RequestOutputs (new token ids) ─▶ ChoiceRun.advance
+                   step ─▶ LLMEngine.step() (vLLM V1; its engine core in this process, or in one of its own
+                           with vllm.engine_core_process) ─▶ RequestOutputs (new token ids) ─▶ ChoiceRun.advance
                            (outputs.py) ─▶ TokenDelta, as ours sends them
                    abort_request ─▶ LLMEngine.abort_request: vLLM frees the KV blocks; our finals next step
                    capacity, stats ─▶ load.py (vLLM's stat logger + the choices held here)
