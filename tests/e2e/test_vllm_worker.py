@@ -207,15 +207,20 @@ async def test_a_pro_request_waiting_in_vllm_gets_the_next_seat_before_queued_fr
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=system, timeout=120, headers=headers) as http:
 
+        hogs_ended: list[str] = []  # a hog's stream that ended before its release (it gave its seat up)
+
         async def hog(started: asyncio.Event, release: asyncio.Event) -> None:
             body = {"model": MODEL, "messages": ASK, "max_tokens": 900, "ignore_eos": True, "stream": True}
             async with http.stream("POST", "/v1/chat/completions", json=body,
                                    headers={"X-Switchyard-Tier": "free"}) as resp:
+                # Read on as a client does (one that stops reading is a slow client, not a seat holder), and leave
+                # the block at the release: that disconnects, and the worker cancels it.
                 async for line in resp.aiter_lines():
                     if '"content"' in line:
                         started.set()
-                        break
-                await release.wait()  # leaving the block disconnects: the worker cancels it
+                    if release.is_set():
+                        return
+                hogs_ended.append(resp.headers["x-request-id"])
 
         async def short(tier: str) -> str:
             r = await http.post("/v1/chat/completions", headers={"X-Switchyard-Tier": tier}, json={
@@ -236,7 +241,7 @@ async def test_a_pro_request_waiting_in_vllm_gets_the_next_seat_before_queued_fr
         pro = asyncio.create_task(short("pro"))
         await asyncio.sleep(0)
         await poll(lambda: queued("pro"), lambda n: n == 0, timeout_s=20, what="the pro request taken")
-        assert await queued("free") == 2  # still in JetStream: no seat for them
+        assert (await queued("free"), hogs_ended) == (2, [])  # still in JetStream: no seat for them
         released[0].set()
         ids = {"pro": await asyncio.wait_for(pro, timeout=120)}
         released[1].set()
