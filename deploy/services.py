@@ -22,10 +22,12 @@ class ServiceProcess:
     """One ``switchyard <command>`` child process, stopped by PID."""
 
     def __init__(self, name: str, args: list[str], log_path: Path | None = None,
-                 env: dict[str, str] | None = None, stop_timeout_s: float = 15.0) -> None:
+                 env: dict[str, str] | None = None, stop_timeout_s: float = 15.0, python: str | None = None) -> None:
         """``stop_timeout_s``: how long ``stop`` lets it drain before SIGKILL (its own drain deadline and a
-        margin, or a worker still finishing its requests would be killed half-way)."""
+        margin, or a worker still finishing its requests would be killed half-way). ``python``: the interpreter
+        it runs under (default: this one; a vLLM worker's is its environment's, workers/vllm_engine/environment.py)."""
         self.name = name
+        self.python = python or sys.executable
         self.args = args
         self.log_path = log_path
         self.env = env
@@ -41,7 +43,7 @@ class ServiceProcess:
         out = open(self.log_path, "ab") if self.log_path else None
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "switchyard", *self.args],
+                [self.python, "-m", "switchyard", *self.args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,

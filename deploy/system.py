@@ -141,6 +141,11 @@ class LocalSystem:
         env = settings_env(config)
         # The gateway's or the worker's drain; the jobs finish their record within seconds.
         drain_s = {"worker": config.worker.drain_timeout_s, "gateway": config.gateway.drain_timeout_s}.get(command, 10)
-        service = ServiceProcess(name, args, log_path=log_path, env=env, stop_timeout_s=drain_s + 10)
+        python = None
+        if command == "worker" and config.worker.engine == "vllm":  # vLLM lives in an environment of its own
+            from switchyard.workers.vllm_engine.environment import vllm_python
+
+            python = vllm_python(config.worker)
+        service = ServiceProcess(name, args, log_path=log_path, env=env, stop_timeout_s=drain_s + 10, python=python)
         self.services.append(service)
         return self._started(service)

@@ -88,6 +88,10 @@ def run_up(config: SwitchyardConfig) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
     data = config.data_dir
+    if "vllm" in ({e.engine or config.worker.engine for e in config.models} or {config.worker.engine}):
+        from switchyard.workers.vllm_engine.environment import vllm_python
+
+        vllm_python(config.worker)  # where vLLM workers run, or how to install it: said before anything starts
     system = LocalSystem(config)  # the children write to this terminal
     try:
         for line in system.start_servers():

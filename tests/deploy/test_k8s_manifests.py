@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from switchyard.shared.config import GatewayConfig, WorkerConfig
+from switchyard.shared.config import GatewayConfig, VllmSettings, WorkerConfig
 from tests.deploy.manifest_checks import (
     K8S, by_kind, container_port, containers, env_value, image_has_tag, is_setting, kubectl, kustomize,
     load_yaml_documents, pod_spec, validate_object,
@@ -44,7 +44,7 @@ def _render(name: str, tmp_path_factory) -> list[dict]:
     return kustomize(work)
 
 
-@pytest.fixture(scope="module", params=[*OVERLAYS, "gpu+cnpg"])
+@pytest.fixture(scope="module", params=[*OVERLAYS, "gpu+cnpg", "gpu+vllm"])
 def rendered(request, tmp_path_factory) -> tuple[str, list[dict]]:
     return request.param, _render(request.param, tmp_path_factory)
 
@@ -170,7 +170,13 @@ def test_worker_is_ready_when_it_serves_and_drains_before_it_stops(rendered):
         assert not any(e["name"] == "SWITCHYARD_DATABASE_URL" for e in c.get("env", []))
         gpus = c["resources"]["limits"].get("nvidia.com/gpu")
         if name.startswith("gpu"):
-            assert gpus == 1 and env_value(c, "SWITCHYARD_WORKER__DEVICE") == "cuda" and "cuda" in c["image"]
+            assert env_value(c, "SWITCHYARD_WORKER__DEVICE") == "cuda"
+            if env_value(c, "SWITCHYARD_WORKER__ENGINE") == "vllm":  # as many GPUs as vLLM splits the model over
+                vllm = VllmSettings(**json.loads(env_value(c, "SWITCHYARD_WORKER__VLLM")))
+                assert gpus == vllm.tensor_parallel_size * vllm.pipeline_parallel_size and "vllm" in c["image"]
+                assert {"/dev/shm"} <= {m["mountPath"] for m in c["volumeMounts"]}  # NCCL between ranks
+            else:
+                assert gpus == 1 and "cuda" in c["image"]
         else:
             assert gpus is None and env_value(c, "SWITCHYARD_WORKER__DEVICE") == "cpu"
             assert c["resources"]["requests"]["cpu"] == c["resources"]["limits"]["cpu"]

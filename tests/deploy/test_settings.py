@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from switchyard.cli.main import build_parser
 from switchyard.cli.options import load_config
 from switchyard.shared.config import (ENV_PREFIX, GatewayConfig, ModelEntry, RouteRule, SafetyConfig, SwitchyardConfig,
-                                     WorkerConfig, settings_env)
+                                     VllmSettings, WorkerConfig, settings_env)
 
 # A value for every field of the gateway and worker sections, each different from its default.
 WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l3"], dtype="float32", device="cpu",
@@ -17,9 +18,10 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               max_num_batched_tokens=96, block_size=32, kv_cache_gib=1.5, gpu_memory_fraction=0.5,
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
               batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
-              metrics_port=9400, engine="simulated", simulated_tokens_per_s=40.0,
-              simulated_prefill_us_per_token=5.0, simulated_output_tokens=64,
-              simulated_tokens_per_delta=4)
+              metrics_port=9400, engine="vllm", simulated_tokens_per_s=40.0,
+              simulated_prefill_us_per_token=5.0, simulated_output_tokens=64, simulated_tokens_per_delta=4,
+              vllm=VllmSettings(tensor_parallel_size=2, quantization="fp8", speculative_config={"method": "ngram"},
+                                engine_args={"seed": 3}, python=Path(sys.executable)))
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
@@ -89,12 +91,13 @@ def test_gateway_no_jobs_flag(clean_env):
 def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env, monkeypatch, tmp_path):
     from switchyard.deploy import system as system_module
 
-    started, stop_timeouts = [], {}
+    started, stop_timeouts, pythons = [], {}, {}
 
     class Child:  # stands in for the process: what it would be started with
-        def __init__(self, name, args, log_path=None, env=None, stop_timeout_s=None):
+        def __init__(self, name, args, log_path=None, env=None, stop_timeout_s=None, python=None):
             started.append((name, args, env))
             stop_timeouts[name] = stop_timeout_s
+            pythons[name] = python
 
         def start(self):
             return self
@@ -118,6 +121,8 @@ def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env
     # Stopping waits for each child's own drain deadline (and a margin) before it kills.
     assert stop_timeouts == {"worker-b": WORKER["drain_timeout_s"] + 10, "gateway-2": GATEWAY["drain_timeout_s"] + 10,
                              "gateway-2-2": GATEWAY["drain_timeout_s"] + 10}
+    # A vLLM worker runs under the vLLM environment's Python (worker.vllm.python here), the others under this one.
+    assert pythons == {"worker-b": str(WORKER["vllm"].python), "gateway-2": None, "gateway-2-2": None}
     for name, _, env in started:
         with monkeypatch.context() as child:
             for key, value in env.items():

@@ -5,7 +5,6 @@ tokens it got are billed."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -19,27 +18,7 @@ from switchyard.deploy.services import wait_until_ready
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_request_consumer, live_workers
 from switchyard.shared.messages import TokenDelta, decode
-from tests.support.system import poll
-
-
-async def _stream(system: str, auth: dict, body: dict, on_text) -> tuple[list[dict], str]:
-    """POST a streamed completion; ``on_text(request_id)`` is awaited once, at the first text. Returns the events
-    (an error event ends them) and the request id."""
-    events, called = [], False
-    async with httpx.AsyncClient(timeout=60) as http:
-        async with http.stream("POST", f"{system}/v1/completions", json=body, headers=auth) as r:
-            assert r.status_code == 200
-            request_id = r.headers["X-Request-Id"]
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line[6:]))
-                if "error" in events[-1]:
-                    break
-                if not called and events[-1]["choices"] and events[-1]["choices"][0]["text"]:
-                    called = True
-                    await on_text(request_id)
-    return events, request_id
+from tests.support.system import poll, stream_completion
 
 
 async def _usage_rows(database_url: str, request_id: str, timeout_s: float = 20.0) -> list:
@@ -68,7 +47,7 @@ async def test_a_stream_whose_worker_is_killed_ends_with_an_error_within_5_s_and
         wait_until_ready(system, name, timeout_s=120, watch=[worker])
         body = {"model": name, "prompt": "once upon a time", "max_tokens": 4000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        events, request_id = await _stream(system, auth, body, kill)
+        events, request_id = await stream_completion(system, auth, body, kill)
         assert killed_at is not None and "error" in events[-1]
         assert events[-1]["error"]["code"] == "worker_lost", events[-1]
         assert time.monotonic() - killed_at < 5.0
@@ -111,7 +90,7 @@ async def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker_exactly
                 # Resumed once the gateway has given up on it (3 s) while the stream goes on elsewhere.
                 asyncio.get_running_loop().call_later(4.0, os.kill, info.pid, signal.SIGCONT)
 
-        events, request_id = await _stream(system, auth, body, kill_its_worker)
+        events, request_id = await stream_completion(system, auth, body, kill_its_worker)
         assert killed and "error" not in events[-1], events[-1]
         streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
         assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import asyncpg
+import httpx
 import nats
 
 from switchyard.deploy.processes import free_port
@@ -57,3 +59,23 @@ async def wait_usage_written(nats_url: str, timeout_s: float = 20.0) -> None:
         await poll(drained, timeout_s=timeout_s, what="usage records written")
     finally:
         await nc.close()
+
+
+async def stream_completion(system: str, auth: dict, body: dict, on_text) -> tuple[list[dict], str]:
+    """POST a streamed completion; ``on_text(request_id)`` is awaited once, at the first text. Returns the events
+    (an error event ends them) and the request id."""
+    events, called = [], False
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{system}/v1/completions", json=body, headers=auth) as r:
+            assert r.status_code == 200
+            request_id = r.headers["X-Request-Id"]
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if "error" in events[-1]:
+                    break
+                if not called and events[-1]["choices"] and events[-1]["choices"][0]["text"]:
+                    called = True
+                    await on_text(request_id)
+    return events, request_id

@@ -1,11 +1,14 @@
-"""Our engine has every member of the interface the worker serves through, with arguments the worker can pass."""
+"""Each engine has every member of the interface the worker serves through, with arguments the worker can pass."""
 
 from __future__ import annotations
 
 import inspect
 
+import pytest
+
 from switchyard.workers.engine.engine import Engine
 from switchyard.workers.engine.interface import ServingEngine
+from switchyard.workers.vllm_engine.engine import VllmEngine  # readable without vLLM: it imports it when built
 
 
 def _members(protocol) -> dict[str, object]:
@@ -13,7 +16,8 @@ def _members(protocol) -> dict[str, object]:
             if not name.startswith("_") and (callable(value) or isinstance(value, property))}
 
 
-def test_engine_implements_every_member_of_the_interface():
+@pytest.mark.parametrize("Engine", [Engine, VllmEngine])
+def test_engine_implements_every_member_of_the_interface(Engine):
     members = _members(ServingEngine)
     assert {"prepare", "add_request", "abort_request", "step", "capacity", "stats", "shutdown"} <= set(members)
     for name, declared in members.items():

@@ -75,6 +75,26 @@ class Choice:
         if self.matcher.is_error():  # cannot happen for a token its mask allowed; never loop on it
             log.error("request %s left its grammar: %s", self.request.request_id, self.matcher.get_error())
 
+    def take_up(self, token_ids: list[int], text_len: int) -> None:
+        """A continuation: ``token_ids`` were generated elsewhere and the client has ``text_len`` characters of
+        their text (an echo included); the detokenizer, grammar and output filter go on from there, and the text
+        sends only what the client lacks."""
+        primed = self.detokenizer.add_tokens(token_ids)
+        if self.matcher is not None and not self.matcher.consume_tokens(token_ids):
+            raise RequestRejected(ErrorInfo("The resumed tokens do not follow the request's response_format.",
+                                            code="invalid_value", param="resume"))
+        if self.detokenizer.is_stopped:
+            raise RequestRejected(ErrorInfo("The resumed tokens already contain a stop string.",
+                                            code="invalid_value", param="resume"))
+        # The same ids decode to the same text and hold back the same tail, so these differ only if the first
+        # worker decoded differently; either way the client gets each character once. What the client is owed
+        # before them (an echoed prompt) counts as sent text too.
+        owed = self.unsent_text + primed
+        self.skip_chars = max(0, text_len - len(owed))
+        self.unsent_text = owed[text_len:]
+        if self.guard is not None:
+            self.guard.prime(owed[:text_len])
+
     @property
     def grammar_is_complete(self) -> bool:
         return self.matcher is not None and self.matcher.is_stopped()
@@ -112,25 +132,41 @@ def resume(seq: Sequence, token_ids: list[int], text_len: int) -> None:
         seq.resume(token_ids)
     except ValueError as exc:
         raise RequestRejected(ErrorInfo(str(exc), code="invalid_value", param="resume")) from exc
-    primed = choice.detokenizer.add_tokens(token_ids)
-    if choice.matcher is not None and not choice.matcher.consume_tokens(token_ids):
-        raise RequestRejected(ErrorInfo("The resumed tokens do not follow the request's response_format.",
-                                        code="invalid_value", param="resume"))
-    if choice.detokenizer.is_stopped:
-        raise RequestRejected(ErrorInfo("The resumed tokens already contain a stop string.",
-                                        code="invalid_value", param="resume"))
-    # The same ids decode to the same text and hold back the same tail, so these differ only if the first
-    # worker decoded differently; either way the client gets each character once. What the client is owed
-    # before them (an echoed prompt) counts as sent text too.
-    owed = choice.unsent_text + primed
-    choice.skip_chars = max(0, text_len - len(owed))
-    choice.unsent_text = owed[text_len:]
-    if choice.guard is not None:
-        choice.guard.prime(owed[:text_len])
+    choice.take_up(token_ids, text_len)
     if choice.generator is not None and choice.request.params.temperature >= GREEDY_TEMPERATURE:
         # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
         for _ in token_ids:
             choice.generator.random()
+
+
+def cache_salt(req: GenerateRequest) -> str:
+    """The prefix-cache scope of ``req``'s blocks (vLLM's ``cache_salt`` idea, given to vLLM as is by its engine):
+    a tenant's blocks are found only by its own requests, unless the operator shares them (see GenerateRequest)."""
+    return "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
+
+
+def make_choice(req: GenerateRequest, state: RequestState, index: int, prompt_ids: list[int], tokenizer,
+                safety: OutputSafety, matcher: object | None = None) -> Choice:
+    """Choice ``index`` of ``req``: its detokenizer (stop strings), seeded uniforms, logprobs, output filter, tool-call
+    parser and echoed prompt; ``matcher``: the grammar its tokens follow, when the engine applies it itself."""
+    params = req.sampling
+    seed = None if params.seed is None else params.seed + index
+    choice = Choice(state, index, IncrementalDetokenizer(tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
+                    make_generator(seed), unreported_logprobs=[] if params.logprobs else None,
+                    guard=safety.guard(req, index), matcher=matcher)
+    if req.tool_use is not None and req.tool_use.choice != "none":
+        choice.tools = ToolCallParser(lambda k, i=index: call_id(req.request_id, i, k))
+    if params.echo:  # legacy completions: the text starts with the prompt, as the client wrote it
+        choice.unsent_text = req.prompt if req.prompt is not None else tokenizer.decode(prompt_ids)
+    return choice
+
+
+def check_resumable(req: GenerateRequest) -> None:
+    """A continuation has one choice and no tools (its deltas would not say where each choice was)."""
+    if req.resume is not None and (req.sampling.n != 1 or req.tool_use is not None):
+        param = "n" if req.sampling.n != 1 else "tools"
+        raise RequestRejected(ErrorInfo(f"A request with {param} set cannot be resumed.",
+                                        code="invalid_value", param=param))
 
 
 def new_request(req: GenerateRequest, prepared: PreparedPrompt, tokenizer, safety: OutputSafety, priority: int,
@@ -138,31 +174,19 @@ def new_request(req: GenerateRequest, prepared: PreparedPrompt, tokenizer, safet
     """``req``'s state and a sequence per choice, all built before the scheduler sees any of it: a request that
     fails here (``RequestRejected``) leaves nothing behind. A continuation's one choice goes on from its tokens."""
     params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
-    if req.resume is not None and (params.n != 1 or req.tool_use is not None):
-        param = "n" if params.n != 1 else "tools"
-        raise RequestRejected(ErrorInfo(f"A request with {param} set cannot be resumed.",
-                                        code="invalid_value", param=param))
+    check_resumable(req)
     state = RequestState(req.request_id, params, len(prompt_ids), seq_ids=[])
     arrival = time.monotonic()
-    # vLLM's cache_salt idea: a tenant's blocks are found only by its own requests (see GenerateRequest).
-    cache_salt = "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
+    salt = cache_salt(req)
     seqs = []
     for index in range(params.n):
         seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"
-        seed = None if params.seed is None else params.seed + index
-        choice = Choice(state, index,
-                        IncrementalDetokenizer(tokenizer, stop=params.stop, prompt_token_ids=prompt_ids),
-                        make_generator(seed),
-                        unreported_logprobs=[] if params.logprobs else None,
-                        guard=safety.guard(req, index))
+        matcher = None
         if prepared.matcher is not None:  # each choice follows the grammar on its own
-            choice.matcher = prepared.matcher if index == 0 else prepared.matcher.deep_copy()
-        if req.tool_use is not None and req.tool_use.choice != "none":
-            choice.tools = ToolCallParser(lambda k, i=index: call_id(req.request_id, i, k))
-        if params.echo:  # legacy completions: the text starts with the prompt, as the client wrote it
-            choice.unsent_text = req.prompt if req.prompt is not None else tokenizer.decode(prompt_ids)
+            matcher = prepared.matcher if index == 0 else prepared.matcher.deep_copy()
+        choice = make_choice(req, state, index, prompt_ids, tokenizer, safety, matcher)
         seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
-                             cache_salt=cache_salt, tenant=req.tenant_id or ""))
+                             cache_salt=salt, tenant=req.tenant_id or ""))
         state.seq_ids.append(seq_id)
     if req.resume is not None:
         resume(seqs[0], req.resume.token_ids, req.resume.text_len)

@@ -20,6 +20,7 @@ never sees one needs neither (a slow or stand-in tokenizer, a machine without th
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -57,12 +58,16 @@ def json_schema_grammar(schema: dict) -> str:
 
 
 def response_format_grammar(fmt: ResponseFormat) -> str:
-    """``json_object``: any JSON object; ``json_schema``: an instance of its schema."""
+    """``json_object``: any JSON object; ``json_schema``: an instance of its schema. Lark text (``%json`` of the
+    schema in our JSON style), the one grammar form both engines take: ours compiles it, vLLM's guidance backend
+    too."""
     if fmt.type == "json_object":
-        return json_schema_grammar({"type": "object"})
-    if fmt.type == "json_schema":
-        return json_schema_grammar(fmt.schema or {})
-    raise GrammarError(f"unknown response_format type {fmt.type!r}")
+        schema = {"type": "object"}
+    elif fmt.type == "json_schema":
+        schema = fmt.schema or {}
+    else:
+        raise GrammarError(f"unknown response_format type {fmt.type!r}")
+    return "%llguidance {}\nstart: %json " + json.dumps(with_json_style(schema))
 
 
 def with_json_style(schema: dict) -> dict:

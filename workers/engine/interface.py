@@ -30,7 +30,12 @@ from switchyard.workers.engine.output_filter import SafetyEvent
 from switchyard.workers.engine.prompts import RequestRejected
 from switchyard.workers.engine.stats import EngineCapacity, EngineStats
 
-__all__ = ["EngineCapacity", "EngineStats", "Prepared", "RequestRejected", "SafetyEvent", "ServingEngine"]
+__all__ = ["EngineCapacity", "EngineStats", "EngineUnavailable", "Prepared", "RequestRejected", "SafetyEvent",
+           "ServingEngine"]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine asked for cannot be built here (its package is not installed); the message says how to fix it."""
 
 
 class Prepared(Protocol):

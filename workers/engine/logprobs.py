@@ -30,11 +30,12 @@ class TokenLogprobs:
         out = {}
         for j, i in enumerate(rows):
             k = seqs[i].data.request.params.top_logprobs
-            top = [(self._text(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k])]
-            out[seqs[i].seq_id] = TokenLogprob(self._text(token_ids[i]), chosen[j], top)
+            top = [(self.text(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k])]
+            out[seqs[i].seq_id] = TokenLogprob(self.text(token_ids[i]), chosen[j], top)
         return out
 
-    def _text(self, token_id: int) -> str:
+    def text(self, token_id: int) -> str:
+        """The text of ``token_id`` alone, as a logprob entry names it."""
         text = self._texts.get(token_id)
         if text is None:
             # As the text is decoded (special tokens left out), so that the tokens spell the content.

