@@ -216,10 +216,6 @@ def main() -> None:
         system.stop()
         shutil.rmtree(work, ignore_errors=True)
     ratio = loaded.light_ttft(95) / max(1e-9, alone.light_ttft(95))
-    # Seat-seconds served over the phase: whether the worker kept its seats full (or its intake, or the relay,
-    # held it back).
-    busy_seats = sum(n * (LIGHT_TOKENS if role == "light" else args.tokens) / args.rate
-                     for role, n in loaded.served.items()) / args.seconds
     table = markdown_table(
         ("measure", "value"),
         [("tenants with keys (made in)", f"{args.tenants + 2:,} ({made_s:.0f} s)"),
@@ -229,8 +225,6 @@ def main() -> None:
          ("L p95 loaded / alone (target <= 3x)", f"{ratio:.2f}x"),
          ("requests served loaded: L / H / active tenants", loaded.served_line()),
          ("requests failed loaded", str(loaded.failed)),
-         ("seats busy on average, loaded (of the seats)",
-          f"{busy_seats:.0f} ({busy_seats / args.seats:.0%})"),
          ("JetStream consumers on the tier's stream", f"{consumers:,}"),
          ("worker NATS subscriptions", f"{subs:,}"),
          ("worker queue time p95 (bucket bound, s)", f"{queue_p95:g}"),
