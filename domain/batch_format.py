@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.api.shapes import CHAT, TEXT, choice_json, usage_json
+from switchyard.domain.api.text import UNSTORABLE, describe, field_path
 from switchyard.domain.limits import estimate_tokens
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
 
@@ -55,7 +56,7 @@ def _error(line: int | None, code: str, message: str, param: str | None = None) 
 
 def _describe(exc: ValidationError) -> tuple[str, str]:
     first = exc.errors()[0]
-    param = ".".join(["body", *(str(p) for p in first.get("loc", ()))])
+    param = ".".join(["body", *field_path(first)])
     if first.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     return f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.", param
@@ -112,6 +113,9 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[InputLine], list[di
         if not isinstance(custom_id, str) or not custom_id:
             errors.append(_error(line_no, "missing_required_parameter", "Each line needs a string `custom_id`.",
                                  "custom_id"))
+            continue
+        if UNSTORABLE.search(custom_id):  # kept in a text column, and in the output file's lines
+            errors.append(_error(line_no, "invalid_value", f"The `custom_id` {describe(custom_id)}.", "custom_id"))
             continue
         if custom_id in seen:
             errors.append(_error(line_no, "duplicate_custom_id",

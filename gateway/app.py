@@ -18,6 +18,7 @@ from switchyard.gateway.errors import install_error_handlers
 from switchyard.gateway.request_ids import RequestIds
 from switchyard.gateway.routes import all_routers
 from switchyard.gateway.services import GatewayServices
+from switchyard.gateway.url_text import UrlText
 from switchyard.shared.config import SwitchyardConfig
 
 # Something that runs beside the gateway for as long as it serves (``switchyard gateway`` puts the durable
@@ -49,6 +50,7 @@ def create_app(config: SwitchyardConfig, services: GatewayServices | None = None
     app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
     install_error_handlers(app, services.metrics)
     app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_request_bytes)
+    app.add_middleware(UrlText)
     app.add_middleware(CountInFlight, counter=services.in_flight)
 
     @app.middleware("http")

@@ -8,9 +8,8 @@ larger limit (``files.MAX_FILE_BYTES``), checked here too.
 
 from __future__ import annotations
 
-import json
-
 from switchyard.domain.files import MAX_FILE_BYTES, MULTIPART_SLACK
+from switchyard.gateway.asgi_answers import send_error
 
 FILES_PATH = "/v1/files"
 
@@ -60,10 +59,5 @@ class BodySizeLimit:
 
 
 async def _too_large(send, limit: int) -> None:
-    body = json.dumps({"error": {
-        "message": f"The request body is larger than this server's limit of {limit} bytes.",
-        "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+    await send_error(send, 413, f"The request body is larger than this server's limit of {limit} bytes.",
+                     "request_too_large", close=True)

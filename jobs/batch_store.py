@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import asyncpg
 
+from switchyard.domain.api.text import storable
 from switchyard.domain.auth import AuthContext, tenant_context
 from switchyard.domain.batch_format import ResultFiles
 from switchyard.domain.files import insert_file
@@ -90,7 +91,7 @@ class BatchStore:
     async def fail_validation(self, batch_id: str, errors: list[dict]) -> None:
         await self._pool.execute(
             "UPDATE batches SET status = 'failed', failed_at = now(), errors = $2::jsonb WHERE id = $1 "
-            "AND status = 'validating'", batch_id, json.dumps({"object": "list", "data": errors}))
+            "AND status = 'validating'", batch_id, json.dumps({"object": "list", "data": storable(errors)}))
 
     async def start(self, batch_id: str, model: str | None, lines: Sequence[tuple]) -> bool:
         """validating → in_progress with its ``lines`` (line_no, custom_id, body json, request_id, estimated

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.fields import unsupported
+from switchyard.domain.api.text import StoredText, check_encodable
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
 from switchyard.gateway.admission import admit, authenticated, request_ticket
@@ -31,19 +32,21 @@ from switchyard.shared.messages import ChatMessage, ConversationTurn
 class ConversationCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    system: str | None = None
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=16)
+    model: StoredText | None = None
+    system: StoredText | None = None
+    metadata: dict[StoredText, StoredText] = Field(default_factory=dict, max_length=16)
+
+    _encodable = model_validator(mode="before")(check_encodable)
 
 
 class TurnRequest(ChatCompletionRequest):
     """A chat completion whose history is the conversation's: ``content`` is the new message, the user's, or a
     tool's result (``role`` tool with the ``tool_call_id`` it answers)."""
 
-    model: str | None = None  # defaults to the conversation's model
-    content: str = Field(min_length=1)
+    model: StoredText | None = None  # defaults to the conversation's model
+    content: StoredText = Field(min_length=1)  # stored with the conversation: no U+0000
     role: Literal["user", "tool"] = "user"
-    tool_call_id: str | None = None
+    tool_call_id: StoredText | None = None
     messages: list = Field(default_factory=list, exclude=True)  # not accepted here: the server has the history
 
     @model_validator(mode="after")
