@@ -227,14 +227,25 @@ class CompletionService:
             yield sse("[DONE]")
         finally:
             # Reached on normal end, and on client disconnect (the response task is cancelled): a worker still
-            # generating for a gone client must free its slot now.
-            if not relayed.is_finished:
-                await asyncio.shield(relayed.cancel())
-            await relayed.close()
-            # A cancelled stream's tokens are unknown here (the worker bills them): None says so.
-            await asyncio.shield(self._admission.settle(ticket, usage.total_tokens if usage is not None else None))
+            # generating for a gone client must free its slot now. One shielded task does all of it: a cancelled
+            # response's scope cancels every later await too (anyio's cancellation is level-triggered), so steps
+            # awaited one by one here would stop at the first.
             outcome.take(reply)
             outcome.usage = usage or Usage()
+            # A cancelled stream's tokens are unknown here (the worker bills them): None says so.
+            await asyncio.shield(self._end(relayed, ticket, usage.total_tokens if usage is not None else None,
+                                           outcome, on_finish))
+
+    async def _end(self, relayed, ticket: Ticket, used_tokens: int | None, outcome: Outcome,
+                   on_finish: OnFinish | None) -> None:
+        """Everything a request owes once its answer is over, however it ended: the worker told to stop if it still
+        runs, the ticket settled, ``on_finish`` told, the reply's prefix remembered."""
+        try:
+            if not relayed.is_finished:
+                await relayed.cancel()
+            await relayed.close()
+        finally:
+            await self._admission.settle(ticket, used_tokens)
             if on_finish is not None:
-                await asyncio.shield(on_finish(outcome))
-            await asyncio.shield(self._remember(relayed, outcome))
+                await on_finish(outcome)
+            await self._remember(relayed, outcome)

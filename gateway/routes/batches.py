@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from switchyard.domain.api.text import StoredText, check_encodable
 from switchyard.domain.auth import AuthContext
-from switchyard.gateway.admission import authenticated
+from switchyard.gateway.admission import counted
 from switchyard.gateway.services import GatewayServices
 
 
@@ -31,7 +31,7 @@ class BatchCreate(BaseModel):
 
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1/batches")
-    caller = authenticated(services)
+    caller = counted(services)  # every call counts against its key's request rate
 
     @router.post("")
     async def create(body: BatchCreate, auth: AuthContext = Depends(caller)):

@@ -8,7 +8,8 @@ a chat completion over the stored history.
     DELETE /v1/conversations/{id}
 
 The worker drops the oldest turns of a history over the context and says how many (``dropped_messages``); only
-the new message is judged by the input filter (the history was when it was new).
+the new message is judged by the input filter (the history was when it was new; the system prompt when the
+conversation was created).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from switchyard.domain.api.fields import unsupported
 from switchyard.domain.api.text import StoredText, check_encodable
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.admission import admit, authenticated, request_ticket
+from switchyard.gateway.admission import admit, admit_call, authenticated, counted, request_ticket
 from switchyard.gateway.serving import Outcome
 from switchyard.gateway.services import GatewayServices
 from switchyard.shared.messages import ChatMessage, ConversationTurn
@@ -62,23 +63,26 @@ class TurnRequest(ChatCompletionRequest):
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1/conversations")
     caller = authenticated(services)
+    call = counted(services)  # what generates nothing counts against the key's request rate too
 
     @router.post("")
-    async def create(body: ConversationCreate, auth: AuthContext = Depends(caller)):
+    async def create(body: ConversationCreate, request: Request, auth: AuthContext = Depends(caller)):
+        # The system prompt is judged here, once, like a turn's new message: it is in every later turn's history.
+        await admit_call(services, request, auth, texts=[body.system or ""], texts_param="system")
         return await services.conversations.create(auth.tenant_id, body.model, body.system, body.metadata)
 
     @router.get("/{conversation_id}")
-    async def get(conversation_id: str, auth: AuthContext = Depends(caller)):
+    async def get(conversation_id: str, auth: AuthContext = Depends(call)):
         return await services.conversations.get(conversation_id, auth.tenant_id)
 
     @router.delete("/{conversation_id}")
-    async def delete(conversation_id: str, auth: AuthContext = Depends(caller)):
+    async def delete(conversation_id: str, auth: AuthContext = Depends(call)):
         await services.conversations.delete(conversation_id, auth.tenant_id)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
     @router.get("/{conversation_id}/messages")
     async def list_messages(conversation_id: str, limit: int = 20, after: str | None = None,
-                            order: Literal["asc", "desc"] = "asc", auth: AuthContext = Depends(caller)):
+                            order: Literal["asc", "desc"] = "asc", auth: AuthContext = Depends(call)):
         return await services.conversations.messages(conversation_id, auth.tenant_id, limit, after, order)
 
     @router.post("/{conversation_id}/messages")

@@ -18,13 +18,13 @@ from switchyard.domain.api.text import UNSTORABLE, describe
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.files import MAX_FILE_BYTES, MULTIPART_SLACK, UPLOAD_PURPOSES, too_large
-from switchyard.gateway.admission import authenticated
+from switchyard.gateway.admission import counted
 from switchyard.gateway.services import GatewayServices
 
 
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1/files")
-    caller = authenticated(services)
+    caller = counted(services)  # every call counts against its key's request rate
 
     # The form is read by hand (after authentication, bounded by its declared size); the schema still describes it,
     # so clients and fuzzers (tests/e2e/test_openapi_fuzz.py) see the real request body.
