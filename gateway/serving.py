@@ -74,16 +74,17 @@ class CompletionService:
         self._config = config
 
     async def chat(self, body: ChatCompletionRequest, ticket: Ticket, messages: list[ChatMessage] | None = None,
-                   on_finish: OnFinish | None = None, extra: dict | None = None):
-        """``messages``/``on_finish``/``extra`` serve conversations: a server-assembled history (truncated by the
-        worker to fit), a callback with the reply once it ends, and fields added to the response."""
+                   on_finish: OnFinish | None = None, extra: dict | None = None, left_out: int = 0):
+        """``messages``/``on_finish``/``extra``/``left_out`` serve conversations: a server-assembled history
+        (truncated by the worker to fit), a callback with the reply once it ends, fields added to the response,
+        and how many older messages the history left out before the worker dropped any."""
         fields = body.wire_fields()
         if messages is not None:
             fields["messages"] = messages
         request = await self._wire_request(body, ticket, truncate_history=messages is not None, **fields)
         shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, ticket.service.label,
                       extra=extra or {})
-        return await self._serve(request, [request], shape, ticket, on_finish)
+        return await self._serve(request, [request], shape, ticket, on_finish, left_out=left_out)
 
     async def completion(self, body: CompletionRequest, ticket: Ticket):
         prompts = body.prompts
@@ -151,7 +152,7 @@ class CompletionService:
                                         getattr(relayed, "worker_id", None))
 
     async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape, ticket: Ticket,
-                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None):
+                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None, left_out: int = 0):
         try:
             try:
                 self._metrics.served_models.add(request.model)
@@ -166,11 +167,11 @@ class CompletionService:
                 raise
         except OpenAIError as exc:  # a request that could not start: flex says so its own way
             raise flex_refusal(exc, self._config.retry_after_s) if ticket.service.is_flex else exc
-        if request.truncate_history:
-            shape.extra = {**shape.extra, "dropped_messages": first.dropped_messages}
         headers = {"X-Request-Id": request.request_id}
         if request.truncate_history:
-            headers["X-Switchyard-Dropped-Messages"] = str(first.dropped_messages)
+            dropped = first.dropped_messages + left_out
+            shape.extra = {**shape.extra, "dropped_messages": dropped}
+            headers["X-Switchyard-Dropped-Messages"] = str(dropped)
         outcome = Outcome(request_id=request.request_id)
         if shape.stream:
             return StreamingResponse(self._stream(relayed, first, shape, ticket, outcome, on_finish),

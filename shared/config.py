@@ -63,6 +63,21 @@ class SafetyConfig(BaseModel):
     inline_max_chars: int = Field(65_536, ge=0)
 
 
+class RequestLimits(BaseModel):
+    """What one request may ask for, checked before it is queued (domain/api/bounds.py): each bounds a cost the
+    worker would otherwise pay for whoever sent it (README, "Limits")."""
+
+    max_messages: int = Field(2048, ge=1)  # a chat request's messages (OpenAI's limit)
+    max_stop_chars: int = Field(1024, ge=1)  # each stop string (OpenAI documents none)
+    # The JSON schemas of response_format and every tool's parameters together, serialized: compiling a grammar
+    # costs about 1.5 ms per KiB on a CPU core, and a 680 KB schema held a worker's intake for seconds.
+    max_schema_bytes: int = Field(131_072, ge=1)
+    # A conversation's history sent with a new turn: its newest messages, up to both bounds (the system prompt
+    # always); the worker then drops the oldest of them that do not fit the model's context.
+    max_history_messages: int = Field(1000, ge=1)
+    max_history_chars: int = Field(1_000_000, ge=1)
+
+
 class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -98,6 +113,7 @@ class GatewayConfig(BaseModel):
     route_names: list[str] = Field(default_factory=lambda: ["auto"])
     routes: list[RouteRule] = Field(default_factory=list)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)  # input and output filters
+    limits: RequestLimits = Field(default_factory=RequestLimits)  # what one request may ask for
 
 
 # The engines a worker can run (one builder each in workers/service/engines.py).
@@ -115,6 +131,14 @@ class EngineSettings(BaseModel):
     gpu_memory_fraction: float = Field(0.8, gt=0, le=1)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # CUDA: replay decode steps from graphs captured at start
+    # Requests prepared at once (tokenizing, the chat template, compiling a grammar), each on a thread of its own
+    # with its own tokenizer, one request per tenant at a time: one tenant's slow prompts hold one thread, never
+    # the others' (workers/service/preparing.py).
+    prepare_threads: int = Field(2, ge=1)
+    # A grammar's compile budget (structured outputs, tool calls): llguidance's lexer fuel (about 50 000 a
+    # millisecond; a grammar that runs out is refused, 400) and the largest grammar text compiled at all.
+    grammar_lexer_fuel: int = Field(1_000_000, ge=1)
+    max_grammar_bytes: int = Field(1_048_576, ge=1)
 
 
 class WorkerConfig(EngineSettings):

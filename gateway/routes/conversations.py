@@ -7,7 +7,9 @@ a chat completion over the stored history.
     POST   /v1/conversations/{id}/messages    {content, model?, stream?, max_tokens?, ...}: the reply, like chat
     DELETE /v1/conversations/{id}
 
-The worker drops the oldest turns of a history over the context and says how many (``dropped_messages``); only
+A turn sends the newest stored messages (``gateway.limits.max_history_messages`` and ``max_history_chars``, the
+system prompt always); the worker drops the oldest of them over the context, and the reply says how many were
+left out in all (``dropped_messages``); only
 the new message is judged by the input filter (the history was when it was new; the system prompt when the
 conversation was created).
 """
@@ -19,6 +21,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from switchyard.domain.api.bounds import check_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.fields import unsupported
 from switchyard.domain.api.text import StoredText, check_encodable
@@ -94,7 +97,10 @@ def router(services: GatewayServices) -> APIRouter:
             raise OpenAIError(400, "This conversation has no model: pass `model`.", param="model",
                               code="invalid_request")
         body = body.model_copy(update={"model": model, "n": 1})
-        history = await services.conversations.history(conversation)
+        limits = services.config.gateway.limits
+        history, left_out = await services.conversations.history(conversation, limits.max_history_messages,
+                                                                  limits.max_history_chars)
+        check_bounds(body, limits, num_history=len(history))
         history.append(ChatMessage(body.role, body.content, tool_call_id=body.tool_call_id))
         # What the model reads is the whole history; what is new, and judged, is the message.
         ticket = await admit(services, request, request_ticket(
@@ -109,6 +115,6 @@ def router(services: GatewayServices) -> APIRouter:
                 user_role=body.role, tool_call_id=body.tool_call_id, assistant_tool_calls=outcome.tool_calls))
 
         return await services.completions.chat(body, ticket, messages=history, on_finish=store,
-                                                extra={"conversation_id": conversation_id})
+                                                extra={"conversation_id": conversation_id}, left_out=left_out)
 
     return router

@@ -2,14 +2,17 @@
 
     doorbell  llm.req.<model>.> and llm.aff.<worker>.*  ──▶ which queues may have work (tenant_queues.py)
     run()     capacity.allowance() ─▶ tier (TierShare) ─▶ tenant (TenantShare) ─▶ fetch one message
-    receive   decode ─▶ drop copies and stale offers ─▶ refuse past its deadline ─▶ engine.prepare (intake thread)
-              ─▶ refuse what can never run, or was cancelled meanwhile ─▶ held.add (the step loop adds it)
+    receive   decode ─▶ drop copies and stale offers ─▶ refuse past its deadline ─▶ held.preparing, and on
+    prepare   engine.prepare on a prepare thread ─▶ refuse what can never run, or was cancelled meanwhile
+              ─▶ held.add (the step loop adds it)
     cancels   llm.cancel.*: abort what is held; remember one for a request not here yet (it may be on its way)
     acks      once the engine took a request, or it was refused; until then marked in progress every second
 
 Taking one request at a time keeps both shares exact and the backlog in JetStream, where any worker can take it.
-Preparing a request (tokenizing, the chat template, compiling its grammar) runs on a thread of the intake's own, so
-it never waits for a step and a step never waits for it.
+Preparing a request (tokenizing, the chat template, compiling its grammar) runs on ``prepare_threads`` threads of
+the intake's own, so it never waits for a step and a step never waits for it; the pull goes on meanwhile, and a
+tenant with a request being prepared is not pulled for until it is ready (capacity.py): one tenant's slow prompts
+(a huge schema, thousands of messages) hold one thread and delay that tenant alone, never another tenant's turn.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from switchyard.workers.service.waiting import first_of
 log = logging.getLogger("switchyard.worker")
 
 FETCH_TIMEOUT_S = 0.05  # per fetch; only tiers that may have work are asked
-IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
+SWEEP_EVERY_S = 1.0  # look at the queues this often whatever rang (redeliveries, missed rings, slow fetches)
 EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
 ACK_RETRY_S = 10.0
 CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
@@ -48,7 +51,7 @@ class Intake:
     after freeing seats, so that they are refilled before the next step starts)."""
 
     def __init__(self, engine: ServingEngine, js, model_name: str, worker_id: str, held: HeldRequests,
-                 capacity: Capacity, out: Publisher) -> None:
+                 capacity: Capacity, out: Publisher, prepare_threads: int = 2) -> None:
         self._engine = engine
         self._worker_id = worker_id
         self._held = held
@@ -65,7 +68,8 @@ class Intake:
         # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
         # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
         self._early_cancels: dict[str, float] = {}
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-intake")
+        self._threads = ThreadPoolExecutor(prepare_threads, thread_name_prefix="switchyard-prepare")
+        self._preparing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
 
     async def sweep(self) -> None:
         """Learn which queues hold work from the streams themselves (work queued before this worker started rings
@@ -76,7 +80,7 @@ class Intake:
         await self.queues.close()
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     # -- signals from NATS ----------------------------------------------------------------------------------
     async def on_doorbell(self, msg) -> None:
@@ -93,7 +97,7 @@ class Intake:
             tracked = self._held.active.get(request_id)
             if tracked is not None:
                 tracked.superseded = True
-            elif not self._held.holds(request_id):
+            elif not self._held.has_taken(request_id):
                 return  # the run it addresses ended here already: a continuation of it arriving later must run
         if self._held.holds(request_id):
             self._held.abort(request_id)
@@ -110,20 +114,26 @@ class Intake:
         share = TierShare({t: p.weight for t, p in DEFAULT_POLICIES.items()},
                           {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
         queues = self.queues
+        swept_at = time.monotonic()
         while not stop.is_set():
+            if time.monotonic() - swept_at > SWEEP_EVERY_S:
+                # Redeliveries and work queued before we subscribed ring no doorbell, and a tenant whose fetch came
+                # back empty (a slow server) is forgotten until it rings again: look everywhere, every second, busy
+                # or not (a busy intake that only swept when idle once left a tenant unserved while others' work
+                # kept it awake).
+                await queues.sweep()
+                swept_at = time.monotonic()
             allowed = self._capacity.allowance()
-            if allowed.num_free_seats > 0:
-                eligible = set(allowed.pull)
-            else:  # only seat takers: ask only queues that hold some (an empty fetch costs its whole timeout)
-                eligible = {tier for tier, out in allowed.pull.items() if queues.has_work(tier, out)}
+            # Only queues that may hold a request of a tenant not left out (seat takers, tenants being prepared):
+            # an empty fetch costs its whole timeout, and a tier whose only tenants are left out has nothing yet.
+            # Offers only into free seats: a seat taken for fairness is a tenant's turn, not an offer's.
+            offers = allowed.num_free_seats > 0
+            eligible = {tier for tier, out in allowed.pull.items() if queues.has_work(tier, out, offers or not out)}
             if not eligible & queues.pending_tiers():
                 self.idle.set()
                 self._capacity.changed.clear()
                 self._wake.clear()
-                await first_of(self._capacity.changed, self._wake, timeout=IDLE_SWEEP_S)
-                if not self._capacity.changed.is_set() and not self._wake.is_set():
-                    # Redeliveries and work queued before we subscribed ring no doorbell: look everywhere.
-                    await queues.sweep()
+                await first_of(self._capacity.changed, self._wake, timeout=SWEEP_EVERY_S)
                 continue
             self.idle.clear()
             try:
@@ -138,7 +148,7 @@ class Intake:
                 if tier not in queues.pending_tiers():
                     share.note_empty(tier)
                     continue
-                msg = await queues.take(tier, FETCH_TIMEOUT_S, allowed.pull[tier])
+                msg = await queues.take(tier, FETCH_TIMEOUT_S, allowed.pull[tier], offers or not allowed.pull[tier])
                 if msg is None:
                     share.note_empty(tier)
                     continue
@@ -150,19 +160,19 @@ class Intake:
                 share.note_idle()
 
     async def _receive(self, msg) -> int:
-        """Take one message: 1 when its request goes to the step loop, 0 when it was dropped or refused."""
+        """Take one message: 1 when its request goes on to be prepared, 0 when it was dropped or refused."""
         try:
             request = decode(msg.data, GenerateRequest)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.error("terminating malformed request message on %s", msg.subject)
             await msg.term()
             return 0
-        if request.resume is not None and self._held.holds(request.request_id):
+        if request.resume is not None and self._held.has_taken(request.request_id):
             # A continuation of a request this worker was just told to give up (its stream broke on the way to
             # the gateway): taken back once the abort is through.
             await msg.nak(delay=0.2)
             return 0
-        if self._held.holds(request.request_id):
+        if self._held.has_taken(request.request_id):
             # JetStream redelivered a request this worker runs (its ack was lost): the copy is dropped, the
             # original goes on; answering the copy would end the original's stream.
             log.warning("dropping a redelivered copy of running request %s", request.request_id)
@@ -180,21 +190,36 @@ class Intake:
             return await self.refuse(request, msg, ErrorInfo(
                 f"The request waited in the {request.tier} queue past its deadline and was not run; retry later.",
                 code="queue_timeout", type="rate_limit_error", status=503))
+        self._held.preparing[request.request_id] = tracked
+        task = asyncio.create_task(self._prepare(tracked, msg))
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
+        return 1
+
+    async def _prepare(self, tracked: Tracked, msg) -> None:
+        """Prepare a taken request on a prepare thread, then hand it to the step loop, or refuse it."""
+        request, error = tracked.request, None
         try:
             tracked.prepared = await asyncio.get_running_loop().run_in_executor(
-                self._thread, self._engine.prepare, request)
+                self._threads, self._engine.prepare, request)
         except RequestRejected as exc:
-            return await self.refuse(request, msg, exc.error)
+            error = exc.error
         except Exception:  # this request's alone: the others, and the intake, go on
             log.exception("could not tokenize request %s", request.request_id)
-            return await self.refuse(request, msg, ErrorInfo(
-                "The worker could not tokenize the request.", code="internal_error", type="server_error", status=500))
+            error = ErrorInfo("The worker could not tokenize the request.", code="internal_error",
+                              type="server_error", status=500)
+        finally:
+            self._held.preparing.pop(request.request_id, None)
+            self._capacity.changed.set()  # its tenant may be pulled for again
+            self._held.work.set()  # a drain waits for what is being prepared
         # Checked after tokenizing: a cancel may have come before the request or while it was tokenized (a batch
         # cancel deletes the queued message and counts the line as never started), and either way it must not run.
-        if self._early_cancels.pop(request.request_id, None) is not None:
-            return await self.refuse(request, msg, CANCELLED)
-        self._held.add(tracked, msg)
-        return 1
+        if error is None and self._early_cancels.pop(request.request_id, None) is not None:
+            error = CANCELLED
+        if error is not None:
+            await self.refuse(request, msg, error)
+        else:
+            self._held.add(tracked, msg)
 
     # -- answering JetStream --------------------------------------------------------------------------------
     async def refuse(self, request: GenerateRequest, msg, error: ErrorInfo) -> int:
