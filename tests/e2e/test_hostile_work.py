@@ -139,7 +139,9 @@ async def first_token_s(http: httpx.AsyncClient) -> tuple[float, float, float]:
 
 
 def huge_schema_attack(salt: int) -> dict:
-    return with_schema(heavy_schema(salt), FAIR)
+    # Half the issue's schema (350 KB over the wire, not 700): still three times the gateway's limit, and about half
+    # a second of compiling for this model's vocabulary, against the victim's tens of milliseconds a request.
+    return with_schema(heavy_schema(salt, 4000), FAIR)
 
 
 def many_messages_attack(salt: int) -> dict:
@@ -147,7 +149,7 @@ def many_messages_attack(salt: int) -> dict:
 
 
 ATTACKS = {"huge schema": huge_schema_attack, "2048 messages": many_messages_attack}
-PAIRS = 16  # victim samples idle and attacked, in pairs close in time: the machine's other load weighs on both alike
+PAIRS = 12  # victim samples idle and attacked, in pairs close in time: the machine's other load weighs on both alike
 
 
 def attacker_process(base_url: str, secret: str, attack: str, on, stop, spans, in_flight) -> None:
@@ -187,11 +189,6 @@ def attacker_process(base_url: str, secret: str, attack: str, on, stop, spans, i
         list(pool.map(loop, range(6)))
 
 
-async def spans_until(spans, count: int, timeout_s: float = 60) -> list[tuple[float, float]]:
-    """The next ``count`` attacker requests' spans, as they end."""
-    return [await asyncio.to_thread(spans.get, True, timeout_s) for _ in range(count)]
-
-
 @pytest.mark.parametrize("attack", list(ATTACKS))
 async def test_a_tenants_slow_prompts_delay_that_tenant_not_others(fair, attack):
     victim, attacker = fair
@@ -209,7 +206,9 @@ async def test_a_tenants_slow_prompts_delay_that_tenant_not_others(fair, attack)
     try:
         for _ in range(PAIRS):
             on.set()
-            attacks += await spans_until(spans, 6)  # under way: six answered, the next six being prepared
+            while in_flight.value < 6:  # every loop has sent one
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)  # and they reached the worker: being prepared, or compiled
             attacked.append(await first_token_s(victim))
             on.clear()
             while in_flight.value:  # every attacker request answered: the worker is the victim's alone

@@ -25,8 +25,6 @@ meanwhile: workers/service/intake.py).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +34,7 @@ import msgspec
 import torch
 
 from switchyard.shared.messages import ResponseFormat
+from switchyard.workers.cpu_priority import lower_priority
 from switchyard.workers.executor.transfers import to_device
 
 if TYPE_CHECKING:
@@ -150,15 +149,6 @@ class Grammars:
         limits = llg.LLParserLimits(initial_lexer_fuel=self._lexer_fuel, verbose_errors=False)
         return self._compiler.submit(llg.LLMatcher, self._tokenizer, grammar, log_level=0, limits=limits).result()
 
-
-BACKGROUND_NICE = 10  # a compile thread's nice value (the worker's own is 0 unless started otherwise)
-
-
-def lower_priority() -> None:
-    """Run the calling thread at ``BACKGROUND_NICE``: Linux sets a thread's nice value by its thread id (elsewhere
-    nothing changes)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 _executor: llguidance.LLExecutor | None = None

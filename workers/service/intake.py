@@ -13,6 +13,9 @@ Preparing a request (tokenizing, the chat template, compiling its grammar) runs 
 the intake's own, so it never waits for a step and a step never waits for it; the pull goes on meanwhile, and a
 tenant with a request being prepared is not pulled for until it is ready (capacity.py): one tenant's slow prompts
 (a huge schema, thousands of messages) hold one thread and delay that tenant alone, never another tenant's turn.
+A tenant whose prompt took over ``SLOW_PREPARE_S`` of CPU has its next ones prepared on a slow lane at a lower
+CPU priority (workers/cpu_priority.py) for ``DEMOTED_S``, and every grammar compiles on such threads
+(workers/engine/guided.py): what one tenant's expensive prompts cost is taken from what serving leaves.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from switchyard.shared.messages import ErrorInfo, GenerateRequest, decode
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, tiers_by_priority
 from switchyard.shared.tracing import extract_context
+from switchyard.workers.cpu_priority import lower_priority
 from switchyard.workers.engine.interface import RequestRejected, ServingEngine
 from switchyard.workers.service.capacity import Capacity
 from switchyard.workers.service.held import HeldRequests, Tracked
@@ -44,6 +48,28 @@ SWEEP_EVERY_S = 1.0  # look at the queues this often whatever rang (redeliveries
 EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
 ACK_RETRY_S = 10.0
 CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
+SLOW_PREPARE_S = 0.02  # CPU a prompt may take to prepare before its tenant's next ones go to the slow lane
+DEMOTED_S = 10.0
+
+
+class _Failed(Exception):
+    """A prepare that raised: what the client gets, and the CPU it cost."""
+
+    def __init__(self, error: ErrorInfo, cpu_s: float) -> None:
+        self.error, self.cpu_s = error, cpu_s
+
+
+def _timed(prepare, request: GenerateRequest):
+    """``prepare(request)`` on this thread, and the CPU seconds it took; raises ``_Failed``."""
+    start = time.thread_time()
+    try:
+        return prepare(request), time.thread_time() - start
+    except RequestRejected as exc:
+        raise _Failed(exc.error, time.thread_time() - start) from exc
+    except Exception as exc:  # this request's alone: the others, and the intake, go on
+        log.exception("could not tokenize request %s", request.request_id)
+        raise _Failed(ErrorInfo("The worker could not tokenize the request.", code="internal_error",
+                                type="server_error", status=500), time.thread_time() - start) from exc
 
 
 class Intake:
@@ -69,6 +95,11 @@ class Intake:
         # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
         self._early_cancels: dict[str, float] = {}
         self._threads = ThreadPoolExecutor(prepare_threads, thread_name_prefix="switchyard-prepare")
+        # A tenant whose last prompt took over SLOW_PREPARE_S of CPU to prepare has its next ones prepared here, at a
+        # lower CPU priority, for DEMOTED_S: its expensive prompts take what serving leaves.
+        self._slow_lane = ThreadPoolExecutor(1, thread_name_prefix="switchyard-prepare-slow",
+                                             initializer=lower_priority)
+        self._demoted: dict[str, float] = {}  # tenant id -> until when its prompts go to the slow lane
         self._preparing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
 
     async def sweep(self) -> None:
@@ -81,6 +112,7 @@ class Intake:
 
     def shutdown(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._slow_lane.shutdown(wait=False, cancel_futures=True)
 
     # -- signals from NATS ----------------------------------------------------------------------------------
     async def on_doorbell(self, msg) -> None:
@@ -199,15 +231,15 @@ class Intake:
     async def _prepare(self, tracked: Tracked, msg) -> None:
         """Prepare a taken request on a prepare thread, then hand it to the step loop, or refuse it."""
         request, error = tracked.request, None
+        now = time.monotonic()
+        demoted = self._demoted.get(request.tenant_id, 0.0) > now
         try:
-            tracked.prepared = await asyncio.get_running_loop().run_in_executor(
-                self._threads, self._engine.prepare, request)
-        except RequestRejected as exc:
-            error = exc.error
-        except Exception:  # this request's alone: the others, and the intake, go on
-            log.exception("could not tokenize request %s", request.request_id)
-            error = ErrorInfo("The worker could not tokenize the request.", code="internal_error",
-                              type="server_error", status=500)
+            tracked.prepared, cpu_s = await asyncio.get_running_loop().run_in_executor(
+                self._slow_lane if demoted else self._threads, _timed, self._engine.prepare, request)
+            self._note_cost(request.tenant_id, cpu_s, now)
+        except _Failed as failed:
+            self._note_cost(request.tenant_id, failed.cpu_s, now)
+            error = failed.error
         finally:
             self._held.preparing.pop(request.request_id, None)
             self._capacity.changed.set()  # its tenant may be pulled for again
@@ -220,6 +252,12 @@ class Intake:
             await self.refuse(request, msg, error)
         else:
             self._held.add(tracked, msg)
+
+    def _note_cost(self, tenant_id: str | None, cpu_s: float, now: float) -> None:
+        if cpu_s > SLOW_PREPARE_S:
+            self._demoted[tenant_id] = now + DEMOTED_S
+            if len(self._demoted) > 10_000:  # tenants long since forgiven
+                self._demoted = {t: until for t, until in self._demoted.items() if until > now}
 
     # -- answering JetStream --------------------------------------------------------------------------------
     async def refuse(self, request: GenerateRequest, msg, error: ErrorInfo) -> int:
