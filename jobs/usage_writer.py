@@ -31,10 +31,9 @@ log = logging.getLogger("switchyard.usage")
 
 # The cost is priced inside the insert, from the model's row in model_prices or the '*' default, so a price
 # change applies to every record written after it, whichever gateway writes it. A row really inserted (not a
-# redelivered record's) adds its tokens to its tenant's month in the same statement: the monthly budget reads them
-# there (domain/admission/budget.py).
+# redelivered record's) adds its tokens to its tenant's month (a trigger, migration 0010), where the monthly budget
+# reads them (domain/admission/budget.py).
 INSERT_SQL = """
-WITH billed AS (
 INSERT INTO requests (request_id, model, tier, tenant_id, api_key_id, prompt_tokens, completion_tokens,
                       cached_tokens, finish_reason, queue_ms, first_token_ms, total_ms, worker_id, created_at,
                       end_user, metadata, cost_usd)
@@ -43,12 +42,6 @@ SELECT $1, $2, $3, $4, $5, $6::int, $7::int, $8, $9, $10, $11, $12, $13, $14, $1
                         * (CASE WHEN $3::text = 'batch' THEN 1 - p.batch_discount ELSE 1 END)
                  FROM model_prices p WHERE p.model IN ($2, '*') ORDER BY p.model = '*' LIMIT 1), 0)
 ON CONFLICT (request_id) DO NOTHING
-RETURNING tenant_id, prompt_tokens + completion_tokens AS tokens, created_at
-)
-INSERT INTO budget_months AS b (tenant_id, month, billed)
-SELECT tenant_id, date_trunc('month', created_at AT TIME ZONE 'UTC')::date, tokens FROM billed
-WHERE tenant_id IS NOT NULL
-ON CONFLICT (tenant_id, month) DO UPDATE SET billed = b.billed + EXCLUDED.billed
 """
 
 

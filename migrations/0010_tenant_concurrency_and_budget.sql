@@ -16,9 +16,9 @@ CREATE TABLE open_requests (
 );
 CREATE INDEX open_requests_tenant ON open_requests (tenant_id, expires_at);
 
--- Each tenant's month: tokens billed (added by the usage writer with the row it inserts) and tokens reserved by
--- requests admitted and not yet settled (domain/admission/budget.py). One atomic upsert admits a request within
--- its budget, as the rate windows do.
+-- Each tenant's month: tokens billed (added by a trigger with every row inserted into requests) and tokens
+-- reserved by requests admitted and not yet settled (domain/admission/budget.py). One atomic upsert admits a
+-- request within its budget, as the rate windows do.
 CREATE TABLE budget_months (
     tenant_id  text NOT NULL,
     month      date NOT NULL,
@@ -29,3 +29,15 @@ CREATE TABLE budget_months (
 INSERT INTO budget_months (tenant_id, month, billed)
 SELECT tenant_id, date_trunc('month', created_at AT TIME ZONE 'UTC')::date, sum(prompt_tokens + completion_tokens)
 FROM requests WHERE tenant_id IS NOT NULL GROUP BY 1, 2;
+
+CREATE FUNCTION bill_budget_month() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.tenant_id IS NOT NULL THEN
+        INSERT INTO budget_months AS b (tenant_id, month, billed)
+        VALUES (NEW.tenant_id, date_trunc('month', NEW.created_at AT TIME ZONE 'UTC')::date,
+                NEW.prompt_tokens + NEW.completion_tokens)
+        ON CONFLICT (tenant_id, month) DO UPDATE SET billed = b.billed + EXCLUDED.billed;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER requests_bill_budget_month AFTER INSERT ON requests FOR EACH ROW EXECUTE FUNCTION bill_budget_month();
