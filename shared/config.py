@@ -91,6 +91,10 @@ class GatewayConfig(BaseModel):
     # resource_unavailable (OpenAI suggests clients allow flex requests 15 minutes).
     flex_wait_s: float = Field(900.0, gt=0)
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    # A stream's reader that falls behind (gateway/client_watch.py): a chunk it does not take within this long, or
+    # deltas waiting behind it over this many bytes, ends the stream and stops its work.
+    stream_send_timeout_s: float = Field(30.0, gt=0)
+    stream_max_buffered_bytes: int = Field(8 * 1024 * 1024, gt=0)
     # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
     allow_tier_header: bool = False
     admin_key: str | None = None  # enables /admin/* for `Authorization: Bearer <admin_key>`

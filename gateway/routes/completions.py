@@ -10,6 +10,7 @@ from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.auth import AuthContext
 from switchyard.gateway.admission import admit, authenticated, request_ticket
+from switchyard.gateway.client_watch import until_gone
 from switchyard.gateway.services import GatewayServices
 
 
@@ -23,12 +24,12 @@ def router(services: GatewayServices) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         check_bounds(body, limits)
         ticket = await admit(services, request, request_ticket(auth, body))
-        return await services.completions.chat(body, ticket)
+        return await services.completions.chat(body, ticket, gone=until_gone(request))
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         check_bounds(body, limits)
         ticket = await admit(services, request, request_ticket(auth, body))
-        return await services.completions.completion(body, ticket)
+        return await services.completions.completion(body, ticket, gone=until_gone(request))
 
     return router
