@@ -26,12 +26,15 @@ TIER_HEADER = "X-Switchyard-Tier"
 
 
 def authenticated(services: GatewayServices) -> Callable[[Request], Awaitable[AuthContext]]:
-    """The dependency every /v1 route takes, so a bad key is 401 before the body is even validated."""
+    """The dependency every /v1 route takes: the caller, as gateway/gatekeeper.py found it before the body was
+    read (an app without that middleware looks it up here)."""
 
     async def caller(request: Request) -> AuthContext:
-        with tracer.start_as_current_span("authenticate"):
-            auth = await services.authenticator.authenticate(request.headers.get("authorization", ""))
-        request.state.auth = auth
+        auth = getattr(request.state, "auth", None)
+        if auth is None:
+            with tracer.start_as_current_span("authenticate"):
+                auth = await services.authenticator.authenticate(request.headers.get("authorization", ""))
+            request.state.auth = auth
         return auth
 
     return caller

@@ -91,6 +91,14 @@ class GatewayConfig(BaseModel):
     # resource_unavailable (OpenAI suggests clients allow flex requests 15 minutes).
     flex_wait_s: float = Field(900.0, gt=0)
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    # A body must arrive whole within this long of its first byte (uploads to /v1/files: upload_timeout_s): 408.
+    body_timeout_s: float = Field(30.0, gt=0)
+    upload_timeout_s: float = Field(300.0, gt=0)
+    # Wrong or missing API keys from one client address in a minute, after which it gets 429 before any lookup
+    # (gateway/gatekeeper.py); trusted_proxies: peers (IPs or CIDRs, a load balancer) whose X-Forwarded-For names
+    # the client.
+    failed_auth_per_minute: int = Field(20, ge=1)
+    trusted_proxies: list[str] = Field(default_factory=list)
     # A stream's reader that falls behind (gateway/client_watch.py): a chunk it does not take within this long, or
     # deltas waiting behind it over this many bytes, ends the stream and stops its work.
     stream_send_timeout_s: float = Field(30.0, gt=0)
