@@ -20,6 +20,7 @@ from switchyard.deploy.system import LocalSystem
 from switchyard.jobs.prices import apply_prices
 from switchyard.shared.config import ModelEntry, SwitchyardConfig
 from switchyard.workers import model_store
+from switchyard.workers.service.engines import needs_weights
 
 RUN_FILE = "run.json"
 
@@ -98,11 +99,12 @@ def run_up(config: SwitchyardConfig) -> int:
         models = config.models or [ModelEntry(model=config.worker.model, served_model_name=config.worker.served_name,
                                               aliases=config.worker.aliases)]
         for entry in models:  # a worker each
-            path = model_store.resolve(entry.model, config.model_cache_dir)
+            engine = entry.engine or config.worker.engine
+            path = model_store.resolve(entry.model, config.model_cache_dir) if needs_weights(engine) else entry.model
             system.start_worker(f"worker-{entry.served_name}" if config.models else "worker", model=str(path),
                                 served_model_name=entry.served_name, aliases=entry.aliases,
                                 max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs,
-                                engine=entry.engine or config.worker.engine)
+                                engine=engine)
         system.start_gateway()  # and the jobs beside it, unless gateway.run_jobs is off
         for entry in models:
             system.wait_until_ready(entry.served_name, timeout_s=300)
