@@ -247,7 +247,7 @@ class RelayedRequest:
     @property
     def buffered_bytes(self) -> int:
         """Deltas received and not yet read, in bytes (a stream's reader falling behind: gateway/client_watch.py)."""
-        return self._sub.pending_bytes
+        return self._inbox.pending_bytes
 
     async def cancel(self) -> None:
         """Tell the worker to stop (client went away, or we gave up); safe to call more than once."""
