@@ -88,7 +88,7 @@ class Worker:
         intake = self._intake = Intake(self.engine, js, self.model_name, self.worker_id, self._held,
                                        self._capacity, out, config.worker.prepare_threads)
         try:
-            await ensure_streams(js, config.nats_replicas)
+            await ensure_streams(js, config.nats_replicas, seed=False)
             await intake.sweep()
             model = subjects.model_token(self.model_name)
             subscriptions = [
