@@ -187,6 +187,9 @@ class WorkerConfig(EngineSettings):
     # worker registry either way. A pod sets a fixed port and host 0.0.0.0.
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535)
+    # A bearer token that /metrics and /drain on that port require ("": /metrics open, /drain from loopback only;
+    # workers/service/status_server.py). Set it wherever metrics_host is not loopback.
+    status_token: str = ""
 
     @property
     def served_name(self) -> str:

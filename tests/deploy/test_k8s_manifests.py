@@ -148,6 +148,19 @@ def test_gateway_drains_within_its_grace_and_leaves_jobs_to_their_deployment(ren
     assert "replicas" not in deployments["switchyard-gateway"]["spec"], "the HPA owns replicas"
 
 
+def test_only_prometheus_and_the_gateways_reach_a_workers_port_and_scrapes_carry_the_token(rendered):
+    _, objects = rendered
+    policy = by_kind(objects, "NetworkPolicy")["switchyard-worker"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "switchyard-worker"}
+    assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
+    sources = policy["ingress"][0]["from"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}} in sources
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "switchyard-gateway"}}} in sources
+    assert policy["ingress"][0]["ports"] == [{"port": "metrics"}]
+    [endpoint] = by_kind(objects, "PodMonitor")["switchyard-worker"]["spec"]["podMetricsEndpoints"]
+    assert endpoint["authorization"]["credentials"] == {"name": "switchyard", "key": "SWITCHYARD_WORKER__STATUS_TOKEN"}
+
+
 def test_worker_is_ready_when_it_serves_and_drains_before_it_stops(rendered):
     name, objects = rendered
     workers = {n: d for n, d in by_kind(objects, "Deployment").items() if n.startswith("switchyard-worker-")}
@@ -157,9 +170,11 @@ def test_worker_is_ready_when_it_serves_and_drains_before_it_stops(rendered):
         c = next(c for c in spec["containers"] if c["name"] == "worker")
         port = int(env_value(c, "SWITCHYARD_WORKER__METRICS_PORT"))
         assert port == 9400 and env_value(c, "SWITCHYARD_WORKER__METRICS_HOST") == "0.0.0.0"
-        ready, pre_stop = c["readinessProbe"]["httpGet"], c["lifecycle"]["preStop"]["httpGet"]
+        ready, pre_stop = c["readinessProbe"]["httpGet"], " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
         assert ready["path"] == "/readyz" and container_port(c, ready["port"]) == port
-        assert pre_stop["path"] == "/drain" and container_port(c, pre_stop["port"]) == port
+        # The drain is asked from inside the pod: a peer on the network needs the status token for it.
+        assert f"http://127.0.0.1:{port}/drain" in pre_stop
+        assert c["env"][[e["name"] for e in c["env"]].index("SWITCHYARD_WORKER__STATUS_TOKEN")]["valueFrom"]
         drain = float(env_value(c, "SWITCHYARD_WORKER__DRAIN_TIMEOUT_S") or WorkerConfig().drain_timeout_s)
         assert spec["terminationGracePeriodSeconds"] > drain
         assert "replicas" not in deployment["spec"], "KEDA owns replicas"

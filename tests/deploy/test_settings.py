@@ -19,7 +19,7 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
               metrics_port=9400, engine="simulated", simulated_tokens_per_s=40.0,
               simulated_prefill_us_per_token=5.0, simulated_output_tokens=64, prepare_threads=3,
-              grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536)
+              grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536, status_token="scrape-token")
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,

@@ -42,7 +42,7 @@ async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: T
     metrics = WorkerMetrics(w.served_name)
     status = WorkerStatus(w.drain_timeout_s)
     status.request_drain = lambda: loop.call_soon_threadsafe(stop.set)
-    server = StatusServer(metrics.registry, status, w.metrics_host, w.metrics_port)
+    server = StatusServer(metrics.registry, status, w.metrics_host, w.metrics_port, w.status_token)
     host = socket.gethostname() if w.metrics_host in ("0.0.0.0", "::", "") else w.metrics_host
     metrics_url = f"http://{host}:{server.port}/metrics"
     log.info("metrics, health and readiness on http://%s:%d", host, server.port)
