@@ -74,8 +74,9 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
 
 @dataclass(frozen=True)
 class Secrets:
-    postgres_password: str
+    postgres_password: str  # the superuser's: migrations only
     nats_passwords: dict[str, str]  # role -> password
+    app_password: str = ""  # the services' Postgres role (deploy/db_roles.py)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -91,10 +92,15 @@ def load_or_create(data_dir: Path) -> Secrets:
     path = data_dir / SECRETS_FILE
     if path.exists():
         stored = json.loads(path.read_text())
-        found = Secrets(stored["postgres_password"], stored["nats_passwords"])
-        if set(found.nats_passwords) >= set(ROLES):
+        found = Secrets(stored["postgres_password"], stored["nats_passwords"], stored.get("app_password", ""))
+        if set(found.nats_passwords) >= set(ROLES) and found.app_password:
             return found
-    found = Secrets(secrets.token_urlsafe(24), {role: secrets.token_urlsafe(24) for role in ROLES})
+        if set(found.nats_passwords) >= set(ROLES):  # from before the app role: the cluster keeps its superuser
+            found = Secrets(found.postgres_password, found.nats_passwords, secrets.token_urlsafe(24))
+            write_private(path, json.dumps(asdict(found)))
+            return found
+    found = Secrets(secrets.token_urlsafe(24), {role: secrets.token_urlsafe(24) for role in ROLES},
+                    secrets.token_urlsafe(24))
     data_dir.mkdir(parents=True, exist_ok=True)
     write_private(path, json.dumps(asdict(found)))
     return found

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
@@ -27,6 +28,7 @@ from switchyard.deploy.credentials import (
     with_credentials,
     write_nats_config,
 )
+from switchyard.deploy.db_roles import APP_ROLE
 from switchyard.deploy.launcher import NatsServer
 from switchyard.deploy.system import LocalSystem
 from switchyard.deploy.up import RUN_FILE, write_run_file
@@ -198,6 +200,24 @@ def test_a_system_serves_through_its_credentials_and_shows_no_secret(data_dir):
             finally:
                 await conn.close()
         assert asyncio.run(billed()) == 1
+        # The services use Postgres as a role that touches rows only; the superuser's password is the migrations'.
+        envs = {svc.name: svc.env for svc in system.services}
+        assert {name: urlsplit(env["SWITCHYARD_DATABASE_URL"]).username for name, env in envs.items()
+                if name != "worker"} == {"gateway": APP_ROLE, "jobs": APP_ROLE}
+        assert not envs["worker"].get("SWITCHYARD_DATABASE_URL")  # a worker needs no database
+
+        async def app_role_rights():
+            conn = await asyncpg.connect(envs["gateway"]["SWITCHYARD_DATABASE_URL"])
+            try:
+                assert await conn.fetchval("SELECT rolsuper OR rolcreaterole OR rolcreatedb FROM pg_roles "
+                                           "WHERE rolname = current_user") is False
+                for ddl in ("DROP TABLE requests", "ALTER TABLE requests DISABLE TRIGGER ALL",
+                            "CREATE TABLE mine (x int)", "TRUNCATE requests"):
+                    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                        await conn.execute(ddl)
+            finally:
+                await conn.close()
+        asyncio.run(app_role_rights())
         # Every role had every subject it used: the server refused nothing.
         assert "Permissions Violation" not in (data_dir / "nats" / "nats-server.log").read_text()
 
