@@ -106,6 +106,17 @@ def load_or_create(data_dir: Path) -> Secrets:
     return found
 
 
+def permissions_conf() -> str:
+    """The service roles' permissions as nats-server variables (``GATEWAY_PERMISSIONS``, ``WORKER_PERMISSIONS``),
+    the text of deploy/nats/permissions.conf, which compose's servers include (tests/deploy keeps it current)."""
+    lines = ["# Generated from deploy/credentials.py PERMISSIONS (tests/deploy/test_compose.py fails when it differs)."]
+    for role in ("gateway", "worker"):
+        perms = PERMISSIONS[role]
+        lines.append(f"{role.upper()}_PERMISSIONS: {{\n  publish: {json.dumps(perms['publish'])}\n"
+                     f"  subscribe: {json.dumps(perms['subscribe'])}\n}}")
+    return "\n".join(lines) + "\n"
+
+
 def write_nats_config(path: Path, creds: Secrets, tls_cert: Path | None = None, tls_key: Path | None = None) -> Path:
     """The nats-server configuration of the users and their permissions (mode 0600), and TLS when a certificate
     and key are given (clients must then connect with tls:// URLs)."""

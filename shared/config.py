@@ -232,6 +232,9 @@ class SwitchyardConfig(BaseSettings):
     nats_tls_key: Path | None = None
     nats_tls_ca: Path | None = None
     database_url: str | None = None  # None: start an embedded Postgres
+    # For ``switchyard migrate`` (run with a superuser's or the database owner's URL): the password of the
+    # switchyard_app role it then creates or updates, the role gateways and jobs connect as (deploy/db_roles.py).
+    app_database_password: str = ""
     # Logs: "text" lines, or "json" (one object a line, with the request id where there is one). Access lines of
     # /healthz, /readyz and /metrics (a probe or a scrape every few seconds) only when asked for.
     log_format: Literal["text", "json"] = "text"

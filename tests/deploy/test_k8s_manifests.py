@@ -125,7 +125,27 @@ def test_settings_in_config_maps_and_secret_exist(rendered):
     _, objects = rendered
     keys = [k for cm in by_kind(objects, "ConfigMap").values() for k in cm.get("data", {}) if k.startswith("SW")]
     keys += list(yaml.safe_load((K8S / "secret.example.yaml").read_text())["stringData"])
+    keys += list(yaml.safe_load((K8S / "secret-migrate.example.yaml").read_text())["stringData"])
+    keys += list(yaml.safe_load((K8S / "secret-worker.example.yaml").read_text())["stringData"])
     assert keys and all(is_setting(k) for k in keys), [k for k in keys if not is_setting(k)]
+
+
+def test_only_the_migrations_hold_the_superusers_database_url(rendered):
+    _, objects = rendered
+    secrets = {obj["metadata"]["name"]: obj for obj in objects if obj.get("kind") == "Secret"}
+    for obj in objects:
+        if pod_spec(obj) is None:
+            continue
+        for c in pod_spec(obj)["containers"]:
+            refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+                    if "secretKeyRef" in e.get("valueFrom", {})}
+            if obj["metadata"]["name"] == "switchyard-migrate":
+                assert refs["SWITCHYARD_DATABASE_URL"] == refs["SWITCHYARD_APP_DATABASE_PASSWORD"] == \
+                    "switchyard-migrate"
+            else:
+                assert "switchyard-migrate" not in refs.values(), obj["metadata"]["name"]
+    app_url = yaml.safe_load((K8S / "secret.example.yaml").read_text())["stringData"]["SWITCHYARD_DATABASE_URL"]
+    assert app_url.startswith("postgresql://switchyard_app:"), secrets
 
 
 def test_gateway_drains_within_its_grace_and_leaves_jobs_to_their_deployment(rendered):
@@ -254,6 +274,28 @@ def test_nats_values_run_a_three_node_authenticated_jetstream_cluster():
             assert user["password"].removeprefix("<< $").removesuffix(" >>") in values["container"]["env"]
     replicas = yaml.safe_load((K8S / "base" / "config.yaml").read_text())["data"]["SWITCHYARD_NATS_REPLICAS"]
     assert int(replicas) <= config["cluster"]["replicas"]
+
+
+def test_nats_users_hold_each_role_to_its_permissions_and_each_pod_connects_as_its_role(rendered):
+    from switchyard.deploy.credentials import PERMISSIONS
+
+    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    users = {u["user"]: u for u in values["config"]["merge"]["accounts"]["SWITCHYARD"]["users"]}
+    for role in ("gateway", "worker"):
+        assert users[role]["permissions"] == PERMISSIONS[role], role
+        assert not any(p.startswith("$JS.API.>") for p in users[role]["permissions"]["publish"])
+    secrets = {path.name: yaml.safe_load(path.read_text())["stringData"] for path in K8S.glob("secret*.example.yaml")}
+    assert secrets["secret.example.yaml"]["SWITCHYARD_NATS_URL"].startswith("nats://gateway:")
+    assert secrets["secret-worker.example.yaml"]["SWITCHYARD_NATS_URL"].startswith("nats://worker:")
+    _, objects = rendered
+    for obj in objects:
+        if pod_spec(obj) is None:
+            continue
+        for c in pod_spec(obj)["containers"]:
+            for e in c.get("env", []):
+                if e["name"] == "SWITCHYARD_NATS_URL":
+                    worker = obj["metadata"]["name"].startswith("switchyard-worker")
+                    assert e["valueFrom"]["secretKeyRef"]["name"] == ("switchyard-worker" if worker else "switchyard")
 
 
 def test_nats_values_config_is_one_nats_server_accepts(tmp_path):
