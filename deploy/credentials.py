@@ -10,9 +10,11 @@ NATS gets one user per role, each allowed only the subjects its processes use (n
     worker    llm.tok.> llm.usage llm.result.> llm.alive.>           llm.req.> llm.aff.> (doorbells) llm.cancel.>
     admin     everything (the CLI: tiers, tenants, usage)
 
-Both service roles use the JetStream API (``$JS.API.>``, acks ``$JS.ACK.>``, KV ``$KV.>``) and reply inboxes
-(``_INBOX.>``): JetStream consumers and KV buckets are reached through them. So a worker cannot queue a request
-and a gateway cannot forge a worker's tokens, but the JetStream API itself is shared.
+Neither service role holds the JetStream API (``$JS.API.>``): each may create the streams and buckets it sets up
+(by name; creating one that exists changes nothing), read stream info, and create, read and pull from the consumers
+of the streams it consumes, and ack those streams' messages only. So a worker can take requests and publish usage,
+but cannot purge, delete, reconfigure or consume the USAGE stream, nor write the tier policies; no service role can
+purge or delete a stream (the gateway may delete the pre-tier REQUESTS stream only, and a batch line's message).
 """
 
 from __future__ import annotations
@@ -24,21 +26,47 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from switchyard.shared.tiers import TIER_NAMES
+
 SECRETS_FILE = "secrets.json"
 NATS_CONFIG_FILE = "nats-auth.conf"
 ROLES = ("gateway", "worker", "admin")
 
-_SHARED_PUBLISH = ["$JS.API.>", "$JS.ACK.>", "$KV.>", "_INBOX.>"]
-_SHARED_SUBSCRIBE = ["_INBOX.>"]
+_API = "$JS.API"
+# Every stream and bucket ``shared/jetstream.ensure_streams`` makes: created by whichever process starts first.
+_TIER_STREAMS = [f"REQUESTS_{tier.upper()}" for tier in TIER_NAMES]
+_STREAMS = [*_TIER_STREAMS, "USAGE", "EVENTS", "BATCH_RESULTS", "HELD_WRITES", "DEAD_LETTERS", "AFFINITY",
+            "KV_tiers", "KV_workers"]
+
+
+def _consumes(*streams: str) -> list[str]:
+    """Creating, reading and pulling from the consumers of ``streams``, and acking their messages."""
+    return [subject for stream in streams for subject in (
+        f"{_API}.CONSUMER.CREATE.{stream}.>", f"{_API}.CONSUMER.DURABLE.CREATE.{stream}.*",
+        f"{_API}.CONSUMER.INFO.{stream}.*", f"{_API}.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>")]
+
+
+def _reads_buckets(*buckets: str) -> list[str]:
+    return [subject for bucket in buckets for subject in (
+        f"{_API}.DIRECT.GET.KV_{bucket}", f"{_API}.DIRECT.GET.KV_{bucket}.>", f"{_API}.STREAM.MSG.GET.KV_{bucket}")]
+
+
+_SETUP = [f"{_API}.INFO", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.*",
+          *(f"{_API}.STREAM.CREATE.{name}" for name in _STREAMS), "_INBOX.>"]
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
-    "gateway": {
+    "gateway": {  # the gateways and the jobs (billing writer, batch runner, housekeeping)
         "publish": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.events.>", "llm.usage", "llm.held.>", "llm.dead.>",
-                    *_SHARED_PUBLISH],
-        "subscribe": ["llm.tok.>", "llm.alive.>", *_SHARED_SUBSCRIBE],
+                    "$KV.tiers.>", "$KV.affinity.>", *_SETUP, f"{_API}.STREAM.CREATE.KV_affinity",
+                    *(f"{_API}.STREAM.UPDATE.{name}" for name in _TIER_STREAMS),  # the tiers' queue caps
+                    f"{_API}.STREAM.DELETE.REQUESTS", f"{_API}.STREAM.MSG.DELETE.REQUESTS_BATCH",
+                    *_consumes("USAGE", "HELD_WRITES", "BATCH_RESULTS"),
+                    *_reads_buckets("tiers", "workers", "affinity")],
+        "subscribe": ["llm.tok.>", "llm.alive.>", "_INBOX.>"],
     },
     "worker": {
-        "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", *_SHARED_PUBLISH],
-        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", *_SHARED_SUBSCRIBE],
+        "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", "$KV.workers.>", *_SETUP,
+                    *_consumes(*_TIER_STREAMS, "AFFINITY"), *_reads_buckets("tiers", "workers")],
+        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "_INBOX.>"],
     },
     "admin": {"publish": [">"], "subscribe": [">"]},
 }
@@ -46,8 +74,9 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
 
 @dataclass(frozen=True)
 class Secrets:
-    postgres_password: str
+    postgres_password: str  # the superuser's: migrations only
     nats_passwords: dict[str, str]  # role -> password
+    app_password: str = ""  # the services' Postgres role (deploy/db_roles.py)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -63,13 +92,29 @@ def load_or_create(data_dir: Path) -> Secrets:
     path = data_dir / SECRETS_FILE
     if path.exists():
         stored = json.loads(path.read_text())
-        found = Secrets(stored["postgres_password"], stored["nats_passwords"])
-        if set(found.nats_passwords) >= set(ROLES):
+        found = Secrets(stored["postgres_password"], stored["nats_passwords"], stored.get("app_password", ""))
+        if set(found.nats_passwords) >= set(ROLES) and found.app_password:
             return found
-    found = Secrets(secrets.token_urlsafe(24), {role: secrets.token_urlsafe(24) for role in ROLES})
+        if set(found.nats_passwords) >= set(ROLES):  # from before the app role: the cluster keeps its superuser
+            found = Secrets(found.postgres_password, found.nats_passwords, secrets.token_urlsafe(24))
+            write_private(path, json.dumps(asdict(found)))
+            return found
+    found = Secrets(secrets.token_urlsafe(24), {role: secrets.token_urlsafe(24) for role in ROLES},
+                    secrets.token_urlsafe(24))
     data_dir.mkdir(parents=True, exist_ok=True)
     write_private(path, json.dumps(asdict(found)))
     return found
+
+
+def permissions_conf() -> str:
+    """The service roles' permissions as nats-server variables (``GATEWAY_PERMISSIONS``, ``WORKER_PERMISSIONS``),
+    the text of deploy/nats/permissions.conf, which compose's servers include (tests/deploy keeps it current)."""
+    lines = ["# Generated from deploy/credentials.py PERMISSIONS (tests/deploy/test_compose.py fails when it differs)."]
+    for role in ("gateway", "worker"):
+        perms = PERMISSIONS[role]
+        lines.append(f"{role.upper()}_PERMISSIONS: {{\n  publish: {json.dumps(perms['publish'])}\n"
+                     f"  subscribe: {json.dumps(perms['subscribe'])}\n}}")
+    return "\n".join(lines) + "\n"
 
 
 def write_nats_config(path: Path, creds: Secrets, tls_cert: Path | None = None, tls_key: Path | None = None) -> Path:

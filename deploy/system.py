@@ -1,7 +1,8 @@
 """The whole system on this machine, started one way for ``switchyard up``, the end-to-end tests and the benchmarks.
 
     NATS, Postgres   embedded (in the data dir) unless the settings name servers, then migrations; embedded ones
-                     require the generated credentials of deploy/credentials.py (a NATS user per role)
+                     require the generated credentials of deploy/credentials.py (a NATS user per role; the
+                     services use Postgres as switchyard_app, deploy/db_roles.py, the superuser migrates)
     workers          ``switchyard worker`` children
     gateways         ``switchyard gateway`` children, HTTP only
     jobs             one ``switchyard jobs`` child beside the first gateway (billing, batches, housekeeping), unless
@@ -25,6 +26,7 @@ from switchyard.deploy.credentials import (
     with_credentials,
     write_nats_config,
 )
+from switchyard.deploy.db_roles import APP_ROLE, ensure_app_role
 from switchyard.deploy.launcher import NatsServer, PostgresServer
 from switchyard.deploy.services import ServiceProcess, wait_until_ready
 from switchyard.migrations import apply_migrations
@@ -47,6 +49,7 @@ class LocalSystem:
         self.ephemeral = ephemeral
         self.services: list[ServiceProcess] = []
         self._role_nats_urls: dict[str, str] = {}  # embedded NATS: each command's URL, with its role's user
+        self._app_database_url: str | None = None  # embedded Postgres: the services' role (not the superuser)
         self._stack: list = []  # everything started, servers and services, in start order
         self._jobs: ServiceProcess | None = None
 
@@ -71,13 +74,17 @@ class LocalSystem:
                                     for role in ("gateway", "worker")}
             config.nats_url = with_credentials(nats.url, "admin", creds.nats_passwords["admin"], scheme)
             said.append(f"nats      {nats.url} (pid {nats.pid}; a user per role, see {NATS_CONFIG_FILE})")
-        if not config.database_url:
+        embedded_pg = not config.database_url
+        if embedded_pg:
             pg = self._started(PostgresServer(data / "postgres", ephemeral=self.ephemeral,
                                               password=creds.postgres_password))
             config.database_url = pg.url
             said.append(f"postgres  {redacted(pg.url)} (pid {pg.pid})")
         applied = asyncio.run(apply_migrations(config.database_url))
         said.append(f"migrate   {', '.join(applied) if applied else 'up to date'}")
+        if creds is not None and embedded_pg:  # the services connect as a role that can touch rows only
+            self._app_database_url = asyncio.run(ensure_app_role(config.database_url, creds.app_password))
+            said.append(f"postgres  services as {APP_ROLE}; migrations as the superuser")
         return said
 
     def start_worker(self, name: str = "worker", **settings) -> ServiceProcess:
@@ -137,6 +144,8 @@ class LocalSystem:
         role = _NATS_ROLES[command]
         if role in self._role_nats_urls:
             section = {**section, "nats_url": self._role_nats_urls[role]}
+        if self._app_database_url is not None:  # workers need no database at all
+            section = {**section, "database_url": "" if command == "worker" else self._app_database_url}
         config = self.config.model_copy(update=section)
         env = settings_env(config)
         # The gateway's or the worker's drain; the jobs finish their record within seconds.

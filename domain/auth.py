@@ -34,6 +34,8 @@ class AuthContext:
     monthly_token_budget: int | None  # None: unlimited
     priority_allowed: bool = False  # may ask for service_tier "priority" (domain/admission/service_tier.py)
     safety_policy: str | None = None  # off | log | block; None: the deployment's default (domain/admission/safety.py)
+    max_streams: int | None = None  # requests generating at once; None: the tier's (domain/admission/concurrency.py)
+    max_sequences: int | None = None  # their sequences (every choice) at once; None: the tier's
 
 
 def invalid_key() -> OpenAIError:
@@ -87,12 +89,13 @@ class Authenticator:
 
 
 _TENANT_COLUMNS = ("t.id AS tenant_id, t.name, t.tier, t.rpm_limit, t.tpm_limit, t.monthly_token_budget, "
-                   "t.priority_allowed, t.safety_policy")
+                   "t.priority_allowed, t.safety_policy, t.max_streams, t.max_sequences")
 
 
 def _context(row) -> AuthContext:
     return AuthContext(row["tenant_id"], row["name"], row["key_id"], row["tier"], row["rpm_limit"], row["tpm_limit"],
-                       row["monthly_token_budget"], row["priority_allowed"], row["safety_policy"])
+                       row["monthly_token_budget"], row["priority_allowed"], row["safety_policy"], row["max_streams"],
+                       row["max_sequences"])
 
 
 async def tenant_context(pool, tenant_id: str, key_id: str | None) -> AuthContext | None:

@@ -1,4 +1,5 @@
-"""The Batch API's file formats, without I/O: input lines in, wire requests and output lines out.
+"""The Batch API's file formats, without I/O: a line's wire request and its result lines out (the input file is
+read by domain/batch_input.py).
 
     input  {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": ..., ...}}
     output {"id": "batch_req_…", "custom_id": "a", "response": {"status_code": 200, "request_id": "batch_req_…",
@@ -15,12 +16,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.api.shapes import CHAT, TEXT, choice_json, usage_json
-from switchyard.domain.limits import estimate_tokens
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
@@ -28,124 +28,14 @@ ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
 }
 COMPLETION_WINDOWS = {"24h": 24 * 3600.0}
-MAX_LINES = 50_000
-MAX_ERRORS = 100  # a file with thousands of bad lines reports the first ones
 CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request ran."}
 EXPIRED = {"code": "batch_expired", "message": "The batch expired before this request ran."}
-
-
-@dataclass(frozen=True, slots=True)
-class InputLine:
-    line_no: int  # 1-based, as an editor shows it
-    custom_id: str
-    body: dict
-    model: str
-    estimated_tokens: int = 0  # what it may use, as an interactive request reserves (limits.estimate_tokens)
 
 
 def request_id_for(batch_id: str, custom_id: str) -> str:
     """Deterministic and NATS-subject safe (hex): the same line of the same batch always gets the same id."""
     digest = hashlib.sha256(f"{batch_id}\x00{custom_id}".encode()).hexdigest()[:32]
     return f"batch_req_{digest}"
-
-
-def _error(line: int | None, code: str, message: str, param: str | None = None) -> dict:
-    return {"code": code, "message": message, "param": param, "line": line}
-
-
-def _describe(exc: ValidationError) -> tuple[str, str]:
-    first = exc.errors()[0]
-    param = ".".join(["body", *(str(p) for p in first.get("loc", ()))])
-    if first.get("type") == "missing":
-        return f"Missing required parameter: '{param}'.", param
-    return f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.", param
-
-
-def _estimate(parsed: ChatCompletionRequest | CompletionRequest) -> int:
-    """What a line may use, as admission estimates any request (domain/admission/ticket.py)."""
-    return estimate_tokens(parsed.num_chars(), parsed.max_output_tokens, parsed.num_choices)
-
-
-def _not_in_a_batch(parsed: BaseModel) -> tuple[str, str] | None:
-    """What a line may not ask for in a batch: (message, param), or None."""
-    if parsed.stream:
-        return "Streaming is not supported in a batch.", "body.stream"
-    if isinstance(parsed, ChatCompletionRequest):
-        if parsed.service_tier not in (None, "auto", "default"):
-            return "A batch runs on the batch tier: service_tier must be auto or default.", "body.service_tier"
-        return None
-    if len(parsed.prompts) > 1:
-        return "One prompt per line in a batch: put each prompt on a line of its own.", "body.prompt"
-    if parsed.num_generated > parsed.n:
-        return "best_of greater than n is not supported in a batch.", "body.best_of"
-    return None
-
-
-def parse_input(content: bytes, endpoint: str) -> tuple[list[InputLine], list[dict]]:
-    """Validate every line of an input file; returns the lines, or the errors with their line numbers.
-
-    A line must be a JSON object with a unique string ``custom_id``, ``method`` POST, ``url`` equal to the
-    batch's endpoint, and a ``body`` the endpoint itself would accept (non-streaming). Blank lines are skipped.
-    """
-    schema = ENDPOINTS[endpoint]
-    lines: list[InputLine] = []
-    errors: list[dict] = []
-    seen: set[str] = set()
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        return [], [_error(None, "invalid_file", "The input file is not UTF-8 text.")]
-    for line_no, raw in enumerate(text.splitlines(), start=1):
-        if len(errors) >= MAX_ERRORS or len(lines) > MAX_LINES:
-            break
-        if not raw.strip():
-            continue
-        try:
-            item = json.loads(raw)
-        except ValueError:
-            errors.append(_error(line_no, "invalid_json_line", "This line is not valid JSON."))
-            continue
-        if not isinstance(item, dict):
-            errors.append(_error(line_no, "invalid_json_line", "This line is not a JSON object."))
-            continue
-        custom_id = item.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            errors.append(_error(line_no, "missing_required_parameter", "Each line needs a string `custom_id`.",
-                                 "custom_id"))
-            continue
-        if custom_id in seen:
-            errors.append(_error(line_no, "duplicate_custom_id",
-                                 f"The custom_id '{custom_id}' is used by an earlier line; each must be unique.",
-                                 "custom_id"))
-            continue
-        seen.add(custom_id)
-        if item.get("method") != "POST":
-            errors.append(_error(line_no, "invalid_method", "The `method` must be POST.", "method"))
-            continue
-        if item.get("url") != endpoint:
-            errors.append(_error(line_no, "invalid_url", f"The `url` must be the batch's endpoint {endpoint}.",
-                                 "url"))
-            continue
-        body = item.get("body")
-        if not isinstance(body, dict):
-            errors.append(_error(line_no, "invalid_request", "The `body` must be a JSON object.", "body"))
-            continue
-        try:
-            parsed = schema.model_validate(body)
-        except ValidationError as exc:
-            message, param = _describe(exc)
-            errors.append(_error(line_no, "invalid_request", message, param))
-            continue
-        refusal = _not_in_a_batch(parsed)
-        if refusal is not None:
-            errors.append(_error(line_no, "invalid_request", *refusal))
-            continue
-        lines.append(InputLine(line_no, custom_id, body, parsed.model, _estimate(parsed)))
-    if not lines and not errors:
-        errors.append(_error(None, "empty_file", "The input file has no requests."))
-    if len(lines) > MAX_LINES:
-        errors.append(_error(None, "too_many_requests", f"A batch may have at most {MAX_LINES} requests."))
-    return lines, errors
 
 
 def parse_body(endpoint: str, body: dict) -> ChatCompletionRequest | CompletionRequest:

@@ -67,6 +67,18 @@ def _storable(text: str) -> str:
     return text.replace("\x00", "\ufffd")
 
 
+# The newest messages first, with the running length of their text; the outer query keeps those within the bound
+# (the index on (conversation_id, seq) lets the scan stop after ``$2`` rows).
+_HISTORY_SQL = """
+SELECT role, content, tool_calls, tool_call_id, total FROM (
+    SELECT role, content, tool_calls, tool_call_id, seq,
+           sum(length(content)) OVER (ORDER BY seq DESC) AS chars,
+           (SELECT count(*) FROM conversation_messages WHERE conversation_id = $1) AS total
+    FROM conversation_messages WHERE conversation_id = $1 ORDER BY seq DESC LIMIT $2
+) newest WHERE chars <= $3 ORDER BY seq DESC
+"""
+
+
 def not_found(conversation_id: str) -> OpenAIError:
     return OpenAIError(404, f"No conversation found with id '{conversation_id}'.", code="not_found",
                        param="conversation_id")
@@ -118,13 +130,17 @@ class Conversations:
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
-    async def history(self, conversation: asyncpg.Record) -> list[ChatMessage]:
-        """What the model reads before a new message: the system prompt, then every stored message in order."""
+    async def history(self, conversation: asyncpg.Record, max_messages: int,
+                      max_chars: int) -> tuple[list[ChatMessage], int]:
+        """What the model reads before a new message: the system prompt, then the newest stored messages in order,
+        at most ``max_messages`` of them and ``max_chars`` of their text; and how many older ones were left out.
+        The newest are read first, so a long conversation costs what the bounds allow, not its whole length."""
         history = [ChatMessage("system", conversation["system_prompt"])] if conversation["system_prompt"] else []
-        history += [_history_message(r) for r in await self._pool.fetch(
-            "SELECT role, content, tool_calls, tool_call_id FROM conversation_messages WHERE conversation_id = $1 "
-            "ORDER BY seq", conversation["id"])]
-        return history
+        rows = await self._pool.fetch(_HISTORY_SQL, conversation["id"], max_messages, max_chars)
+        total = rows[0]["total"] if rows else await self._pool.fetchval(
+            "SELECT count(*) FROM conversation_messages WHERE conversation_id = $1", conversation["id"])
+        history += [_history_message(r) for r in reversed(rows)]
+        return history, total - len(rows)
 
     async def store_turn(self, turn: ConversationTurn) -> None:
         """Both messages of a turn whose reply ended; held in JetStream if Postgres cannot take them now."""

@@ -44,19 +44,22 @@ def _check_tier(tier: str) -> None:
 
 async def create_tenant(conn: asyncpg.Connection, name: str, tier: str = NEW_TENANT_TIER, *,
                         rpm_limit: int | None = None, tpm_limit: int | None = None,
-                        monthly_token_budget: int | None = None) -> str:
+                        monthly_token_budget: int | None = None, max_streams: int | None = None,
+                        max_sequences: int | None = None) -> str:
     _check_tier(tier)
     tenant_id = new_id("ten")
     try:
         await conn.execute(
-            "INSERT INTO tenants (id, name, tier, rpm_limit, tpm_limit, monthly_token_budget) "
-            "VALUES ($1, $2, $3, $4, $5, $6)", tenant_id, name, tier, rpm_limit, tpm_limit, monthly_token_budget)
+            "INSERT INTO tenants (id, name, tier, rpm_limit, tpm_limit, monthly_token_budget, max_streams, "
+            "max_sequences) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)", tenant_id, name, tier, rpm_limit, tpm_limit,
+            monthly_token_budget, max_streams, max_sequences)
     except asyncpg.UniqueViolationError:
         raise TenancyError(f"a tenant named {name!r} already exists") from None
     return tenant_id
 
 
-_UPDATABLE = ("tier", "rpm_limit", "tpm_limit", "monthly_token_budget", "priority_allowed", "safety_policy")
+_UPDATABLE = ("tier", "rpm_limit", "tpm_limit", "monthly_token_budget", "priority_allowed", "safety_policy",
+              "max_streams", "max_sequences")
 SAFETY_POLICIES = ("off", "log", "block")  # domain/admission/safety.py; None: the deployment's default
 
 

@@ -27,6 +27,7 @@ class TierChangeError(ValueError):
 async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: str, *,
                       max_queued: int | None = None, max_wait_s: float | None = None,
                       weight: float | None = None, max_queued_per_tenant: int | None = None,
+                      max_streams: int | None = None, max_sequences: int | None = None,
                       ) -> tuple[TierPolicy, TierPolicy]:
     """Apply the given fields to ``tier``'s policy live; returns ``(old, new)``."""
     if tier not in TIER_NAMES:
@@ -35,13 +36,16 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
         raise TierChangeError("max_queued must be at least 1")
     if max_queued_per_tenant is not None and max_queued_per_tenant < 0:
         raise TierChangeError("max_queued_per_tenant must be 0 (a quarter of max_queued) or more")
+    if any(v is not None and v < 0 for v in (max_streams, max_sequences)):
+        raise TierChangeError("max_streams and max_sequences must be 0 (no cap) or more")
     if max_wait_s is not None and max_wait_s <= 0:
         raise TierChangeError("max_wait_s must be positive")
     if weight is not None and weight <= 0:
         raise TierChangeError("weight must be positive")
     old = (await read_policies(js))[tier]
     changes = {k: v for k, v in (("max_queued", max_queued), ("max_wait_s", max_wait_s), ("weight", weight),
-                                 ("max_queued_per_tenant", max_queued_per_tenant)) if v is not None}
+                                 ("max_queued_per_tenant", max_queued_per_tenant), ("max_streams", max_streams),
+                                 ("max_sequences", max_sequences)) if v is not None}
     new = msgspec.structs.replace(old, **changes)
     await write_policy(js, tier, new)
     async with pool.acquire() as conn:

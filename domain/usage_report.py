@@ -15,6 +15,8 @@ _GROUPS = {"model": "model", "day": "to_char(date_trunc('day', created_at), 'YYY
 
 
 def parse_time(value: str | None, default: dt.datetime, param: str) -> dt.datetime:
+    """An ISO date/time or unix seconds (UTC unless it says otherwise); 400 for anything else, ``inf``, ``nan`` and
+    times no calendar holds included."""
     if not value:
         return default
     try:
@@ -22,9 +24,9 @@ def parse_time(value: str | None, default: dt.datetime, param: str) -> dt.dateti
     except ValueError:
         try:
             parsed = dt.datetime.fromtimestamp(float(value), tz=dt.timezone.utc)
-        except ValueError:
-            raise OpenAIError(400, f"Invalid {param}: use an ISO date/time or unix seconds.", param=param,
-                              code="invalid_value") from None
+        except (ValueError, OverflowError, OSError):  # not a number, inf/nan, or past year 9999
+            raise OpenAIError(400, f"Invalid {param}: use an ISO date/time or unix seconds (a time between the years 1 and "
+                              "9999).", param=param, code="invalid_value") from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 

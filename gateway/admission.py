@@ -4,6 +4,8 @@ admission pipeline (domain/admission/) on the request's ticket, and what the res
     authenticated ──▶ request_ticket ──▶ admit: tier header ─▶ pipeline.check ─▶ request.state: the
                                                                    model and tier (error metrics' labels), the
                                                                    x-ratelimit-* headers (every response)
+    counted       ──▶ admit_call: a route that generates nothing (files, batches, usage, conversations) passes
+                      the same pipeline as an ``Origin.CALL`` ticket: its key's request rate, the input filter
 """
 
 from __future__ import annotations
@@ -24,15 +26,37 @@ TIER_HEADER = "X-Switchyard-Tier"
 
 
 def authenticated(services: GatewayServices) -> Callable[[Request], Awaitable[AuthContext]]:
-    """The dependency every /v1 route takes, so a bad key is 401 before the body is even validated."""
+    """The dependency every /v1 route takes: the caller, as gateway/gatekeeper.py found it before the body was
+    read (an app without that middleware looks it up here)."""
 
     async def caller(request: Request) -> AuthContext:
-        with tracer.start_as_current_span("authenticate"):
-            auth = await services.authenticator.authenticate(request.headers.get("authorization", ""))
-        request.state.auth = auth
+        auth = getattr(request.state, "auth", None)
+        if auth is None:
+            with tracer.start_as_current_span("authenticate"):
+                auth = await services.authenticator.authenticate(request.headers.get("authorization", ""))
+            request.state.auth = auth
         return auth
 
     return caller
+
+
+def counted(services: GatewayServices) -> Callable[[Request], Awaitable[AuthContext]]:
+    """The dependency of routes that generate nothing: the caller, admitted as an API call (``admit_call``)."""
+    caller = authenticated(services)
+
+    async def admitted(request: Request) -> AuthContext:
+        auth = await caller(request)
+        await admit_call(services, request, auth)
+        return auth
+
+    return admitted
+
+
+async def admit_call(services: GatewayServices, request: Request, auth: AuthContext, **fields) -> None:
+    """Admit an API call of ``auth``'s (``fields``: what the input filter judges, e.g. a conversation's system
+    prompt); raises the pipeline's refusal. It holds nothing past the check, so it is settled at once."""
+    ticket = await admit(services, request, Ticket(Origin.CALL, auth, current_request_id(), "", **fields))
+    await services.admission.settle(ticket, 0)
 
 
 def request_ticket(auth: AuthContext, body: RequestBody, **fields) -> Ticket:
@@ -43,13 +67,13 @@ def request_ticket(auth: AuthContext, body: RequestBody, **fields) -> Ticket:
 async def admit(services: GatewayServices, request: Request, ticket: Ticket) -> Ticket:
     """Run the admission pipeline on ``ticket``; raises its refusal. Either way the error metrics get the model and
     tier as far as they were decided, and the response the rate-limit headers."""
-    request.state.model = ticket.model
+    request.state.model = ticket.model or None
     ticket.tier_override = _tier_header(services, request)
     try:
         return await services.admission.check(ticket)
     finally:
         request.state.tier = ticket.tier
-        request.state.model = ticket.model
+        request.state.model = ticket.model or None
         request.state.rate_headers = ticket.headers
 
 

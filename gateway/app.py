@@ -1,7 +1,8 @@
 """The FastAPI application: middleware, error handlers and the routes (gateway/routes/), over the gateway's named
 services (gateway/services.py), which its lifespan starts and stops.
 
-    request ─▶ RequestIds ─▶ rate-limit headers ─▶ in-flight count ─▶ body size limit ─▶ route ─▶ services
+    request ─▶ RequestIds ─▶ rate-limit headers ─▶ in-flight count ─▶ URL text ─▶ key checked (gatekeeper)
+            ─▶ body size and pace ─▶ route ─▶ services
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from switchyard.gateway.body_limit import BodySizeLimit
 from switchyard.gateway.drain import CountInFlight
 from switchyard.gateway.rate_headers import RateLimitHeaders
 from switchyard.gateway.errors import install_error_handlers
+from switchyard.gateway.gatekeeper import Gatekeeper
 from switchyard.gateway.request_ids import RequestIds
 from switchyard.gateway.routes import all_routers
 from switchyard.gateway.services import GatewayServices
+from switchyard.gateway.url_text import UrlText
 from switchyard.shared.config import SwitchyardConfig
 
 # Something that runs beside the gateway for as long as it serves (``switchyard gateway`` puts the durable
@@ -49,7 +52,12 @@ def create_app(config: SwitchyardConfig, services: GatewayServices | None = None
                  "metrics": False, "logs": False}
     app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
     install_error_handlers(app, services.metrics)
-    app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_request_bytes)
+    gateway = config.gateway
+    app.add_middleware(BodySizeLimit, max_bytes=gateway.max_request_bytes, timeout_s=gateway.body_timeout_s,
+                       upload_timeout_s=gateway.upload_timeout_s)
+    app.add_middleware(Gatekeeper, services=services, per_minute=gateway.failed_auth_per_minute,
+                       trusted_proxies=gateway.trusted_proxies)  # the key, before the body is read
+    app.add_middleware(UrlText)
     app.add_middleware(CountInFlight, counter=services.in_flight)
 
     app.add_middleware(RateLimitHeaders)

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from switchyard.domain.api.text import field_path
 from switchyard.domain.database import OUTAGE_ERRORS, DatabaseUnavailable, database_unavailable
 from switchyard.domain.errors import OpenAIError
 from switchyard.gateway.metrics import GatewayMetrics
@@ -28,14 +29,15 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
     if not errors:
         return "Invalid request body.", None, "invalid_request"
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = ".".join(p for p in field_path(first) if p != "body") or None
     kind = first.get("type")
     if kind == "json_invalid":
         return "We could not parse the JSON body of your request.", None, "invalid_request"
     if kind == "unsupported_parameter":  # protocol.unsupported: a parameter refused by name
         ctx = first.get("ctx") or {}
         return ctx.get("why", first.get("msg", "")), ctx.get("param", param), "unsupported_parameter"
+    if kind == "invalid_text":  # api/text.py: a string NATS or Postgres cannot take
+        return f"Invalid value for '{param}': {(first.get('ctx') or {}).get('why')}.", param, "invalid_value"
     if kind == "extra_forbidden":  # OpenAI's own words for a parameter it does not have
         return f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter"
     msg = first.get("msg", "invalid value")

@@ -20,6 +20,8 @@ from switchyard.gateway.relay import RelayedRequest
 from switchyard.shared.messages import GenerateRequest, TokenDelta, Usage
 
 
+MERGE_QUEUE = 64  # deltas merged ahead of the reader
+
 class MergedRelay:
     """Relayed requests of the same client request, read as one with ``len(parts) * n`` choices."""
 
@@ -62,14 +64,20 @@ class MergedRelay:
     async def deltas(self) -> AsyncIterator[TokenDelta]:
         for delta in self._queued:
             yield delta
-        merged: asyncio.Queue[tuple[int, TokenDelta] | None] = asyncio.Queue()
+        # Bounded: a reader that falls behind leaves the rest in the parts' subscriptions, where the stream's bound on
+        # buffered bytes counts it (gateway/client_watch.py).
+        merged: asyncio.Queue[tuple[int, TokenDelta] | None] = asyncio.Queue(maxsize=MERGE_QUEUE)
 
         async def pump(i: int, part: RelayedRequest) -> None:
             try:
                 async for delta in part.deltas():
                     await merged.put((i, delta))
-            finally:
+            except asyncio.CancelledError:
+                raise  # the reader is gone: nobody waits for this part's end (and a full queue would never take it)
+            except BaseException:
                 await merged.put(None)
+                raise
+            await merged.put(None)
 
         pumps = [asyncio.create_task(pump(i, p)) for i, p in enumerate(self._parts)]
         try:
@@ -86,6 +94,11 @@ class MergedRelay:
             for task in pumps:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Deltas received and not yet read, in bytes, over every part."""
+        return sum(p.buffered_bytes for p in self._parts)
 
     async def cancel(self) -> None:
         await asyncio.gather(*(p.cancel() for p in self._parts if not p.is_finished))

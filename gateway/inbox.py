@@ -3,7 +3,8 @@
 nats-py's ``Subscription.next_msg`` makes a task and a ``wait_for`` for every message: at thousands of streams
 that was a fifth of the gateway's time (bench/streams.py's profile). Here the subscription's callback drops each
 message into an ``asyncio.Queue``; a reader takes what is there without waiting, and waits (with a timeout, no
-task) only when nothing is. ``pending`` lets a stream write every chunk that is already here in one go.
+task) only when nothing is. ``pending`` lets a stream write every chunk that is already here in one go;
+``pending_bytes`` is what a reader falling behind has left waiting (gateway/client_watch.py bounds it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class TokenInbox:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._sub = None
+        self._bytes = 0
 
     @classmethod
     async def subscribe(cls, nc: NATS, subject: str) -> TokenInbox:
@@ -28,19 +30,29 @@ class TokenInbox:
         return inbox
 
     async def _received(self, msg: Msg) -> None:
+        self._bytes += len(msg.data)
         self._queue.put_nowait(msg)
+
+    def _taken(self, msg: Msg) -> Msg:
+        self._bytes -= len(msg.data)
+        return msg
 
     @property
     def pending(self) -> int:
         """Messages received and not taken yet."""
         return self._queue.qsize()
 
+    @property
+    def pending_bytes(self) -> int:
+        """The payload bytes of the messages received and not taken yet."""
+        return self._bytes
+
     async def next(self, timeout: float) -> Msg:
         """The next message; raises ``TimeoutError`` when none comes within ``timeout`` seconds."""
         if self._queue.qsize():
-            return self._queue.get_nowait()
+            return self._taken(self._queue.get_nowait())
         async with asyncio.timeout(timeout):
-            return await self._queue.get()
+            return self._taken(await self._queue.get())
 
     async def close(self) -> None:
         if self._sub is not None:

@@ -244,6 +244,11 @@ class RelayedRequest:
                                            self._prompt_tokens, self._num_tokens, self._taken_at,
                                            self._first_token_at)
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Deltas received and not yet read, in bytes (a stream's reader falling behind: gateway/client_watch.py)."""
+        return self._inbox.pending_bytes
+
     async def cancel(self) -> None:
         """Tell the worker to stop (client went away, or we gave up); safe to call more than once."""
         if self._nc.is_connected:

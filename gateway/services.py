@@ -13,11 +13,15 @@ a request comes; nothing else is looked up at run time.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+
 import asyncpg
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from switchyard.domain.admission.pipeline import Pipeline
+from switchyard.domain.admission.pipeline import UPKEEP_EVERY_S, Pipeline
 from switchyard.domain.admission.policies import admission_pipeline
 from switchyard.domain.admission.routing import Router
 from switchyard.domain.admission.safety import InputSafety
@@ -41,6 +45,8 @@ from switchyard.shared import nats_client
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
 from switchyard.shared.tier_store import PolicyCache
+
+log = logging.getLogger("switchyard.gateway")
 
 
 class GatewayServices:
@@ -70,6 +76,7 @@ class GatewayServices:
         self.draining = False  # set by DrainingServer on SIGTERM; /readyz reads it
         self._pool: asyncpg.Pool | None = None
         self._poller: QueuePoller | None = None
+        self._upkeep: asyncio.Task | None = None
 
     async def start(self) -> None:
         config, gateway = self.config, self.config.gateway
@@ -101,8 +108,22 @@ class GatewayServices:
         self.usage = UsageReport(pool)
         self._poller = QueuePoller(self.metrics, self.js, self.registry, self.db, self.batches)
         self._poller.start()
+        self._upkeep = asyncio.create_task(self._keep_up())
+
+    async def _keep_up(self) -> None:
+        """The admission policies' periodic work (leases of the requests this gateway serves)."""
+        while True:
+            await asyncio.sleep(UPKEEP_EVERY_S)
+            try:
+                await self.admission.upkeep()
+            except Exception as exc:  # Postgres away: the next round tries again
+                log.warning("admission upkeep failed: %r", exc)
 
     async def stop(self) -> None:
+        if self._upkeep is not None:
+            self._upkeep.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._upkeep
         if self._poller is not None:
             await self._poller.stop()
         if self._pool is not None:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from switchyard.domain.admission.pipeline import Pipeline
 from switchyard.domain.admission.service_tier import flex_refusal
@@ -25,6 +25,7 @@ from switchyard.domain.api.shapes import CHAT, TEXT
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.registry import ModelRegistry
 from switchyard.gateway.affinity import AffinityIndex
+from switchyard.gateway.client_watch import BoundedStream, ClientGone, unless_gone
 from switchyard.gateway.fanout import MergedRelay
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.relay import Relay, RelayedRequest
@@ -57,6 +58,8 @@ class Outcome:
 
 
 OnFinish = Callable[[Outcome], Awaitable[None]]
+Gone = Callable[[], Awaitable[None]]  # returns once the client has left
+CLIENT_GONE = 499  # the status of an answer nobody reads (nginx's "client closed request")
 
 
 class CompletionService:
@@ -74,18 +77,21 @@ class CompletionService:
         self._config = config
 
     async def chat(self, body: ChatCompletionRequest, ticket: Ticket, messages: list[ChatMessage] | None = None,
-                   on_finish: OnFinish | None = None, extra: dict | None = None):
-        """``messages``/``on_finish``/``extra`` serve conversations: a server-assembled history (truncated by the
-        worker to fit), a callback with the reply once it ends, and fields added to the response."""
+                   on_finish: OnFinish | None = None, extra: dict | None = None, left_out: int = 0,
+                   gone: Gone | None = None):
+        """``messages``/``on_finish``/``extra``/``left_out`` serve conversations: a server-assembled history
+        (truncated by the worker to fit), a callback with the reply once it ends, fields added to the response,
+        and how many older messages the history left out before the worker dropped any. ``gone``: returns once
+        the client has left (client_watch.until_gone): the request is then stopped, streamed or not."""
         fields = body.wire_fields()
         if messages is not None:
             fields["messages"] = messages
         request = await self._wire_request(body, ticket, truncate_history=messages is not None, **fields)
         shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, ticket.service.label,
                       extra=extra or {})
-        return await self._serve(request, [request], shape, ticket, on_finish)
+        return await self._serve(request, [request], shape, ticket, on_finish, left_out=left_out, gone=gone)
 
-    async def completion(self, body: CompletionRequest, ticket: Ticket):
+    async def completion(self, body: CompletionRequest, ticket: Ticket, gone: Gone | None = None):
         prompts = body.prompts
         outer = await self._wire_request(body, ticket, **body.wire_fields(prompts[0]))
         parts = [outer] if len(prompts) == 1 else [
@@ -97,7 +103,7 @@ class CompletionService:
         shape = Shape(TEXT, body.stream, body.include_usage, body.include_obfuscation,
                       returned_per_prompt=body.n if body.num_generated > body.n else None,
                       generated_per_prompt=body.num_generated)
-        return await self._serve(outer, parts, shape, ticket, logprobs_asked=body.logprobs is not None)
+        return await self._serve(outer, parts, shape, ticket, logprobs_asked=body.logprobs is not None, gone=gone)
 
     async def _wire_request(self, body, ticket: Ticket, **fields) -> GenerateRequest:
         policy = (await self._tier_policies.get())[ticket.tier]
@@ -151,47 +157,58 @@ class CompletionService:
                                         getattr(relayed, "worker_id", None))
 
     async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape, ticket: Ticket,
-                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None):
+                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None, left_out: int = 0,
+                     gone: Gone | None = None):
         try:
             try:
                 self._metrics.served_models.add(request.model)
                 relayed = await self._submit(request, parts)
                 try:
-                    first = await relayed.first()
+                    first = await unless_gone(relayed.first(), gone)
                 except BaseException:
+                    await relayed.cancel()  # the client left while it waited: taken or not, it must not run
                     await relayed.close()
                     raise
+            except ClientGone:
+                await self._admission.settle(ticket, None)  # a worker may have taken it: it bills what ran
+                return Response(status_code=CLIENT_GONE)  # nobody reads it
             except BaseException:
                 await self._admission.settle(ticket, 0)  # never ran: whatever it holds goes back
                 raise
         except OpenAIError as exc:  # a request that could not start: flex says so its own way
             raise flex_refusal(exc, self._config.retry_after_s) if ticket.service.is_flex else exc
-        if request.truncate_history:
-            shape.extra = {**shape.extra, "dropped_messages": first.dropped_messages}
         headers = {"X-Request-Id": request.request_id}
         if request.truncate_history:
-            headers["X-Switchyard-Dropped-Messages"] = str(first.dropped_messages)
+            dropped = first.dropped_messages + left_out
+            shape.extra = {**shape.extra, "dropped_messages": dropped}
+            headers["X-Switchyard-Dropped-Messages"] = str(dropped)
         outcome = Outcome(request_id=request.request_id)
         if shape.stream:
-            return StreamingResponse(self._stream(relayed, first, shape, ticket, outcome, on_finish),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+            return BoundedStream(self._stream(relayed, first, shape, ticket, outcome, on_finish),
+                                 send_timeout_s=self._config.stream_send_timeout_s,
+                                 max_buffered_bytes=self._config.stream_max_buffered_bytes,
+                                 buffered=lambda: relayed.buffered_bytes, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **headers})
+        builder = BodyBuilder(shape, relayed.request if len(parts) == 1 else request)
+        used: int | None = 0
         try:
-            builder = BodyBuilder(shape, relayed.request if len(parts) == 1 else request)
-            async for delta in self._all_deltas(relayed, first):
-                if delta.error is not None:
-                    raise OpenAIError.from_info(delta.error)
-                builder.add(delta)
+            await unless_gone(self._collect(relayed, first, builder), gone)
             outcome.take(builder)
+            used = outcome.usage.total_tokens
             return JSONResponse(builder.body(request.sampling.logprobs if logprobs_asked is None else logprobs_asked),
                                 headers=headers)
+        except ClientGone:  # the worker is told to stop below, and bills what it ran
+            used = None
+            return Response(status_code=CLIENT_GONE)
         finally:
-            if not relayed.is_finished:
-                await relayed.cancel()
-            await relayed.close()
-            await self._admission.settle(ticket, outcome.usage.total_tokens)
-            if on_finish is not None:
-                await on_finish(outcome)
-            await self._remember(relayed, outcome)
+            await asyncio.shield(self._end(relayed, ticket, used, outcome, on_finish))
+
+    async def _collect(self, relayed, first: TokenDelta, builder: BodyBuilder) -> None:
+        """Every delta of a request answered whole, into ``builder``; raises the error one of them carries."""
+        async for delta in self._all_deltas(relayed, first):
+            if delta.error is not None:
+                raise OpenAIError.from_info(delta.error)
+            builder.add(delta)
 
     async def _all_deltas(self, relayed, first: TokenDelta) -> AsyncIterator[TokenDelta]:
         timer = self._metrics.stream(relayed.request)
@@ -232,14 +249,25 @@ class CompletionService:
             yield sse("[DONE]")
         finally:
             # Reached on normal end, and on client disconnect (the response task is cancelled): a worker still
-            # generating for a gone client must free its slot now.
-            if not relayed.is_finished:
-                await asyncio.shield(relayed.cancel())
-            await relayed.close()
-            # A cancelled stream's tokens are unknown here (the worker bills them): None says so.
-            await asyncio.shield(self._admission.settle(ticket, usage.total_tokens if usage is not None else None))
+            # generating for a gone client must free its slot now. One shielded task does all of it: a cancelled
+            # response's scope cancels every later await too (anyio's cancellation is level-triggered), so steps
+            # awaited one by one here would stop at the first.
             outcome.take(reply)
             outcome.usage = usage or Usage()
+            # A cancelled stream's tokens are unknown here (the worker bills them): None says so.
+            await asyncio.shield(self._end(relayed, ticket, usage.total_tokens if usage is not None else None,
+                                           outcome, on_finish))
+
+    async def _end(self, relayed, ticket: Ticket, used_tokens: int | None, outcome: Outcome,
+                   on_finish: OnFinish | None) -> None:
+        """Everything a request owes once its answer is over, however it ended: the worker told to stop if it still
+        runs, the ticket settled, ``on_finish`` told, the reply's prefix remembered."""
+        try:
+            if not relayed.is_finished:
+                await relayed.cancel()
+            await relayed.close()
+        finally:
+            await self._admission.settle(ticket, used_tokens)
             if on_finish is not None:
-                await asyncio.shield(on_finish(outcome))
-            await asyncio.shield(self._remember(relayed, outcome))
+                await on_finish(outcome)
+            await self._remember(relayed, outcome)

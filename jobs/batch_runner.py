@@ -5,8 +5,9 @@
       consume BATCH_RESULTS ── started marker: line.worker_id ─┐   final result: line completed / failed,
       (durable pull consumer)   (UPDATE … WHERE status='queued', then ack: a redelivered result changes nothing)
       tick, every TICK_S, per unfinished batch:
-        validating  ─ parse the input file, models live, admission of the batch (budget, enqueued tokens)
-                      ─▶ failed (errors with line numbers) | lines inserted, in_progress
+        validating  ─ in a task of its own (MAX_VALIDATING at once, one per tenant): the input file read and
+                      its lines stored a chunk at a time, models live, admission of the batch (budget, enqueued
+                      tokens) ─▶ failed (errors with line numbers, or why it cannot be stored) | in_progress
         in_progress ─ admit and publish pending lines on llm.req.<model>.batch (≤ MAX_IN_FLIGHT queued per
                       batch; a full batch queue just waits; jobs/batch_lines.py)
                       ─ none pending or queued ─▶ finalizing ─▶ completed
@@ -36,7 +37,9 @@ from nats.js.errors import APIError
 
 from switchyard.domain.admission.pipeline import Pipeline
 from switchyard.domain.admission.ticket import Origin, Ticket
-from switchyard.domain.batch_format import CANCELLED, EXPIRED, ResultFiles, line_outcome, parse_input, request_id_for
+from switchyard.domain.batch_format import CANCELLED, EXPIRED, ResultFiles, line_outcome, request_id_for
+from switchyard.domain.batch_input import InputLine, LineParser, error_entry
+from switchyard.domain.database import OUTAGE_ERRORS
 from switchyard.domain.errors import OpenAIError, model_not_found
 from switchyard.domain.publish import QueueUnavailable
 from switchyard.domain.registry import ModelRegistry
@@ -46,6 +49,7 @@ from switchyard.jobs.batch_store import BatchStore
 from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_batch_results_consumer
+from switchyard.shared.config import RequestLimits
 from switchyard.shared.messages import BatchResult, ErrorInfo
 
 log = logging.getLogger("switchyard.batch")
@@ -58,14 +62,18 @@ WORKER_GONE_S = 4.0  # missing from the heartbeats (already a 10 s TTL) in two c
 STALE_S = 120.0  # left the queue, and no worker said it took it: published again
 CANCEL_GRACE_S = 60.0  # a cancelling batch stops waiting for its running lines after this
 RESULTS_FETCH = 256
+MAX_VALIDATING = 2  # batches read at once, at most one per tenant: one tenant's huge files never hold up another's
 _CANCELLED = json.dumps(CANCELLED)
 _EXPIRED = json.dumps(EXPIRED)
 
 
 class BatchRunner:
     def __init__(self, nc, js: JetStreamContext, pool: asyncpg.Pool, registry: ModelRegistry,
-                 database_url: str, admission: Pipeline | None = None) -> None:
-        """``admission``: what a batch passes before it starts and each line before it is queued (None: nothing)."""
+                 database_url: str, admission: Pipeline | None = None, limits: RequestLimits | None = None) -> None:
+        """``admission``: what a batch passes before it starts and each line before it is queued (None: nothing).
+        ``limits``: what each line may ask for (the gateway's, domain/api/bounds.py)."""
+        self._limits = limits or RequestLimits()
+        self._validating: dict[str, tuple[str, asyncio.Task]] = {}  # batch id -> (tenant id, its validation)
         self._js = js
         self._store = BatchStore(pool)
         self._admission = admission
@@ -125,6 +133,8 @@ class BatchRunner:
                         log.warning("looking for lost batch lines failed: %s", exc)
                     next_check = now + CHECK_EVERY_S
         finally:
+            for _, task in list(self._validating.values()):  # stepping down: the next leader reads them again
+                task.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
@@ -164,7 +174,7 @@ class BatchRunner:
                 if status in ("validating", "in_progress") and now > batch["expires_at"].timestamp():
                     await self._expire(batch)
                 elif status == "validating":
-                    await self._validate(batch)
+                    self._start_validation(batch)
                 elif status == "in_progress":
                     await self._advance(batch)
                 elif status == "cancelling":
@@ -177,32 +187,80 @@ class BatchRunner:
             except Exception:  # a bug must not stop the other batches (nor this process's leadership)
                 log.exception("batch %s (%s) failed a step; retrying next tick", batch["id"], status)
 
-    async def _validate(self, batch) -> None:
-        content = await self._store.input_file(batch)
-        if content is None:
-            lines, errors = [], [{"code": "invalid_file", "message": "The input file does not exist any more.",
-                                  "param": "input_file_id", "line": None}]
-        else:  # parsing 50k lines takes a while: off the event loop
-            lines, errors = await asyncio.to_thread(parse_input, content, batch["endpoint"])
-        if not errors:
-            served = await self._registry.models(fresh=True)
-            first_line: dict[str, int] = {}
-            for line in lines:
-                first_line.setdefault(line.model, line.line_no)
-            errors = [{"code": "model_not_found", "message": model_not_found(m).message, "param": "body.model",
-                       "line": n} for m, n in first_line.items() if m not in served]
-        if not errors:
-            errors = await self._refusal(batch, sum(line.estimated_tokens for line in lines))
-        if errors:
-            await self._store.fail_validation(batch["id"], errors)
-            log.info("batch %s failed validation (%d errors)", batch["id"], len(errors))
+    def _start_validation(self, batch) -> None:
+        """Validate ``batch`` in a task of its own, if a slot is free and its tenant has none running: a big file
+        takes seconds to read, and every other batch, of every tenant, goes on meanwhile."""
+        if batch["id"] in self._validating or len(self._validating) >= MAX_VALIDATING:
             return
-        models = {line.model for line in lines}
-        records = [(line.line_no, line.custom_id, json.dumps(line.body), request_id_for(batch["id"], line.custom_id),
-                    line.estimated_tokens) for line in lines]
-        if not await self._store.start(batch["id"], models.pop() if len(models) == 1 else None, records):
-            return  # cancelled while we parsed
-        log.info("batch %s in progress: %d lines", batch["id"], len(lines))
+        if any(tenant == batch["tenant_id"] for tenant, _ in self._validating.values()):
+            return
+        task = asyncio.create_task(self._validate(batch))
+        self._validating[batch["id"]] = (batch["tenant_id"], task)
+        task.add_done_callback(lambda _: self._validating.pop(batch["id"], None))
+
+    async def _validate(self, batch) -> None:
+        """Read the input file a chunk at a time, storing valid lines as they come (in one transaction); then the
+        models, then admission (budget, enqueued tokens). Any refusal fails the batch with its reasons, a file that
+        cannot be stored as well (never retried for ever); an outage is retried next tick."""
+        batch_id = batch["id"]
+        try:
+            errors = await self._read_and_start(batch)
+        except _Stopped:
+            return
+        except asyncio.CancelledError:
+            raise
+        except (OSError, asyncio.TimeoutError, APIError, NatsTimeoutError, *OUTAGE_ERRORS) as exc:
+            log.warning("batch %s (validating): %r; retrying next tick", batch_id, exc)
+            return
+        except Exception as exc:  # Postgres refused what the file holds, or a bug: the batch fails with why
+            log.exception("batch %s could not be started", batch_id)
+            errors = [error_entry(None, "invalid_file", f"The input file could not be stored: {exc}")]
+        if errors:
+            await self._store.fail_validation(batch_id, errors)
+            log.info("batch %s failed validation (%d errors)", batch_id, len(errors))
+
+    async def _read_and_start(self, batch) -> list[dict]:
+        """The errors that fail the batch, or none once it started."""
+        batch_id = batch["id"]
+        chunks = await self._store.input_chunks(batch)
+        if chunks is None:
+            return [error_entry(None, "invalid_file", "The input file does not exist any more.", "input_file_id")]
+        parser = LineParser(batch["endpoint"], self._limits)
+        try:
+            await self._store_lines(batch, chunks, parser)
+        except _Refused as refused:  # the lines stored so far went with the transaction
+            return refused.errors
+        log.info("batch %s in progress: %d lines", batch_id, parser.num_lines)
+        return []
+
+    async def _store_lines(self, batch, chunks, parser: LineParser) -> None:
+        """In one transaction: each chunk's valid lines stored as they come, then the batch started, or
+        ``_Refused`` with the errors (nothing kept) or ``_Stopped`` (it was cancelled meanwhile)."""
+        batch_id = batch["id"]
+        async with self._store.starting() as conn:
+            async for chunk in chunks:  # parsing 50k lines takes a while: off the event loop, a chunk at a time
+                await self._store.add_lines(conn, batch_id, self._records(batch_id, await asyncio.to_thread(
+                    parser.feed, chunk)))
+                if parser.done:
+                    break
+            await self._store.add_lines(conn, batch_id, self._records(batch_id, parser.finish()))
+            errors = parser.errors or await self._model_errors(parser.models)
+            errors = errors or await self._refusal(batch, parser.estimated_tokens)
+            if errors:
+                raise _Refused(errors)
+            models = set(parser.models)
+            if not await self._store.begin(conn, batch_id, models.pop() if len(models) == 1 else None):
+                raise _Stopped
+
+    @staticmethod
+    def _records(batch_id: str, lines: list[InputLine]) -> list[tuple]:
+        return [(line.line_no, line.custom_id, line.body_json, request_id_for(batch_id, line.custom_id),
+                 line.estimated_tokens) for line in lines]
+
+    async def _model_errors(self, models: dict[str, int]) -> list[dict]:
+        served = await self._registry.models(fresh=True)
+        return [error_entry(n, "model_not_found", model_not_found(m).message, "body.model")
+                for m, n in models.items() if m not in served]
 
     async def _refusal(self, batch, estimated_tokens: int) -> list[dict]:
         """Why admission refuses a batch of ``estimated_tokens`` about to start (its tenant's monthly budget spent,
@@ -289,6 +347,18 @@ class BatchRunner:
                 await self._store.cancel_queued([(row["request_id"], _CANCELLED)])
             else:
                 await self._lines.publish(row, [row], "queued")
+
+
+class _Refused(Exception):
+    """A batch that may not start, with the errors that fail it."""
+
+    def __init__(self, errors: list[dict]) -> None:
+        super().__init__(f"{len(errors)} errors")
+        self.errors = errors
+
+
+class _Stopped(Exception):
+    """A batch that left validating while it was read (cancelled): nothing to do."""
 
 
 def _outcome(row, result: BatchResult) -> tuple[str, dict | None, dict | None] | None:

@@ -7,11 +7,13 @@ outcome, the result files) lives in the pure functions of ``domain.batch_format`
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import asyncpg
 
+from switchyard.domain.api.text import storable
 from switchyard.domain.auth import AuthContext, tenant_context
 from switchyard.domain.batch_format import ResultFiles
 from switchyard.domain.files import insert_file
@@ -19,6 +21,7 @@ from switchyard.shared.messages import BatchResult
 from switchyard.shared.tiers import BATCH_TIER
 
 LOCK_KEY = 0x5359_4241_5443_4852  # "SYBATCHR": one leader across all gateways
+INPUT_CHUNK_BYTES = 1 << 20  # an input file is read this much at a time
 
 
 def as_json(value: dict | None) -> str | None:
@@ -82,30 +85,50 @@ class BatchStore:
         return await self._pool.fetch("SELECT * FROM batches WHERE status IN ('validating', 'in_progress', "
                                       "'finalizing', 'cancelling') ORDER BY created_at")
 
-    async def input_file(self, batch) -> bytes | None:
-        content = await self._pool.fetchval("SELECT content FROM files WHERE id = $1 AND tenant_id = $2 "
-                                            "AND deleted_at IS NULL", batch["input_file_id"], batch["tenant_id"])
-        return None if content is None else bytes(content)
+    async def input_chunks(self, batch, chunk_bytes: int = INPUT_CHUNK_BYTES) -> AsyncIterator[bytes] | None:
+        """The batch's input file in chunks, read a chunk at a time (a 50 MB file is never held whole); None when
+        the file is gone."""
+        where = "FROM files WHERE id = $1 AND tenant_id = $2 AND deleted_at IS NULL"
+        size = await self._pool.fetchval(f"SELECT octet_length(content) {where}", batch["input_file_id"],
+                                         batch["tenant_id"])
+        if size is None:
+            return None
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for offset in range(0, size, chunk_bytes):
+                yield bytes(await self._pool.fetchval(f"SELECT substring(content FROM $3 FOR $4) {where}",
+                                                      batch["input_file_id"], batch["tenant_id"], offset + 1,
+                                                      chunk_bytes))
+
+        return chunks()
+
+    @contextlib.asynccontextmanager
+    async def starting(self) -> AsyncIterator[asyncpg.Connection]:
+        """A transaction for a batch about to start: its lines go in as they are validated (``add_lines``) and
+        ``begin`` moves it to in_progress; an exception leaves nothing behind."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            yield conn
 
     async def fail_validation(self, batch_id: str, errors: list[dict]) -> None:
         await self._pool.execute(
             "UPDATE batches SET status = 'failed', failed_at = now(), errors = $2::jsonb WHERE id = $1 "
-            "AND status = 'validating'", batch_id, json.dumps({"object": "list", "data": errors}))
+            "AND status = 'validating'", batch_id, json.dumps({"object": "list", "data": storable(errors)}))
 
-    async def start(self, batch_id: str, model: str | None, lines: Sequence[tuple]) -> bool:
-        """validating → in_progress with its ``lines`` (line_no, custom_id, body json, request_id, estimated
-        tokens); False when the
-        batch left validating meanwhile (cancelled while it was parsed)."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            status = await conn.execute(
-                "UPDATE batches SET status = 'in_progress', in_progress_at = now(), model = $2 WHERE id = $1 "
-                "AND status = 'validating'", batch_id, model)
-            if status.endswith(" 0"):
-                return False
+    @staticmethod
+    async def add_lines(conn: asyncpg.Connection, batch_id: str, lines: Sequence[tuple]) -> None:
+        """Store ``lines`` (line_no, custom_id, body json, request_id, estimated tokens) of a batch starting."""
+        if lines:
             await conn.copy_records_to_table(
                 "batch_lines", columns=["batch_id", "line_no", "custom_id", "body", "request_id", "estimated_tokens"],
                 records=[(batch_id, *line) for line in lines])
-        return True
+
+    @staticmethod
+    async def begin(conn: asyncpg.Connection, batch_id: str, model: str | None) -> bool:
+        """validating → in_progress; False when the batch left validating meanwhile (cancelled while it was read)."""
+        status = await conn.execute(
+            "UPDATE batches SET status = 'in_progress', in_progress_at = now(), model = $2 WHERE id = $1 "
+            "AND status = 'validating'", batch_id, model)
+        return not status.endswith(" 0")
 
     async def begin_finalizing(self, batch_id: str) -> bool:
         """in_progress → finalizing; False when another state won."""

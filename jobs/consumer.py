@@ -4,7 +4,9 @@ A message is acked only after its write committed, so a crash or a Postgres outa
 idempotent per request id). What no retry can ever write goes to the dead-letter stream (``llm.dead.<what>``,
 with the reason in a header) and is terminated, with a log line, and the writer goes on: a message that cannot be
 decoded, and a record the write refuses on its own (a value Postgres rejects, a date out of range). When a batch
-fails for a reason other than the connection, each record is written alone to find the ones at fault.
+fails for a reason other than the connection, each record is written alone to find the ones at fault; a writer
+with a ``salvage`` writes what can be kept of such a record (the usage writer: the tokens, tenant and model, so a
+served request is billed however odd its other fields) and keeps the original among the dead letters.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ TRANSIENT_ERRORS = OUTAGE_ERRORS
 
 
 async def consume_once(js, sub, struct: type[T], write: Callable[[list[T]], Awaitable[None]], what: str,
-                       batch: int, timeout_s: float) -> None:
+                       batch: int, timeout_s: float, salvage: Callable[[T], T] | None = None) -> None:
     """One round on the pull subscription ``sub``: up to ``batch`` messages of type ``struct``, written by
-    ``write``; nothing when none came within ``timeout_s``. ``js`` publishes dead letters."""
+    ``write``; nothing when none came within ``timeout_s``. ``js`` publishes dead letters. ``salvage``: what of a
+    record the write refuses on its own can still be written."""
     try:
         msgs = await sub.fetch(batch=batch, timeout=timeout_s)
     except (NatsTimeoutError, asyncio.TimeoutError):
@@ -63,12 +66,38 @@ async def consume_once(js, sub, struct: type[T], write: Callable[[list[T]], Awai
             except TRANSIENT_ERRORS:
                 await msg.nak(delay=REDELIVER_DELAY_S)
             except Exception as one_exc:
-                await _dead_letter(js, msg, what, one_exc)
+                await _refused(js, msg, what, one_exc, record, write, salvage)
             else:
                 await msg.ack()
         return
     for msg in good:
         await msg.ack()
+
+
+async def _refused(js, msg, what: str, exc: BaseException, record, write, salvage) -> None:
+    """A record the write refuses on its own: its salvage written (when there is one and it goes in), and the
+    original kept among the dead letters either way."""
+    if salvage is not None:
+        try:
+            await write([salvage(record)])
+        except TRANSIENT_ERRORS:
+            await msg.nak(delay=REDELIVER_DELAY_S)  # the database went away meanwhile: the whole record again later
+            return
+        except Exception as salvage_exc:
+            log.error("%s at seq %s: even its salvage was refused (%r)", what, msg.metadata.sequence.stream,
+                      salvage_exc)
+        else:
+            log.error("%s at seq %s was refused (%r): what could be kept of it was written", what,
+                      msg.metadata.sequence.stream, exc)
+            exc = SalvagedRecord(exc)
+    await _dead_letter(js, msg, what, exc)
+
+
+class SalvagedRecord(Exception):
+    """The dead letter's reason when the record's salvage was written: ``Switchyard-Error`` says both."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"written salvaged after {cause!r}")
 
 
 async def _dead_letter(js, msg, what: str, exc: BaseException) -> None:

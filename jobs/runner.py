@@ -28,7 +28,7 @@ from switchyard.jobs.held_writes import run_held_writer
 from switchyard.jobs.housekeeping import run_housekeeping
 from switchyard.jobs.usage_writer import run_usage_writer
 from switchyard.shared import nats_client
-from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.config import RequestLimits, SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
 from switchyard.shared.tier_store import PolicyCache
 
@@ -42,10 +42,11 @@ class Jobs:
     """The running consumers; ``stop()`` ends them."""
 
     def __init__(self, nc, js, pool: asyncpg.Pool, registry: ModelRegistry, database_url: str,
-                 admission: Pipeline | None = None) -> None:
-        """``admission``: what batches and their lines pass before they are queued (None: nothing)."""
+                 admission: Pipeline | None = None, limits: RequestLimits | None = None) -> None:
+        """``admission``: what batches and their lines pass before they are queued (None: nothing); ``limits``:
+        what each batch line may ask for."""
         self._stop = stop = asyncio.Event()
-        runner = BatchRunner(nc, js, pool, registry, database_url, admission)
+        runner = BatchRunner(nc, js, pool, registry, database_url, admission, limits)
         self._tasks = [
             asyncio.create_task(self._supervised("usage-writer", lambda: run_usage_writer(js, pool, stop))),
             asyncio.create_task(self._supervised("housekeeping",
@@ -90,13 +91,13 @@ async def running_jobs(config: SwitchyardConfig) -> AsyncIterator[Jobs]:
     pool = None
     try:
         await ensure_streams(js, config.nats_replicas)
-        pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=4)
+        pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=6)  # + validations (batches)
         registry = ModelRegistry(js)
         db = Database(pool)
         # The same admission as the gateway's (batches and their lines pass the policies that judge them).
         admission = admission_pipeline(db=db, registry=registry, router=Router(registry, config.gateway),
                                        tier_policies=PolicyCache(js), safety=InputSafety(config.gateway.safety))
-        jobs = Jobs(nc, js, pool, registry, config.database_url, admission)
+        jobs = Jobs(nc, js, pool, registry, config.database_url, admission, config.gateway.limits)
         try:
             yield jobs
         finally:  # Ctrl-C / SIGTERM cancel the wait: let each job finish its record

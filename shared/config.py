@@ -63,6 +63,21 @@ class SafetyConfig(BaseModel):
     inline_max_chars: int = Field(65_536, ge=0)
 
 
+class RequestLimits(BaseModel):
+    """What one request may ask for, checked before it is queued (domain/api/bounds.py): each bounds a cost the
+    worker would otherwise pay for whoever sent it (README, "Limits")."""
+
+    max_messages: int = Field(2048, ge=1)  # a chat request's messages (OpenAI's limit)
+    max_stop_chars: int = Field(1024, ge=1)  # each stop string (OpenAI documents none)
+    # The JSON schemas of response_format and every tool's parameters together, serialized: compiling a grammar
+    # costs about 1.5 ms per KiB on a CPU core, and a 680 KB schema held a worker's intake for seconds.
+    max_schema_bytes: int = Field(131_072, ge=1)
+    # A conversation's history sent with a new turn: its newest messages, up to both bounds (the system prompt
+    # always); the worker then drops the oldest of them that do not fit the model's context.
+    max_history_messages: int = Field(1000, ge=1)
+    max_history_chars: int = Field(1_000_000, ge=1)
+
+
 class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -80,6 +95,18 @@ class GatewayConfig(BaseModel):
     # resource_unavailable (OpenAI suggests clients allow flex requests 15 minutes).
     flex_wait_s: float = Field(900.0, gt=0)
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    # A body must arrive whole within this long of its first byte (uploads to /v1/files: upload_timeout_s): 408.
+    body_timeout_s: float = Field(30.0, gt=0)
+    upload_timeout_s: float = Field(300.0, gt=0)
+    # Wrong or missing API keys from one client address in a minute, after which it gets 429 before any lookup
+    # (gateway/gatekeeper.py); trusted_proxies: peers (IPs or CIDRs, a load balancer) whose X-Forwarded-For names
+    # the client.
+    failed_auth_per_minute: int = Field(20, ge=1)
+    trusted_proxies: list[str] = Field(default_factory=list)
+    # A stream's reader that falls behind (gateway/client_watch.py): a chunk it does not take within this long, or
+    # deltas waiting behind it over this many bytes, ends the stream and stops its work.
+    stream_send_timeout_s: float = Field(30.0, gt=0)
+    stream_max_buffered_bytes: int = Field(8 * 1024 * 1024, gt=0)
     # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
     allow_tier_header: bool = False
     admin_key: str | None = None  # enables /admin/* for `Authorization: Bearer <admin_key>`
@@ -102,6 +129,7 @@ class GatewayConfig(BaseModel):
     route_names: list[str] = Field(default_factory=lambda: ["auto"])
     routes: list[RouteRule] = Field(default_factory=list)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)  # input and output filters
+    limits: RequestLimits = Field(default_factory=RequestLimits)  # what one request may ask for
 
 
 # The engines a worker can run (one builder each in workers/service/engines.py).
@@ -148,6 +176,14 @@ class EngineSettings(BaseModel):
     gpu_memory_fraction: float = Field(0.8, gt=0, le=1)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # CUDA: replay decode steps from graphs captured at start
+    # Requests prepared at once (tokenizing, the chat template, compiling a grammar), each on a thread of its own
+    # with its own tokenizer, one request per tenant at a time: one tenant's slow prompts hold one thread, never
+    # the others' (workers/service/preparing.py).
+    prepare_threads: int = Field(2, ge=1)
+    # A grammar's compile budget (structured outputs, tool calls): llguidance's lexer fuel (about 50 000 a
+    # millisecond; a grammar that runs out is refused, 400) and the largest grammar text compiled at all.
+    grammar_lexer_fuel: int = Field(1_000_000, ge=1)
+    max_grammar_bytes: int = Field(1_048_576, ge=1)
 
 
 class WorkerConfig(EngineSettings):
@@ -184,6 +220,9 @@ class WorkerConfig(EngineSettings):
     # worker registry either way. A pod sets a fixed port and host 0.0.0.0.
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535)
+    # A bearer token that /metrics and /drain on that port require ("": /metrics open, /drain from loopback only;
+    # workers/service/status_server.py). Set it wherever metrics_host is not loopback.
+    status_token: str = ""
 
     @property
     def served_name(self) -> str:
@@ -226,6 +265,9 @@ class SwitchyardConfig(BaseSettings):
     nats_tls_key: Path | None = None
     nats_tls_ca: Path | None = None
     database_url: str | None = None  # None: start an embedded Postgres
+    # For ``switchyard migrate`` (run with a superuser's or the database owner's URL): the password of the
+    # switchyard_app role it then creates or updates, the role gateways and jobs connect as (deploy/db_roles.py).
+    app_database_password: str = ""
     # Logs: "text" lines, or "json" (one object a line, with the request id where there is one). Access lines of
     # /healthz, /readyz and /metrics (a probe or a scrape every few seconds) only when asked for.
     log_format: Literal["text", "json"] = "text"

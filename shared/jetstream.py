@@ -87,16 +87,18 @@ async def _upgrade_request_stream(js: JetStreamContext, config: StreamConfig) ->
                                                max_msgs_per_subject=config.max_msgs_per_subject))
 
 
-async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
+async def ensure_streams(js: JetStreamContext, replicas: int = 1, seed: bool = True) -> None:
     """Create the per-tier request streams, USAGE, EVENTS, BATCH_RESULTS and DEAD_LETTERS, and the tiers and
     workers buckets, if missing, and seed the tier policies.
 
     ``replicas``: how many servers of a JetStream cluster hold each stream and bucket (3 survives losing one
     node; ``SwitchyardConfig.nats_replicas``). It applies to what is created; existing streams keep their shape and
-    live limits, so ops changes are never undone by a restart.
+    live limits, so ops changes are never undone by a restart. ``seed``: False for a worker, whose NATS role may
+    not write the tier policies (deploy/credentials.py); it reads the defaults of any tier not seeded yet.
     """
     await _drop_legacy_streams(js)
-    await seed_policies(js, replicas)
+    if seed:
+        await seed_policies(js, replicas)
     policies = await read_policies(js)
     for tier in TIER_NAMES:
         config = tier_stream_config(tier, policies[tier].max_queued, policies[tier].tenant_cap)

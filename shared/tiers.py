@@ -24,6 +24,10 @@ class TierPolicy(msgspec.Struct, frozen=True):
     # Queued requests of one tenant for one model: a tenant's flood fills its own queue, never the tier's, so the
     # tier's other tenants still get in (0: a quarter of max_queued).
     max_queued_per_tenant: int = 0
+    # What one tenant may hold at once (domain/admission/concurrency.py), whatever its key or service_tier: requests
+    # generating (streamed or not) and their sequences, every choice of each (0: no cap).
+    max_streams: int = 0
+    max_sequences: int = 0
 
     @property
     def tenant_cap(self) -> int:
@@ -47,10 +51,12 @@ class Tier:
 
 
 TIERS: tuple[Tier, ...] = (
-    Tier("enterprise", 0, TierPolicy(max_queued=1000, max_wait_s=60.0, weight=8.0, rpm=6000, tpm=2_000_000),
-         scale_threshold=4),
-    Tier("pro", 1, TierPolicy(max_queued=500, max_wait_s=30.0, weight=4.0, rpm=600, tpm=400_000), scale_threshold=8),
-    Tier("free", 2, TierPolicy(max_queued=200, max_wait_s=20.0, weight=1.0, rpm=60, tpm=40_000), scale_threshold=32),
+    Tier("enterprise", 0, TierPolicy(max_queued=1000, max_wait_s=60.0, weight=8.0, rpm=6000, tpm=2_000_000,
+                                     max_streams=512, max_sequences=2048), scale_threshold=4),
+    Tier("pro", 1, TierPolicy(max_queued=500, max_wait_s=30.0, weight=4.0, rpm=600, tpm=400_000, max_streams=128,
+                              max_sequences=512), scale_threshold=8),
+    Tier("free", 2, TierPolicy(max_queued=200, max_wait_s=20.0, weight=1.0, rpm=60, tpm=40_000, max_streams=16,
+                               max_sequences=64), scale_threshold=32),
     # Batch takes what the interactive tiers leave idle, plus a small guaranteed share (see BatchShare); it may
     # wait hours by design, so it asks for workers only once its queue is deep, and lines do not wake a GPU one by
     # one.

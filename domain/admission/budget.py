@@ -1,47 +1,84 @@
 """Admission policy: the tenant's monthly token budget, for every request, batch and batch line alike.
 
-Spent is judged by the month's billed tokens (the ``requests`` table), read at most every ``CACHE_S`` per tenant.
-While Postgres is away the last total read stands (or none, if none was: usage is still billed, and the budget
-holds again once Postgres is back).
+A month's row (``budget_months``) holds the tokens billed (the usage writer adds each row it inserts, in the same
+statement: jobs/usage_writer.py) and the tokens reserved by requests admitted and not yet ended. An API request
+reserves what it may use (its estimate, as the rate window reserves it) in one atomic upsert that refuses it when
+billed + reserved + its estimate would pass the budget, so a burst of concurrent requests cannot overrun it; the
+reservation goes when the request ends (its tokens then arrive as billed, within the writer's lag). A batch, and
+each of its lines (paced by the batch runner, at most a few hundred queued), is judged by what is billed and
+reserved, without a reservation of its own.
+
+While Postgres is away the last reading of each tenant stands (or none, if none was: usage is still billed, and
+the budget holds again once Postgres is back).
 """
 
 from __future__ import annotations
 
-import time
+import datetime as dt
 
-from switchyard.domain.admission.pipeline import ALL_ORIGINS, Policy
-from switchyard.domain.admission.ticket import Ticket
+from switchyard.domain.admission.pipeline import Policy
+from switchyard.domain.admission.ticket import Origin, Ticket
 from switchyard.domain.database import Database, DatabaseUnavailable
 from switchyard.domain.errors import OpenAIError
 
-CACHE_S = 5.0
-MONTH_USAGE_SQL = ("SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) FROM requests "
-                   "WHERE tenant_id = $1 AND created_at >= date_trunc('month', now())")
+RESERVE_SQL = """
+INSERT INTO budget_months AS b (tenant_id, month, reserved) SELECT $1, $4::date, $2::bigint WHERE $2::bigint <= $3::bigint
+ON CONFLICT (tenant_id, month) DO UPDATE SET reserved = b.reserved + EXCLUDED.reserved
+    WHERE b.billed + b.reserved + EXCLUDED.reserved <= $3::bigint
+RETURNING billed + reserved
+"""
+SPENT_SQL = "SELECT billed + reserved FROM budget_months WHERE tenant_id = $1 AND month = $2"
+RELEASE_SQL = ("UPDATE budget_months SET reserved = greatest(reserved - $3, 0) WHERE tenant_id = $1 "
+               "AND month = $2")
+
+
+def _month_start() -> dt.date:
+    now = dt.datetime.now(dt.timezone.utc)
+    return dt.date(now.year, now.month, 1)
+
+
+def _refusal(budget: int) -> OpenAIError:
+    return OpenAIError(429, f"You exceeded your monthly token budget ({budget} tokens), counting what your requests "
+                       "in progress may still use. Ask your administrator to raise it.", type="insufficient_quota",
+                       code="insufficient_quota")
 
 
 class MonthlyBudget(Policy):
-    origins = ALL_ORIGINS
+    origins = frozenset({Origin.REQUEST, Origin.BATCH, Origin.BATCH_LINE})
 
     def __init__(self, db: Database) -> None:
         self._db = db
-        self._used: dict[str, tuple[int, float]] = {}  # tenant id -> (tokens this month, read at)
+        self._spent: dict[str, int] = {}  # tenant id -> billed + reserved at the last reading (the outage fallback)
 
     async def check(self, ticket: Ticket) -> None:
         budget = ticket.auth.monthly_token_budget
         if budget is None:
             return
-        tenant_id = ticket.auth.tenant_id
-        cached = self._used.get(tenant_id)
-        now = time.monotonic()
-        if cached is None or now - cached[1] > CACHE_S:
-            try:
-                used = await self._db.run(lambda pool: pool.fetchval(MONTH_USAGE_SQL, tenant_id))
-            except DatabaseUnavailable:
-                if cached is None:
-                    return  # never read: judged again once Postgres is back (the usage is billed meanwhile)
+        tenant_id, month = ticket.auth.tenant_id, _month_start()
+        reserve = ticket.origin is Origin.REQUEST
+        try:
+            if reserve:
+                spent = await self._db.run(lambda pool: pool.fetchval(RESERVE_SQL, tenant_id,
+                                                                      ticket.estimated_tokens, budget, month))
             else:
-                cached = (int(used), now)
-                self._used[tenant_id] = cached
-        if cached[0] >= budget:
-            raise OpenAIError(429, f"You exceeded your monthly token budget ({budget} tokens). Ask your "
-                              "administrator to raise it.", type="insufficient_quota", code="insufficient_quota")
+                spent = await self._db.run(lambda pool: pool.fetchval(SPENT_SQL, tenant_id, month)) or 0
+        except DatabaseUnavailable:
+            if self._spent.get(tenant_id, 0) >= budget:
+                raise _refusal(budget) from None
+            return  # never read, or under it when last read: judged again once Postgres is back
+        if spent is None or (spent >= budget and not reserve):  # None: the reservation did not fit
+            self._spent[tenant_id] = budget
+            raise _refusal(budget)
+        self._spent[tenant_id] = spent
+        if reserve:
+            ticket.budget_reserved, ticket.budget_month = ticket.estimated_tokens, month
+
+    async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
+        reserved, ticket.budget_reserved = ticket.budget_reserved, 0
+        if not reserved:
+            return
+        try:
+            await self._db.run(lambda pool: pool.execute(RELEASE_SQL, ticket.auth.tenant_id, ticket.budget_month,
+                                                         reserved))
+        except DatabaseUnavailable:
+            pass  # held until the month ends: a budget errs on the safe side, as the rate window does

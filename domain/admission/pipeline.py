@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from switchyard.domain.admission.ticket import Origin, Ticket
 
 ALL_ORIGINS = frozenset(Origin)
+UPKEEP_EVERY_S = 60.0
 
 
 class Policy:
@@ -31,6 +32,10 @@ class Policy:
     async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
         """The request ended having used ``used_tokens`` (0: it never ran; None: unknown here, e.g. a stream the
         client left, which the worker bills)."""
+
+    async def upkeep(self) -> None:
+        """Periodic work of a policy that holds something for requests still running (renewing leases); the
+        process that admits requests calls it every ``UPKEEP_EVERY_S``."""
 
 
 class Pipeline:
@@ -55,6 +60,11 @@ class Pipeline:
                 await policy.settle(ticket, 0)
             raise
         return ticket
+
+    async def upkeep(self) -> None:
+        """Every policy's periodic work (see ``Policy.upkeep``)."""
+        for policy in self.policies:
+            await policy.upkeep()
 
     async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
         """Settle a ticket that passed ``check``, last policy first; only the first call counts."""

@@ -3,28 +3,30 @@
 A request reserves its estimated tokens (prompt estimate + n x max_tokens) when it is admitted; when it ends the
 unused part goes back and use beyond it is charged (all of it back for one that never ran; a stream the client
 left keeps its reservation, since only the worker knows what it used). Every response carries the key's
-``x-ratelimit-*`` headers. Batches are paced by the batch tier, not by a key's rate: API requests only.
+``x-ratelimit-*`` headers. The limits are the key's tenant's (its own, else its tier's), whatever tier runs the
+request: ``service_tier`` flex changes the queue and the price, never the limits. Every route counts against the
+request rate (files, batches, usage, conversations: ``Origin.CALL``, no tokens). Batches are paced by the batch
+tier, not by a key's rate.
 """
 
 from __future__ import annotations
 
 from switchyard.domain.admission.pipeline import Policy
-from switchyard.domain.admission.ticket import Ticket
+from switchyard.domain.admission.ticket import Origin, Ticket
 from switchyard.domain.limits import Limiter
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tracing import tracer
 
 
 class RateLimits(Policy):
+    origins = frozenset({Origin.REQUEST, Origin.CALL})
+
     def __init__(self, limiter: Limiter, tier_policies: PolicyCache) -> None:
         self._limiter = limiter
         self._tier_policies = tier_policies
 
     async def check(self, ticket: Ticket) -> None:
-        # The limits of the tier that runs it: a flex request (batch tier) has the batch tier's defaults, none, and
-        # only its tenant's own rpm/tpm; ``ticket.auth.tier`` here would hold every request to its tenant's tier's.
-        limits_tier = ticket.tier
-        policy = (await self._tier_policies.get())[limits_tier]
+        policy = (await self._tier_policies.get())[ticket.auth.tier]  # the tenant's, not the tier that runs it
         with tracer.start_as_current_span("rate_limits", attributes={"tier": ticket.tier}):
             ticket.reservation = await self._limiter.admit(ticket.auth, policy, ticket.estimated_tokens)
         ticket.headers.update(ticket.reservation.headers)

@@ -94,9 +94,10 @@ class InputSafety:
 
 class InputFilter(Policy):
     """Last, once the request is let through by everything cheaper: the text it brings that was not judged before
-    (every message of a chat request, a conversation turn's new message, each prompt given as text)."""
+    (every message of a chat request, a conversation turn's new message, each prompt given as text, a new
+    conversation's system prompt)."""
 
-    origins = frozenset({Origin.REQUEST, Origin.BATCH_LINE})
+    origins = frozenset({Origin.REQUEST, Origin.CALL, Origin.BATCH_LINE})
 
     def __init__(self, safety: InputSafety | None) -> None:
         """``safety`` None: nothing judged and no policy sent (a deployment without filters)."""

@@ -57,5 +57,7 @@ class ServiceTierChoice(Policy):
     async def check(self, ticket: Ticket) -> None:
         if ticket.origin is Origin.REQUEST:
             ticket.service = choose(ticket.service_tier, ticket.auth, ticket.tier_override)
+        elif ticket.origin is Origin.CALL:
+            ticket.service = ServiceTier(ticket.auth.tier)
         else:
             ticket.service = ServiceTier(BATCH_TIER)

@@ -11,6 +11,7 @@ A new endpoint makes its tickets with ``for_body`` and needs nothing else here.
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,7 +24,8 @@ from switchyard.shared.messages import SafetyPolicy
 class Origin(enum.Enum):
     """Where a ticket comes from: each policy says which it applies to."""
 
-    REQUEST = "request"  # an API request: chat, completions, a conversation turn, ... (any route)
+    REQUEST = "request"  # an API request that generates: chat, completions, a conversation turn
+    CALL = "call"  # an API request that generates nothing: files, batches, usage, conversations' other routes
     BATCH = "batch"  # a batch about to start: its lines' estimated tokens together
     BATCH_LINE = "batch_line"  # one line of a running batch, about to be queued
 
@@ -77,6 +79,9 @@ class Ticket:
     # Decided by the policies, in order.
     service: ServiceTier | None = None
     reservation: Reservation | None = None
+    holds_seat: bool = False  # counted among its tenant's open requests until settled (concurrency.py)
+    budget_reserved: int = 0  # tokens held in its tenant's month until settled (budget.py)
+    budget_month: dt.date | None = None  # the month they are held in
     safety: SafetyPolicy | None = None  # the policy the worker's output filter applies (None: off)
     headers: dict[str, str] = field(default_factory=dict)  # every response to it carries them (x-ratelimit-*)
     settled: bool = False

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from switchyard.domain.api.fields import MAX_TOOLS, INT32_MAX, Name, SamplingFields, Strict, unsupported
+from switchyard.domain.api.text import StoredText
 from switchyard.shared.messages import ChatMessage, ResponseFormat, SamplingParams, ToolCall, ToolSpec, ToolUse
 
 
@@ -126,8 +127,8 @@ class ChatCompletionRequest(SamplingFields):
     # Which tier runs it (domain/admission/service_tier.py); the response says which did.
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     # Kept with the request's usage record (requests.metadata), as OpenAI keeps it with a stored completion.
-    metadata: dict[str, str] | None = None
-    safety_identifier: str | None = Field(None, max_length=256)  # OpenAI's newer name for `user`
+    metadata: dict[StoredText, StoredText] | None = None
+    safety_identifier: StoredText | None = Field(None, max_length=256)  # OpenAI's newer name for `user`
     # Refused by name: what this platform cannot do (see _refuse_unsupported).
     store: bool | None = None
     modalities: list[str] | None = None

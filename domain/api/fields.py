@@ -17,6 +17,7 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from switchyard.domain.api.text import StoredText, check_encodable
 from switchyard.shared.messages import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
@@ -58,7 +59,7 @@ class StreamOptions(Strict):
 
 
 class SamplingFields(Strict):
-    model: str = Field(min_length=1)
+    model: StoredText = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -71,12 +72,18 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # The end user, for abuse tracking: kept with the request's usage record (requests.end_user).
-    user: str | None = Field(None, max_length=256)
+    user: StoredText | None = Field(None, max_length=256)
     # vLLM-style extensions
     top_k: int = Field(0, ge=0, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data):
+        # Before any field: a lone surrogate anywhere would fail msgpack (NATS) and Postgres alike (api/text.py).
+        return check_encodable(data)
 
     @field_validator("stop")
     @classmethod

@@ -23,6 +23,8 @@ class TierUpdate(BaseModel):
     max_queued_per_tenant: int | None = Field(None, ge=0)  # 0: a quarter of max_queued
     max_wait_s: float | None = Field(None, gt=0)
     weight: float | None = Field(None, gt=0)
+    max_streams: int | None = Field(None, ge=0)  # 0: no cap
+    max_sequences: int | None = Field(None, ge=0)
 
 
 def router(services: GatewayServices) -> APIRouter:

@@ -10,25 +10,28 @@ batch runner validates, runs, cancels and finalizes (jobs/batch_runner.py).
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from switchyard.domain.api.text import StoredText, check_encodable
 from switchyard.domain.auth import AuthContext
-from switchyard.gateway.admission import authenticated
+from switchyard.gateway.admission import counted
 from switchyard.gateway.services import GatewayServices
 
 
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. output_expires_after: accepted, not applied
 
-    input_file_id: str = Field(min_length=1)
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    input_file_id: StoredText = Field(min_length=1)
+    endpoint: StoredText
+    completion_window: StoredText
+    metadata: dict[StoredText, StoredText] | None = Field(None, max_length=16)
+
+    _encodable = model_validator(mode="before")(check_encodable)
 
 
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1/batches")
-    caller = authenticated(services)
+    caller = counted(services)  # every call counts against its key's request rate
 
     @router.post("")
     async def create(body: BatchCreate, auth: AuthContext = Depends(caller)):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
+from switchyard.domain.api.bounds import check_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.auth import AuthContext
 from switchyard.gateway.admission import admit, authenticated, request_ticket
+from switchyard.gateway.client_watch import until_gone
 from switchyard.gateway.services import GatewayServices
 
 
@@ -16,14 +18,18 @@ def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1")
     caller = authenticated(services)
 
+    limits = services.config.gateway.limits
+
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
+        check_bounds(body, limits)
         ticket = await admit(services, request, request_ticket(auth, body))
-        return await services.completions.chat(body, ticket)
+        return await services.completions.chat(body, ticket, gone=until_gone(request))
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
+        check_bounds(body, limits)
         ticket = await admit(services, request, request_ticket(auth, body))
-        return await services.completions.completion(body, ticket)
+        return await services.completions.completion(body, ticket, gone=until_gone(request))
 
     return router

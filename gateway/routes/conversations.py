@@ -7,8 +7,11 @@ a chat completion over the stored history.
     POST   /v1/conversations/{id}/messages    {content, model?, stream?, max_tokens?, ...}: the reply, like chat
     DELETE /v1/conversations/{id}
 
-The worker drops the oldest turns of a history over the context and says how many (``dropped_messages``); only
-the new message is judged by the input filter (the history was when it was new).
+A turn sends the newest stored messages (``gateway.limits.max_history_messages`` and ``max_history_chars``, the
+system prompt always); the worker drops the oldest of them over the context, and the reply says how many were
+left out in all (``dropped_messages``); only
+the new message is judged by the input filter (the history was when it was new; the system prompt when the
+conversation was created).
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from switchyard.domain.api.bounds import check_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.fields import unsupported
+from switchyard.domain.api.text import StoredText, check_encodable
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.admission import admit, authenticated, request_ticket
+from switchyard.gateway.admission import admit, admit_call, authenticated, counted, request_ticket
+from switchyard.gateway.client_watch import until_gone
 from switchyard.gateway.serving import Outcome
 from switchyard.gateway.services import GatewayServices
 from switchyard.shared.messages import ChatMessage, ConversationTurn
@@ -31,19 +37,21 @@ from switchyard.shared.messages import ChatMessage, ConversationTurn
 class ConversationCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    system: str | None = None
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=16)
+    model: StoredText | None = None
+    system: StoredText | None = None
+    metadata: dict[StoredText, StoredText] = Field(default_factory=dict, max_length=16)
+
+    _encodable = model_validator(mode="before")(check_encodable)
 
 
 class TurnRequest(ChatCompletionRequest):
     """A chat completion whose history is the conversation's: ``content`` is the new message, the user's, or a
     tool's result (``role`` tool with the ``tool_call_id`` it answers)."""
 
-    model: str | None = None  # defaults to the conversation's model
-    content: str = Field(min_length=1)
+    model: StoredText | None = None  # defaults to the conversation's model
+    content: StoredText = Field(min_length=1)  # stored with the conversation: no U+0000
     role: Literal["user", "tool"] = "user"
-    tool_call_id: str | None = None
+    tool_call_id: StoredText | None = None
     messages: list = Field(default_factory=list, exclude=True)  # not accepted here: the server has the history
 
     @model_validator(mode="after")
@@ -59,23 +67,26 @@ class TurnRequest(ChatCompletionRequest):
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1/conversations")
     caller = authenticated(services)
+    call = counted(services)  # what generates nothing counts against the key's request rate too
 
     @router.post("")
-    async def create(body: ConversationCreate, auth: AuthContext = Depends(caller)):
+    async def create(body: ConversationCreate, request: Request, auth: AuthContext = Depends(caller)):
+        # The system prompt is judged here, once, like a turn's new message: it is in every later turn's history.
+        await admit_call(services, request, auth, texts=[body.system or ""], texts_param="system")
         return await services.conversations.create(auth.tenant_id, body.model, body.system, body.metadata)
 
     @router.get("/{conversation_id}")
-    async def get(conversation_id: str, auth: AuthContext = Depends(caller)):
+    async def get(conversation_id: str, auth: AuthContext = Depends(call)):
         return await services.conversations.get(conversation_id, auth.tenant_id)
 
     @router.delete("/{conversation_id}")
-    async def delete(conversation_id: str, auth: AuthContext = Depends(caller)):
+    async def delete(conversation_id: str, auth: AuthContext = Depends(call)):
         await services.conversations.delete(conversation_id, auth.tenant_id)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
     @router.get("/{conversation_id}/messages")
     async def list_messages(conversation_id: str, limit: int = 20, after: str | None = None,
-                            order: Literal["asc", "desc"] = "asc", auth: AuthContext = Depends(caller)):
+                            order: Literal["asc", "desc"] = "asc", auth: AuthContext = Depends(call)):
         return await services.conversations.messages(conversation_id, auth.tenant_id, limit, after, order)
 
     @router.post("/{conversation_id}/messages")
@@ -87,7 +98,10 @@ def router(services: GatewayServices) -> APIRouter:
             raise OpenAIError(400, "This conversation has no model: pass `model`.", param="model",
                               code="invalid_request")
         body = body.model_copy(update={"model": model, "n": 1})
-        history = await services.conversations.history(conversation)
+        limits = services.config.gateway.limits
+        history, left_out = await services.conversations.history(conversation, limits.max_history_messages,
+                                                                  limits.max_history_chars)
+        check_bounds(body, limits, num_history=len(history))
         history.append(ChatMessage(body.role, body.content, tool_call_id=body.tool_call_id))
         # What the model reads is the whole history; what is new, and judged, is the message.
         ticket = await admit(services, request, request_ticket(
@@ -102,6 +116,7 @@ def router(services: GatewayServices) -> APIRouter:
                 user_role=body.role, tool_call_id=body.tool_call_id, assistant_tool_calls=outcome.tool_calls))
 
         return await services.completions.chat(body, ticket, messages=history, on_finish=store,
-                                                extra={"conversation_id": conversation_id})
+                                                extra={"conversation_id": conversation_id}, left_out=left_out,
+                                                gone=until_gone(request))
 
     return router

@@ -14,16 +14,17 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from switchyard.domain.api.text import UNSTORABLE, describe
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.files import MAX_FILE_BYTES, MULTIPART_SLACK, UPLOAD_PURPOSES, too_large
-from switchyard.gateway.admission import authenticated
+from switchyard.gateway.admission import counted
 from switchyard.gateway.services import GatewayServices
 
 
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1/files")
-    caller = authenticated(services)
+    caller = counted(services)  # every call counts against its key's request rate
 
     # The form is read by hand (after authentication, bounded by its declared size); the schema still describes it,
     # so clients and fuzzers (tests/e2e/test_openapi_fuzz.py) see the real request body.
@@ -47,6 +48,9 @@ def router(services: GatewayServices) -> APIRouter:
             if len(content) > MAX_FILE_BYTES:
                 raise too_large()
             filename = upload.filename or "upload.jsonl"
+            if UNSTORABLE.search(filename):
+                raise OpenAIError(400, f"Invalid value for 'file': its file name {describe(filename)}.",
+                                  code="invalid_value", param="file")
         return await services.files.create(auth.tenant_id, purpose, filename, content)
 
     @router.get("")

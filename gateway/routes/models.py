@@ -7,13 +7,13 @@ from fastapi import APIRouter, Depends
 
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.admission import authenticated
+from switchyard.gateway.admission import counted
 from switchyard.gateway.services import GatewayServices
 
 
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1/models")
-    caller = authenticated(services)
+    caller = counted(services)  # every call counts against its key's request rate
 
     @router.get("")
     async def list_models(_: AuthContext = Depends(caller)):

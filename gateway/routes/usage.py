@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from switchyard.domain.auth import AuthContext
-from switchyard.gateway.admission import authenticated
+from switchyard.gateway.admission import counted
 from switchyard.gateway.services import GatewayServices
 
 
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1")
-    caller = authenticated(services)
+    caller = counted(services)  # every call counts against its key's request rate
 
     @router.get("/usage")
     async def usage(start: str | None = None, end: str | None = None, group_by: str = "model",

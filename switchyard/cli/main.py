@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="queued requests of one tenant for one model (0: a quarter of --max-queued)")
     tset.add_argument("--max-wait", type=float, help="seconds a request may wait before queue_timeout")
     tset.add_argument("--weight", type=float, help="share of worker pulls when several tiers have work")
+    tset.add_argument("--max-streams", type=int, help="requests one tenant may have generating at once (0: no cap)")
+    tset.add_argument("--max-sequences", type=int, help="their sequences, every choice of each (0: no cap)")
     p.set_defaults(func=cmd_tiers)
 
     p = sub.add_parser("top", help="live view per model and tier: queued, oldest wait, running, TTFT p95, tokens/s, "
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         tp.add_argument("--rpm", type=int, help="requests per minute per key (default: the tier's)")
         tp.add_argument("--tpm", type=int, help="tokens per minute per key (default: the tier's)")
         tp.add_argument("--monthly-budget", type=int, help="tokens per calendar month for the tenant")
+        tp.add_argument("--max-streams", type=int, help="requests generating at once (default: the tier's)")
+        tp.add_argument("--max-sequences", type=int,
+                        help="sequences (every choice of those requests) at once (default: the tier's)")
         tp.add_argument("--priority", action=argparse.BooleanOptionalAction,
                         help="may ask for service_tier \"priority\" (the top tier); enterprise tenants always may")
         tp.add_argument("--safety", choices=["block", "log", "off", "default"],

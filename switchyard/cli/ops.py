@@ -46,7 +46,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                 try:
                     old, new = await change_tier(js, pool, args.tier, getpass.getuser(), max_queued=args.max_queued,
                                                  max_wait_s=args.max_wait, weight=args.weight,
-                                                 max_queued_per_tenant=args.max_queued_per_tenant)
+                                                 max_queued_per_tenant=args.max_queued_per_tenant,
+                                                 max_streams=args.max_streams, max_sequences=args.max_sequences)
                 except TierChangeError as exc:
                     print(f"error: {exc}", file=sys.stderr)
                     return 2
@@ -54,7 +55,9 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                     await pool.close()
                 print(f"{args.tier}: max_queued {old.max_queued} -> {new.max_queued}, per tenant "
                       f"{old.tenant_cap} -> {new.tenant_cap}, "
-                      f"max_wait_s {old.max_wait_s:g} -> {new.max_wait_s:g}, weight {old.weight:g} -> {new.weight:g}")
+                      f"max_wait_s {old.max_wait_s:g} -> {new.max_wait_s:g}, weight {old.weight:g} -> {new.weight:g}, "
+                      f"max_streams {old.max_streams} -> {new.max_streams}, max_sequences {old.max_sequences} -> "
+                      f"{new.max_sequences}")
             else:
                 served = await ModelRegistry(js).models(fresh=True)
                 rows = await tier_status(js, served)
@@ -102,7 +105,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     from switchyard.domain import tenancy
 
     async def work(conn) -> None:
-        limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "monthly_token_budget": args.monthly_budget} \
+        limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "monthly_token_budget": args.monthly_budget,
+                  "max_streams": args.max_streams, "max_sequences": args.max_sequences} \
             if args.tenants_cmd in ("create", "update") else {}
         if args.tenants_cmd == "create":
             tenant_id = await tenancy.create_tenant(conn, args.name, args.tier or NEW_TENANT_TIER, **limits)

@@ -94,6 +94,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     applied = asyncio.run(apply_migrations(config.database_url))
     print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+    if config.app_database_password:
+        from switchyard.deploy.db_roles import APP_ROLE, ensure_app_role
+
+        asyncio.run(ensure_app_role(config.database_url, config.app_database_password))
+        print(f"role: {APP_ROLE} (rows only), for the gateways and jobs")
     for line in asyncio.run(apply_prices(config.database_url, config.models)):
         print("price: " + line)
     return 0

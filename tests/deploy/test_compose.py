@@ -132,6 +132,37 @@ def test_proxy_streams_to_both_gateways(compose):
     assert re.search(rf"listen\s+{port.split(':')[-1]};", conf)
 
 
+def test_each_service_connects_to_nats_as_its_role(compose):
+    from switchyard.deploy.credentials import permissions_conf
+
+    # The servers' role permissions are deploy/credentials.py's, which a real nats-server holds the roles to
+    # (tests/deploy/test_credentials.py).
+    assert (DEPLOY / "nats" / "permissions.conf").read_text() == permissions_conf()
+    conf = (DEPLOY / "nats" / "nats.conf").read_text()
+    assert "permissions: $GATEWAY_PERMISSIONS" in conf and "permissions: $WORKER_PERMISSIONS" in conf
+    users = {name: set(re.findall(r"nats://(\w+):", _env(service)["SWITCHYARD_NATS_URL"]))
+             for name, service in _switchyard_services(compose).items()}
+    expected = {"migrate": {"switchyard"}, "worker": {"worker"}, "jobs": {"gateway"}}
+    assert users == {name: expected.get(name, {"gateway"}) for name in users}, users
+    for name, service in compose["services"].items():
+        if service["image"].startswith("nats:"):
+            assert "./nats/permissions.conf:/etc/nats/permissions.conf:ro" in service["volumes"], name
+
+
+def test_no_password_is_shipped_and_the_lb_keeps_admin_and_metrics_inside():
+    text = COMPOSE.read_text()
+    secrets = set(re.findall(r"\$\{(\w*PASSWORD\w*)", text))
+    assert secrets >= {"POSTGRES_PASSWORD", "SWITCHYARD_APP_DB_PASSWORD", "SWITCHYARD_NATS_PASSWORD",
+                       "SWITCHYARD_NATS_GATEWAY_PASSWORD", "SWITCHYARD_NATS_WORKER_PASSWORD", "NATS_SYS_PASSWORD",
+                       "GRAFANA_ADMIN_PASSWORD"}
+    for name in secrets:  # each one required (compose stops with the message), none with a default
+        assert re.findall(rf"\$\{{{name}([^}}]*)\}}", text) and all(
+            used.startswith(":?") for used in re.findall(rf"\$\{{{name}([^}}]*)\}}", text)), name
+    conf = (DEPLOY / "nginx" / "nginx.conf").read_text()
+    for path in ("= /metrics", "/admin"):
+        assert re.search(rf"location {re.escape(path)} {{\s*return 404;", conf), path
+
+
 def test_prometheus_scrapes_the_gateways_and_the_worker(compose):
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}

@@ -12,12 +12,14 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
 import nats
 import pytest
 from nats.errors import NoServersError
+from nats.js.api import ConsumerConfig, StreamConfig
 
 from switchyard.deploy.credentials import (
     NATS_CONFIG_FILE,
@@ -26,10 +28,12 @@ from switchyard.deploy.credentials import (
     with_credentials,
     write_nats_config,
 )
+from switchyard.deploy.db_roles import APP_ROLE
 from switchyard.deploy.launcher import NatsServer
 from switchyard.deploy.system import LocalSystem
 from switchyard.deploy.up import RUN_FILE, write_run_file
-from switchyard.shared import nats_client
+from switchyard.shared import nats_client, subjects
+from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams
 from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
 from tests.support.system import free_port, make_key, poll
 from tests.support.tiny_model import save_tiny_model
@@ -89,6 +93,45 @@ async def test_nats_refuses_anonymous_clients_and_holds_each_role_to_its_subject
         finally:
             for client in (admin, gateway, worker):
                 await client.close()
+
+
+async def test_neither_service_role_can_purge_delete_or_drain_the_usage_stream(data_dir):
+    creds = load_or_create(data_dir)
+    conf = write_nats_config(data_dir / NATS_CONFIG_FILE, creds)
+    with NatsServer(data_dir / "nats", extra_args=["-c", str(conf)]) as server:
+        clients = {role: await nats.connect(with_credentials(server.url, role, creds.nats_passwords[role]),
+                                            error_cb=_ignore)
+                   for role in ("admin", "gateway", "worker")}
+        try:
+            js = {role: nc.jetstream(timeout=1) for role, nc in clients.items()}
+            await ensure_streams(js["gateway"])  # a gateway sets the streams up with its own role
+            await ensure_streams(js["worker"], seed=False)  # and a worker starting first could too
+            await js["worker"].publish(subjects.USAGE_SUBJECT, b"a usage record")
+            for role in ("worker", "gateway"):
+                for attack in (lambda j: j.purge_stream(subjects.USAGE_STREAM),
+                               lambda j: j.delete_stream(subjects.USAGE_STREAM),
+                               lambda j: j.update_stream(StreamConfig(name=subjects.USAGE_STREAM,
+                                                                      subjects=[subjects.USAGE_SUBJECT], max_msgs=0))):
+                    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                        await attack(js[role])  # the server drops the request: no answer
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):  # nor read it as its own
+                await js["worker"].add_consumer(subjects.USAGE_STREAM, ConsumerConfig(durable_name="mine"))
+            info = await js["admin"].stream_info(subjects.USAGE_STREAM)
+            assert info.state.messages == 1  # the record is still there for the billing writer
+            # What a worker does need, it may: its tenant queues' consumers, pulled from.
+            name = await ensure_request_consumer(js["worker"], "m", "pro", "acme")
+            await js["gateway"].publish(subjects.request_subject("m", "pro", "acme"), b"a request")
+            sub = await js["worker"].pull_subscribe_bind(name, stream=subjects.request_stream("pro"))
+            [msg] = await sub.fetch(1, timeout=5)
+            await msg.ack()
+            assert msg.data == b"a request"
+        finally:
+            for nc in clients.values():
+                await nc.close()
+
+
+async def _ignore(error):  # the permission violations the test provokes
+    pass
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
@@ -157,6 +200,24 @@ def test_a_system_serves_through_its_credentials_and_shows_no_secret(data_dir):
             finally:
                 await conn.close()
         assert asyncio.run(billed()) == 1
+        # The services use Postgres as a role that touches rows only; the superuser's password is the migrations'.
+        envs = {svc.name: svc.env for svc in system.services}
+        assert {name: urlsplit(env["SWITCHYARD_DATABASE_URL"]).username for name, env in envs.items()
+                if name != "worker"} == {"gateway": APP_ROLE, "jobs": APP_ROLE}
+        assert not envs["worker"].get("SWITCHYARD_DATABASE_URL")  # a worker needs no database
+
+        async def app_role_rights():
+            conn = await asyncpg.connect(envs["gateway"]["SWITCHYARD_DATABASE_URL"])
+            try:
+                assert await conn.fetchval("SELECT rolsuper OR rolcreaterole OR rolcreatedb FROM pg_roles "
+                                           "WHERE rolname = current_user") is False
+                for ddl in ("DROP TABLE requests", "ALTER TABLE requests DISABLE TRIGGER ALL",
+                            "CREATE TABLE mine (x int)", "TRUNCATE requests"):
+                    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                        await conn.execute(ddl)
+            finally:
+                await conn.close()
+        asyncio.run(app_role_rights())
         # Every role had every subject it used: the server refused nothing.
         assert "Permissions Violation" not in (data_dir / "nats" / "nats-server.log").read_text()
 

@@ -125,7 +125,29 @@ def test_settings_in_config_maps_and_secret_exist(rendered):
     _, objects = rendered
     keys = [k for cm in by_kind(objects, "ConfigMap").values() for k in cm.get("data", {}) if k.startswith("SW")]
     keys += list(yaml.safe_load((K8S / "secret.example.yaml").read_text())["stringData"])
+    keys += list(yaml.safe_load((K8S / "secret-migrate.example.yaml").read_text())["stringData"])
+    keys += list(yaml.safe_load((K8S / "secret-worker.example.yaml").read_text())["stringData"])
     assert keys and all(is_setting(k) for k in keys), [k for k in keys if not is_setting(k)]
+
+
+def test_only_the_migrations_hold_the_superusers_database_url(rendered):
+    name, objects = rendered
+    secrets = {obj["metadata"]["name"]: obj for obj in objects if obj.get("kind") == "Secret"}
+    for obj in objects:
+        if pod_spec(obj) is None:
+            continue
+        for c in pod_spec(obj)["containers"]:
+            refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+                    if "secretKeyRef" in e.get("valueFrom", {})}
+            if obj["metadata"]["name"] == "switchyard-migrate" and "cnpg" in name:  # the operator's owner
+                assert "SWITCHYARD_APP_DATABASE_PASSWORD" not in refs  # who cannot make roles
+            elif obj["metadata"]["name"] == "switchyard-migrate":
+                assert refs["SWITCHYARD_DATABASE_URL"] == refs["SWITCHYARD_APP_DATABASE_PASSWORD"] == \
+                    "switchyard-migrate"
+            else:
+                assert "switchyard-migrate" not in refs.values(), obj["metadata"]["name"]
+    app_url = yaml.safe_load((K8S / "secret.example.yaml").read_text())["stringData"]["SWITCHYARD_DATABASE_URL"]
+    assert app_url.startswith("postgresql://switchyard_app:"), secrets
 
 
 def test_gateway_drains_within_its_grace_and_leaves_jobs_to_their_deployment(rendered):
@@ -148,6 +170,19 @@ def test_gateway_drains_within_its_grace_and_leaves_jobs_to_their_deployment(ren
     assert "replicas" not in deployments["switchyard-gateway"]["spec"], "the HPA owns replicas"
 
 
+def test_only_prometheus_and_the_gateways_reach_a_workers_port_and_scrapes_carry_the_token(rendered):
+    _, objects = rendered
+    policy = by_kind(objects, "NetworkPolicy")["switchyard-worker"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "switchyard-worker"}
+    assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
+    sources = policy["ingress"][0]["from"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}} in sources
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "switchyard-gateway"}}} in sources
+    assert policy["ingress"][0]["ports"] == [{"port": "metrics"}]
+    [endpoint] = by_kind(objects, "PodMonitor")["switchyard-worker"]["spec"]["podMetricsEndpoints"]
+    assert endpoint["authorization"]["credentials"] == {"name": "switchyard", "key": "SWITCHYARD_WORKER__STATUS_TOKEN"}
+
+
 def test_worker_is_ready_when_it_serves_and_drains_before_it_stops(rendered):
     name, objects = rendered
     workers = {n: d for n, d in by_kind(objects, "Deployment").items() if n.startswith("switchyard-worker-")}
@@ -157,9 +192,11 @@ def test_worker_is_ready_when_it_serves_and_drains_before_it_stops(rendered):
         c = next(c for c in spec["containers"] if c["name"] == "worker")
         port = int(env_value(c, "SWITCHYARD_WORKER__METRICS_PORT"))
         assert port == 9400 and env_value(c, "SWITCHYARD_WORKER__METRICS_HOST") == "0.0.0.0"
-        ready, pre_stop = c["readinessProbe"]["httpGet"], c["lifecycle"]["preStop"]["httpGet"]
+        ready, pre_stop = c["readinessProbe"]["httpGet"], " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
         assert ready["path"] == "/readyz" and container_port(c, ready["port"]) == port
-        assert pre_stop["path"] == "/drain" and container_port(c, pre_stop["port"]) == port
+        # The drain is asked from inside the pod: a peer on the network needs the status token for it.
+        assert f"http://127.0.0.1:{port}/drain" in pre_stop
+        assert c["env"][[e["name"] for e in c["env"]].index("SWITCHYARD_WORKER__STATUS_TOKEN")]["valueFrom"]
         drain = float(env_value(c, "SWITCHYARD_WORKER__DRAIN_TIMEOUT_S") or WorkerConfig().drain_timeout_s)
         assert spec["terminationGracePeriodSeconds"] > drain
         assert "replicas" not in deployment["spec"], "KEDA owns replicas"
@@ -245,6 +282,28 @@ def test_nats_values_run_a_three_node_authenticated_jetstream_cluster():
             assert user["password"].removeprefix("<< $").removesuffix(" >>") in values["container"]["env"]
     replicas = yaml.safe_load((K8S / "base" / "config.yaml").read_text())["data"]["SWITCHYARD_NATS_REPLICAS"]
     assert int(replicas) <= config["cluster"]["replicas"]
+
+
+def test_nats_users_hold_each_role_to_its_permissions_and_each_pod_connects_as_its_role(rendered):
+    from switchyard.deploy.credentials import PERMISSIONS
+
+    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    users = {u["user"]: u for u in values["config"]["merge"]["accounts"]["SWITCHYARD"]["users"]}
+    for role in ("gateway", "worker"):
+        assert users[role]["permissions"] == PERMISSIONS[role], role
+        assert not any(p.startswith("$JS.API.>") for p in users[role]["permissions"]["publish"])
+    secrets = {path.name: yaml.safe_load(path.read_text())["stringData"] for path in K8S.glob("secret*.example.yaml")}
+    assert secrets["secret.example.yaml"]["SWITCHYARD_NATS_URL"].startswith("nats://gateway:")
+    assert secrets["secret-worker.example.yaml"]["SWITCHYARD_NATS_URL"].startswith("nats://worker:")
+    _, objects = rendered
+    for obj in objects:
+        if pod_spec(obj) is None:
+            continue
+        for c in pod_spec(obj)["containers"]:
+            for e in c.get("env", []):
+                if e["name"] == "SWITCHYARD_NATS_URL":
+                    worker = obj["metadata"]["name"].startswith("switchyard-worker")
+                    assert e["valueFrom"]["secretKeyRef"]["name"] == ("switchyard-worker" if worker else "switchyard")
 
 
 def test_nats_values_config_is_one_nats_server_accepts(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 
 from switchyard.cli.main import build_parser
 from switchyard.cli.options import load_config
-from switchyard.shared.config import (ENV_PREFIX, GatewayConfig, ModelEntry, RouteRule, SafetyConfig, SwitchyardConfig,
-                                     VllmSettings, WorkerConfig, settings_env)
+from switchyard.shared.config import (ENV_PREFIX, GatewayConfig, ModelEntry, RequestLimits, RouteRule, SafetyConfig,
+                                     SwitchyardConfig, VllmSettings, WorkerConfig, settings_env)
 
 # A value for every field of the gateway and worker sections, each different from its default.
 WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l3"], dtype="float32", device="cpu",
@@ -21,12 +21,17 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               metrics_port=9400, engine="vllm", simulated_tokens_per_s=40.0,
               simulated_prefill_us_per_token=5.0, simulated_output_tokens=64, simulated_tokens_per_delta=4,
               vllm=VllmSettings(tensor_parallel_size=2, quantization="fp8", speculative_config={"method": "ngram"},
-                                engine_args={"seed": 3}, python=Path(sys.executable)))
+                                engine_args={"seed": 3}, python=Path(sys.executable)),
+              prepare_threads=3, grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536, status_token="scrape-token")
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
                route_names=["auto", "smart"], routes=[RouteRule(model="llama", tiers=["pro"], max_difficulty=0.5)],
-               affinity=False, affinity_wait_s=0.25, processes=2, reuse_port=True,
+               affinity=False, affinity_wait_s=0.25, processes=2, reuse_port=True, body_timeout_s=12.0,
+               upload_timeout_s=60.0, failed_auth_per_minute=7, trusted_proxies=["10.0.0.0/8"],
+               stream_send_timeout_s=5.0, stream_max_buffered_bytes=65_536,
+               limits=RequestLimits(max_messages=64, max_stop_chars=16, max_schema_bytes=4096, max_history_messages=9,
+                                    max_history_chars=5000),
                safety=SafetyConfig(default_policy="log", keywords={"house": ["zorp"]}, classifier_threshold=0.8))
 
 

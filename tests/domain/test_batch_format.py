@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from switchyard.cli.batch import rewrite_input
-from switchyard.domain.batch_format import output_line, parse_input, request_id_for, response_body, wire_request
+from switchyard.domain.batch_format import output_line, request_id_for, response_body, wire_request
+from switchyard.domain.batch_input import parse_input
 from switchyard.shared.messages import BatchChoice, BatchResult, ToolCall, Usage
 
 CHAT = "/v1/chat/completions"
@@ -43,7 +44,7 @@ def test_every_bad_line_is_reported_with_its_number():
 
 def test_empty_and_binary_files_fail():
     assert parse_input(b"\n\n", CHAT)[1][0]["code"] == "empty_file"
-    assert parse_input(b"\xff\xfe", CHAT)[1][0]["code"] == "invalid_file"
+    assert parse_input(b"\xff\xfe", CHAT)[1][0]["code"] == "invalid_json_line"  # a line that is not UTF-8
 
 
 def test_request_ids_are_deterministic_and_subject_safe():

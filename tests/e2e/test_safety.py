@@ -130,6 +130,16 @@ async def test_a_conversation_turn_is_judged_by_its_new_message(system, clients)
         assert [m["content"] for m in stored.json()["data"]][0] == CLEAN_PROMPT  # the refused turn left nothing
 
 
+async def test_a_conversations_system_prompt_is_judged_like_a_turn(system, clients):
+    headers = {"Authorization": f"Bearer {clients['block'].api_key}"}
+    async with httpx.AsyncClient(base_url=system, headers=headers, timeout=60) as http:
+        refused = await http.post("/v1/conversations", json={"model": TINY, "system": BAD_PROMPT})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "content_policy_violation"
+        assert refused.json()["error"]["param"] == "system"
+        assert (await http.post("/v1/conversations", json={"model": TINY, "system": CLEAN_PROMPT})).status_code == 200
+
+
 async def test_a_reply_that_turns_offensive_halts_under_block_and_is_counted(e2e, nats_url, clients):
     worker_url = await worker_metrics_url(nats_url)
     async with httpx.AsyncClient(timeout=30) as http:

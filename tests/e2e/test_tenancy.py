@@ -135,7 +135,9 @@ async def test_the_reservation_counts_every_choice_and_use_beyond_it_is_charged(
 async def test_monthly_budget_exhausted_is_insufficient_quota(system, new_key):
     _, secret = await new_key(monthly_token_budget=30)
     async with httpx.AsyncClient(base_url=system, headers=bearer(secret), timeout=30) as http:
-        assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=40))).status_code == 200
+        # What it may use (~12 tokens reserved) fits; what it really used (its prompt is longer than ~4 characters a
+        # token) is billed, and spends the rest.
+        assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=10))).status_code == 200
 
         async def over_budget():
             r = await http.post("/v1/chat/completions", json=chat_body(max_tokens=1))
@@ -205,38 +207,6 @@ async def test_redelivered_usage_records_are_absorbed(e2e, nats_url, database_ur
         row = await conn.fetchrow("SELECT prompt_tokens, completion_tokens, finish_reason FROM requests "
                                   "WHERE request_id = $1", record.request_id)
         assert tuple(row) == (7, 3, "stop")
-    finally:
-        await conn.close()
-
-
-async def test_a_record_that_cannot_be_written_is_dead_lettered_and_billing_goes_on(e2e, nats_url, database_url):
-    """A created_at of 1e300 (no date Postgres or Python can hold) in a batch with two good records: the good
-    ones are billed, the bad one lands on llm.dead.usage_record with the reason, and the writer keeps going."""
-    def record(created_at: float) -> UsageRecord:
-        return UsageRecord(request_id=uuid.uuid4().hex, model=MODEL, tier="pro", prompt_tokens=5,
-                           completion_tokens=2, finish_reason="stop", created_at=created_at, queue_ms=1.0,
-                           first_token_ms=2.0, total_ms=3.0)
-
-    good, bad, later = record(time.time()), record(1e300), record(time.time())
-    nc = await nats.connect(nats_url)
-    try:
-        js = nc.jetstream()
-        dead = await js.subscribe(subjects.dead_letter_subject("usage record"), ordered_consumer=True)
-        for r in (good, bad):
-            await js.publish(subjects.USAGE_SUBJECT, encode(r), headers={"Nats-Msg-Id": r.request_id})
-        letter = await dead.next_msg(timeout=20)
-        assert letter.data == encode(bad) and letter.headers["Switchyard-Subject"] == subjects.USAGE_SUBJECT
-        assert "out of range" in letter.headers["Switchyard-Error"], letter.headers
-        await js.publish(subjects.USAGE_SUBJECT, encode(later), headers={"Nats-Msg-Id": later.request_id})
-        await wait_usage_written(nats_url)
-    finally:
-        await nc.close()
-    conn = await asyncpg.connect(database_url)
-    try:
-        ids = {r["request_id"] for r in await conn.fetch(
-            "SELECT request_id FROM requests WHERE request_id = ANY($1)", [good.request_id, bad.request_id,
-                                                                         later.request_id])}
-        assert ids == {good.request_id, later.request_id}
     finally:
         await conn.close()
 

@@ -90,3 +90,30 @@ async def test_a_result_postgres_refuses_fails_only_its_own_line(pool, monkeypat
     assert lines["good"]["response"]["status_code"] == 200
     assert lines["bad"]["response"]["status_code"] == 500
     assert "could not be stored" in lines["bad"]["response"]["body"]["error"]["message"]
+
+
+async def test_a_batch_whose_lines_cannot_be_stored_fails_with_the_reason(pool, monkeypatch):
+    """Once, such a batch stayed in ``validating``, its file read again every second for 24 hours."""
+    from switchyard.domain.files import insert_file
+    from switchyard.jobs.batch_store import BatchStore
+
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+    async with pool.acquire() as conn:
+        tenant_id = await create_tenant(conn, f"t-{secrets.token_hex(4)}", "pro")
+        file_id = (await insert_file(conn, tenant_id, "batch", "in.jsonl", json.dumps(line).encode()))["id"]
+        batch = await conn.fetchrow(
+            "INSERT INTO batches (id, tenant_id, input_file_id, endpoint, completion_window, expires_at) "
+            "VALUES ($1, $2, $3, '/v1/chat/completions', '24h', now() + interval '1 day') RETURNING *",
+            f"batch_{secrets.token_hex(8)}", tenant_id, file_id)
+
+    async def refuse(conn, batch_id, lines):
+        raise asyncpg.DataError("invalid byte sequence for encoding \"UTF8\": 0x00")
+
+    monkeypatch.setattr(BatchStore, "add_lines", staticmethod(refuse))
+    await BatchRunner(None, None, pool, None, "")._validate(batch)
+    row = await pool.fetchrow("SELECT status, errors FROM batches WHERE id = $1", batch["id"])
+    assert row["status"] == "failed"
+    error = json.loads(row["errors"])["data"][0]
+    assert error["code"] == "invalid_file" and "could not be stored" in error["message"], error
+    assert await pool.fetchval("SELECT count(*) FROM batch_lines WHERE batch_id = $1", batch["id"]) == 0

@@ -43,3 +43,46 @@ def test_probes_follow_the_worker_and_drain_answers_once_drained():
             assert (answers[0].status_code, answers[0].text) == (200, "drained\n")
     finally:
         server.stop()
+
+
+def test_drain_wants_loopback_or_the_token_and_metrics_the_token_once_set():
+    registry = CollectorRegistry()
+    status = WorkerStatus(drain_timeout_s=1)
+    asked = threading.Event()
+    status.request_drain = asked.set
+    status.drained.set()
+    server = StatusServer(registry, status, "127.0.0.1", 0, token="s3cret")
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        with httpx.Client(timeout=30) as http:
+            assert http.get(f"{url}/metrics").status_code == 401
+            assert http.get(f"{url}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert http.get(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            assert http.get(f"{url}/readyz").status_code == 503  # probes need no credential
+            # A peer in the pod (the preStop hook) may drain without the token.
+            assert http.get(f"{url}/drain").status_code == 200 and asked.is_set()
+    finally:
+        server.stop()
+
+
+def test_a_drain_from_another_host_needs_the_token():
+    from switchyard.workers.service.status_server import _wsgi_app
+
+    status = WorkerStatus(drain_timeout_s=1)
+    asked = []
+    status.request_drain = lambda: asked.append(True)
+    status.drained.set()
+
+    def get(app, remote: str, authorization: str = "") -> str:
+        answered = []
+        environ = {"PATH_INFO": "/drain", "REQUEST_METHOD": "POST", "REMOTE_ADDR": remote}
+        if authorization:
+            environ["HTTP_AUTHORIZATION"] = authorization
+        app(environ, lambda code, headers: answered.append(code))
+        return answered[0]
+
+    open_app, guarded = _wsgi_app(CollectorRegistry(), status, ""), _wsgi_app(CollectorRegistry(), status, "s3cret")
+    assert get(open_app, "10.1.2.3").startswith("403") and get(guarded, "10.1.2.3").startswith("403")
+    assert get(guarded, "10.1.2.3", "Bearer nope").startswith("403")
+    assert not asked  # nobody off the host stopped the worker
+    assert get(guarded, "10.1.2.3", "Bearer s3cret").startswith("200") and asked

@@ -33,6 +33,9 @@ class EngineConfig:
     # CUDA with triton attention: replay decode steps from CUDA graphs captured at start (off: every step eager).
     cuda_graphs: bool = True
     attention_backend: str | None = None  # None: the best for the device (executor.attention.make_attention)
+    prepare_threads: int = 2  # threads that call prepare() at once: each gets a tokenizer of its own
+    grammar_lexer_fuel: int = 1_000_000  # a grammar's compile budget (guided.Grammars)
+    max_grammar_bytes: int = 1_048_576
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> EngineConfig:

@@ -71,9 +71,10 @@ class Engine:
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self.safety = OutputSafety()  # output filters; the worker takes their verdicts after each step
         self._logprobs = TokenLogprobs(tokenizer)
-        # prepare() runs off the step thread: on a tokenizer of its own (a fast tokenizer is not safe to share
-        # between threads), one call at a time.
-        self._prepare_tokenizer = None
+        # prepare() runs off the step thread, on up to config.prepare_threads threads at once: each on a tokenizer
+        # of its own (a fast tokenizer is not safe to share between threads), made ahead by warmup().
+        self._prepare_local = threading.local()
+        self._spare_tokenizers: list = []
         self._prepare_lock = threading.Lock()
         self.num_interrupted_steps = 0  # batch-only steps abandoned for an arriving interactive request
         self.num_out_of_memory_steps = 0  # steps the device had no memory for (see _shed_for_memory)
@@ -128,16 +129,19 @@ class Engine:
     def prepare(self, req: GenerateRequest) -> PreparedPrompt:
         """``req``'s prompt, tokenized and checked, and its grammar compiled (``prepare_prompt``): safe to call
         off the step thread while steps run, so that none of it delays a step."""
-        with self._prepare_lock:
-            if self._prepare_tokenizer is None:
-                self._prepare_tokenizer = copy.deepcopy(self.tokenizer)
-            return prepare_prompt(self._prepare_tokenizer, req, self.max_context, self.grammars, self.vocab_size)
+        tokenizer = getattr(self._prepare_local, "tokenizer", None)
+        if tokenizer is None:
+            with self._prepare_lock:
+                tokenizer = self._spare_tokenizers.pop() if self._spare_tokenizers else copy.deepcopy(self.tokenizer)
+            self._prepare_local.tokenizer = tokenizer
+        return prepare_prompt(tokenizer, req, self.max_context, self.grammars, self.vocab_size)
 
     def warmup(self) -> None:
-        """What would otherwise be made on first use (kernels, allocator, ``prepare``'s tokenizer), made now."""
+        """What would otherwise be made on first use (kernels, allocator, ``prepare``'s tokenizers), made now."""
         self.runner.warmup()
         with self._prepare_lock:
-            self._prepare_tokenizer = self._prepare_tokenizer or copy.deepcopy(self.tokenizer)
+            while len(self._spare_tokenizers) < self.config.prepare_threads:
+                self._spare_tokenizers.append(copy.deepcopy(self.tokenizer))
 
     def shutdown(self) -> None:
         """Nothing to release but memory, which goes with the engine: running requests are the worker's to end."""
@@ -165,8 +169,11 @@ class Engine:
     @property
     def grammars(self) -> Grammars:
         """Compiled grammars for this engine's tokenizer (made at first use: a large vocabulary takes a moment)."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        with self._prepare_lock:  # prepare() calls it from several threads
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, lexer_fuel=self.config.grammar_lexer_fuel,
+                                          max_bytes=self.config.max_grammar_bytes,
+                                          compile_threads=self.config.prepare_threads)
         return self._grammars
 
     def abort_request(self, request_id: str, error: ErrorInfo | None = None) -> bool:

@@ -16,6 +16,11 @@ model that loves whitespace finishes its object, and the style models have seen 
 
 llguidance is imported, and the tokenizer's automaton built, at the first request with a grammar: an engine that
 never sees one needs neither (a slow or stand-in tokenizer, a machine without the wheel).
+
+A grammar's compile is bounded (``max_bytes`` of grammar text, ``lexer_fuel``: out of either, the request is
+refused, 400) and runs on threads of its own at a lower CPU priority, so a tenant's huge schema costs what the
+worker's serving leaves, and nobody else's request waits for it (the intake prepares other tenants' requests
+meanwhile: workers/service/intake.py).
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from switchyard.shared.messages import ResponseFormat
+from switchyard.workers.cpu_priority import lower_priority
 from switchyard.workers.executor.transfers import to_device
 
 if TYPE_CHECKING:
@@ -53,8 +61,15 @@ def _llguidance():
 
 
 def json_schema_grammar(schema: dict) -> str:
-    """The grammar of JSON text valid against ``schema``."""
-    return _llguidance().LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
+    """The grammar of JSON text valid against ``schema``: llguidance's grammar document, written here rather than
+    by ``LLMatcher.grammar_from_json_schema``, which holds the GIL while it reads the schema (75 ms for 700 KB,
+    every other thread of the worker stopped); msgspec writes it in a few. The schema is read (and checked) when
+    the matcher is built, outside the GIL."""
+    try:
+        return msgspec.json.encode({"grammars": [{"name": "json_schema", "json_schema": with_json_style(schema)}]}
+                                   ).decode()
+    except (TypeError, ValueError, UnicodeEncodeError) as exc:
+        raise GrammarError(f"the schema is not JSON: {exc}") from exc
 
 
 def response_format_grammar(fmt: ResponseFormat) -> str:
@@ -78,11 +93,19 @@ def with_json_style(schema: dict) -> dict:
 class Grammars:
     """Compiles grammars for one tokenizer and keeps the compiled ones; hands out a fresh matcher per request."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
-        """``vocab_size``: the model's logits (may exceed the tokenizer's vocabulary: padded embeddings). Nothing
-        is built until the first ``matcher`` call (see the module docstring)."""
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, lexer_fuel: int = 1_000_000,
+                 max_bytes: int = 1_048_576, compile_threads: int = 1) -> None:
+        """``vocab_size``: the model's logits (may exceed the tokenizer's vocabulary: padded embeddings).
+        ``lexer_fuel`` and ``max_bytes``: a grammar's compile budget, llguidance's lexer fuel and the largest
+        grammar text compiled at all (either exceeded: ``GrammarError``). ``compile_threads``: grammars compiled
+        at once (one per thread calling ``matcher``). Nothing is built until the first ``matcher`` call (see the
+        module docstring)."""
+        self._compile_threads = compile_threads
+        self._compiler: ThreadPoolExecutor | None = None
         self._hf_tokenizer = tokenizer
         self._vocab_size = vocab_size
+        self._lexer_fuel = lexer_fuel
+        self._max_bytes = max_bytes
         self._tokenizer = None  # llguidance's view of the tokenizer, built at the first grammar
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
@@ -90,7 +113,11 @@ class Grammars:
         self.num_compiled = 0  # since start: grammars compiled (the rest came from the cache)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A matcher at the start of ``grammar``; raises ``GrammarError`` when it does not compile."""
+        """A matcher at the start of ``grammar``; raises ``GrammarError`` when it does not compile within its
+        budget."""
+        if len(grammar) > self._max_bytes:
+            raise GrammarError(f"its grammar takes {len(grammar)} bytes, over this worker's limit of "
+                               f"{self._max_bytes}; simplify the schema")
         with self._lock:
             compiled = self._compiled.get(grammar)
             if compiled is not None:
@@ -101,15 +128,32 @@ class Grammars:
                     self._tokenizer = _llguidance().hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size)
                 except ValueError as exc:  # "Only fast tokenizers are supported"
                     raise GrammarError(f"this model's tokenizer cannot be used for grammars: {exc}") from exc
-        compiled = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0)
+        compiled = self._compile(grammar)
         if compiled.is_error():
-            raise GrammarError(compiled.get_error())
+            error = compiled.get_error()
+            if "fuel exhausted" in error:
+                raise GrammarError(f"it is too complex to compile within this worker's budget ({error})")
+            raise GrammarError(error)
         with self._lock:
             self.num_compiled += 1
             self._compiled[grammar] = compiled
             while len(self._compiled) > self._cache_size:
                 self._compiled.popitem(last=False)
         return compiled.deep_copy()
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        """Build the matcher on a compile thread, at a lower CPU priority than every other thread of the worker
+        (the steps, the event loop, tokenizing other requests): a compile takes up to its fuel of a core, and what
+        it takes must be what serving leaves. llguidance builds it with the GIL released, so nothing else waits
+        for it but its own request."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(self._compile_threads, thread_name_prefix="switchyard-grammar",
+                                                    initializer=lower_priority)
+        llg = _llguidance()
+        limits = llg.LLParserLimits(initial_lexer_fuel=self._lexer_fuel, verbose_errors=False)
+        return self._compiler.submit(llg.LLMatcher, self._tokenizer, grammar, log_level=0, limits=limits).result()
+
 
 
 _executor: llguidance.LLExecutor | None = None

@@ -53,20 +53,30 @@ def fit_history(tokenizer, req: GenerateRequest, max_context: int) -> tuple[list
     requested completion fit the context; system messages and the newest message are always kept.
 
     Returns the ids and how many messages were dropped (0 when it fit). If even the shortest history does not
-    fit, the shortest is returned and the usual context check rejects it.
+    fit, the shortest is returned and the usual context check rejects it. The number to drop is found by bisection
+    (dropping more never lengthens the prompt): a few renders of the template, not one per message dropped.
     """
     messages, tools = chat_messages(tokenizer, req.messages or [], req.tool_use)
     room = max_context - (req.sampling.max_tokens or 1)
-    ids = _encode_chat(tokenizer, messages, tools)
-    dropped = 0
-    while len(ids) > room:
-        droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
-        if not droppable:
-            break
-        del messages[droppable[0]]
-        dropped += 1
-        ids = _encode_chat(tokenizer, messages, tools)
-    return ids, dropped
+    droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+
+    def without_oldest(k: int) -> list[int]:
+        gone = set(droppable[:k])
+        return _encode_chat(tokenizer, [m for i, m in enumerate(messages) if i not in gone], tools)
+
+    ids = without_oldest(0)
+    if len(ids) <= room or not droppable:
+        return ids, 0
+    low, high = 0, len(droppable)  # dropping `low` does not fit; dropping `high` fits, or is all there is to drop
+    fitting = without_oldest(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        candidate = without_oldest(middle)
+        if len(candidate) <= room:
+            high, fitting = middle, candidate
+        else:
+            low = middle
+    return fitting, high
 
 
 @dataclass(frozen=True, slots=True)

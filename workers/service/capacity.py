@@ -8,7 +8,9 @@ its step loop (how many batch sequences the next step runs) both ask for.
       interactive work (scheduler/background)   │                     background_limit   batch sequences per step
     the seat rule (scheduler/seats.py) ─────────┘
 
-With free seats every tier may be pulled. With every seat taken, only what the engine would give a running
+A request being prepared (tokenized, its grammar compiled) takes a seat already, and its tenant is not pulled for
+until it is ready: one tenant's slow prompts hold one prepare thread and that tenant's own backlog, which stays
+in JetStream, never the other tenants' turns. With free seats every tier may be pulled. With every seat taken, only what the engine would give a running
 request's seat to (the same seat rule its scheduler follows): a tier more important than the least important one
 running, and in that tier the tenants two seats behind the one holding the most, so a pro request never waits in
 JetStream for a free one to finish and one tenant's flood cannot keep the others out of the batch; at most
@@ -43,11 +45,15 @@ def allowance(engine: EngineCapacity, held: HeldRequests, background: Background
     """What may be taken on, given the engine's capacity and what the worker holds on top of it."""
     num_interactive = sum(t.request.tier != BATCH_TIER for t in held.active.values())
     # Requests handed to the running step are in the engine's count only once that step is done: count them here.
-    num_free = engine.num_free_seats - len(held.pending) - held.num_admitting
+    num_free = engine.num_free_seats - len(held.pending) - held.num_admitting - len(held.preparing)
     if num_free > 0:
         pull = {t.name: frozenset() for t in tiers_by_priority()}
     else:
         pull = _seat_takers(engine, held)
+    for tracked in held.preparing.values():
+        tier = tracked.request.tier
+        if tier in pull:
+            pull[tier] = pull[tier] | {subjects.tenant_token(tracked.request.tenant_id)}
     if BATCH_TIER in pull:
         num_batch = (sum(t.request.tier == BATCH_TIER for t in held.active.values())
                      + sum(t.request.tier == BATCH_TIER for t, _ in held.pending))
@@ -62,7 +68,7 @@ def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozen
     # Requests pulled beyond the seats: new ones waiting in the engine or on their way in (not ones taking free
     # seats, nor ones preempted to make room: they were pulled long ago).
     beyond = (engine.num_running + engine.num_waiting_new + len(held.pending) + held.num_admitting
-              - engine.max_num_seqs)
+              + len(held.preparing) - engine.max_num_seqs)
     if beyond >= max(1, engine.max_num_seqs // 8) or not held.active:
         return {}
     least = max(get_tier(t.request.tier).priority for t in held.active.values())
@@ -106,6 +112,7 @@ class Capacity:
 
     def summary(self) -> str:
         e, held = self.engine, self.held
-        return (f"active={len(held.active)} pending_adds={len(held.pending)} admitting={held.num_admitting} "
+        return (f"active={len(held.active)} preparing={len(held.preparing)} pending_adds={len(held.pending)} "
+                f"admitting={held.num_admitting} "
                 f"running={e.num_running} waiting={e.num_waiting} free_slots={e.num_free_seats} "
                 f"kv_usage={e.kv_cache_usage:.2f}")

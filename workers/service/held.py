@@ -1,6 +1,7 @@
 """Every request a worker holds, from the moment it is taken from a queue to its last delta.
 
-    intake ──add──▶ pending ──hand_over (a step starts)──▶ active ──drop (its last delta, or refused)──▶ gone
+    intake ──▶ preparing (tokenized, its grammar compiled, on a prepare thread) ──add──▶ pending
+           ──hand_over (a step starts)──▶ active ──drop (its last delta, or refused)──▶ gone
                                  └ num_admitting: handed to the step running now (the engine's capacity, taken
                                    after the previous step, does not count them yet)
     cancel, drain ──abort / end_all──▶ aborts (the next step ends them; their final deltas say why)
@@ -49,6 +50,7 @@ class HeldRequests:
 
     def __init__(self) -> None:
         self.active: dict[str, Tracked] = {}
+        self.preparing: dict[str, Tracked] = {}  # taken from a queue, being prepared (intake.py)
         self.pending: list[tuple[Tracked, object]] = []
         self.aborts: dict[str, ErrorInfo | None] = {}  # None: the client cancelled
         self.num_admitting = 0
@@ -57,6 +59,10 @@ class HeldRequests:
     def holds(self, request_id: str) -> bool:
         """Whether ``request_id`` is running here or waiting for the next step."""
         return request_id in self.active or any(t.request.request_id == request_id for t, _ in self.pending)
+
+    def has_taken(self, request_id: str) -> bool:
+        """Whether ``request_id`` is here at all: held, or still being prepared."""
+        return request_id in self.preparing or self.holds(request_id)
 
     def has_work(self) -> bool:
         """Whether the next step has adds or aborts to hand to the engine."""

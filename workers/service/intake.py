@@ -2,16 +2,22 @@
 
     doorbell  llm.req.<model>.> and llm.aff.<worker>.*  ──▶ which queues may have work (tenant_queues.py)
     run()     capacity.allowance() ─▶ tier (TierShare) ─▶ tenants (TenantShare) ─▶ one message from each
-    receive   decode ─▶ drop copies and stale offers ─▶ refuse past its deadline ─▶ engine.prepare (intake thread)
-              ─▶ refuse what can never run, or was cancelled meanwhile ─▶ held.add (the step loop adds it)
+    receive   decode ─▶ drop copies and stale offers ─▶ refuse past its deadline ─▶ held.preparing, and on
+    prepare   engine.prepare on a prepare thread ─▶ refuse what can never run, or was cancelled meanwhile
+              ─▶ held.add (the step loop adds it)
     cancels   llm.cancel.*: abort what is held; remember one for a request not here yet (it may be on its way)
     acks      once the engine took a request, or it was refused; until then marked in progress every second
 
 Taking only what fits now keeps both shares exact and the backlog in JetStream, where any worker can take it; into
 free seats the least served tenants' next requests are pulled side by side (one each, up to ``PULL_AT_ONCE``), so a
 worker with hundreds of seats fills them at NATS's pace rather than one round trip per request.
-Preparing a request (tokenizing, the chat template, compiling its grammar) runs on a thread of the intake's own, so
-it never waits for a step and a step never waits for it.
+Preparing a request (tokenizing, the chat template, compiling its grammar) runs on ``prepare_threads`` threads of
+the intake's own, so it never waits for a step and a step never waits for it; the pull goes on meanwhile, and a
+tenant with a request being prepared is not pulled for until it is ready (capacity.py): one tenant's slow prompts
+(a huge schema, thousands of messages) hold one thread and delay that tenant alone, never another tenant's turn.
+A tenant whose prompt took over ``SLOW_PREPARE_S`` of CPU has its next ones prepared on a slow lane at a lower
+CPU priority (workers/cpu_priority.py) for ``DEMOTED_S``, and every grammar compiles on such threads
+(workers/engine/guided.py): what one tenant's expensive prompts cost is taken from what serving leaves.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from switchyard.shared.messages import ErrorInfo, GenerateRequest, decode
 from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, tiers_by_priority
 from switchyard.shared.tracing import extract_context
+from switchyard.workers.cpu_priority import lower_priority
 from switchyard.workers.engine.interface import RequestRejected, ServingEngine
 from switchyard.workers.service.capacity import Capacity
 from switchyard.workers.service.held import HeldRequests, Tracked
@@ -40,10 +47,32 @@ log = logging.getLogger("switchyard.worker")
 
 FETCH_TIMEOUT_S = 1.0  # per pull, for an answer lost on the way: an empty queue answers at once (pulls.py)
 PULL_AT_ONCE = 16  # requests pulled side by side into free seats, at most (each from another tenant)
-IDLE_SWEEP_S = 1.0  # look at the queues this often even without a doorbell (redeliveries, missed rings)
+SWEEP_EVERY_S = 1.0  # look at the queues this often whatever rang (redeliveries, missed rings, slow fetches)
 EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
 ACK_RETRY_S = 10.0
 CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
+SLOW_PREPARE_S = 0.02  # CPU a prompt may take to prepare before its tenant's next ones go to the slow lane
+DEMOTED_S = 10.0
+
+
+class _Failed(Exception):
+    """A prepare that raised: what the client gets, and the CPU it cost."""
+
+    def __init__(self, error: ErrorInfo, cpu_s: float) -> None:
+        self.error, self.cpu_s = error, cpu_s
+
+
+def _timed(prepare, request: GenerateRequest):
+    """``prepare(request)`` on this thread, and the CPU seconds it took; raises ``_Failed``."""
+    start = time.thread_time()
+    try:
+        return prepare(request), time.thread_time() - start
+    except RequestRejected as exc:
+        raise _Failed(exc.error, time.thread_time() - start) from exc
+    except Exception as exc:  # this request's alone: the others, and the intake, go on
+        log.exception("could not tokenize request %s", request.request_id)
+        raise _Failed(ErrorInfo("The worker could not tokenize the request.", code="internal_error",
+                                type="server_error", status=500), time.thread_time() - start) from exc
 
 
 class Intake:
@@ -51,7 +80,7 @@ class Intake:
     after freeing seats, so that they are refilled before the next step starts)."""
 
     def __init__(self, engine: ServingEngine, nc, js, model_name: str, worker_id: str, held: HeldRequests,
-                 capacity: Capacity, out: Publisher) -> None:
+                 capacity: Capacity, out: Publisher, prepare_threads: int = 2) -> None:
         self._engine = engine
         self._worker_id = worker_id
         self._held = held
@@ -68,7 +97,13 @@ class Intake:
         # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
         # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
         self._early_cancels: dict[str, float] = {}
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-intake")
+        self._threads = ThreadPoolExecutor(prepare_threads, thread_name_prefix="switchyard-prepare")
+        # A tenant whose last prompt took over SLOW_PREPARE_S of CPU to prepare has its next ones prepared here, at a
+        # lower CPU priority, for DEMOTED_S: its expensive prompts take what serving leaves.
+        self._slow_lane = ThreadPoolExecutor(1, thread_name_prefix="switchyard-prepare-slow",
+                                             initializer=lower_priority)
+        self._demoted: dict[str, float] = {}  # tenant id -> until when its prompts go to the slow lane
+        self._preparing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
 
     async def sweep(self) -> None:
         """Learn which queues hold work from the streams themselves (work queued before this worker started rings
@@ -79,7 +114,8 @@ class Intake:
         await self.queues.close()
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._slow_lane.shutdown(wait=False, cancel_futures=True)
 
     # -- signals from NATS ----------------------------------------------------------------------------------
     async def on_doorbell(self, msg) -> None:
@@ -96,7 +132,7 @@ class Intake:
             tracked = self._held.active.get(request_id)
             if tracked is not None:
                 tracked.superseded = True
-            elif not self._held.holds(request_id):
+            elif not self._held.has_taken(request_id):
                 return  # the run it addresses ended here already: a continuation of it arriving later must run
         if self._held.holds(request_id):
             self._held.abort(request_id)
@@ -113,20 +149,26 @@ class Intake:
         share = TierShare({t: p.weight for t, p in DEFAULT_POLICIES.items()},
                           {t.name: t.priority for t in tiers_by_priority()}, batch_tier=BATCH_TIER)
         queues = self.queues
+        swept_at = time.monotonic()
         while not stop.is_set():
+            if time.monotonic() - swept_at > SWEEP_EVERY_S:
+                # Redeliveries and work queued before we subscribed ring no doorbell, and a tenant whose fetch came
+                # back empty (a slow server) is forgotten until it rings again: look everywhere, every second, busy
+                # or not (a busy intake that only swept when idle once left a tenant unserved while others' work
+                # kept it awake).
+                await queues.sweep()
+                swept_at = time.monotonic()
             allowed = self._capacity.allowance()
-            if allowed.num_free_seats > 0:
-                eligible = set(allowed.pull)
-            else:  # only seat takers: ask only queues that hold some
-                eligible = {tier for tier, out in allowed.pull.items() if queues.has_work(tier, out)}
+            # Only queues that may hold a request of a tenant not left out (seat takers, tenants being prepared):
+            # a tier whose only tenants are left out has nothing yet.
+            # Offers only into free seats: a seat taken for fairness is a tenant's turn, not an offer's.
+            offers = allowed.num_free_seats > 0
+            eligible = {tier for tier, out in allowed.pull.items() if queues.has_work(tier, out, offers or not out)}
             if not eligible & queues.pending_tiers():
                 self.idle.set()
                 self._capacity.changed.clear()
                 self._wake.clear()
-                await first_of(self._capacity.changed, self._wake, timeout=IDLE_SWEEP_S)
-                if not self._capacity.changed.is_set() and not self._wake.is_set():
-                    # Redeliveries and work queued before we subscribed ring no doorbell: look everywhere.
-                    await queues.sweep()
+                await first_of(self._capacity.changed, self._wake, timeout=SWEEP_EVERY_S)
                 continue
             self.idle.clear()
             try:
@@ -143,7 +185,8 @@ class Intake:
                     continue
                 # Into free seats several at once (batch one at a time: its policy counts each seat it takes).
                 count = min(allowed.num_free_seats, PULL_AT_ONCE) if tier != BATCH_TIER else 1
-                msgs = await queues.take_many(tier, max(1, count), FETCH_TIMEOUT_S, allowed.pull[tier])
+                msgs = await queues.take_many(tier, max(1, count), FETCH_TIMEOUT_S, allowed.pull[tier],
+                                              offers or not allowed.pull[tier])
                 if not msgs:
                     share.note_empty(tier)
                     continue
@@ -156,19 +199,19 @@ class Intake:
                 share.note_idle()
 
     async def _receive(self, msg) -> int:
-        """Take one message: 1 when its request goes to the step loop, 0 when it was dropped or refused."""
+        """Take one message: 1 when its request goes on to be prepared, 0 when it was dropped or refused."""
         try:
             request = decode(msg.data, GenerateRequest)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.error("terminating malformed request message on %s", msg.subject)
             await msg.term()
             return 0
-        if request.resume is not None and self._held.holds(request.request_id):
+        if request.resume is not None and self._held.has_taken(request.request_id):
             # A continuation of a request this worker was just told to give up (its stream broke on the way to
             # the gateway): taken back once the abort is through.
             await msg.nak(delay=0.2)
             return 0
-        if self._held.holds(request.request_id):
+        if self._held.has_taken(request.request_id):
             # JetStream redelivered a request this worker runs (its ack was lost): the copy is dropped, the
             # original goes on; answering the copy would end the original's stream.
             log.warning("dropping a redelivered copy of running request %s", request.request_id)
@@ -186,21 +229,42 @@ class Intake:
             return await self.refuse(request, msg, ErrorInfo(
                 f"The request waited in the {request.tier} queue past its deadline and was not run; retry later.",
                 code="queue_timeout", type="rate_limit_error", status=503))
+        self._held.preparing[request.request_id] = tracked
+        task = asyncio.create_task(self._prepare(tracked, msg))
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
+        return 1
+
+    async def _prepare(self, tracked: Tracked, msg) -> None:
+        """Prepare a taken request on a prepare thread, then hand it to the step loop, or refuse it."""
+        request, error = tracked.request, None
+        now = time.monotonic()
+        demoted = self._demoted.get(request.tenant_id, 0.0) > now
         try:
-            tracked.prepared = await asyncio.get_running_loop().run_in_executor(
-                self._thread, self._engine.prepare, request)
-        except RequestRejected as exc:
-            return await self.refuse(request, msg, exc.error)
-        except Exception:  # this request's alone: the others, and the intake, go on
-            log.exception("could not tokenize request %s", request.request_id)
-            return await self.refuse(request, msg, ErrorInfo(
-                "The worker could not tokenize the request.", code="internal_error", type="server_error", status=500))
+            tracked.prepared, cpu_s = await asyncio.get_running_loop().run_in_executor(
+                self._slow_lane if demoted else self._threads, _timed, self._engine.prepare, request)
+            self._note_cost(request.tenant_id, cpu_s, now)
+        except _Failed as failed:
+            self._note_cost(request.tenant_id, failed.cpu_s, now)
+            error = failed.error
+        finally:
+            self._held.preparing.pop(request.request_id, None)
+            self._capacity.changed.set()  # its tenant may be pulled for again
+            self._held.work.set()  # a drain waits for what is being prepared
         # Checked after tokenizing: a cancel may have come before the request or while it was tokenized (a batch
         # cancel deletes the queued message and counts the line as never started), and either way it must not run.
-        if self._early_cancels.pop(request.request_id, None) is not None:
-            return await self.refuse(request, msg, CANCELLED)
-        self._held.add(tracked, msg)
-        return 1
+        if error is None and self._early_cancels.pop(request.request_id, None) is not None:
+            error = CANCELLED
+        if error is not None:
+            await self.refuse(request, msg, error)
+        else:
+            self._held.add(tracked, msg)
+
+    def _note_cost(self, tenant_id: str | None, cpu_s: float, now: float) -> None:
+        if cpu_s > SLOW_PREPARE_S:
+            self._demoted[tenant_id] = now + DEMOTED_S
+            if len(self._demoted) > 10_000:  # tenants long since forgiven
+                self._demoted = {t: until for t, until in self._demoted.items() if until > now}
 
     # -- answering JetStream --------------------------------------------------------------------------------
     async def refuse(self, request: GenerateRequest, msg, error: ErrorInfo) -> int:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -41,7 +42,7 @@ async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: T
     metrics = WorkerMetrics(w.served_name)
     status = WorkerStatus(w.drain_timeout_s)
     status.request_drain = lambda: loop.call_soon_threadsafe(stop.set)
-    server = StatusServer(metrics.registry, status, w.metrics_host, w.metrics_port)
+    server = StatusServer(metrics.registry, status, w.metrics_host, w.metrics_port, w.status_token)
     host = socket.gethostname() if w.metrics_host in ("0.0.0.0", "::", "") else w.metrics_host
     metrics_url = f"http://{host}:{server.port}/metrics"
     log.info("metrics, health and readiness on http://%s:%d", host, server.port)
@@ -64,8 +65,17 @@ async def _report_status(status: WorkerStatus, ready: asyncio.Event, stop: async
     status.draining.set()
 
 
+# How long a thread holding the GIL runs before one waiting for it gets a turn (Python's default: 5 ms). A prepare
+# thread rendering a long chat template holds it in such slices; the event loop and the step thread hand a request
+# on several times, and each hand-off could wait a whole slice (a victim's first token took 2.5x longer while
+# another tenant sent 2048-message prompts). The other threads mostly run outside the GIL (torch, tokenizers,
+# llguidance), so shorter slices cost little.
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
 def serve_worker(config: SwitchyardConfig) -> int:
     setup_tracing("switchyard-worker", config.traces_exporter, config.traces_file)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # Every torch call of the process on one OS thread, loading included: OpenMP gives each calling thread a pool of
     # its own, and once two pools exist every matmul on 2 cores ran about 1.5x slower (bench/serve.py).
     step_thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-step")

@@ -86,10 +86,11 @@ class StepLoop:
                     await _published(publishing)
                     publishing, ended_at = None, None
                     continue  # publishing may have let the intake add work
-                if stop.is_set():
+                if stop.is_set() and not held.preparing:
                     return
                 held.work.clear()
-                await first_of(stop, held.work)
+                # Draining, requests still being prepared are waited for (they are held, or refused, next).
+                await (first_of(held.work, timeout=1.0) if stop.is_set() else first_of(stop, held.work))
                 continue
             adds, aborts = held.hand_over()
             started_at = time.perf_counter()

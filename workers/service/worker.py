@@ -2,7 +2,7 @@
 
     Worker (this module): connects, wires the parts below, starts them, and drains them on stop
     ├─ Intake (intake.py)       doorbells llm.req.<model>.> and offers llm.aff.<me>.*, cancels llm.cancel.*;
-    │                           fetches what Capacity allows ─▶ engine.prepare (intake thread) ─▶ held, or refused
+    │                           fetches what Capacity allows ─▶ engine.prepare (prepare threads) ─▶ held, or refused
     ├─ HeldRequests (held.py)   every request held: pending ─▶ active (handed to a step), and aborts
     ├─ Capacity (capacity.py)   the engine's capacity after its last step + what is held ─▶ Allowance,
     │                           asked by the intake (what to pull) and the step loop (batch per step)
@@ -86,9 +86,9 @@ class Worker:
         js = nc.jetstream()
         out = Publisher(nc, js, self.worker_id)
         intake = self._intake = Intake(self.engine, nc, js, self.model_name, self.worker_id, self._held,
-                                       self._capacity, out)
+                                       self._capacity, out, config.worker.prepare_threads)
         try:
-            await ensure_streams(js, config.nats_replicas)
+            await ensure_streams(js, config.nats_replicas, seed=False)
             await intake.sweep()
             model = subjects.model_token(self.model_name)
             subscriptions = [

@@ -1,0 +1,121 @@
+"""Admission policy: what one tenant may hold at once, across every gateway: requests generating (streamed or not)
+and their sequences, every choice of each. Beyond either cap: 429 ``concurrency_limit_exceeded`` with Retry-After.
+
+    caps      the tenant's own (tenants.max_streams / max_sequences), else its tier's (TierPolicy); the tenant's
+              tier, whatever service_tier the request asks for: flex changes the queue and the price, not the limits
+    counting  one row per open request in ``open_requests``, inserted under a per-tenant advisory lock when the
+              count allows, deleted when the request ends (settle); a gateway renews the leases of what it still
+              serves (``upkeep``, every pipeline.UPKEEP_EVERY_S), so a crashed gateway's rows expire after ``LEASE_S``
+    outage    while Postgres is away each gateway holds its share of every tenant's caps in memory
+
+Why not a counter: a counter a crashed gateway never decrements locks its tenants out for good; a lease cannot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from switchyard.domain.admission.pipeline import Policy
+from switchyard.domain.admission.ticket import Ticket
+from switchyard.domain.database import Database, DatabaseUnavailable
+from switchyard.domain.errors import OpenAIError
+from switchyard.shared.tier_store import PolicyCache
+
+LEASE_S = 300.0  # several upkeep rounds: a gateway that missed one keeps its requests' seats
+RETRY_AFTER_S = 1  # a seat frees when one of the tenant's own requests ends: soon, but when is not known
+# The advisory lock's key space: the tenant id hashed with this seed, apart from the other advisory locks.
+_LOCK_SEED = 0x5359_434F_4E43
+_ADMIT_SQL = """
+INSERT INTO open_requests (request_id, tenant_id, sequences, expires_at)
+SELECT $1, $2, $3::int, now() + make_interval(secs => $6::float8)
+FROM (SELECT count(*) AS streams, coalesce(sum(sequences), 0) AS sequences FROM open_requests
+      WHERE tenant_id = $2 AND expires_at > now()) AS held
+WHERE held.streams + 1 <= $4::bigint AND held.sequences + $3::int <= $5::bigint
+ON CONFLICT (request_id) DO NOTHING
+RETURNING request_id
+"""
+
+
+def _refusal(what: str) -> OpenAIError:
+    return OpenAIError(429, f"Too many {what} at once for your organization. Wait for one of your requests to "
+                       "end, then retry.", type="rate_limit_error", code="concurrency_limit_exceeded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+class Concurrency(Policy):
+    def __init__(self, db: Database, tier_policies: PolicyCache, local_share: float = 1.0) -> None:
+        """``local_share``: the part of each tenant's caps this gateway holds alone while Postgres is away."""
+        self._db = db
+        self._tier_policies = tier_policies
+        self._local_share = local_share
+        self._held: dict[str, str] = {}  # request id -> tenant id: this gateway's open requests
+        self._local: dict[str, Counter] = {}  # tenant id -> streams and sequences admitted while Postgres was away
+        self._local_ids: set[str] = set()
+
+    async def check(self, ticket: Ticket) -> None:
+        auth = ticket.auth
+        policy = (await self._tier_policies.get())[auth.tier]
+        max_streams = auth.max_streams or policy.max_streams
+        max_sequences = auth.max_sequences or policy.max_sequences
+        if not max_streams and not max_sequences:
+            return
+        max_streams, max_sequences = max_streams or 1 << 31, max_sequences or 1 << 31
+        if ticket.n > max_sequences:
+            raise OpenAIError(429, f"This request runs {ticket.n} sequences, over your limit of {max_sequences} "
+                              "at once: lower n.", type="rate_limit_error", code="concurrency_limit_exceeded",
+                              param="n")
+        try:
+            admitted = await self._db.run(lambda pool: self._admit(pool, ticket, max_streams, max_sequences))
+        except DatabaseUnavailable:
+            admitted = self._admit_locally(ticket, max_streams, max_sequences)
+        if admitted is None:
+            raise _refusal(f"requests (limit {max_streams}) or sequences (limit {max_sequences})")
+        ticket.holds_seat = True
+        if ticket.request_id not in self._local_ids:
+            self._held[ticket.request_id] = ticket.auth.tenant_id
+
+    @staticmethod
+    async def _admit(pool, ticket: Ticket, max_streams: int, max_sequences: int) -> str | None:
+        async with pool.acquire() as conn, conn.transaction():
+            # Serialises one tenant's admissions (not others'): the count below then sees every earlier one.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, $2))", ticket.auth.tenant_id,
+                               _LOCK_SEED)
+            admitted = await conn.fetchval(_ADMIT_SQL, ticket.request_id, ticket.auth.tenant_id, ticket.n,
+                                           max_streams, max_sequences, LEASE_S)
+        return admitted
+
+    def _admit_locally(self, ticket: Ticket, max_streams: int, max_sequences: int) -> str | None:
+        held = self._local.setdefault(ticket.auth.tenant_id, Counter())
+        if (held["streams"] + 1 > max(1, math.floor(max_streams * self._local_share))
+                or held["sequences"] + ticket.n > max(1, math.floor(max_sequences * self._local_share))):
+            return None
+        held.update(streams=1, sequences=ticket.n)
+        self._local_ids.add(ticket.request_id)
+        return ticket.request_id
+
+    async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
+        if not ticket.holds_seat:
+            return
+        ticket.holds_seat = False
+        if ticket.request_id in self._local_ids:
+            self._local_ids.discard(ticket.request_id)
+            self._local[ticket.auth.tenant_id].subtract(streams=1, sequences=ticket.n)
+            return
+        self._held.pop(ticket.request_id, None)
+        try:
+            await self._db.run(lambda pool: pool.execute("DELETE FROM open_requests WHERE request_id = $1",
+                                                         ticket.request_id))
+        except DatabaseUnavailable:
+            pass  # its lease expires
+
+    async def upkeep(self) -> None:
+        """Extend the leases of every request this gateway still serves (and drop expired rows of any)."""
+        held = list(self._held)
+        try:
+            await self._db.run(lambda pool: pool.execute(
+                "UPDATE open_requests SET expires_at = now() + make_interval(secs => $2) "
+                "WHERE request_id = ANY($1)", held, LEASE_S))
+            await self._db.run(lambda pool: pool.execute("DELETE FROM open_requests WHERE expires_at < now()"))
+        except DatabaseUnavailable:
+            pass
