@@ -5,7 +5,8 @@
               ├─ tier policies ──────┼─▶ admission (domain/admission/policies.py) ─┐
         postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
               publisher ── relay (liveness, failover) ── affinity ──────────────────┘
-        stores: conversations, files, batches, usage      queue gauges (poller)
+        stores: conversations, responses, files, batches, usage      queue gauges (poller)
+        responses (responses_service.py): the Responses API over completions and the stores
 
 Routes are handed this object when the app is made (gateway/routes/) and read the service they need from it when
 a request comes; nothing else is looked up at run time.
@@ -28,6 +29,7 @@ from switchyard.domain.database import Database, connect
 from switchyard.domain.files import Files
 from switchyard.domain.publish import RequestPublisher
 from switchyard.domain.registry import ModelRegistry
+from switchyard.domain.responses import Responses
 from switchyard.domain.usage_report import UsageReport
 from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.drain import InFlightCounter
@@ -36,6 +38,7 @@ from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.relay import Relay
+from switchyard.gateway.responses_service import ResponseService
 from switchyard.gateway.serving import CompletionService
 from switchyard.shared import nats_client
 from switchyard.shared.config import SwitchyardConfig
@@ -57,6 +60,8 @@ class GatewayServices:
     admission: Pipeline
     completions: CompletionService
     conversations: Conversations
+    responses: ResponseService
+    response_store: Responses
     files: Files
     batches: Batches
     usage: UsageReport
@@ -96,6 +101,9 @@ class GatewayServices:
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
                                              self.metrics, affinity=affinity)
         self.conversations = Conversations(pool, self.js)
+        self.response_store = Responses(pool, self.js)
+        self.responses = ResponseService(self.completions, self.response_store, self.conversations, self.in_flight,
+                                         self.nc)
         self.files = Files(pool)
         self.batches = Batches(pool, self.files)
         self.usage = UsageReport(pool)

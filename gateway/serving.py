@@ -80,14 +80,14 @@ class CompletionService:
         fields = body.wire_fields()
         if messages is not None:
             fields["messages"] = messages
-        request = await self._wire_request(body, ticket, truncate_history=messages is not None, **fields)
+        request = await self.wire_request(body, ticket, truncate_history=messages is not None, **fields)
         shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, ticket.service.label,
                       extra=extra or {})
         return await self._serve(request, [request], shape, ticket, on_finish)
 
     async def completion(self, body: CompletionRequest, ticket: Ticket):
         prompts = body.prompts
-        outer = await self._wire_request(body, ticket, **body.wire_fields(prompts[0]))
+        outer = await self.wire_request(body, ticket, **body.wire_fields(prompts[0]))
         parts = [outer] if len(prompts) == 1 else [
             msgspec.structs.replace(outer, request_id=f"{outer.request_id}-p{i}", **body.wire_fields(p))
             for i, p in enumerate(prompts)]
@@ -99,7 +99,9 @@ class CompletionService:
                       generated_per_prompt=body.num_generated)
         return await self._serve(outer, parts, shape, ticket, logprobs_asked=body.logprobs is not None)
 
-    async def _wire_request(self, body, ticket: Ticket, **fields) -> GenerateRequest:
+    async def wire_request(self, body, ticket: Ticket, **fields) -> GenerateRequest:
+        """The wire request of an admitted ``ticket``: its ids, tier, deadline and tenant, ``body``'s end user and
+        metadata, and ``fields`` (what the body asks the worker for)."""
         policy = (await self._tier_policies.get())[ticket.tier]
         now = time.time()
         # The tier's wait limit, live from ops; an interactive gateway caps it (queue_timeout_s), a flex request
@@ -150,12 +152,15 @@ class CompletionService:
             await self._affinity.record(relayed.request, outcome.text, outcome.tool_calls,
                                         getattr(relayed, "worker_id", None))
 
-    async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape, ticket: Ticket,
-                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None):
+    async def start(self, request: GenerateRequest, ticket: Ticket,
+                    parts: list[GenerateRequest] | None = None) -> tuple[RelayedRequest | MergedRelay, TokenDelta]:
+        """Queue ``request`` (or its ``parts``, one per prompt) and wait for the worker's first message. A request
+        that could not start settles its ticket with nothing used and raises (a flex request's refusal its own
+        way)."""
         try:
             try:
                 self._metrics.served_models.add(request.model)
-                relayed = await self._submit(request, parts)
+                relayed = await self._submit(request, parts or [request])
                 try:
                     first = await relayed.first()
                 except BaseException:
@@ -166,6 +171,24 @@ class CompletionService:
                 raise
         except OpenAIError as exc:  # a request that could not start: flex says so its own way
             raise flex_refusal(exc, self._config.retry_after_s) if ticket.service.is_flex else exc
+        return relayed, first
+
+    async def end(self, relayed, ticket: Ticket, outcome: Outcome, used_tokens: int | None,
+                  on_finish: OnFinish | None = None) -> None:
+        """After a request's last delta, or when its client went away: stop the worker if it still runs, settle
+        the ticket (``used_tokens`` None: unknown here, the worker bills them), hand ``outcome`` on, remember
+        where its prefix is cached. Shielded: reached from a cancelled response task too."""
+        if not relayed.is_finished:
+            await asyncio.shield(relayed.cancel())
+        await relayed.close()
+        await asyncio.shield(self._admission.settle(ticket, used_tokens))
+        if on_finish is not None:
+            await asyncio.shield(on_finish(outcome))
+        await asyncio.shield(self._remember(relayed, outcome))
+
+    async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape, ticket: Ticket,
+                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None):
+        relayed, first = await self.start(request, ticket, parts)
         if request.truncate_history:
             shape.extra = {**shape.extra, "dropped_messages": first.dropped_messages}
         headers = {"X-Request-Id": request.request_id}
@@ -177,7 +200,7 @@ class CompletionService:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         try:
             builder = BodyBuilder(shape, relayed.request if len(parts) == 1 else request)
-            async for delta in self._all_deltas(relayed, first):
+            async for delta in self.deltas(relayed, first):
                 if delta.error is not None:
                     raise OpenAIError.from_info(delta.error)
                 builder.add(delta)
@@ -185,15 +208,10 @@ class CompletionService:
             return JSONResponse(builder.body(request.sampling.logprobs if logprobs_asked is None else logprobs_asked),
                                 headers=headers)
         finally:
-            if not relayed.is_finished:
-                await relayed.cancel()
-            await relayed.close()
-            await self._admission.settle(ticket, outcome.usage.total_tokens)
-            if on_finish is not None:
-                await on_finish(outcome)
-            await self._remember(relayed, outcome)
+            await self.end(relayed, ticket, outcome, outcome.usage.total_tokens, on_finish)
 
-    async def _all_deltas(self, relayed, first: TokenDelta) -> AsyncIterator[TokenDelta]:
+    async def deltas(self, relayed, first: TokenDelta) -> AsyncIterator[TokenDelta]:
+        """``first``, then every later delta of ``relayed``, timed for the metrics."""
         timer = self._metrics.stream(relayed.request)
         timer.delta(first)
         yield first
@@ -212,7 +230,7 @@ class CompletionService:
             if shape.kind.is_chat:
                 for i in range(req.sampling.n):
                     yield chunks.opening(i)
-            async for delta in self._all_deltas(relayed, first):
+            async for delta in self.deltas(relayed, first):
                 if delta.usage is not None:
                     usage = delta.usage
                 if delta.error is not None:
@@ -227,14 +245,8 @@ class CompletionService:
             yield sse("[DONE]")
         finally:
             # Reached on normal end, and on client disconnect (the response task is cancelled): a worker still
-            # generating for a gone client must free its slot now.
-            if not relayed.is_finished:
-                await asyncio.shield(relayed.cancel())
-            await relayed.close()
-            # A cancelled stream's tokens are unknown here (the worker bills them): None says so.
-            await asyncio.shield(self._admission.settle(ticket, usage.total_tokens if usage is not None else None))
+            # generating for a gone client must free its slot now. A cancelled stream's tokens are unknown here
+            # (the worker bills them): None says so.
             outcome.take(reply)
             outcome.usage = usage or Usage()
-            if on_finish is not None:
-                await asyncio.shield(on_finish(outcome))
-            await asyncio.shield(self._remember(relayed, outcome))
+            await self.end(relayed, ticket, outcome, usage.total_tokens if usage is not None else None, on_finish)

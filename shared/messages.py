@@ -252,6 +252,23 @@ class ConversationTurn(msgspec.Struct):
     assistant_tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
+class StoredResponse(msgspec.Struct):
+    """A Responses API response as stored when it ends (or, in the background, as it goes): held on
+    ``llm.held.response`` (durable) when Postgres could not take it then, and written once when it returns, with
+    what it adds to its conversation."""
+
+    response_id: str
+    tenant_id: str
+    request_id: str
+    status: str  # queued | in_progress | completed | incomplete | failed | cancelled
+    body: str  # the response object, as JSON text
+    input_items: str  # this request's input items, as JSON text
+    background: bool = False
+    previous_response_id: str | None = None
+    conversation_id: str | None = None
+    conversation_messages: list[ChatMessage] = msgspec.field(default_factory=list)  # appended once it ends
+
+
 class BatchChoice(msgspec.Struct):
     index: int = 0
     text: str = ""

@@ -1,0 +1,183 @@
+"""The Responses API end to end with the official ``openai`` client: bodies, streamed events, stored state
+(previous_response_id, conversations, input items), background responses, refusals, tenancy and billing, on the
+tiny test model (real gateway, worker, NATS and Postgres)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import asyncpg
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.support.system import poll, wait_usage_written
+
+MODEL = "tiny"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}, "strict": True}
+
+
+async def _billed(database_url: str, nats_url: str, request_id: str):
+    await wait_usage_written(nats_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetch("SELECT prompt_tokens, completion_tokens FROM requests WHERE request_id = $1",
+                                request_id)
+    finally:
+        await conn.close()
+
+
+async def test_a_response_is_a_chat_turn_stored_and_billed_once(client, database_url, nats_url):
+    r = client.responses.create(model=MODEL, input="Hello there", instructions="Be brief.", max_output_tokens=6,
+                                temperature=0, metadata={"case": "one"})
+    assert r.id.startswith("resp_") and r.object == "response"
+    assert r.status in ("completed", "incomplete")
+    assert r.model == MODEL and r.instructions == "Be brief." and r.metadata == {"case": "one"}
+    assert [item.type for item in r.output][0] == "message"
+    assert r.usage.output_tokens <= 6 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.input_tokens_details.cached_tokens >= 0
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    stored = client.responses.retrieve(r.id)
+    assert stored.output_text == r.output_text and stored.status == r.status
+    items = client.responses.input_items.list(r.id)
+    assert [i.content[0].text for i in items.data] == ["Hello there"]
+    rows = await _billed(database_url, nats_url, r.id.removeprefix("resp_"))
+    assert [(row["prompt_tokens"], row["completion_tokens"]) for row in rows] == [
+        (r.usage.input_tokens, r.usage.output_tokens)]
+
+
+def test_streamed_events_come_in_order_and_add_up_to_the_response(client):
+    with client.responses.create(model=MODEL, input="Count", max_output_tokens=8, temperature=0,
+                                 stream=True) as stream:
+        events = list(stream)
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          events[-1].type]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == 8 or final.status == "completed"
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+def test_previous_response_id_sends_only_the_new_input(client):
+    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=5, temperature=0)
+    second = client.responses.create(previous_response_id=first.id, input="What is my name?", max_output_tokens=5,
+                                     temperature=0)
+    assert second.model == MODEL and second.previous_response_id == first.id
+    # The worker read the first turn (its input and its reply) before the new input.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert [i.content[0].text for i in client.responses.input_items.list(second.id).data] == ["What is my name?"]
+
+
+def test_parse_into_a_pydantic_model(client):
+    class City(BaseModel):  # bounded, so the tiny model's reply always ends within the tokens allowed
+        size: Literal["small", "large"]
+        capital: bool
+
+    r = client.responses.parse(model=MODEL, input="Describe a city.", text_format=City, max_output_tokens=60,
+                               temperature=0)
+    assert r.status == "completed"
+    assert isinstance(r.output_parsed, City)
+
+
+def test_function_tools_round_trip(client):
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                                max_output_tokens=40, temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id
+    follow = client.responses.create(
+        model=MODEL, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=5, temperature=0,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
+    assert follow.status in ("completed", "incomplete")
+    assert follow.usage.input_tokens > r.usage.input_tokens
+
+
+def test_the_whole_history_may_be_sent_as_items_instead(client):
+    r = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, store=False, input=[
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "rain"},
+        {"role": "user", "content": "And now?"}], tools=[WEATHER])
+    assert r.status in ("completed", "incomplete") and r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)  # store=false: nothing kept
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
+    ({"background": True, "store": False}, "background"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"frequency_penalty": 1}, "frequency_penalty"),
+])
+async def test_what_cannot_be_honoured_is_refused_by_name(system, auth, extra, param):
+    body = {"model": MODEL, "input": "hi", **extra}
+    async with httpx.AsyncClient(base_url=system, headers=auth, timeout=30) as http:
+        r = await http.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+async def test_another_tenants_responses_are_not_found(system, client, new_key):
+    r = client.responses.create(model=MODEL, input="secret", max_output_tokens=2)
+    _, secret = await new_key()
+    async with httpx.AsyncClient(base_url=system, headers={"Authorization": f"Bearer {secret}"}, timeout=30) as http:
+        assert (await http.get(f"/v1/responses/{r.id}")).status_code == 404
+        assert (await http.get(f"/v1/responses/{r.id}/input_items")).status_code == 404
+        assert (await http.delete(f"/v1/responses/{r.id}")).status_code == 404
+        follow = await http.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": r.id})
+        assert follow.status_code == 404
+    assert client.responses.retrieve(r.id).id == r.id
+
+
+def test_deleted_responses_are_gone(client):
+    r = client.responses.create(model=MODEL, input="bye", max_output_tokens=2)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+async def test_background_responses_are_polled_and_cancelled(client):
+    r = client.responses.create(model=MODEL, input="Tell a story", max_output_tokens=4, background=True)
+    assert r.status == "queued" and r.background is True
+    done = await poll(lambda: _retrieve(client, r.id), lambda x: x.status not in ("queued", "in_progress"),
+                      what="the background response to end")
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens <= 4
+
+    long = client.responses.create(model=MODEL, input="Tell a long story", max_output_tokens=3000, background=True,
+                                   temperature=1.0)
+    await poll(lambda: _retrieve(client, long.id), lambda x: x.status == "in_progress",
+               what="the long response to start")
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    later = await poll(lambda: _retrieve(client, long.id), lambda x: x.status == "cancelled", timeout_s=5)
+    assert later.status == "cancelled"
+
+
+async def _retrieve(client, response_id: str):
+    return client.responses.retrieve(response_id)
+
+
+def test_a_conversation_keeps_the_turns_of_its_responses(client, system, auth):
+    conv = httpx.post(f"{system}/v1/conversations", headers=auth, json={"model": MODEL, "system": "Be kind."}).json()
+    r = client.responses.create(input="First question", conversation=conv["id"], max_output_tokens=3)
+    assert r.conversation.id == conv["id"] and r.model == MODEL
+    messages = httpx.get(f"{system}/v1/conversations/{conv['id']}/messages", headers=auth).json()["data"]
+    assert [(m["role"], m["content"]) for m in messages] == [("user", "First question"),
+                                                             ("assistant", r.output_text)]
+    again = client.responses.create(input="Second", conversation={"id": conv["id"]}, max_output_tokens=3)
+    assert again.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
