@@ -6,7 +6,7 @@
         postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
               publisher ── relay (liveness, failover) ── affinity ──────────────────┘
         stores: conversations, responses, files, batches, usage      queue gauges (poller)
-        responses (responses_service.py): the Responses API over completions and the stores
+        responses (responses_service.py), embeddings (embeddings.py): over completions (and the stores)
 
 Routes are handed this object when the app is made (gateway/routes/) and read the service they need from it when
 a request comes; nothing else is looked up at run time.
@@ -33,6 +33,7 @@ from switchyard.domain.responses import Responses
 from switchyard.domain.usage_report import UsageReport
 from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.drain import InFlightCounter
+from switchyard.gateway.embeddings import EmbeddingService
 from switchyard.gateway.failover import Failover
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.metrics import GatewayMetrics
@@ -61,6 +62,7 @@ class GatewayServices:
     completions: CompletionService
     conversations: Conversations
     responses: ResponseService
+    embeddings: EmbeddingService
     response_store: Responses
     files: Files
     batches: Batches
@@ -101,6 +103,7 @@ class GatewayServices:
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
                                              self.metrics, affinity=affinity)
         self.conversations = Conversations(pool, self.js)
+        self.embeddings = EmbeddingService(self.completions)
         self.response_store = Responses(pool, self.js)
         self.responses = ResponseService(self.completions, self.response_store, self.conversations, self.in_flight,
                                          self.nc)

@@ -101,7 +101,7 @@ class GatewayConfig(BaseModel):
 
 
 # The engines a worker can run (one builder each in workers/service/engines.py).
-EngineName = Literal["switchyard"]
+EngineName = Literal["switchyard", "embeddings"]
 
 
 class EngineSettings(BaseModel):
@@ -123,7 +123,8 @@ class WorkerConfig(EngineSettings):
     model: str = "smollm2"  # a registry name (see workers.model_store) or a local HF model directory
     served_model_name: str | None = None
     aliases: list[str] = Field(default_factory=list)  # more names clients may use for it (in the worker registry)
-    # Which engine runs the model (workers/service/engines.py builds each): ``switchyard``, ours, the default.
+    # Which engine runs the model (workers/service/engines.py builds each): ``switchyard``, ours, the default;
+    # ``embeddings``, a sentence-embedding model serving /v1/embeddings.
     engine: EngineName = "switchyard"
     dtype: str = "auto"  # auto: bfloat16 where supported, else float32
     device: str = "auto"  # auto: cuda when available

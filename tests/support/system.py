@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -14,9 +16,16 @@ from switchyard.deploy.processes import free_port
 from switchyard.domain.tenancy import create_key, create_tenant
 from switchyard.shared import subjects
 
-__all__ = ["free_port", "make_key", "poll", "wait_usage_written"]
+__all__ = ["free_port", "make_key", "model_cache_dir", "poll", "wait_usage_written"]
 
 T = TypeVar("T")
+
+
+def model_cache_dir() -> Path:
+    """Where tests keep the real models they pull from PyPI (once): the data dir's, else a cache of their own."""
+    if data_dir := os.environ.get("SWITCHYARD_DATA_DIR"):
+        return Path(data_dir) / "models"
+    return Path.home() / ".cache" / "switchyard-test" / "models"
 
 
 async def make_key(database_url: str, tenant: str, tier: str = "pro", **limits) -> str:
