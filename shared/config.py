@@ -199,6 +199,9 @@ class SwitchyardConfig(BaseSettings):
     # Several models (``up`` runs a worker for each; the gateway knows their names before any worker is live, so a
     # known model with no worker is a 503, not a 404). Empty: ``worker.model`` alone.
     models: list[ModelEntry] = Field(default_factory=list)
+    # The embedding model ``switchyard up`` serves beside the chat model when ``models`` is empty (a registry name
+    # or a model directory, on a worker of engine ``embeddings``; its served name is its own). "" or None: none.
+    embedding_model: str | None = "all-minilm-l6-v2"
 
     @property
     def model_cache_dir(self) -> Path:

@@ -62,6 +62,13 @@ REGISTRY: dict[str, RegistryEntry] = {
 }
 
 
+def engine_for(spec: str, default: str) -> str:
+    """The engine that serves ``spec``: a registry model's own when it is not ours (an embedding model), else
+    ``default`` (the settings')."""
+    entry = REGISTRY.get(spec)
+    return entry.engine if entry is not None and entry.engine != "switchyard" else default
+
+
 class ModelNotFound(LookupError):
     """The spec is neither a registry name nor an existing model directory."""
 

@@ -17,7 +17,7 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               max_num_batched_tokens=96, block_size=32, kv_cache_gib=1.5, gpu_memory_fraction=0.5,
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
               batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
-              metrics_port=9400)
+              metrics_port=9400, engine="embeddings")
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
