@@ -63,7 +63,7 @@ class EmbeddingEngine:
         self.max_num_batched_tokens = max(settings.max_num_batched_tokens, model.max_tokens)  # padded, per forward
         self._queue: deque[_Queued] = deque()
         self._ending: list[_Queued] = []  # aborted: their finals go out with the next step
-        self._num_steps = 0
+        self.num_steps_run = 0  # steps that ran the model
         self._last_batch = (0, 0)
 
     # -- what the worker reads ------------------------------------------------------------------------------
@@ -148,6 +148,7 @@ class EmbeddingEngine:
         picked = self._pick(background_limit)
         if picked:
             self._run(picked)
+            self.num_steps_run += 1
         touched = list(dict.fromkeys(q.request.request_id for q, _ in picked))
         by_id = {q.request.request_id: q for q, _ in picked}
         for request_id in touched:
@@ -156,7 +157,6 @@ class EmbeddingEngine:
             deltas += self._vector_deltas(q, done)
             if done:
                 self._queue.remove(q)
-        self._num_steps += 1
         return deltas
 
     def _pick(self, background_limit: int | None) -> list[tuple[_Queued, int]]:
