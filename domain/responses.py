@@ -163,8 +163,25 @@ class Responses:
             return await self.get(response_id, tenant_id), None
         return body, updated
 
-    async def abandoned(self, older_than_s: float) -> list[asyncpg.Record]:
-        """Background responses no gateway has written for ``older_than_s`` while unfinished (housekeeping)."""
-        return await self._pool.fetch(
-            "SELECT id, tenant_id, request_id, body FROM responses WHERE status IN ('queued', 'in_progress') "
-            "AND updated_at < now() - make_interval(secs => $1)", older_than_s)
+    async def touch(self, response_id: str) -> None:
+        """A background response's run is alive (see ``fail_abandoned``)."""
+        await self._pool.execute("UPDATE responses SET updated_at = now() WHERE id = $1 AND status IN "
+                                 "('queued', 'in_progress')", response_id)
+
+
+ALIVE_EVERY_S = 30.0  # a running background response's gateway touches its row this often
+ABANDONED_AFTER_S = 4 * ALIVE_EVERY_S
+
+
+async def fail_abandoned(pool, older_than_s: float = ABANDONED_AFTER_S) -> int:
+    """Background responses whose gateway stopped running them (it crashed: a draining one finishes them) are
+    failed, so a client polling one is told instead of waiting forever; returns how many (housekeeping)."""
+    error = json.dumps({"code": "server_error", "message": "The gateway running this response stopped; please "
+                                                           "create it again."})
+    rows = await pool.fetch(
+        "UPDATE responses SET status = 'failed', updated_at = now(), body = jsonb_set(jsonb_set(body::jsonb, "
+        "'{status}', '\"failed\"'), '{error}', $2::jsonb)::json WHERE status IN ('queued', 'in_progress') "
+        "AND updated_at < now() - make_interval(secs => $1) RETURNING id", older_than_s, error)
+    for row in rows:
+        log.warning("background response %s abandoned by its gateway: failed", row["id"])
+    return len(rows)

@@ -27,7 +27,7 @@ from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.api.shapes import CHAT
 from switchyard.domain.conversations import Conversations
 from switchyard.domain.errors import OpenAIError
-from switchyard.domain.responses import Responses
+from switchyard.domain.responses import ALIVE_EVERY_S, Responses
 from switchyard.gateway.drain import InFlightCounter
 from switchyard.gateway.response_events import ResponseEvents
 from switchyard.gateway.responses import BodyBuilder, Shape
@@ -203,8 +203,10 @@ class ResponseService:
                                         self._store_when_done(run, None, response_of))
 
     async def _run_background(self, run: _Run) -> None:
-        """A background response, start to end, stored at each step; counted as an open request."""
+        """A background response, start to end, stored at each step; counted as an open request, and its row
+        touched while it runs (housekeeping fails the ones a crashed gateway left)."""
         await self._in_flight.add(1)
+        alive = asyncio.create_task(self._keep_alive(run.response_id))
         try:
             try:
                 relayed, first = await self._completions.start(run.request, run.ticket)
@@ -219,7 +221,16 @@ class ResponseService:
                 "The gateway had an error running the response.", code="server_error", type="server_error",
                 status=500))))
         finally:
+            alive.cancel()
             await self._in_flight.add(-1)
+
+    async def _keep_alive(self, response_id: str) -> None:
+        while True:
+            await asyncio.sleep(ALIVE_EVERY_S)
+            try:
+                await self._responses.touch(response_id)
+            except Exception as exc:  # Postgres away: housekeeping, on the same Postgres, is waiting too
+                log.warning("could not mark background response %s alive: %r", response_id, exc)
 
     async def cancel(self, response_id: str, tenant_id: str) -> dict:
         """Cancel a background response: marked cancelled (whichever gateway runs it), its worker told to stop."""

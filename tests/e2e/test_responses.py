@@ -181,3 +181,22 @@ def test_a_conversation_keeps_the_turns_of_its_responses(client, system, auth):
                                                              ("assistant", r.output_text)]
     again = client.responses.create(input="Second", conversation={"id": conv["id"]}, max_output_tokens=3)
     assert again.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+
+
+async def test_a_background_response_its_gateway_abandoned_is_failed_by_housekeeping(client, database_url):
+    from switchyard.domain.responses import fail_abandoned
+
+    r = client.responses.create(model=MODEL, input="Tell a long story", max_output_tokens=3000, background=True)
+    await poll(lambda: _retrieve(client, r.id), lambda x: x.status == "in_progress", what="the response to start")
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
+    try:
+        # As if its gateway had crashed: no news for a long time.
+        await pool.execute("UPDATE responses SET updated_at = now() - interval '1 hour' WHERE id = $1", r.id)
+        assert await fail_abandoned(pool) >= 1
+        assert await fail_abandoned(pool, older_than_s=3600) == 0  # once
+    finally:
+        await pool.close()
+    failed = client.responses.retrieve(r.id)
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    client.responses.cancel(r.id)  # the run itself (alive here) is stopped: a final state stays as it is
+    assert client.responses.retrieve(r.id).status == "failed"
