@@ -19,7 +19,8 @@ ABANDONED_EVERY_ROUNDS = 30  # background responses no gateway runs any more, lo
 
 async def run_housekeeping(js, limiter: Limiter, stop: asyncio.Event, pool=None) -> None:
     """Every second: move lowered queue caps toward their target (see ``shared.tier_store.apply_queue_cap``);
-    every half minute: fail background responses no gateway runs (with ``pool``); every few minutes: drop old rate-limit windows.
+    every half minute: fail background responses no gateway runs (with ``pool``); every few minutes: drop old
+    rate-limit windows.
     Until ``stop``."""
     rounds = 0
     while not stop.is_set():

@@ -111,7 +111,9 @@ def alive_subject(worker_id: str) -> str:
 
 def held_writes_consumer(subject: str) -> str:
     """The durable consumer of one kind of held write: turns keep the name they always had."""
-    return HELD_WRITES_CONSUMER if subject == HELD_TURN_SUBJECT else f"{HELD_WRITES_CONSUMER}-{subject.rsplit('.', 1)[-1]}"
+    if subject == HELD_TURN_SUBJECT:
+        return HELD_WRITES_CONSUMER
+    return f"{HELD_WRITES_CONSUMER}-{subject.rsplit('.', 1)[-1]}"
 
 
 def dead_letter_subject(consumer: str) -> str:

@@ -44,6 +44,20 @@ def unsupported(param: str, why: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_parameter", "{why}", {"param": param, "why": why})
 
 
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512."""
+    if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
+        raise unsupported("metadata", "metadata holds at most 16 pairs, keys of at most 64 characters and values of "
+                                      "at most 512.")
+
+
+def refuse_given(body: BaseModel, refused: dict[str, str]) -> None:
+    """Refuse the first parameter of ``refused`` (name → why) that ``body`` sets."""
+    for param, why in refused.items():
+        if getattr(body, param) is not None:
+            raise unsupported(param, why)
+
+
 class Strict(BaseModel):
     # Unknown fields are refused (as OpenAI does: "Unrecognized request argument supplied"), never ignored.
     model_config = ConfigDict(extra="forbid", populate_by_name=True)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from switchyard.domain.api.fields import INT32_MAX, MAX_TOOLS, Name, Strict, unsupported
+from switchyard.domain.api.fields import INT32_MAX, MAX_TOOLS, Name, Strict, check_metadata, refuse_given, unsupported
 from switchyard.domain.api.response_items import item_text, parse_input
 from switchyard.shared.messages import ResponseFormat, SamplingParams, ToolSpec, ToolUse
 
@@ -108,10 +108,7 @@ class ResponseCreate(Strict):
         self._choice = self._tool_choice(names)
         if self.parallel_tool_calls is not None and not names:
             raise unsupported("parallel_tool_calls", "parallel_tool_calls is only allowed with tools.")
-        if self.metadata is not None and (len(self.metadata) > 16 or any(
-                len(k) > 64 or len(v) > 512 for k, v in self.metadata.items())):
-            raise unsupported("metadata", "metadata holds at most 16 pairs, keys of at most 64 characters and values "
-                                          "of at most 512.")
+        check_metadata(self.metadata)
         if self.previous_response_id is not None and self.conversation is not None:
             raise unsupported("previous_response_id", "previous_response_id and conversation cannot both be given.")
         if self.background and not self.store:
@@ -160,9 +157,7 @@ class ResponseCreate(Strict):
             "prompt_cache_retention": "prompt_cache_retention is not supported.",
             "stream_options": "stream_options is not supported on /v1/responses.",
         }
-        for param, why in refused.items():
-            if getattr(self, param) is not None:
-                raise unsupported(param, why)
+        refuse_given(self, refused)
 
     # -- what the request asks for ---------------------------------------------------------------------------
     @property

@@ -46,7 +46,8 @@ def test_tool_calls_stream_their_arguments_and_get_items_after_the_text():
     events = ResponseEvents("r2")
     chunks = events.delta(TokenDelta("r2", text="Let me check.", num_tokens=3))
     chunks += events.delta(TokenDelta("r2", num_tokens=4, tool_calls=[
-        ToolCallDelta(0, id="call_a", name="get_weather", arguments='{"city": '), ToolCallDelta(0, arguments='"Oslo"')]))
+        ToolCallDelta(0, id="call_a", name="get_weather", arguments='{"city": '),
+        ToolCallDelta(0, arguments='"Oslo"')]))
     chunks += events.delta(TokenDelta("r2", num_tokens=2, tool_calls=[ToolCallDelta(0, arguments="}")]))
     chunks += events.close("completed")
     out = decoded(chunks)
