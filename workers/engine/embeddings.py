@@ -26,6 +26,7 @@ from switchyard.workers.engine.embedding_model import EmbeddingModel
 from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected
 
 MAX_DELTA_BYTES = 512 * 1024  # vectors per delta: well inside NATS's default 1 MiB message
+FORWARD_INPUTS = 32  # inputs of the model's longest length that one forward may hold
 
 
 @dataclass(slots=True)
@@ -60,7 +61,10 @@ class EmbeddingEngine:
         self.model = model
         self.name = name
         self.max_num_seqs = settings.max_num_seqs  # inputs per step
-        self.max_num_batched_tokens = max(settings.max_num_batched_tokens, model.max_tokens)  # padded, per forward
+        # Padded tokens per forward: as many as a step of inputs of a usual length needs (the chat engine's token
+        # budget is a decode step's, far smaller), so a step of short inputs is one forward, as large as the
+        # reference's batches; sorted by length, a long input does not pad the short ones.
+        self.max_num_batched_tokens = max(settings.max_num_batched_tokens, FORWARD_INPUTS * model.max_tokens)
         self._queue: deque[_Queued] = deque()
         self._ending: list[_Queued] = []  # aborted: their finals go out with the next step
         self.num_steps_run = 0  # steps that ran the model
