@@ -64,7 +64,7 @@ def test_streamed_events_come_in_order_and_add_up_to_the_response(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
-    assert final.output_text == text and final.usage.output_tokens == 8 or final.status == "completed"
+    assert final.output_text == text and 0 < final.usage.output_tokens <= 8
     assert client.responses.retrieve(final.id).output_text == text
 
 
