@@ -200,3 +200,18 @@ async def test_a_background_response_its_gateway_abandoned_is_failed_by_housekee
     assert failed.status == "failed" and failed.error.code == "server_error"
     client.responses.cancel(r.id)  # the run itself (alive here) is stopped: a final state stays as it is
     assert client.responses.retrieve(r.id).status == "failed"
+
+
+async def test_a_flex_background_response_runs_on_the_batch_tier(client, database_url, nats_url):
+    r = client.responses.create(model=MODEL, input="Whenever you can", max_output_tokens=3, background=True,
+                                service_tier="flex")
+    done = await poll(lambda: _retrieve(client, r.id), lambda x: x.status not in ("queued", "in_progress"),
+                      what="the flex response to end")
+    assert done.status in ("completed", "incomplete") and done.service_tier == "flex"
+    await wait_usage_written(nats_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        tier = await conn.fetchval("SELECT tier FROM requests WHERE request_id = $1", r.id.removeprefix("resp_"))
+    finally:
+        await conn.close()
+    assert tier == "batch"
