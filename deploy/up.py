@@ -116,7 +116,7 @@ def run_up(config: SwitchyardConfig) -> int:
             system.start_worker(name, model=str(path),
                                 served_model_name=entry.served_name, aliases=entry.aliases,
                                 max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs,
-                                engine=entry.engine or model_store.engine_for(entry.model, config.worker.engine))
+                                engine=entry.engine or config.worker.engine)
         system.start_gateway()  # and the jobs beside it, unless gateway.run_jobs is off
         for entry in models:
             system.wait_until_ready(entry.served_name, timeout_s=300)

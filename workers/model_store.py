@@ -62,11 +62,11 @@ REGISTRY: dict[str, RegistryEntry] = {
 }
 
 
-def engine_for(spec: str, default: str) -> str:
-    """The engine that serves ``spec``: a registry model's own when it is not ours (an embedding model), else
-    ``default`` (the settings')."""
+def engine_for(spec: str, engine: str) -> str:
+    """The engine that serves ``spec`` when the settings name ``engine``: a registry model's own in place of ours
+    (the default; an embedding model cannot run on it), any other engine as named."""
     entry = REGISTRY.get(spec)
-    return entry.engine if entry is not None and entry.engine != "switchyard" else default
+    return entry.engine if entry is not None and engine == "switchyard" else engine
 
 
 class ModelNotFound(LookupError):

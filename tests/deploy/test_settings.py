@@ -144,6 +144,6 @@ def test_up_serves_the_embedding_model_beside_the_chat_model_unless_told_not_to(
     assert served("--no-embeddings") == [("smollm2", None)]
     (tmp_path / "e5").mkdir()
     assert served("--embedding-model", str(tmp_path / "e5")) == [("smollm2", None), ("e5", "embeddings")]
-    # A model list says everything itself: a registry embedding model finds its engine.
+    # A registry embedding model finds its engine on the worker, in place of the default one.
     assert engine_for("all-minilm-l6-v2", "switchyard") == "embeddings"
-    assert engine_for("smollm2", "vllm") == "vllm"
+    assert engine_for("smollm2", "vllm") == "vllm" and engine_for("/models/x", "switchyard") == "switchyard"

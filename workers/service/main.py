@@ -15,6 +15,7 @@ import torch
 
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.tracing import setup_tracing
+from switchyard.workers import model_store
 from switchyard.workers.engine.interface import ServingEngine
 from switchyard.workers.service.engines import engine_builder
 from switchyard.workers.service.metrics import WorkerMetrics
@@ -25,11 +26,11 @@ log = logging.getLogger("switchyard.worker")
 
 
 def build_engine(config: SwitchyardConfig) -> ServingEngine:
-    """The engine ``worker.engine`` names (workers/service/engines.py), loaded and warmed up: kernels and
-    allocator before the first request, not in it."""
+    """The engine ``worker.engine`` names (workers/service/engines.py; a registry embedding model's own in place
+    of the default), loaded and warmed up: kernels and allocator before the first request, not in it."""
     if config.worker.torch_threads:
         torch.set_num_threads(config.worker.torch_threads)
-    return engine_builder(config.worker.engine)(config)
+    return engine_builder(model_store.engine_for(config.worker.model, config.worker.engine))(config)
 
 
 async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: ThreadPoolExecutor) -> None:
