@@ -16,9 +16,9 @@ from __future__ import annotations
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from switchyard.domain.api.fields import unsupported
+from switchyard.domain.api.fields import unsupported, validated
 from switchyard.shared.messages import ChatMessage, ToolCall
 
 TEXT_PARTS = ("input_text", "output_text")
@@ -56,7 +56,9 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type")
-        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+        if kind in TEXT_PARTS:
+            if not isinstance(part.get("text"), str):
+                raise unsupported(f"{where}.content[{j}].text", "A text part's text must be a string.")
             texts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
@@ -64,15 +66,6 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
             raise unsupported(f"{where}.content[{j}]", f"Content parts of type {kind!r} are not supported: only "
                                                        "text (input_text, output_text).")
     return "".join(texts)
-
-
-def _parse(model: type[BaseModel], item: dict, where: str) -> BaseModel:
-    try:
-        return model.model_validate(item)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise unsupported(f"{where}.{field}" if field else where, f"{where}: {first['msg']}") from None
 
 
 def parse_input(value: str | list) -> list[dict]:
@@ -86,14 +79,14 @@ def parse_input(value: str | list) -> list[dict]:
             raise unsupported(where, f"{where} must be an object.")
         kind = raw.get("type", "message")
         if kind == "message":
-            m = _parse(_Message, raw, where)
+            m = validated(_Message, raw, where)
             items.append(message_item(m.role, _text(m.content, where),
                                       "output_text" if m.role == "assistant" else "input_text"))
         elif kind == "function_call":
-            c = _parse(_FunctionCall, raw, where)
+            c = validated(_FunctionCall, raw, where)
             items.append(function_call_item(c.call_id, c.name, c.arguments, c.id))
         elif kind == "function_call_output":
-            o = _parse(_FunctionCallOutput, raw, where)
+            o = validated(_FunctionCallOutput, raw, where)
             items.append({"id": new_id("fco"), "type": "function_call_output", "call_id": o.call_id,
                           "output": _text(o.output, where), "status": "completed"})
         else:

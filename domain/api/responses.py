@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from switchyard.domain.api.fields import INT32_MAX, MAX_TOOLS, Name, Strict, check_metadata, refuse_given, unsupported
+from switchyard.domain.api.fields import (INT32_MAX, MAX_TOOLS, Name, Strict, check_metadata, refuse_given,
+                                          unsupported, validated)
 from switchyard.domain.api.response_items import item_text, parse_input
 from switchyard.shared.messages import ResponseFormat, SamplingParams, ToolSpec, ToolUse
 
@@ -123,7 +124,7 @@ class ResponseCreate(Strict):
         kind = tool.get("type")
         if kind != "function":
             raise unsupported(f"tools[{i}].type", f"Tools of type {kind!r} are not supported: only function tools.")
-        return FunctionTool.model_validate(tool)
+        return validated(FunctionTool, tool, f"tools[{i}]")
 
     def _tool_choice(self, names: list[str]) -> tuple[str, str | None]:
         choice = self.tool_choice
@@ -131,7 +132,7 @@ class ResponseCreate(Strict):
             if choice.get("type") != "function":
                 raise unsupported("tool_choice", f"tool_choice of type {choice.get('type')!r} is not supported: use "
                                                  "none, auto, required or a function.")
-            name = FunctionChoice.model_validate(choice).name
+            name = validated(FunctionChoice, choice, "tool_choice").name
             if name not in names:
                 raise unsupported("tool_choice", f"tool_choice names the function '{name}', which is not among the "
                                                  "tools.")
