@@ -20,8 +20,13 @@ TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "paris", 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> EmbeddingModel:
-    return EmbeddingModel.load(save_tiny_bert(tmp_path_factory.mktemp("tiny-bert")))
+def tiny_bert_dir(tmp_path_factory):
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_bert_dir) -> EmbeddingModel:
+    return EmbeddingModel.load(tiny_bert_dir)
 
 
 def request(request_id: str, texts=None, token_ids=None, tier: str = "pro", dimensions=None) -> GenerateRequest:
@@ -52,6 +57,20 @@ def vectors(deltas) -> np.ndarray:
 
 def alone(model: EmbeddingModel, text: str) -> np.ndarray:
     return model.encode(model.tokenize([text])).numpy()[0]
+
+
+def test_vectors_match_sentence_transformers_on_the_same_inputs(model, tiny_bert_dir):
+    """The reference implementation reads the same directory (modules.json, pooling, Normalize); inputs of mixed
+    lengths share forwards here, padded, as they do not in a batch of one."""
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(tiny_bert_dir), device="cpu").encode(TEXTS, batch_size=len(TEXTS))
+    e = engine(model)
+    add(e, request("a", TEXTS))
+    got = vectors(run(e)["a"])
+    assert got.shape == reference.shape == (len(TEXTS), model.dimensions)
+    cosines = (got * reference).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(reference, axis=1)
+    assert cosines.min() >= 0.999
 
 
 def test_inputs_of_several_requests_share_a_step_and_each_gets_its_own_vector(model):
@@ -87,6 +106,12 @@ def test_token_ids_are_framed_like_a_text(model):
     ids = model.tokenizer("hello world", add_special_tokens=False)["input_ids"]
     add(e, request("ids", token_ids=[ids]))
     assert np.allclose(vectors(run(e)["ids"])[0], alone(model, "hello world"), atol=1e-6)
+
+
+def test_dimensions_equal_to_the_models_are_honoured(model):
+    e = engine(model)
+    add(e, request("dims", ["hello world"], dimensions=model.dimensions))
+    assert vectors(run(e)["dims"]).shape == (1, model.dimensions)
 
 
 def test_higher_tiers_go_first_and_batch_inputs_keep_to_their_seats(model):
