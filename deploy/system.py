@@ -90,8 +90,15 @@ class LocalSystem:
         gateway = self.config.gateway.model_copy(update=settings)
         if gateway.run_jobs and self._jobs is None:
             self.start_jobs(**settings)
-        # The gateway process itself never hosts them: they are the jobs child's.
-        return self._start_service(name, "gateway", {"gateway": gateway.model_copy(update={"run_jobs": False})})
+        # The gateway process itself never hosts them: they are the jobs child's. Several processes on one port
+        # (``processes``) each bind it with SO_REUSEPORT.
+        several = {"reuse_port": True} if gateway.processes > 1 else {}
+        first = self._start_service(name, "gateway", {"gateway": gateway.model_copy(update={"run_jobs": False,
+                                                                                              **several})})
+        for number in range(2, gateway.processes + 1):
+            self._start_service(f"{name}-{number}", "gateway",
+                                {"gateway": gateway.model_copy(update={"run_jobs": False, **several})})
+        return first
 
     def start_jobs(self, name: str = "jobs", **settings) -> ServiceProcess:
         """The durable consumers (billing writer, batch runner, housekeeping), as a ``switchyard jobs`` child, with

@@ -20,6 +20,7 @@ from switchyard.deploy.system import LocalSystem
 from switchyard.jobs.prices import apply_prices
 from switchyard.shared.config import ModelEntry, SwitchyardConfig
 from switchyard.workers import model_store
+from switchyard.workers.service.engines import needs_weights
 
 RUN_FILE = "run.json"
 
@@ -111,12 +112,13 @@ def run_up(config: SwitchyardConfig) -> int:
             print(f"price     {line}", file=sys.stderr)
         models = config.models or default_models(config)
         for entry in models:  # a worker each
-            path = model_store.resolve(entry.model, config.model_cache_dir)
+            engine = entry.engine or config.worker.engine
+            path = model_store.resolve(entry.model, config.model_cache_dir) if needs_weights(engine) else entry.model
             name = "worker" if not config.models and entry is models[0] else f"worker-{entry.served_name}"
             system.start_worker(name, model=str(path),
                                 served_model_name=entry.served_name, aliases=entry.aliases,
                                 max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs,
-                                engine=entry.engine or config.worker.engine)
+                                engine=engine)
         system.start_gateway()  # and the jobs beside it, unless gateway.run_jobs is off
         for entry in models:
             system.wait_until_ready(entry.served_name, timeout_s=300)

@@ -10,10 +10,11 @@ import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from switchyard.gateway.body_limit import BodySizeLimit
 from switchyard.gateway.drain import CountInFlight
+from switchyard.gateway.rate_headers import RateLimitHeaders
 from switchyard.gateway.errors import install_error_handlers
 from switchyard.gateway.request_ids import RequestIds
 from switchyard.gateway.routes import all_routers
@@ -51,15 +52,8 @@ def create_app(config: SwitchyardConfig, services: GatewayServices | None = None
     app.add_middleware(BodySizeLimit, max_bytes=config.gateway.max_request_bytes)
     app.add_middleware(CountInFlight, counter=services.in_flight)
 
-    @app.middleware("http")
-    async def rate_limit_headers(request: Request, call_next):
-        response = await call_next(request)
-        for name, value in getattr(request.state, "rate_headers", {}).items():
-            response.headers.setdefault(name, value)
-        return response
-
-    # Outermost, added last (outside rate_limit_headers too, which runs the app in a task of its own and sends the
-    # response from this one): everything below, and uvicorn's access line, carry the request id.
+    app.add_middleware(RateLimitHeaders)
+    # Outermost, added last: everything below, and uvicorn's access line, carry the request id.
     app.add_middleware(RequestIds)
     for router in all_routers(services):
         app.include_router(router)

@@ -35,6 +35,10 @@ class MergedRelay:
     def is_finished(self) -> bool:
         return all(p.is_finished for p in self._parts)
 
+    @property
+    def has_pending(self) -> bool:
+        return False  # its parts are read by tasks of their own: every chunk is written as it comes
+
     def _rebased(self, part: int, delta: TokenDelta) -> TokenDelta:
         changes = {"index": part * self._per_part + delta.index, "request_id": self.request.request_id}
         if delta.usage is not None:

@@ -69,11 +69,12 @@ class GatewayMetrics:
 class StreamTimer:
     """Times one request's deltas as they reach the gateway."""
 
-    __slots__ = ("_metrics", "_labels", "_created_at", "_last_token_at", "_errored")
+    __slots__ = ("_metrics", "_labels", "_itl", "_created_at", "_last_token_at", "_errored")
 
     def __init__(self, metrics: GatewayMetrics, request: GenerateRequest) -> None:
         self._metrics = metrics
         self._labels = (metrics.model_label(request.model), request.tier)
+        self._itl = metrics.itl.labels(*self._labels)  # found once: a labels() lookup per delta adds up
         self._created_at = request.created_at
         self._last_token_at: float | None = None
         self._errored = False
@@ -86,7 +87,7 @@ class StreamTimer:
             return
         if not delta.num_tokens:
             return
-        itl, intervals = self._metrics.itl.labels(*self._labels), delta.num_tokens
+        itl, intervals = self._itl, delta.num_tokens
         if self._last_token_at is None:
             self._metrics.ttft.labels(*self._labels).observe(max(0.0, now - self._created_at))
             intervals -= 1

@@ -23,6 +23,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from switchyard.domain.errors import OpenAIError, service_unavailable
 from switchyard.domain.publish import QueueFull, RequestPublisher
 from switchyard.gateway.failover import Failover
+from switchyard.gateway.inbox import TokenInbox
 from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode
@@ -46,7 +47,8 @@ class RelayedRequest:
     the prompt's token count, choice 0's token ids and text length so far, and every choice's token count.
     """
 
-    def __init__(self, nc: NATS, request: GenerateRequest, sub, stall_timeout_s: float, retry_after_s: int,
+    def __init__(self, nc: NATS, request: GenerateRequest, inbox: TokenInbox, stall_timeout_s: float,
+                 retry_after_s: int,
                  liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
         self._nc = nc
         self._liveness = liveness
@@ -56,7 +58,7 @@ class RelayedRequest:
         # it too (JetStream redelivered it while the first was stalled). Their deltas are ignored.
         self._dismissed: set[str] = set()
         self.request = request
-        self._sub = sub
+        self._inbox = inbox
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
         self._next_seq = 0
@@ -72,7 +74,7 @@ class RelayedRequest:
 
     async def _next(self, timeout: float) -> TokenDelta:
         while True:
-            msg = await self._sub.next_msg(timeout=timeout)
+            msg = await self._inbox.next(timeout)
             try:
                 delta = decode(msg.data, TokenDelta)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -156,6 +158,11 @@ class RelayedRequest:
                 code="queue_timeout",
             ) from None
         return self._checked(delta)
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether a delta has arrived and not been taken yet (a stream writes what is here at once)."""
+        return self._inbox.pending > 0
 
     def _checked(self, delta: TokenDelta) -> TokenDelta:
         if delta.error is not None:
@@ -244,7 +251,7 @@ class RelayedRequest:
 
     async def close(self) -> None:
         try:
-            await self._sub.unsubscribe()
+            await self._inbox.close()
         except Exception:  # the connection may already be closing; nothing left to release then
             pass
 
@@ -270,9 +277,9 @@ class Relay:
         alone first; if no first message comes within ``offer_s``, it goes to the shared queue too (the worker
         drops an offer it finds past its time, and a rare double start is dismissed like any other)."""
         payload = self._publisher.encode(request)
-        sub = await self._nc.subscribe(subjects.token_subject(request.request_id))
-        relayed = RelayedRequest(self._nc, request, sub, self._stall_timeout_s, self._retry_after_s, self._liveness,
-                                 self._failover)
+        inbox = await TokenInbox.subscribe(self._nc, subjects.token_subject(request.request_id))
+        relayed = RelayedRequest(self._nc, request, inbox, self._stall_timeout_s, self._retry_after_s,
+                                 self._liveness, self._failover)
         try:
             if offer_to is None:
                 await self._publish(request, payload)

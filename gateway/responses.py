@@ -6,9 +6,10 @@ batch line shares (usage, choices, tool calls) are domain/api/shapes.py's.
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass, field
+
+import msgspec
 
 from switchyard.domain.api.shapes import Kind, choice_json, usage_json
 from switchyard.gateway.logprobs import LogprobsFormatter
@@ -32,8 +33,10 @@ class Shape:
 
 
 def sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    """One server-sent event. msgspec writes the JSON: about 4x json.dumps's speed, once per streamed chunk."""
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n".encode()
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 def tool_call_chunk(part: ToolCallDelta) -> dict:

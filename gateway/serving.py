@@ -230,16 +230,21 @@ class CompletionService:
             if shape.kind.is_chat:
                 for i in range(req.sampling.n):
                     yield chunks.opening(i)
+            ready: list[bytes] = []  # chunks of the deltas already here, written together (one send, not one each)
             async for delta in self.deltas(relayed, first):
                 if delta.usage is not None:
                     usage = delta.usage
                 if delta.error is not None:
-                    yield sse(OpenAIError.from_info(delta.error).body())
+                    ready.append(sse(OpenAIError.from_info(delta.error).body()))
                     break
                 if delta.index == 0:
                     reply.add(delta)
-                for chunk in chunks.from_delta(delta):
-                    yield chunk
+                ready += chunks.from_delta(delta)
+                if not relayed.has_pending:
+                    yield b"".join(ready)
+                    ready.clear()
+            if ready:
+                yield b"".join(ready)
             if shape.include_usage and usage is not None:
                 yield chunks.usage(usage)
             yield sse("[DONE]")

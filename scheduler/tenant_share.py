@@ -14,6 +14,7 @@ share their own pulls fairly, so the tier's service is shared fairly too.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 
@@ -29,6 +30,8 @@ class TenantShare:
         self._output_weight = output_weight
         self._counters: dict[str, float] = {}
         self._backlogged: set[str] = set()
+        self._since: dict[str, int] = {}  # backlogged tenant -> when it became so (a number, ever growing)
+        self._clock = itertools.count()
 
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
@@ -45,11 +48,17 @@ class TenantShare:
                 floor = min((self.counter(t) for t in tenants), default=0.0)
             for tenant in returning:
                 self._counters[tenant] = max(self.counter(tenant), floor)
+                self._since[tenant] = next(self._clock)
+        for tenant in self._backlogged - tenants:
+            self._since.pop(tenant, None)
         self._backlogged = tenants
 
     def order(self, tenants: Iterable[str]) -> list[str]:
-        """``tenants`` (the backlogged ones to consider), least served first (ties: by name, for determinism)."""
-        return sorted(tenants, key=lambda t: (self.counter(t), t))
+        """``tenants`` (the backlogged ones to consider), least served first; between equals, the one backlogged
+        longest (a returning tenant is lifted level with the least served, and many are when each tenant has a
+        request at a time: by name, the same tenants would always come last)."""
+        since, counters = self._since, self._counters
+        return sorted(tenants, key=lambda t: (counters.get(t, 0.0), since.get(t, 0), t))
 
     def charge(self, tenant: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
         """Record service given to ``tenant``."""

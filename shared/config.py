@@ -66,6 +66,10 @@ class SafetyConfig(BaseModel):
 class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # Gateway processes ``switchyard up`` runs on that one port (SO_REUSEPORT: the kernel spreads connections over
+    # them); each is a whole gateway, and every limit is shared through NATS and Postgres, so it holds across them.
+    processes: int = Field(1, ge=1)
+    reuse_port: bool = False  # bind with SO_REUSEPORT (set for each of several processes on one port)
     # The longest an interactive request may wait for a worker before the client gets 503 + Retry-After; each
     # tier's own max_wait_s applies below it.
     queue_timeout_s: float = Field(120.0, gt=0)
@@ -101,7 +105,7 @@ class GatewayConfig(BaseModel):
 
 
 # The engines a worker can run (one builder each in workers/service/engines.py).
-EngineName = Literal["switchyard", "embeddings"]
+EngineName = Literal["switchyard", "simulated", "embeddings"]
 
 
 class EngineSettings(BaseModel):
@@ -139,6 +143,11 @@ class WorkerConfig(EngineSettings):
     # GPU (where a decode step costs about the same for 1 or 32 sequences). 0: no limit.
     batch_seqs_when_busy: int | None = Field(None, ge=0)
     interactive_busy_s: float = Field(10.0, ge=0)
+    # engine ``simulated`` (a test double for load tests, workers/simulated_engine.py): tokens per second of each
+    # sequence, microseconds of prefill per prompt token, and the length of a reply without max_tokens.
+    simulated_tokens_per_s: float = Field(20.0, gt=0)
+    simulated_prefill_us_per_token: float = Field(0.0, ge=0)
+    simulated_output_tokens: int = Field(128, ge=1)
     # Prometheus /metrics of this worker: 0 picks a free port (several workers on one host); its URL is in the
     # worker registry either way. A pod sets a fixed port and host 0.0.0.0.
     metrics_host: str = "127.0.0.1"

@@ -326,6 +326,8 @@ class WorkerInfo(msgspec.Struct):
     pid: int = 0
     metrics_url: str = ""  # its Prometheus endpoint (worker.metrics_port), "" when it serves none
     aliases: list[str] = msgspec.field(default_factory=list)  # more names of ``model`` (domain/registry.py)
+    engine: str = ""  # the engine it runs (workers/service/engines.py)
+    test_double: bool = False  # that engine is a test double (``simulated``): its text is made up
 
 
 _encoder = msgspec.msgpack.Encoder()

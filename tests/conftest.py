@@ -20,8 +20,14 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
-from switchyard.deploy.launcher import NatsServer, PostgresServer, docker_available
+# Triton kernels run interpreted on CPU tensors where there is no GPU. Triton reads this once, when it is first
+# imported, by whichever test module comes first: so here, before any of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from switchyard.deploy.launcher import NatsServer, PostgresServer, docker_available  # noqa: E402
 from switchyard.migrations import apply_migrations
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from fastapi import APIRouter
@@ -22,7 +23,8 @@ def router(services: GatewayServices) -> APIRouter:
 
     @router.get("/healthz")
     async def healthz():
-        return {"status": "ok"}
+        # The process: several gateway processes may share one port (``gateway.processes``).
+        return {"status": "ok", "process": os.getpid()}
 
     @router.get("/readyz")
     async def readyz():

@@ -22,7 +22,7 @@ def router(services: GatewayServices) -> APIRouter:
         data = [
             {"id": name, "object": "model", "created": int(min(w.started_at for w in workers)),
              "owned_by": "switchyard", "max_model_len": max(w.max_context for w in workers),
-             "aliases": registry.aliases(name)}
+             "aliases": registry.aliases(name), **_engine_of(workers)}
             for name, workers in sorted(served.items())
         ]
         routed = {rule.model for rule in services.config.gateway.routes}
@@ -37,6 +37,12 @@ def router(services: GatewayServices) -> APIRouter:
         if not workers:
             raise OpenAIError(404, f"The model `{model_id}` does not exist.", code="model_not_found", param="model")
         return {"id": model_id, "object": "model", "created": int(min(w.started_at for w in workers)),
-                "owned_by": "switchyard"}
+                "owned_by": "switchyard", **_engine_of(workers)}
 
     return router
+
+
+def _engine_of(workers: list) -> dict:
+    """The engines serving a model, and whether any is a test double (said wherever a simulated one serves)."""
+    engines = sorted({w.engine for w in workers if w.engine})
+    return {"engine": ",".join(engines), "test_double": any(w.test_double for w in workers)}

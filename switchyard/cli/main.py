@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start everything: NATS, Postgres, migrations, a worker per model and the gateway")
     add_common_flags(p), add_model_flags(p, several=True), add_http_flags(p), add_embedding_flags(p)
+    p.add_argument("--gateways", dest="processes", type=int,
+                   help="gateway processes on the one port (default 1; SO_REUSEPORT spreads connections)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway")

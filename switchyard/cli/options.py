@@ -27,7 +27,12 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     else:
         p.add_argument("--model", help="registry name (smollm2) or a local Hugging Face model directory")
     p.add_argument("--served-model-name", help="the name clients use in the `model` field")
-    p.add_argument("--engine", help="which engine runs the model (default switchyard, ours; see the README)")
+    p.add_argument("--engine", help="which engine runs the model: switchyard (ours, the default) or simulated (a "
+                                    "test double for load tests: made-up tokens, no model)")
+    p.add_argument("--simulated-tokens-per-s", type=float, help="engine simulated: tokens/s of each sequence")
+    p.add_argument("--simulated-prefill-us-per-token", type=float,
+                   help="engine simulated: microseconds of prefill per prompt token")
+    p.add_argument("--simulated-output-tokens", type=int, help="engine simulated: a reply's length without max_tokens")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, help="sequences a worker runs at once")

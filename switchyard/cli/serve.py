@@ -29,8 +29,24 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     # log_config=None: uvicorn's loggers go through the process's own (shared/logs.py), text or JSON alike.
     server_config = uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port, log_config=None,
                                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
-    DrainingServer(server_config, services, services.in_flight, config.gateway.drain_timeout_s).run()
+    server = DrainingServer(server_config, services, services.in_flight, config.gateway.drain_timeout_s)
+    server.run(sockets=[_reuse_port_socket(config.gateway.host, config.gateway.port)]
+               if config.gateway.reuse_port else None)
     return 0
+
+
+def _reuse_port_socket(host: str, port: int):
+    """A listening socket that other gateway processes bind too: the kernel spreads new connections over them."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -17,12 +17,13 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               max_num_batched_tokens=96, block_size=32, kv_cache_gib=1.5, gpu_memory_fraction=0.5,
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
               batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
-              metrics_port=9400, engine="embeddings")
+              metrics_port=9400, engine="simulated", simulated_tokens_per_s=40.0,
+              simulated_prefill_us_per_token=5.0, simulated_output_tokens=64)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
                route_names=["auto", "smart"], routes=[RouteRule(model="llama", tiers=["pro"], max_difficulty=0.5)],
-               affinity=False, affinity_wait_s=0.25,
+               affinity=False, affinity_wait_s=0.25, processes=2, reuse_port=True,
                safety=SafetyConfig(default_policy="log", keywords={"house": ["zorp"]}, classifier_threshold=0.8))
 
 
@@ -49,6 +50,7 @@ def test_every_setting_up_holds_reaches_its_children(clean_env):
                               nats_tls_cert=Path("/etc/c.pem"), nats_tls_key=Path("/etc/k.pem"),
                               nats_tls_ca=Path("/etc/ca.pem"), log_format="json", log_health_checks=True,
                               traces_exporter="file", traces_file=Path("/tmp/traces.jsonl"),
+                              embedding_model="/models/e5",
                               worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY),
                               models=[ModelEntry(model="smollm2", served_model_name="s", aliases=["a"],
                                                  input_per_mtok=0.5, max_num_seqs=3)])
@@ -109,10 +111,13 @@ def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env
             update={"served_model_name": "b", "max_num_seqs": 2})}),
         "gateway-2": config.model_copy(update={"gateway": config.gateway.model_copy(update={"port": 9002})}),
     }
+    expected["gateway-2-2"] = expected["gateway-2"]  # ``processes=2``: a second process on the same port
     assert [(name, args) for name, args, _ in started] == [("worker-b", ["worker", "--log-level", "DEBUG"]),
-                                                           ("gateway-2", ["gateway", "--log-level", "DEBUG"])]
+                                                           ("gateway-2", ["gateway", "--log-level", "DEBUG"]),
+                                                           ("gateway-2-2", ["gateway", "--log-level", "DEBUG"])]
     # Stopping waits for each child's own drain deadline (and a margin) before it kills.
-    assert stop_timeouts == {"worker-b": WORKER["drain_timeout_s"] + 10, "gateway-2": GATEWAY["drain_timeout_s"] + 10}
+    assert stop_timeouts == {"worker-b": WORKER["drain_timeout_s"] + 10, "gateway-2": GATEWAY["drain_timeout_s"] + 10,
+                             "gateway-2-2": GATEWAY["drain_timeout_s"] + 10}
     for name, _, env in started:
         with monkeypatch.context() as child:
             for key, value in env.items():

@@ -11,6 +11,7 @@ import msgspec
 import nats
 import pytest
 
+from switchyard.gateway.inbox import TokenInbox
 from switchyard.gateway.relay import RelayedRequest
 from switchyard.shared import subjects
 from switchyard.shared.messages import GenerateRequest, Resume, SamplingParams, TokenDelta, encode
@@ -30,7 +31,7 @@ async def test_a_broken_token_stream_ends_the_request_with_an_error_and_a_cancel
     try:
         request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
                                   deadline_at=time.time() + 30, prompt="x")
-        sub = await nc.subscribe(subjects.token_subject(request.request_id))
+        sub = await TokenInbox.subscribe(nc, subjects.token_subject(request.request_id))
         cancels = await nc.subscribe(subjects.cancel_subject(request.request_id))
         relayed = RelayedRequest(nc, request, sub, stall_timeout_s=10, retry_after_s=1)
         for data in arriving(request.request_id):
@@ -67,7 +68,7 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
         request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
                                   deadline_at=time.time() + 30, prompt="x")
         rid = request.request_id
-        sub = await nc.subscribe(subjects.token_subject(rid))
+        sub = await TokenInbox.subscribe(nc, subjects.token_subject(rid))
         cancels = await nc.subscribe(subjects.cancel_subject(rid))
         failover = RecordingFailover()
         relayed = RelayedRequest(nc, request, sub, stall_timeout_s=10, retry_after_s=1, failover=failover)

@@ -69,3 +69,13 @@ def test_idle_tenants_counters_are_bounded():
         share.charge(f"t{i}", 1)
     share.charge("busy", 7)
     assert share.counter("busy") == 7.0 and len(share._counters) <= MAX_IDLE_COUNTERS + 1
+
+
+def test_between_equally_served_tenants_the_one_queued_longest_goes_first():
+    share = TenantShare()
+    share.set_backlogged(["zed"])
+    share.set_backlogged(["zed", "amy"])  # both at 0: zed has been waiting longer, whatever the names say
+    assert share.order(["amy", "zed"]) == ["zed", "amy"]
+    share.set_backlogged(["amy"])  # zed served and gone, back later: behind amy, who waited meanwhile
+    share.set_backlogged(["amy", "zed"])
+    assert share.order(["amy", "zed"]) == ["amy", "zed"]

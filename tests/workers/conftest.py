@@ -7,12 +7,6 @@ SmolLM2 is pulled once into ``$SWITCHYARD_DATA_DIR/models`` when that is set, el
 from __future__ import annotations
 
 import os
-
-import torch
-
-# Triton kernels run interpreted on CPU tensors where there is no GPU; Triton reads this when it is imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 import shutil
 from collections.abc import Callable
 from itertools import count

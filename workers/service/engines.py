@@ -31,6 +31,17 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine:
     return engine
 
 
+def _simulated(config: SwitchyardConfig) -> ServingEngine:
+    """A test double that makes up tokens at a set rate, no model (workers/simulated_engine.py)."""
+    from switchyard.workers.simulated_engine import SimulatedEngine
+
+    w = config.worker
+    log.warning("engine simulated: a TEST DOUBLE for load tests, %d seats at %g tokens/s each; no model runs",
+                w.max_num_seqs, w.simulated_tokens_per_s)
+    return SimulatedEngine(w.max_num_seqs, w.simulated_tokens_per_s, w.simulated_prefill_us_per_token,
+                           w.simulated_output_tokens)
+
+
 def _embeddings(config: SwitchyardConfig) -> ServingEngine:
     """A sentence-embedding model (BERT and kin) for /v1/embeddings (workers/engine/embeddings.py)."""
     from switchyard.workers import model_store
@@ -46,11 +57,22 @@ def _embeddings(config: SwitchyardConfig) -> ServingEngine:
 
 ENGINES: dict[str, Callable[[SwitchyardConfig], ServingEngine]] = {
     "switchyard": _switchyard,
+    "simulated": _simulated,
     "embeddings": _embeddings,
 }
+TEST_DOUBLES = frozenset({"simulated"})  # engines whose output is made up: said so wherever the engine is named
+WITHOUT_WEIGHTS = frozenset({"simulated"})  # engines that load no model (the launcher fetches none for them)
 
 
 assert set(ENGINES) == set(get_args(EngineName)), "every engine the settings name has a builder, and no other"
+
+
+def is_test_double(name: str) -> bool:
+    return name in TEST_DOUBLES
+
+
+def needs_weights(name: str) -> bool:
+    return name not in WITHOUT_WEIGHTS
 
 
 def engine_builder(name: str) -> Callable[[SwitchyardConfig], ServingEngine]:

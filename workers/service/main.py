@@ -25,12 +25,19 @@ from switchyard.workers.service.worker import Worker
 log = logging.getLogger("switchyard.worker")
 
 
+def with_model_engine(config: SwitchyardConfig) -> SwitchyardConfig:
+    """``config`` with the engine that serves its model: a registry embedding model's own in place of the default
+    (model_store.engine_for), so the start log and the heartbeat name the engine that runs."""
+    engine = model_store.engine_for(config.worker.model, config.worker.engine)
+    return config.model_copy(update={"worker": config.worker.model_copy(update={"engine": engine})})
+
+
 def build_engine(config: SwitchyardConfig) -> ServingEngine:
-    """The engine ``worker.engine`` names (workers/service/engines.py; a registry embedding model's own in place
-    of the default), loaded and warmed up: kernels and allocator before the first request, not in it."""
+    """The engine ``worker.engine`` names (workers/service/engines.py), loaded and warmed up: kernels and allocator
+    before the first request, not in it."""
     if config.worker.torch_threads:
         torch.set_num_threads(config.worker.torch_threads)
-    return engine_builder(model_store.engine_for(config.worker.model, config.worker.engine))(config)
+    return engine_builder(config.worker.engine)(config)
 
 
 async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: ThreadPoolExecutor) -> None:
@@ -69,6 +76,7 @@ def serve_worker(config: SwitchyardConfig) -> int:
     setup_tracing("switchyard-worker", config.traces_exporter, config.traces_file)
     # Every torch call of the process on one OS thread, loading included: OpenMP gives each calling thread a pool of
     # its own, and once two pools exist every matmul on 2 cores ran about 1.5x slower (bench/serve.py).
+    config = with_model_engine(config)
     step_thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-step")
     try:
         engine = step_thread.submit(build_engine, config).result()

@@ -36,6 +36,7 @@ from switchyard.shared import nats_client, subjects
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
 from switchyard.shared.messages import WorkerInfo
+from switchyard.workers.service.engines import is_test_double
 from switchyard.workers.engine.interface import ServingEngine
 from switchyard.workers.service.capacity import Capacity, background_policy
 from switchyard.workers.service.held import HeldRequests
@@ -101,7 +102,10 @@ class Worker:
                                 config.nats_replicas, self._info, self._state_summary, intake.mark_in_progress)
             await liveness.start()
             pulling = asyncio.create_task(intake.run(stop))
-            log.info("worker %s serving %s (context %d)", self.worker_id, self.model_name, self.engine.max_context)
+            log.info("worker %s serving %s (context %d) with the %s engine%s", self.worker_id, self.model_name,
+                     self.engine.max_context, config.worker.engine,
+                     ", a TEST DOUBLE: its text is made up, no model runs" if is_test_double(config.worker.engine)
+                     else "")
             if ready is not None:
                 ready.set()
             await self._steps.run(stop)
@@ -124,7 +128,8 @@ class Worker:
         return WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at,
                           self._held.running_by_tier(), steps.num_steps, steps.step_s, steps.gap_s,
                           host=socket.gethostname(), pid=os.getpid(), metrics_url=self._metrics_url,
-                          aliases=list(self.config.worker.aliases))
+                          aliases=list(self.config.worker.aliases), engine=self.config.worker.engine,
+                          test_double=is_test_double(self.config.worker.engine))
 
     def _state_summary(self) -> str:
         return (f"{self._capacity.summary()} {self._intake.summary()} "

@@ -1,0 +1,223 @@
+"""Thousands of tenants in one tier, the model taken out: does fair share hold, what do per-tenant queues cost the
+worker and NATS, and what does an idle tenant cost?
+
+    .venv/bin/python bench/tenants.py                        # 10,000 tenants, 1,000 active at once, 60 s
+    .venv/bin/python bench/tenants.py --tenants 2000 --active 200 --seconds 30
+
+The engine is the simulated one (workers/simulated_engine.py, a test double): ``--seats`` sequences at 20 tokens/s,
+each request 40 tokens (2 s). Keys for ``--tenants`` tenants are made in Postgres. Then, on the pro tier:
+
+1. idle: a light tenant L alone, a short request (8 tokens) every 2 s: its TTFT p95 is the reference;
+2. loaded: ``--active`` tenants each keep one 40-token stream going (closed loop) and a heavy tenant H keeps
+   ``--heavy`` going, far more than the seats: L, at the same pace as alone and well under its fair share of the
+   seats, must still get in (its TTFT p95 within 3x the idle figure: it is the least served tenant, and the worker
+   pulls for it first);
+3. idle again: the consumers the active tenants left behind (one per tenant, queue and model, deleted by JetStream
+   after an idle hour) and what they cost while nobody sends: NATS's memory, the worker's CPU.
+
+Reported: L's TTFT p50/p95 idle and loaded, requests served per tenant class, JetStream consumers on the tier's
+stream, the worker's NATS subscriptions, the worker's queue time p95 (its metric), the share of the worker's time
+spent pulling (py-spy over the loaded phase: samples inside the intake's pulls), NATS memory and worker CPU per
+idle tenant. Clients run in processes of their own; ``lscpu`` is printed and the CPU named with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.local import cpu_name, lscpu  # noqa: E402
+from bench.proc import cpu_seconds, profile, rss_bytes  # noqa: E402
+from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
+from bench.tenants_load import LoadReport, run_load  # noqa: E402
+
+ADMIN_KEY = "bench-tenants-admin"
+TIER = "pro"
+MODEL = "sim"
+TOKENS = 40  # an active or heavy tenant's request
+LIGHT_TOKENS = 8  # L's
+
+
+def start_system(work: Path, seats: int):
+    from switchyard.deploy.system import LocalSystem
+    from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
+    from tests.support.system import free_port
+
+    config = SwitchyardConfig(data_dir=work, gateway=GatewayConfig(port=free_port(), admin_key=ADMIN_KEY,
+                                                                    queue_timeout_s=600, affinity=False),
+                              worker=WorkerConfig(engine="simulated", heartbeat_s=1.0))
+    system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
+    system.start_servers()
+    system.start_worker("worker-sim", model=MODEL, max_num_seqs=seats, simulated_tokens_per_s=20.0)
+    system.start_gateway()
+    system.wait_until_ready(MODEL, timeout_s=120)
+    return system
+
+
+async def make_tenants(database_url: str, base_url: str, count: int) -> list[str]:
+    """``count`` tenants on the tier, a key each, without per-key limits; the tier's queues opened wide."""
+    import asyncpg
+    import httpx
+
+    from switchyard.domain.tenancy import create_key, create_tenant
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        r = await http.put(f"{base_url}/admin/tiers/{TIER}", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                           json={"max_queued": 100_000, "max_queued_per_tenant": 1_000, "max_wait_s": 600})
+        r.raise_for_status()
+    conn = await asyncpg.connect(database_url)
+    keys = []
+    try:
+        for i in range(count):
+            name = f"tenant-{i:05d}"
+            await create_tenant(conn, name, TIER, rpm_limit=2**31 - 1, tpm_limit=2**31 - 1)
+            keys.append((await create_key(conn, name)).secret)
+    finally:
+        await conn.close()
+    return keys
+
+
+async def jetstream_counts(system) -> tuple[int, int]:
+    """(consumers on the tier's request stream, subscriptions of the worker's NATS connection)."""
+    import httpx
+    import nats
+
+    from switchyard.shared import subjects
+
+    nc = await nats.connect(system.config.nats_url)
+    try:
+        consumers = (await nc.jetstream().stream_info(subjects.request_stream(TIER))).state.consumer_count
+    finally:
+        await nc.close()
+    nats_server = system._stack[0]  # the embedded NATS server, started first
+    async with httpx.AsyncClient(timeout=10) as http:
+        conns = (await http.get(f"{nats_server.monitor_url}/connz?limit=1000")).json()["connections"]
+    worker_subs = sum(c.get("subscriptions", 0) for c in conns
+                      if c.get("name", "").startswith("switchyard-worker"))
+    return consumers, worker_subs
+
+
+def worker_queue_time_p95(system) -> float:
+    """The worker's own queue-time histogram (published to admitted), its 95th percentile bucket bound."""
+    import httpx
+
+    from switchyard.shared.jetstream import live_workers  # noqa: F401 (the registry names the metrics URL)
+
+    url = asyncio.run(_metrics_url(system))
+    text = httpx.get(url, timeout=10).text
+    buckets = [(float(line.split('le="')[1].split('"')[0]), float(line.rsplit(" ", 1)[1]))
+               for line in text.splitlines() if line.startswith("switchyard:request_queue_time_seconds_bucket")
+               and f'tier="{TIER}"' in line]
+    total = max((n for _, n in buckets), default=0)
+    return next((le for le, n in sorted(buckets) if n >= 0.95 * total), float("nan"))
+
+
+async def _metrics_url(system) -> str:
+    import nats
+
+    from switchyard.shared.jetstream import live_workers
+
+    nc = await nats.connect(system.config.nats_url)
+    try:
+        (info,) = [w for w in await live_workers(nc.jetstream()) if w.model == MODEL]
+        return info.metrics_url
+    finally:
+        await nc.close()
+
+
+def load(system, keys: dict[str, list[str]], seconds: float, clients: int) -> LoadReport:
+    """Run the clients (L's pacing and every closed loop) in ``clients`` processes; their merged report."""
+    context = multiprocessing.get_context("spawn")
+    pipes, procs = [], []
+    for i in range(clients):
+        share = {role: ks[i::clients] for role, ks in keys.items()}
+        recv, send = context.Pipe(duplex=False)
+        proc = context.Process(target=run_load, args=(system.url(), MODEL, TOKENS, LIGHT_TOKENS, share, seconds,
+                                                      send))
+        proc.start()
+        pipes.append(recv)
+        procs.append(proc)
+    reports = [p.recv() for p in pipes]
+    for proc in procs:
+        proc.join()
+    return LoadReport.merged(reports)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tenants", type=int, default=10_000)
+    p.add_argument("--active", type=int, default=1_000)
+    p.add_argument("--heavy", type=int, default=200, help="streams the heavy tenant keeps going")
+    p.add_argument("--seats", type=int, default=512)
+    p.add_argument("--seconds", type=float, default=60.0, help="each phase")
+    p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--results", default=str(RESULTS), help="'-' to skip")
+    args = p.parse_args()
+    cpu = cpu_name(lscpu())
+    work = Path(tempfile.mkdtemp(prefix="switchyard-bench-tenants-"))
+    os.chmod(work, 0o755)
+    system = start_system(work, args.seats)
+    try:
+        t0 = time.perf_counter()
+        all_keys = asyncio.run(make_tenants(system.config.database_url, system.url(), args.tenants + 2))
+        made_s = time.perf_counter() - t0
+        light, heavy, rest = all_keys[0], all_keys[1], all_keys[2:]
+        worker = next(s.pid for s in system.services if s.name == "worker-sim")
+        nats_pid = system._stack[0].pid
+        alone = load(system, {"light": [light]}, args.seconds / 2, 1)
+        print("idle:", alone.summary(), flush=True)
+        spied: list[str] = []
+        threading.Timer(args.seconds / 3, lambda: spied.append(
+            profile(worker, args.seconds / 3, top=20, watch=("TenantQueues.take",)))).start()
+        loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
+                      args.seconds, args.clients)
+        while not spied:
+            time.sleep(0.2)
+        print("loaded:", loaded.summary(), flush=True)
+        consumers, subs = asyncio.run(jetstream_counts(system))
+        queue_p95 = worker_queue_time_p95(system)
+        # Idle: what the consumers left behind cost while nobody sends.
+        time.sleep(3)
+        cpu_before, nats_rss = cpu_seconds(worker), rss_bytes(nats_pid)
+        time.sleep(10)
+        idle_cpu = (cpu_seconds(worker) - cpu_before) / 10
+        report, shares = spied[0]
+        pull_share = shares.get("TenantQueues.take", 0.0)
+    finally:
+        system.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    ratio = loaded.light_ttft(95) / max(1e-9, alone.light_ttft(95))
+    table = markdown_table(
+        ("measure", "value"),
+        [("tenants with keys (made in)", f"{args.tenants + 2:,} ({made_s:.0f} s)"),
+         ("active at once: tenants / heavy streams / seats", f"{args.active:,} / {args.heavy} / {args.seats}"),
+         ("L TTFT p50 / p95 alone (ms)", f"{1e3 * alone.light_ttft(50):.0f} / {1e3 * alone.light_ttft(95):.0f}"),
+         ("L TTFT p50 / p95 loaded (ms)", f"{1e3 * loaded.light_ttft(50):.0f} / {1e3 * loaded.light_ttft(95):.0f}"),
+         ("L p95 loaded / alone (target <= 3x)", f"{ratio:.2f}x"),
+         ("requests served loaded: L / H / active tenants", loaded.served_line()),
+         ("requests failed loaded", str(loaded.failed)),
+         ("JetStream consumers on the tier's stream", f"{consumers:,}"),
+         ("worker NATS subscriptions", f"{subs:,}"),
+         ("worker queue time p95 (bucket bound, s)", f"{queue_p95:g}"),
+         ("worker time in pulls, loaded (target < 5%)", f"{pull_share:.1%}"),
+         ("NATS RSS with the idle consumers (MB) / per idle tenant (KB)",
+          f"{nats_rss / 2**20:.0f} / {nats_rss / 1024 / max(1, consumers):.1f}"),
+         ("worker CPU while idle, with them", f"{idle_cpu:.1%} of a core")])
+    text = (f"## Tenants in one tier (simulated engine), {cpu}, {os.cpu_count()} cores\n\n`{command_line()}`\n\n"
+            + table + f"\n\nWorker profile, loaded phase:\n\n```\n{report}\n```\n")
+    print(text)
+    append_section(text, args.results)
+
+
+if __name__ == "__main__":
+    main()

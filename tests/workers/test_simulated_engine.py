@@ -1,0 +1,82 @@
+"""The simulated engine alone (a test double for load tests): the ServingEngine contract a worker relies on."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, Resume, SamplingParams
+from switchyard.workers.engine.interface import RequestRejected
+from switchyard.workers.simulated_engine import SimulatedEngine
+
+
+def request(rid: str, prompt: str = "hello there", resume: Resume | None = None, **sampling) -> GenerateRequest:
+    now = time.time()
+    return GenerateRequest(rid, "sim", "pro", SamplingParams(**sampling), created_at=now, deadline_at=now + 60,
+                           prompt=prompt, resume=resume)
+
+
+def run(engine: SimulatedEngine, *requests: GenerateRequest) -> dict[str, list]:
+    deltas: dict[str, list] = {}
+    for r in requests:
+        engine.add_request(r, engine.prepare(r))
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            deltas.setdefault(d.request_id, []).append(d)
+    return deltas
+
+
+def text(deltas: list, index: int = 0) -> str:
+    return "".join(d.text for d in deltas if d.index == index)
+
+
+def test_tokens_come_at_the_set_rate_and_the_last_delta_carries_the_usage():
+    engine = SimulatedEngine(max_num_seqs=8, tokens_per_s=100)
+    started = time.monotonic()
+    (deltas,) = run(engine, request("a", max_tokens=20)).values()
+    assert time.monotonic() - started >= 19 / 100  # the 20th token is due 0.19 s after the first
+    assert sum(d.num_tokens for d in deltas) == 20 and len(text(deltas).split()) == 20
+    assert [d.is_last for d in deltas].count(True) == 1 and deltas[-1].is_last
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 20
+    assert engine.capacity().num_free_seats == 8
+
+
+def test_choices_differ_and_a_request_without_max_tokens_stops_at_the_reply_length():
+    engine = SimulatedEngine(max_num_seqs=8, tokens_per_s=5000, output_tokens=7)
+    (deltas,) = run(engine, request("a", n=3)).values()
+    finals = [d for d in deltas if d.finish_reason]
+    assert sorted(d.index for d in finals) == [0, 1, 2] and {d.finish_reason for d in finals} == {"stop"}
+    assert len({text(deltas, i) for i in range(3)}) == 3
+    assert finals[-1].usage.completion_tokens == 21 and finals[-1].is_last and not finals[0].is_last
+
+
+def test_a_continuation_sends_exactly_what_the_client_lacks():
+    engine = SimulatedEngine(max_num_seqs=8, tokens_per_s=5000)
+    (whole,) = run(engine, request("a", max_tokens=12)).values()
+    ids = [t for d in whole for t in d.token_ids or ()]
+    full = text(whole)
+    head = full[:len(full) // 3]  # the client got part of the fourth-or-so token's text, the worker died
+    (rest,) = run(engine, request("a2", max_tokens=12, resume=Resume(ids[:5], len(head)))).values()
+    assert head + text(rest) == full
+    assert rest[-1].usage.completion_tokens == 12
+
+
+def test_abort_ends_every_choice_with_its_reason_and_frees_the_seats():
+    engine = SimulatedEngine(max_num_seqs=4, tokens_per_s=10)
+    r = request("a", max_tokens=1000, n=2)
+    engine.add_request(r, engine.prepare(r))
+    assert engine.capacity().num_free_seats == 2
+    assert engine.abort_request("a", ErrorInfo("shutting down", code="worker_shutdown", status=503))
+    finals = engine.step()
+    assert [d.finish_reason for d in finals] == ["error", "error"] and finals[-1].is_last
+    assert engine.capacity().num_free_seats == 4 and not engine.has_unfinished_requests()
+    assert not engine.abort_request("a")
+
+
+@pytest.mark.parametrize("asked, param", [({"logprobs": True}, "logprobs"), ({"echo": True}, "echo"),
+                                          ({"n": 17}, "n"), ({"max_tokens": 10**6}, "prompt")])
+def test_what_it_cannot_imitate_is_refused_by_name(asked, param):
+    with pytest.raises(RequestRejected) as refused:
+        SimulatedEngine(max_num_seqs=4, tokens_per_s=10).prepare(request("a", **asked))
+    assert refused.value.error.param == param

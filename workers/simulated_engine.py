@@ -1,0 +1,252 @@
+"""A test double of an engine, for load tests of everything but the model: ``--engine simulated``.
+
+It implements ``ServingEngine`` (workers/engine/interface.py) exactly as the worker service uses it, so a worker
+over it pulls, admits by tier and tenant, heartbeats, publishes deltas with sequence numbers and usage, cancels,
+drains and fails over like a real one; only the tokens are made up. Nothing here runs a model:
+
+* time: a sequence's first token is due ``prefill_us_per_token`` x its prompt tokens after it is added, the next
+  ones at ``tokens_per_s`` each. ``step()`` emits what is due (several tokens of a sequence that fell behind go
+  in one delta, as a real step never sends more than one per choice) and otherwise waits for the next due token,
+  at most ``_IDLE_WAIT_S``, so requests added meanwhile start promptly. Due times sit in a heap: a step costs what
+  it emits, not what runs, so thousands of seats are cheap.
+* text: words of a fixed list, chosen by the prompt and the choice's index, so the same request gives the same
+  text on any worker (a continuation after a failover goes on with the very words the first worker would have
+  sent) and a different prompt gives a different text. Prompt tokens are counted as about four bytes each.
+* limits: ``max_tokens`` (or ``output_tokens`` when unset, ending with ``stop``), stop strings, ``n`` choices and
+  resumed requests behave as on the real engine; what it cannot imitate honestly (logprobs, tools, response
+  formats, echo) is refused with a 400 naming the parameter; sampling parameters do not change its text.
+
+Every place that shows which engine runs says it is this one: the worker's start log, its heartbeat
+(``WorkerInfo.engine``) and ``/v1/models`` (``engine: simulated``, ``test_double: true``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, Usage
+from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected, SafetyEvent
+from switchyard.workers.engine.prompts import MAX_N, resolve_max_tokens
+
+MAX_CONTEXT = 32768
+_IDLE_WAIT_S = 0.002  # the longest a step waits for a due token: how late an added request may start
+WORDS = ("alpha bravo river stone cloud amber maple orbit lumen cedar harbor meadow quartz signal willow ember "
+         "falcon prairie copper violet summit lantern thistle marble breeze canyon hollow juniper saffron tundra "
+         "beacon glacier").split()
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatedPrompt:
+    """What ``prepare`` makes of a request: its counted prompt and the seed of its text."""
+
+    num_prompt_tokens: int
+    max_tokens: int
+    seed: int
+    num_dropped_messages: int = 0
+
+
+@dataclass(slots=True)
+class _Choice:
+    request: _Request
+    index: int
+    position: int  # tokens generated (resumed ones included)
+    due: float  # when the next token is due (time.monotonic)
+    owed: str = ""  # text of resumed tokens the client does not have yet, sent first
+    text: str = ""  # generated so far, kept only to find stop strings
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _Request:
+    request: GenerateRequest
+    prepared: SimulatedPrompt
+    choices: list[_Choice] = field(default_factory=list)
+    num_finished: int = 0
+    completion_tokens: int = 0
+
+
+class SimulatedEngine:
+    """See the module docstring."""
+
+    device_type = "simulated"  # a step's cost does not grow with its batch (workers/service/capacity.py)
+
+    def __init__(self, max_num_seqs: int, tokens_per_s: float, prefill_us_per_token: float = 0.0,
+                 output_tokens: int = 128) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.tokens_per_s = tokens_per_s
+        self.prefill_s_per_token = prefill_us_per_token / 1e6
+        self.output_tokens = output_tokens
+        self._requests: dict[str, _Request] = {}
+        self._due: list[tuple[float, int, _Choice]] = []  # (due, tie-breaker, choice): the heap of next tokens
+        self._tie = 0
+        self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step
+        self._running: Counter[str] = Counter()  # tier -> sequences
+        self._num_seqs = 0
+        self._last_batch = (0, 0)
+
+    @property
+    def max_context(self) -> int:
+        return MAX_CONTEXT
+
+    # -- the intake's side -------------------------------------------------------------------------------------
+    def prepare(self, request: GenerateRequest) -> SimulatedPrompt:
+        """Count the prompt and check what the real engine checks; refuse what this double cannot imitate."""
+        params = request.sampling
+        for name, asked in (("logprobs", params.logprobs), ("tools", request.tool_use is not None),
+                            ("response_format", request.response_format is not None
+                             and request.response_format.type != "text"), ("echo", params.echo)):
+            if asked:
+                raise RequestRejected(ErrorInfo(f"The simulated engine (a test double) does not support {name}.",
+                                                code="unsupported_parameter", param=name))
+        if not 1 <= params.n <= MAX_N:
+            raise RequestRejected(ErrorInfo(f"n must be between 1 and {MAX_N}, got {params.n}.",
+                                            code="invalid_value", param="n"))
+        if request.resume is not None and params.n != 1:
+            raise RequestRejected(ErrorInfo("A request with n set cannot be resumed.", code="invalid_value",
+                                            param="n"))
+        text, param = _prompt_text(request)
+        num_prompt = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
+                      else len(text.encode()) // 4 + 1)
+        max_tokens = resolve_max_tokens(request, num_prompt, MAX_CONTEXT, param)
+        if params.max_tokens is None:
+            max_tokens = min(max_tokens, self.output_tokens)
+        seed = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
+        return SimulatedPrompt(num_prompt, max_tokens, seed)
+
+    # -- the step thread's side --------------------------------------------------------------------------------
+    def add_request(self, request: GenerateRequest, prepared: SimulatedPrompt) -> int:
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already running")
+        state = _Request(request, prepared)
+        # Resumed tokens are the continuation's outputs (and bill with them), as on the real engine.
+        state.completion_tokens = len(request.resume.token_ids) if request.resume is not None else 0
+        start = time.monotonic() + prepared.num_prompt_tokens * self.prefill_s_per_token
+        resumed = list(request.resume.token_ids) if request.resume is not None else []
+        for index in range(request.sampling.n):
+            choice = _Choice(state, index, len(resumed), start)
+            if resumed:  # the client has text_len characters of what these tokens spell
+                sent = "".join(self._word(state, index, p) for p in range(len(resumed)))
+                choice.owed = sent[request.resume.text_len:]
+                choice.text = sent
+            state.choices.append(choice)
+            self._push(choice)
+        self._requests[request.request_id] = state
+        self._running[request.tier] += request.sampling.n
+        self._num_seqs += request.sampling.n
+        return prepared.num_prompt_tokens
+
+    def abort_request(self, request_id: str, error: ErrorInfo | None = None) -> bool:
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        reason = "cancelled" if error is None else "error"
+        for choice in state.choices:
+            if not choice.finished:
+                self._pending.append(self._finish(choice, reason, "", error))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def step(self, background_limit: int | None = None) -> list[TokenDelta]:
+        """Every token due by now, at most one delta per choice; waits (briefly) when none is due yet."""
+        out, self._pending = self._pending, []
+        now = time.monotonic()
+        if not out and self._due and self._due[0][0] > now:
+            time.sleep(min(self._due[0][0] - now, _IDLE_WAIT_S))
+            now = time.monotonic()
+        num_seqs = num_tokens = 0
+        while self._due and self._due[0][0] <= now:
+            _, _, choice = heapq.heappop(self._due)
+            if choice.finished:
+                continue  # aborted after it was pushed
+            count = min(int((now - choice.due) * self.tokens_per_s) + 1,
+                        choice.request.prepared.max_tokens - choice.position)
+            out.append(self._advance(choice, count))
+            num_seqs, num_tokens = num_seqs + 1, num_tokens + count
+        if num_seqs:
+            self._last_batch = (num_seqs, num_tokens)
+        return out
+
+    def _advance(self, choice: _Choice, count: int) -> TokenDelta:
+        state = choice.request
+        ids = list(range(choice.position, choice.position + count))
+        words = "".join(self._word(state, choice.index, p) for p in ids)
+        choice.position += count
+        state.completion_tokens += count
+        text, choice.owed = choice.owed + words, ""
+        stops = state.request.sampling.stop
+        if stops:
+            before = len(choice.text)
+            choice.text += words
+            found = [i for s in stops if (i := choice.text.find(s, max(0, before - len(s) + 1))) >= 0]
+            if found:  # the text up to the stop string (what was sent before it cannot be taken back)
+                return self._finish(choice, "stop", text[:max(0, len(text) - (len(choice.text) - min(found)))],
+                                    positions=ids)
+        if choice.position >= state.prepared.max_tokens:
+            reason = "length" if state.request.sampling.max_tokens is not None else "stop"
+            return self._finish(choice, reason, text, positions=ids)
+        choice.due += count / self.tokens_per_s
+        self._push(choice)
+        return TokenDelta(state.request.request_id, text=text, num_tokens=count, index=choice.index,
+                          token_ids=[self._token_id(state, choice.index, p) for p in ids])
+
+    def _finish(self, choice: _Choice, reason: str, text: str, error: ErrorInfo | None = None,
+                positions: list[int] | None = None) -> TokenDelta:
+        state = choice.request
+        choice.finished = True
+        state.num_finished += 1
+        self._running[state.request.tier] -= 1
+        self._num_seqs -= 1
+        is_last = state.num_finished == len(state.choices)
+        if is_last:
+            del self._requests[state.request.request_id]
+        usage = Usage(prompt_tokens=state.prepared.num_prompt_tokens, completion_tokens=state.completion_tokens)
+        ids = [self._token_id(state, choice.index, p) for p in positions] if positions else None
+        return TokenDelta(state.request.request_id, text=text, num_tokens=len(positions or ()), index=choice.index,
+                          finish_reason=reason, usage=usage, error=error, token_ids=ids, is_last=is_last)
+
+    def _push(self, choice: _Choice) -> None:
+        self._tie += 1
+        heapq.heappush(self._due, (choice.due, self._tie, choice))
+
+    @staticmethod
+    def _token_id(state: _Request, index: int, position: int) -> int:
+        return (state.prepared.seed + 7 * index + 13 * position) % len(WORDS)
+
+    def _word(self, state: _Request, index: int, position: int) -> str:
+        return " " + WORDS[self._token_id(state, index, position)]
+
+    # -- what the worker reads ---------------------------------------------------------------------------------
+    def capacity(self) -> EngineCapacity:
+        used = self._num_seqs / self.max_num_seqs
+        return EngineCapacity(self.max_num_seqs, max(0, self.max_num_seqs - self._num_seqs), self._num_seqs, 0, 0,
+                              min(1.0, used))
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running={tier: n for tier, n in self._running.items() if n}, waiting={},
+                           kv_cache_usage=min(1.0, self._num_seqs / self.max_num_seqs), prefix_cache_queries=0,
+                           prefix_cache_hits=0, num_preemptions=0, batch_size=self._last_batch[0],
+                           num_batched_tokens=self._last_batch[1])
+
+    def take_safety_events(self) -> list[SafetyEvent]:
+        return []  # no output filter: its text is made up
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _prompt_text(request: GenerateRequest) -> tuple[str, str]:
+    if request.messages is not None:
+        return "\n".join(f"{m.role}: {m.content or ''}" for m in request.messages), "messages"
+    if request.prompt_token_ids is not None:
+        return " ".join(map(str, request.prompt_token_ids)), "prompt"
+    if request.prompt is not None:
+        return request.prompt, "prompt"
+    raise RequestRejected(ErrorInfo("Either prompt or messages is required.", code="invalid_request", param="prompt"))
+
+
