@@ -37,6 +37,8 @@ from switchyard.shared.messages import ChatMessage, ErrorInfo, GenerateRequest, 
 
 log = logging.getLogger("switchyard.gateway")
 
+GATEWAY_ERROR = ErrorInfo("The gateway had an error running the response.", code="server_error",
+                          type="server_error", status=500)
 CLIENT_GONE = ErrorInfo("The client went away before the response ended.", code="cancelled", status=499)
 
 
@@ -174,10 +176,11 @@ class ResponseService:
         events = ResponseEvents(run.request.request_id)
         outcome = Outcome(request_id=run.request.request_id)
         reply = BodyBuilder(Shape(CHAT), run.request, logprobs=False)
-        final: dict | None = None
+        final: dict | None = None  # the response the stream ended with
+        broken: dict | None = None  # the gateway failed before its end (its tokens unknown here: the worker bills)
 
         def response_of(_: Outcome) -> dict:  # what the stream ended with; a client gone: cancelled
-            return final if final is not None else run.json("cancelled", outcome, events.items)
+            return final or broken or run.json("cancelled", outcome, events.items)
 
         try:
             for chunk in events.opening(run.json("in_progress")):
@@ -196,6 +199,10 @@ class ResponseService:
                 yield chunk
             final = run.json(status, outcome, events.items, error, incomplete)
             yield events.terminal(final)
+        except Exception:  # the gateway's own fault mid-stream: an error event ends it, not a cut connection
+            log.exception("response %s failed in the gateway", run.response_id)
+            broken = run.json("failed", outcome, events.items, GATEWAY_ERROR)
+            yield events.error(GATEWAY_ERROR)
         finally:
             outcome.take(reply)
             await self._completions.end(relayed, run.ticket, outcome,
@@ -217,9 +224,7 @@ class ResponseService:
             await self._collect(run, relayed, first)
         except Exception:
             log.exception("background response %s failed", run.response_id)
-            await self._responses.save(run.record(run.json("failed", error=ErrorInfo(
-                "The gateway had an error running the response.", code="server_error", type="server_error",
-                status=500))))
+            await self._responses.save(run.record(run.json("failed", error=GATEWAY_ERROR)))
         finally:
             alive.cancel()
             await self._in_flight.add(-1)

@@ -110,3 +110,22 @@ def test_each_model_refuses_the_other_kind_of_request(embedder, client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.embeddings.create(model="tiny", input="hi")
     assert "no embeddings" in exc.value.message
+
+
+async def test_the_tenants_tier_and_limits_apply(embedder, system, new_key, database_url, nats_url):
+    _, secret = await new_key("free", tpm_limit=300)
+    async with httpx.AsyncClient(base_url=system, headers={"Authorization": f"Bearer {secret}"}, timeout=60) as http:
+        # ~2,000 tokens of input: over the key's tokens a minute before anything is queued.
+        big = await http.post("/v1/embeddings", json={"model": EMBED, "input": ["many words here"] * 500})
+        assert big.status_code == 429 and big.json()["error"]["code"] == "rate_limit_exceeded", big.text
+        small = await http.post("/v1/embeddings", json={"model": EMBED, "input": "a few words"})
+        assert small.status_code == 200, small.text
+        assert small.headers["x-ratelimit-limit-tokens"] == "300"
+    await wait_usage_written(nats_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow("SELECT tier, prompt_tokens FROM requests WHERE request_id = $1",
+                                  small.headers["x-request-id"])
+    finally:
+        await conn.close()
+    assert (row["tier"], row["prompt_tokens"]) == ("free", small.json()["usage"]["prompt_tokens"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import json
+
 import asyncpg
 import httpx
 import openai
@@ -20,14 +22,42 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
                           "additionalProperties": False}, "strict": True}
 
 
-async def _billed(database_url: str, nats_url: str, request_id: str):
+# Bounded arguments, so the random test model always ends its call within the tokens allowed.
+BOUNDED = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                           "unit": {"enum": ["c", "f"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+async def key(new_key) -> str:
+    """A tenant of this module's own: its many requests must not spend the session key's per-minute limit."""
+    _, secret = await new_key("pro", rpm_limit=100_000, tpm_limit=100_000_000)
+    return secret
+
+
+@pytest.fixture(scope="module")
+def client(system: str, key: str):
+    with openai.OpenAI(base_url=f"{system}/v1", api_key=key, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _billed(database_url: str, nats_url: str, request_id: str, columns: str = "prompt_tokens, completion_tokens"):
     await wait_usage_written(nats_url)
     conn = await asyncpg.connect(database_url)
     try:
-        return await conn.fetch("SELECT prompt_tokens, completion_tokens FROM requests WHERE request_id = $1",
-                                request_id)
+        return await conn.fetch(f"SELECT {columns} FROM requests WHERE request_id = $1", request_id)
     finally:
         await conn.close()
+
+
+def _tokens(rows) -> list[tuple[int, int]]:
+    return [(row["prompt_tokens"], row["completion_tokens"]) for row in rows]
 
 
 async def test_a_response_is_a_chat_turn_stored_and_billed_once(client, database_url, nats_url):
@@ -47,11 +77,17 @@ async def test_a_response_is_a_chat_turn_stored_and_billed_once(client, database
     items = client.responses.input_items.list(r.id)
     assert [i.content[0].text for i in items.data] == ["Hello there"]
     rows = await _billed(database_url, nats_url, r.id.removeprefix("resp_"))
-    assert [(row["prompt_tokens"], row["completion_tokens"]) for row in rows] == [
-        (r.usage.input_tokens, r.usage.output_tokens)]
+    assert _tokens(rows) == [(r.usage.input_tokens, r.usage.output_tokens)]
 
 
-def test_streamed_events_come_in_order_and_add_up_to_the_response(client):
+async def test_the_end_user_is_kept_with_the_usage_record(client, database_url, nats_url):
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, safety_identifier="user-4242")
+    assert r.safety_identifier == "user-4242"
+    rows = await _billed(database_url, nats_url, r.id.removeprefix("resp_"), "end_user")
+    assert [row["end_user"] for row in rows] == ["user-4242"]
+
+
+async def test_streamed_events_come_in_order_and_add_up_to_the_response(client, database_url, nats_url):
     with client.responses.create(model=MODEL, input="Count", max_output_tokens=8, temperature=0,
                                  stream=True) as stream:
         events = list(stream)
@@ -66,6 +102,64 @@ def test_streamed_events_come_in_order_and_add_up_to_the_response(client):
     final = events[-1].response
     assert final.output_text == text and 0 < final.usage.output_tokens <= 8
     assert client.responses.retrieve(final.id).output_text == text
+    rows = await _billed(database_url, nats_url, final.id.removeprefix("resp_"))
+    assert _tokens(rows) == [(final.usage.input_tokens, final.usage.output_tokens)]
+
+
+def test_a_streamed_function_call_sends_its_arguments_as_deltas(client):
+    with client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[BOUNDED], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=300, temperature=0,
+                                 stream=True) as stream:
+        events = list(stream)
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    (added,) = [e for e in events if e.type == "response.output_item.added"]
+    assert added.item.type == "function_call" and added.item.name == "get_weather"
+    deltas = [i for i, t in enumerate(types) if t == "response.function_call_arguments.delta"]
+    done = types.index("response.function_call_arguments.done")
+    assert len(deltas) > 2, "the arguments stream as they are generated, not in one piece"
+    assert types.index("response.output_item.added") < deltas[0] and deltas[-1] < done
+    assert types[done + 1:] == ["response.output_item.done", "response.completed"]
+    arguments = "".join(events[i].delta for i in deltas)
+    assert events[done].arguments == arguments and json.loads(arguments)["unit"] in ("c", "f")
+    (call,) = events[-1].response.output
+    assert call.type == "function_call" and call.arguments == arguments and call.call_id.startswith("call_")
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    for temperature in (0.0, 1.0, 1.5):
+        r = client.responses.create(model=MODEL, input="Weather in Oslo and Rome?", tools=[BOUNDED],
+                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=300,
+                                    temperature=temperature)
+        assert r.parallel_tool_calls is False
+        assert [item.type for item in r.output] == ["function_call"], r.output
+
+
+def test_top_p_is_honoured(client):
+    """A nucleus this small holds only the likeliest token: sampling at temperature 1 gives the greedy reply."""
+    greedy = client.responses.create(model=MODEL, input="Say something", max_output_tokens=12, temperature=0)
+    for _ in range(2):
+        nucleus = client.responses.create(model=MODEL, input="Say something", max_output_tokens=12, temperature=1.0,
+                                          top_p=1e-6)
+        assert nucleus.top_p == 1e-6 and nucleus.output_text == greedy.output_text
+
+
+def test_text_format_json_object_constrains_the_reply(client):
+    for temperature in (0.0, 1.0):
+        r = client.responses.create(model=MODEL, input="Reply in JSON", text={"format": {"type": "json_object"}},
+                                    max_output_tokens=8, temperature=temperature)
+        assert r.text.format.type == "json_object"
+        assert r.output_text.lstrip().startswith("{"), r.output_text  # a random model's reply, held to JSON
+
+
+async def test_a_repeated_prefix_is_reported_and_billed_as_cached(client, database_url, nats_url):
+    shared = " ".join(f"line {i} of a long shared document" for i in range(40))
+    first = client.responses.create(model=MODEL, input=shared + " First?", max_output_tokens=2, temperature=0)
+    second = client.responses.create(model=MODEL, input=shared + " Second?", max_output_tokens=2, temperature=0)
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert first.usage.input_tokens // 2 < cached < second.usage.input_tokens
+    rows = await _billed(database_url, nats_url, second.id.removeprefix("resp_"), "cached_tokens")
+    assert [row["cached_tokens"] for row in rows] == [cached]
 
 
 def test_previous_response_id_sends_only_the_new_input(client):
@@ -151,15 +245,18 @@ def test_deleted_responses_are_gone(client):
         client.responses.retrieve(r.id)
 
 
-async def test_background_responses_are_polled_and_cancelled(client):
+async def test_background_responses_are_polled_cancelled_and_billed_once(client, database_url, nats_url):
     r = client.responses.create(model=MODEL, input="Tell a story", max_output_tokens=4, background=True)
     assert r.status == "queued" and r.background is True
     done = await poll(lambda: _retrieve(client, r.id), lambda x: x.status not in ("queued", "in_progress"),
                       what="the background response to end")
     assert done.status in ("completed", "incomplete") and done.usage.output_tokens <= 4
+    rows = await _billed(database_url, nats_url, r.id.removeprefix("resp_"))
+    assert _tokens(rows) == [(done.usage.input_tokens, done.usage.output_tokens)]
 
+    # Greedy: the same long reply each run (sampled, an early end of text would end it before it is seen running).
     long = client.responses.create(model=MODEL, input="Tell a long story", max_output_tokens=3000, background=True,
-                                   temperature=1.0)
+                                   temperature=0)
     await poll(lambda: _retrieve(client, long.id), lambda x: x.status == "in_progress",
                what="the long response to start")
     cancelled = client.responses.cancel(long.id)
@@ -186,8 +283,10 @@ def test_a_conversation_keeps_the_turns_of_its_responses(client, system, auth):
 async def test_a_background_response_its_gateway_abandoned_is_failed_by_housekeeping(client, database_url):
     from switchyard.domain.responses import fail_abandoned
 
-    r = client.responses.create(model=MODEL, input="Tell a long story", max_output_tokens=3000, background=True)
-    await poll(lambda: _retrieve(client, r.id), lambda x: x.status == "in_progress", what="the response to start")
+    r = client.responses.create(model=MODEL, input="Tell a long story", max_output_tokens=3000, background=True,
+                                temperature=0)
+    await poll(lambda: _retrieve(client, r.id), lambda x: x.status == "in_progress",
+               what=lambda x: f"the response to start (it is {x.status}: {x.usage})")
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
     try:
         # As if its gateway had crashed: no news for a long time.
