@@ -11,23 +11,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
+from switchyard.domain.api.chat import FunctionDefinition, FunctionName
 from switchyard.domain.api.fields import (INT32_MAX, MAX_TOOLS, Name, Strict, check_metadata, refuse_given,
                                           unsupported, validated)
 from switchyard.domain.api.response_items import item_text, parse_input
 from switchyard.shared.messages import ResponseFormat, SamplingParams, ToolSpec, ToolUse
 
 
-class FunctionTool(Strict):
+class FunctionTool(FunctionDefinition):
+    """A function tool as the Responses API writes it: chat's ``function`` fields beside ``type``, not in it."""
+
     type: Literal["function"]
-    name: Name
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # calls are always decoded against the schema: strict or not, they validate
 
 
-class FunctionChoice(Strict):
+class FunctionChoice(FunctionName):
     type: Literal["function"]
-    name: str
 
 
 class TextFormat(Strict):

@@ -4,7 +4,6 @@ like any request."""
 
 from __future__ import annotations
 
-import asyncpg
 import httpx
 import numpy as np
 import openai
@@ -12,7 +11,7 @@ import pytest
 
 from switchyard.deploy.services import wait_until_ready
 from switchyard.workers.model_store import pull
-from tests.support.system import model_cache_dir, wait_usage_written
+from tests.support.system import model_cache_dir, usage_rows
 
 pytestmark = pytest.mark.model
 EMBED = "minilm"
@@ -56,13 +55,7 @@ async def test_vectors_match_the_reference_and_are_billed_once(embedder, client,
     assert all(len(d.embedding) == 384 for d in r.data)
     assert cosines([d.embedding for d in r.data], reference.encode(TEXTS)).min() >= 0.999
     assert r.usage.prompt_tokens == r.usage.total_tokens > len(TEXTS)
-    await wait_usage_written(nats_url)
-    conn = await asyncpg.connect(database_url)
-    try:
-        rows = await conn.fetch("SELECT prompt_tokens, completion_tokens FROM requests WHERE request_id = $1",
-                                raw.headers["x-request-id"])
-    finally:
-        await conn.close()
+    rows = await usage_rows(database_url, nats_url, raw.headers["x-request-id"])
     assert [(row["prompt_tokens"], row["completion_tokens"]) for row in rows] == [(r.usage.prompt_tokens, 0)]
 
 
@@ -121,11 +114,5 @@ async def test_the_tenants_tier_and_limits_apply(embedder, system, new_key, data
         small = await http.post("/v1/embeddings", json={"model": EMBED, "input": "a few words"})
         assert small.status_code == 200, small.text
         assert small.headers["x-ratelimit-limit-tokens"] == "300"
-    await wait_usage_written(nats_url)
-    conn = await asyncpg.connect(database_url)
-    try:
-        row = await conn.fetchrow("SELECT tier, prompt_tokens FROM requests WHERE request_id = $1",
-                                  small.headers["x-request-id"])
-    finally:
-        await conn.close()
-    assert (row["tier"], row["prompt_tokens"]) == ("free", small.json()["usage"]["prompt_tokens"])
+    rows = await usage_rows(database_url, nats_url, small.headers["x-request-id"], "tier, prompt_tokens")
+    assert [(row["tier"], row["prompt_tokens"]) for row in rows] == [("free", small.json()["usage"]["prompt_tokens"])]

@@ -4,9 +4,8 @@ tiny test model (real gateway, worker, NATS and Postgres)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import json
+from typing import Literal
 
 import asyncpg
 import httpx
@@ -14,14 +13,13 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.support.system import poll, wait_usage_written
+from tests.e2e.test_structured_outputs import auth, client, key  # noqa: F401 (a tenant of the module's own)
+from tests.support.system import poll, usage_rows
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}, "strict": True}
-
-
 # Bounded arguments, so the random test model always ends its call within the tokens allowed.
 BOUNDED = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -29,35 +27,15 @@ BOUNDED = {"type": "function", "name": "get_weather", "description": "The weathe
                           "required": ["city", "unit"], "additionalProperties": False}}
 
 
-@pytest.fixture(scope="module")
-async def key(new_key) -> str:
-    """A tenant of this module's own: its many requests must not spend the session key's per-minute limit."""
-    _, secret = await new_key("pro", rpm_limit=100_000, tpm_limit=100_000_000)
-    return secret
-
-
-@pytest.fixture(scope="module")
-def client(system: str, key: str):
-    with openai.OpenAI(base_url=f"{system}/v1", api_key=key, max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-async def _billed(database_url: str, nats_url: str, request_id: str, columns: str = "prompt_tokens, completion_tokens"):
-    await wait_usage_written(nats_url)
-    conn = await asyncpg.connect(database_url)
-    try:
-        return await conn.fetch(f"SELECT {columns} FROM requests WHERE request_id = $1", request_id)
-    finally:
-        await conn.close()
-
-
 def _tokens(rows) -> list[tuple[int, int]]:
     return [(row["prompt_tokens"], row["completion_tokens"]) for row in rows]
+
+# A reply that runs for seconds: its schema allows no end of text before thousands of characters (a free reply of
+# the random model may end within a poll's interval).
+LONG = dict(max_output_tokens=3000, text={"format": {
+    "type": "json_schema", "name": "story", "strict": True,
+    "schema": {"type": "object", "properties": {"story": {"type": "string", "minLength": 2500}},
+               "required": ["story"], "additionalProperties": False}}})
 
 
 async def test_a_response_is_a_chat_turn_stored_and_billed_once(client, database_url, nats_url):
@@ -76,14 +54,14 @@ async def test_a_response_is_a_chat_turn_stored_and_billed_once(client, database
     assert stored.output_text == r.output_text and stored.status == r.status
     items = client.responses.input_items.list(r.id)
     assert [i.content[0].text for i in items.data] == ["Hello there"]
-    rows = await _billed(database_url, nats_url, r.id.removeprefix("resp_"))
+    rows = await usage_rows(database_url, nats_url, r.id.removeprefix("resp_"))
     assert _tokens(rows) == [(r.usage.input_tokens, r.usage.output_tokens)]
 
 
 async def test_the_end_user_is_kept_with_the_usage_record(client, database_url, nats_url):
     r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, safety_identifier="user-4242")
     assert r.safety_identifier == "user-4242"
-    rows = await _billed(database_url, nats_url, r.id.removeprefix("resp_"), "end_user")
+    rows = await usage_rows(database_url, nats_url, r.id.removeprefix("resp_"), "end_user")
     assert [row["end_user"] for row in rows] == ["user-4242"]
 
 
@@ -102,7 +80,7 @@ async def test_streamed_events_come_in_order_and_add_up_to_the_response(client, 
     final = events[-1].response
     assert final.output_text == text and 0 < final.usage.output_tokens <= 8
     assert client.responses.retrieve(final.id).output_text == text
-    rows = await _billed(database_url, nats_url, final.id.removeprefix("resp_"))
+    rows = await usage_rows(database_url, nats_url, final.id.removeprefix("resp_"))
     assert _tokens(rows) == [(final.usage.input_tokens, final.usage.output_tokens)]
 
 
@@ -158,7 +136,7 @@ async def test_a_repeated_prefix_is_reported_and_billed_as_cached(client, databa
     second = client.responses.create(model=MODEL, input=shared + " Second?", max_output_tokens=2, temperature=0)
     cached = second.usage.input_tokens_details.cached_tokens
     assert first.usage.input_tokens // 2 < cached < second.usage.input_tokens
-    rows = await _billed(database_url, nats_url, second.id.removeprefix("resp_"), "cached_tokens")
+    rows = await usage_rows(database_url, nats_url, second.id.removeprefix("resp_"), "cached_tokens")
     assert [row["cached_tokens"] for row in rows] == [cached]
 
 
@@ -251,14 +229,12 @@ async def test_background_responses_are_polled_cancelled_and_billed_once(client,
     done = await poll(lambda: _retrieve(client, r.id), lambda x: x.status not in ("queued", "in_progress"),
                       what="the background response to end")
     assert done.status in ("completed", "incomplete") and done.usage.output_tokens <= 4
-    rows = await _billed(database_url, nats_url, r.id.removeprefix("resp_"))
+    rows = await usage_rows(database_url, nats_url, r.id.removeprefix("resp_"))
     assert _tokens(rows) == [(done.usage.input_tokens, done.usage.output_tokens)]
 
-    # Greedy: the same long reply each run (sampled, an early end of text would end it before it is seen running).
-    long = client.responses.create(model=MODEL, input="Tell a long story", max_output_tokens=3000, background=True,
-                                   temperature=0)
+    long = client.responses.create(model=MODEL, input="Tell a long story", background=True, **LONG)
     await poll(lambda: _retrieve(client, long.id), lambda x: x.status == "in_progress",
-               what="the long response to start")
+               what=lambda x: f"the long response to start (it is {x.status}: {x.usage}, {x.error})")
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
     later = await poll(lambda: _retrieve(client, long.id), lambda x: x.status == "cancelled", timeout_s=5)
@@ -283,8 +259,7 @@ def test_a_conversation_keeps_the_turns_of_its_responses(client, system, auth):
 async def test_a_background_response_its_gateway_abandoned_is_failed_by_housekeeping(client, database_url):
     from switchyard.domain.responses import fail_abandoned
 
-    r = client.responses.create(model=MODEL, input="Tell a long story", max_output_tokens=3000, background=True,
-                                temperature=0)
+    r = client.responses.create(model=MODEL, input="Tell a long story", background=True, **LONG)
     await poll(lambda: _retrieve(client, r.id), lambda x: x.status == "in_progress",
                what=lambda x: f"the response to start (it is {x.status}: {x.usage})")
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
@@ -307,10 +282,5 @@ async def test_a_flex_background_response_runs_on_the_batch_tier(client, databas
     done = await poll(lambda: _retrieve(client, r.id), lambda x: x.status not in ("queued", "in_progress"),
                       what="the flex response to end")
     assert done.status in ("completed", "incomplete") and done.service_tier == "flex"
-    await wait_usage_written(nats_url)
-    conn = await asyncpg.connect(database_url)
-    try:
-        tier = await conn.fetchval("SELECT tier FROM requests WHERE request_id = $1", r.id.removeprefix("resp_"))
-    finally:
-        await conn.close()
-    assert tier == "batch"
+    rows = await usage_rows(database_url, nats_url, r.id.removeprefix("resp_"), "tier")
+    assert [row["tier"] for row in rows] == ["batch"]

@@ -66,3 +66,17 @@ async def wait_usage_written(nats_url: str, timeout_s: float = 20.0) -> None:
         await poll(drained, timeout_s=timeout_s, what="usage records written")
     finally:
         await nc.close()
+
+
+async def usage_rows(database_url: str, nats_url: str, request_id: str,
+                     columns: str = "prompt_tokens, completion_tokens") -> list:
+    """The ``requests`` rows billed for ``request_id`` (one, when it is billed exactly once), once every usage
+    record published so far is written."""
+    import asyncpg
+
+    await wait_usage_written(nats_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetch(f"SELECT {columns} FROM requests WHERE request_id = $1", request_id)
+    finally:
+        await conn.close()
