@@ -1,6 +1,6 @@
 """The Responses API's cost over chat, and embeddings throughput against sentence-transformers.
 
-    flock /tmp/bench.lock .venv/bin/python bench/responses.py          # starts its own system, ~3 minutes
+    /work/bin/benchlock .venv/bin/python bench/responses.py    # starts its own system, ~3 minutes
 
 It starts embedded NATS + Postgres in a temp dir, a SmolLM2-135M worker, an all-MiniLM-L6-v2 embeddings worker
 (both from the model cache) and a gateway, then:
@@ -175,7 +175,8 @@ def report(args, ttft: dict, ours: dict, theirs: dict, command: str, cpu: str) -
     text = "\n".join([
         f"## The Responses API over chat; embeddings against sentence-transformers "
         f"({datetime.date.today().isoformat()})", "",
-        f"`{command}` on {cpu_name(cpu)}, {os.cpu_count()} cores (shared with other work: timings are noisy). "
+        f"`{command}` on {cpu_name(cpu)}, {os.cpu_count()} cores, run through benchlock (no test ran meanwhile; "
+        f"other engineers' builds and editors share the machine: timings are noisy). "
         f"SmolLM2-135M worker (max_num_seqs=8), streamed requests one at a time, {args.requests} per API "
         f"alternating, max_tokens={args.max_tokens}; all-MiniLM-L6-v2 worker (fp32, 64 inputs a step), "
         f"{args.inputs} sentences of 4-60 words, one request at a time, the official client; sentence-transformers "
