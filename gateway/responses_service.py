@@ -135,10 +135,10 @@ class ResponseService:
         builder = BodyBuilder(Shape(CHAT), run.request, logprobs=False)
         try:
             async for delta in self._completions.deltas(relayed, first):
+                builder.add(delta)  # an error's too: its usage is what the worker ran before it failed
                 if delta.error is not None:
                     error = delta.error
                     break
-                builder.add(delta)
             else:
                 error = None
             outcome.take(builder)
@@ -187,10 +187,10 @@ class ResponseService:
                 yield chunk
             error = None
             async for delta in self._completions.deltas(relayed, first):
+                reply.add(delta)  # an error's too: its usage is what the worker ran before it failed
                 if delta.error is not None:
                     error = delta.error
                     break
-                reply.add(delta)
                 for chunk in events.delta(delta):
                     yield chunk
             outcome.take(reply)

@@ -216,8 +216,27 @@ async def test_another_tenants_responses_are_not_found(system, client, new_key):
     assert client.responses.retrieve(r.id).id == r.id
 
 
-def test_deleted_responses_are_gone(client):
+async def test_input_items_are_listed_in_pages(client, system, auth):
+    r = client.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "user", "content": text} for text in ("one", "two", "three")])
+
+    def texts(page) -> list[str]:
+        return [item.content[0].text for item in page.data]
+
+    newest = client.responses.input_items.list(r.id, limit=2)  # OpenAI's default order: newest first
+    assert texts(newest) == ["three", "two"] and newest.has_more
+    rest = client.responses.input_items.list(r.id, limit=2, after=newest.last_id)
+    assert texts(rest) == ["one"] and not rest.has_more
+    assert texts(client.responses.input_items.list(r.id, order="asc")) == ["one", "two", "three"]
+    async with httpx.AsyncClient(base_url=system, headers=auth, timeout=30) as http:
+        refused = await http.get(f"/v1/responses/{r.id}/input_items", params={"limit": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "limit"
+
+
+def test_deleted_responses_are_gone_and_foreground_ones_cannot_be_cancelled(client):
     r = client.responses.create(model=MODEL, input="bye", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(r.id)  # only a background response can be
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
