@@ -77,6 +77,20 @@ Press Ctrl-C to stop.
 """
 
 
+def default_models(config: SwitchyardConfig) -> list[ModelEntry]:
+    """What ``up`` serves with no model list: the worker's model, and the embedding model unless it is off."""
+    models = [ModelEntry(model=config.worker.model, served_model_name=config.worker.served_name,
+                         aliases=config.worker.aliases)]
+    if config.embedding_model:
+        models.append(ModelEntry(model=config.embedding_model, engine="embeddings",
+                                 max_num_seqs=EMBEDDING_INPUTS_PER_STEP))
+    return models
+
+
+# An embedding worker's step runs up to this many inputs (its max_num_seqs): a batch of 64 in one forward.
+EMBEDDING_INPUTS_PER_STEP = 64
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -100,12 +114,12 @@ def run_up(config: SwitchyardConfig) -> int:
         api_key = asyncio.run(_default_key(config.database_url, data))
         for line in asyncio.run(apply_prices(config.database_url, config.models)):
             print(f"price     {line}", file=sys.stderr)
-        models = config.models or [ModelEntry(model=config.worker.model, served_model_name=config.worker.served_name,
-                                              aliases=config.worker.aliases)]
+        models = config.models or default_models(config)
         for entry in models:  # a worker each
             engine = entry.engine or config.worker.engine
             path = model_store.resolve(entry.model, config.model_cache_dir) if needs_weights(engine) else entry.model
-            system.start_worker(f"worker-{entry.served_name}" if config.models else "worker", model=str(path),
+            name = "worker" if not config.models and entry is models[0] else f"worker-{entry.served_name}"
+            system.start_worker(name, model=str(path),
                                 served_model_name=entry.served_name, aliases=entry.aliases,
                                 max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs,
                                 engine=engine)

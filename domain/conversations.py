@@ -50,16 +50,24 @@ def _history_message(row) -> ChatMessage:
 async def write_turn(pool, turn: ConversationTurn) -> None:
     """Store a turn's two messages in one transaction. Their ids come from the request id, so writing a turn
     again (a held one redelivered) stores nothing twice."""
-    calls = json.dumps([tool_call_json(c) for c in turn.assistant_tool_calls]) if turn.assistant_tool_calls else None
     async with pool.acquire() as conn, conn.transaction():
-        for suffix, role, content, status, tool_calls, call_id in (
-                ("q", turn.user_role, turn.user_content, "completed", None, turn.tool_call_id),
-                ("a", "assistant", turn.assistant_content, turn.status, calls, None)):
-            await conn.execute(
-                "INSERT INTO conversation_messages (id, conversation_id, role, content, status, request_id, "
-                "tool_calls, tool_call_id) VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8) ON CONFLICT (id) DO NOTHING",
-                f"msg_{turn.request_id}_{suffix}", turn.conversation_id, role, _storable(content), status,
-                turn.request_id, tool_calls, call_id)
+        await insert_messages(conn, turn.conversation_id, turn.request_id, [
+            ("q", ChatMessage(turn.user_role, turn.user_content, tool_call_id=turn.tool_call_id), "completed"),
+            ("a", ChatMessage("assistant", turn.assistant_content, tool_calls=turn.assistant_tool_calls or None),
+             turn.status)])
+
+
+async def insert_messages(conn, conversation_id: str, request_id: str,
+                          messages: list[tuple[str, ChatMessage, str]]) -> None:
+    """Append ``(id suffix, message, status)`` rows to a conversation, in order. Each id is the request id and its
+    suffix: written again, nothing is stored twice."""
+    for suffix, m, status in messages:
+        calls = json.dumps([tool_call_json(c) for c in m.tool_calls]) if m.tool_calls else None
+        await conn.execute(
+            "INSERT INTO conversation_messages (id, conversation_id, role, content, status, request_id, "
+            "tool_calls, tool_call_id) VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8) ON CONFLICT (id) DO NOTHING",
+            f"msg_{request_id}_{suffix}", conversation_id, m.role, _storable(m.content), status, request_id, calls,
+            m.tool_call_id)
 
 
 def _storable(text: str) -> str:

@@ -50,7 +50,8 @@ class Failover:
         characters of) on a live worker other than ``dead_worker`` (None: any); returns the continuation, or None
         when it cannot be continued."""
         attempt = request.resume.attempt + 1 if request.resume is not None else 1
-        if request.sampling.n != 1 or attempt > self._max_attempts:
+        # An embeddings request's vectors do not continue from where a client is: it ends with worker_lost.
+        if request.sampling.n != 1 or request.embed is not None or attempt > self._max_attempts:
             return None
         # Only a dead worker's request needs another worker now; a broken stream's may go to any, and right after a
         # NATS restart the registry may not list any yet (the continuation waits in the queue until its deadline).

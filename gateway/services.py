@@ -5,7 +5,8 @@
               ├─ tier policies ──────┼─▶ admission (domain/admission/policies.py) ─┐
         postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
               publisher ── relay (liveness, failover) ── affinity ──────────────────┘
-        stores: conversations, files, batches, usage      queue gauges (poller)
+        stores: conversations, responses, files, batches, usage      queue gauges (poller)
+        responses (responses_service.py), embeddings (embeddings.py): over completions (and the stores)
 
 Routes are handed this object when the app is made (gateway/routes/) and read the service they need from it when
 a request comes; nothing else is looked up at run time.
@@ -32,14 +33,17 @@ from switchyard.domain.database import Database, connect
 from switchyard.domain.files import Files
 from switchyard.domain.publish import RequestPublisher
 from switchyard.domain.registry import ModelRegistry
+from switchyard.domain.responses import Responses
 from switchyard.domain.usage_report import UsageReport
 from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.drain import InFlightCounter
+from switchyard.gateway.embeddings import EmbeddingService
 from switchyard.gateway.failover import Failover
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.relay import Relay
+from switchyard.gateway.responses_service import ResponseService
 from switchyard.gateway.serving import CompletionService
 from switchyard.shared import nats_client
 from switchyard.shared.config import SwitchyardConfig
@@ -63,6 +67,9 @@ class GatewayServices:
     admission: Pipeline
     completions: CompletionService
     conversations: Conversations
+    responses: ResponseService
+    embeddings: EmbeddingService
+    response_store: Responses
     files: Files
     batches: Batches
     usage: UsageReport
@@ -103,6 +110,10 @@ class GatewayServices:
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
                                              self.metrics, affinity=affinity)
         self.conversations = Conversations(pool, self.js)
+        self.embeddings = EmbeddingService(self.completions)
+        self.response_store = Responses(pool, self.js)
+        self.responses = ResponseService(self.completions, self.response_store, self.conversations, self.in_flight,
+                                         self.nc)
         self.files = Files(pool)
         self.batches = Batches(pool, self.files)
         self.usage = UsageReport(pool)

@@ -86,14 +86,14 @@ class CompletionService:
         fields = body.wire_fields()
         if messages is not None:
             fields["messages"] = messages
-        request = await self._wire_request(body, ticket, truncate_history=messages is not None, **fields)
+        request = await self.wire_request(body, ticket, truncate_history=messages is not None, **fields)
         shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, ticket.service.label,
                       extra=extra or {})
         return await self._serve(request, [request], shape, ticket, on_finish, left_out=left_out, gone=gone)
 
     async def completion(self, body: CompletionRequest, ticket: Ticket, gone: Gone | None = None):
         prompts = body.prompts
-        outer = await self._wire_request(body, ticket, **body.wire_fields(prompts[0]))
+        outer = await self.wire_request(body, ticket, **body.wire_fields(prompts[0]))
         parts = [outer] if len(prompts) == 1 else [
             msgspec.structs.replace(outer, request_id=f"{outer.request_id}-p{i}", **body.wire_fields(p))
             for i, p in enumerate(prompts)]
@@ -105,7 +105,9 @@ class CompletionService:
                       generated_per_prompt=body.num_generated)
         return await self._serve(outer, parts, shape, ticket, logprobs_asked=body.logprobs is not None, gone=gone)
 
-    async def _wire_request(self, body, ticket: Ticket, **fields) -> GenerateRequest:
+    async def wire_request(self, body, ticket: Ticket, **fields) -> GenerateRequest:
+        """The wire request of an admitted ``ticket``: its ids, tier, deadline and tenant, ``body``'s end user and
+        metadata, and ``fields`` (what the body asks the worker for)."""
         policy = (await self._tier_policies.get())[ticket.tier]
         now = time.time()
         # The tier's wait limit, live from ops; an interactive gateway caps it (queue_timeout_s), a flex request
@@ -156,13 +158,15 @@ class CompletionService:
             await self._affinity.record(relayed.request, outcome.text, outcome.tool_calls,
                                         getattr(relayed, "worker_id", None))
 
-    async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape, ticket: Ticket,
-                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None, left_out: int = 0,
-                     gone: Gone | None = None):
+    async def start(self, request: GenerateRequest, ticket: Ticket, parts: list[GenerateRequest] | None = None,
+                    gone: Gone | None = None) -> tuple[RelayedRequest | MergedRelay, TokenDelta]:
+        """Queue ``request`` (or its ``parts``, one per prompt) and wait for the worker's first message. A request
+        that could not start settles its ticket with nothing used and raises (a flex request's refusal its own
+        way); one whose client went away meanwhile (``gone``) is stopped and raises ClientGone."""
         try:
             try:
                 self._metrics.served_models.add(request.model)
-                relayed = await self._submit(request, parts)
+                relayed = await self._submit(request, parts or [request])
                 try:
                     first = await unless_gone(relayed.first(), gone)
                 except BaseException:
@@ -171,12 +175,42 @@ class CompletionService:
                     raise
             except ClientGone:
                 await self._admission.settle(ticket, None)  # a worker may have taken it: it bills what ran
-                return Response(status_code=CLIENT_GONE)  # nobody reads it
+                raise
             except BaseException:
                 await self._admission.settle(ticket, 0)  # never ran: whatever it holds goes back
                 raise
         except OpenAIError as exc:  # a request that could not start: flex says so its own way
             raise flex_refusal(exc, self._config.retry_after_s) if ticket.service.is_flex else exc
+        return relayed, first
+
+    async def end(self, relayed, ticket: Ticket, outcome: Outcome, used_tokens: int | None,
+                  on_finish: OnFinish | None = None) -> None:
+        """After a request's last delta, or when its client went away: stop the worker if it still runs, settle
+        the ticket (``used_tokens`` None: unknown here, the worker bills them), hand ``outcome`` on, remember
+        where its prefix is cached. One shielded task does all of it, so it is reached from a cancelled response
+        task too: a cancelled response's scope cancels every later await (anyio's cancellation is
+        level-triggered), so steps awaited one by one would stop at the first."""
+        await asyncio.shield(self._end(relayed, ticket, outcome, used_tokens, on_finish))
+
+    async def _end(self, relayed, ticket: Ticket, outcome: Outcome, used_tokens: int | None,
+                   on_finish: OnFinish | None) -> None:
+        try:
+            if not relayed.is_finished:
+                await relayed.cancel()
+            await relayed.close()
+        finally:
+            await self._admission.settle(ticket, used_tokens)
+            if on_finish is not None:
+                await on_finish(outcome)
+            await self._remember(relayed, outcome)
+
+    async def _serve(self, request: GenerateRequest, parts: list[GenerateRequest], shape: Shape, ticket: Ticket,
+                     on_finish: OnFinish | None = None, logprobs_asked: bool | None = None, left_out: int = 0,
+                     gone: Gone | None = None):
+        try:
+            relayed, first = await self.start(request, ticket, parts, gone)
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)  # nobody reads it
         headers = {"X-Request-Id": request.request_id}
         if request.truncate_history:
             dropped = first.dropped_messages + left_out
@@ -201,16 +235,17 @@ class CompletionService:
             used = None
             return Response(status_code=CLIENT_GONE)
         finally:
-            await asyncio.shield(self._end(relayed, ticket, used, outcome, on_finish))
+            await self.end(relayed, ticket, outcome, used, on_finish)
 
     async def _collect(self, relayed, first: TokenDelta, builder: BodyBuilder) -> None:
         """Every delta of a request answered whole, into ``builder``; raises the error one of them carries."""
-        async for delta in self._all_deltas(relayed, first):
+        async for delta in self.deltas(relayed, first):
             if delta.error is not None:
                 raise OpenAIError.from_info(delta.error)
             builder.add(delta)
 
-    async def _all_deltas(self, relayed, first: TokenDelta) -> AsyncIterator[TokenDelta]:
+    async def deltas(self, relayed, first: TokenDelta) -> AsyncIterator[TokenDelta]:
+        """``first``, then every later delta of ``relayed``, timed for the metrics."""
         timer = self._metrics.stream(relayed.request)
         timer.delta(first)
         yield first
@@ -230,7 +265,7 @@ class CompletionService:
                 for i in range(req.sampling.n):
                     yield chunks.opening(i)
             ready: list[bytes] = []  # chunks of the deltas already here, written together (one send, not one each)
-            async for delta in self._all_deltas(relayed, first):
+            async for delta in self.deltas(relayed, first):
                 if delta.usage is not None:
                     usage = delta.usage
                 if delta.error is not None:
@@ -249,25 +284,8 @@ class CompletionService:
             yield sse("[DONE]")
         finally:
             # Reached on normal end, and on client disconnect (the response task is cancelled): a worker still
-            # generating for a gone client must free its slot now. One shielded task does all of it: a cancelled
-            # response's scope cancels every later await too (anyio's cancellation is level-triggered), so steps
-            # awaited one by one here would stop at the first.
+            # generating for a gone client must free its slot now. A cancelled stream's tokens are unknown here
+            # (the worker bills them): None says so.
             outcome.take(reply)
             outcome.usage = usage or Usage()
-            # A cancelled stream's tokens are unknown here (the worker bills them): None says so.
-            await asyncio.shield(self._end(relayed, ticket, usage.total_tokens if usage is not None else None,
-                                           outcome, on_finish))
-
-    async def _end(self, relayed, ticket: Ticket, used_tokens: int | None, outcome: Outcome,
-                   on_finish: OnFinish | None) -> None:
-        """Everything a request owes once its answer is over, however it ended: the worker told to stop if it still
-        runs, the ticket settled, ``on_finish`` told, the reply's prefix remembered."""
-        try:
-            if not relayed.is_finished:
-                await relayed.cancel()
-            await relayed.close()
-        finally:
-            await self._admission.settle(ticket, used_tokens)
-            if on_finish is not None:
-                await on_finish(outcome)
-            await self._remember(relayed, outcome)
+            await self.end(relayed, ticket, outcome, usage.total_tokens if usage is not None else None, on_finish)

@@ -50,7 +50,7 @@ class Jobs:
         self._tasks = [
             asyncio.create_task(self._supervised("usage-writer", lambda: run_usage_writer(js, pool, stop))),
             asyncio.create_task(self._supervised("housekeeping",
-                                                 lambda: run_housekeeping(js, Limiter(Database(pool)), stop))),
+                                                 lambda: run_housekeeping(js, Limiter(Database(pool)), stop, pool))),
             asyncio.create_task(self._supervised("batch-runner", lambda: runner.run(stop))),
             asyncio.create_task(self._supervised("held-writer", lambda: run_held_writer(js, pool, stop))),
         ]

@@ -133,7 +133,7 @@ class GatewayConfig(BaseModel):
 
 
 # The engines a worker can run (one builder each in workers/service/engines.py).
-EngineName = Literal["switchyard", "simulated", "vllm"]
+EngineName = Literal["switchyard", "simulated", "vllm", "embeddings"]
 
 
 class VllmSettings(BaseModel):
@@ -192,8 +192,9 @@ class WorkerConfig(EngineSettings):
     model: str = "smollm2"  # a registry name (see workers.model_store) or a local HF model directory
     served_model_name: str | None = None
     aliases: list[str] = Field(default_factory=list)  # more names clients may use for it (in the worker registry)
-    # Which engine runs the model (workers/service/engines.py builds each): ``switchyard``, ours, the default, or
-    # ``vllm`` (workers/vllm_engine/, in an environment of its own: `make vllm-env`).
+    # Which engine runs the model (workers/service/engines.py builds each): ``switchyard``, ours, the default;
+    # ``vllm`` (workers/vllm_engine/, in an environment of its own: `make vllm-env`); ``embeddings``, a
+    # sentence-embedding model serving /v1/embeddings; ``simulated``, a test double for load tests.
     engine: EngineName = "switchyard"
     vllm: VllmSettings = Field(default_factory=VllmSettings)  # the vLLM engine's own knobs
     dtype: str = "auto"  # auto: bfloat16 where supported, else float32
@@ -282,6 +283,9 @@ class SwitchyardConfig(BaseSettings):
     # Several models (``up`` runs a worker for each; the gateway knows their names before any worker is live, so a
     # known model with no worker is a 503, not a 404). Empty: ``worker.model`` alone.
     models: list[ModelEntry] = Field(default_factory=list)
+    # The embedding model ``switchyard up`` serves beside the chat model when ``models`` is empty (a registry name
+    # or a model directory, on a worker of engine ``embeddings``; its served name is its own). "" or None: none.
+    embedding_model: str | None = "all-minilm-l6-v2"
 
     @property
     def model_cache_dir(self) -> Path:

@@ -50,6 +50,15 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig, replicas: i
             await js.stream_info(config.name)
 
 
+async def _widen_subjects(js: JetStreamContext, config: StreamConfig) -> None:
+    """Give a stream made by an earlier version today's subjects (HELD_WRITES held only ``llm.held.turn``), its
+    messages kept."""
+    info = await js.stream_info(config.name)
+    if sorted(info.config.subjects or ()) != sorted(config.subjects):
+        info.config.subjects = config.subjects
+        await js.update_stream(info.config)
+
+
 # Streams of earlier layouts whose subjects overlap today's: JetStream refuses a new stream that overlaps them.
 _LEGACY_STREAMS = ("REQUESTS",)  # one stream for every tier, before the per-tier streams
 
@@ -107,6 +116,7 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 1, seed: bool = T
     for config in (usage_stream_config(), events_stream_config(), batch_results_stream_config(),
                    held_writes_stream_config(), dead_letter_stream_config(), affinity_stream_config()):
         await _ensure_stream(js, config, replicas)
+    await _widen_subjects(js, held_writes_stream_config())
     await workers_bucket(js, replicas)
 
 
@@ -166,11 +176,14 @@ async def ensure_usage_consumer(js: JetStreamContext) -> str:
     return subjects.USAGE_CONSUMER
 
 
-async def ensure_held_writes_consumer(js: JetStreamContext) -> str:
-    config = ConsumerConfig(durable_name=subjects.HELD_WRITES_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-                            max_deliver=-1)
+async def ensure_held_writes_consumer(js: JetStreamContext, subject: str = subjects.HELD_TURN_SUBJECT) -> str:
+    """The durable consumer of one kind of held write (``llm.held.turn``, ``llm.held.response``); returns its name.
+    The turns' consumer of an earlier version, which read the whole stream, is narrowed in place."""
+    name = subjects.held_writes_consumer(subject)
+    config = ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=-1,
+                            filter_subject=subject)
     await js.add_consumer(subjects.HELD_WRITES_STREAM, config)
-    return subjects.HELD_WRITES_CONSUMER
+    return name
 
 
 async def ensure_batch_results_consumer(js: JetStreamContext) -> str:

@@ -86,6 +86,19 @@ class Resume(msgspec.Struct):
     attempt: int = 1  # 1 for the first continuation, 2 if that worker died too, ...
 
 
+class EmbedInput(msgspec.Struct, frozen=True):
+    """What an embeddings request asks (``/v1/embeddings``): one vector per input, in order. Exactly one of
+    ``texts`` and ``token_ids`` is set."""
+
+    texts: list[str] | None = None
+    token_ids: list[list[int]] | None = None
+    dimensions: int | None = None  # None: the model's own size
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_ids or ())
+
+
 class SafetyPolicy(msgspec.Struct):
     """How a worker filters a request's output as it is generated (workers/engine/output_filter.py): set by the
     gateway from the tenant's policy, with the deployment's whole rule set, so every worker applies the same."""
@@ -133,6 +146,7 @@ class GenerateRequest(msgspec.Struct):
     end_user: str | None = None  # the client's ``user`` (or ``safety_identifier``), kept with its usage record
     metadata: dict[str, str] | None = None  # the client's ``metadata``, kept with its usage record
     safety: SafetyPolicy | None = None  # the output filter; None: the tenant's policy is off
+    embed: EmbedInput | None = None  # an embeddings request (an embedding engine's only kind); None: generate
 
 
 class Usage(msgspec.Struct):
@@ -215,6 +229,9 @@ class TokenDelta(msgspec.Struct):
     tool_calls: list[ToolCallDelta] | None = None  # tool calls found in this delta's tokens (``text`` is content)
     # The request's last delta: every choice has ended (the engine counts them, nobody else need) or it failed.
     is_last: bool = False
+    # An embeddings request's vectors, in input order, each little-endian float32 (OpenAI's base64 is exactly
+    # these bytes): the next inputs' after those of the deltas before, as many per delta as fit a NATS message.
+    embeddings: list[bytes] | None = None
 
 
 class UsageRecord(msgspec.Struct):
@@ -250,6 +267,23 @@ class ConversationTurn(msgspec.Struct):
     user_role: str = "user"  # or "tool": the new message answers one of the reply's earlier tool calls
     tool_call_id: str | None = None  # a tool message's call
     assistant_tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+
+
+class StoredResponse(msgspec.Struct):
+    """A Responses API response as stored when it ends (or, in the background, as it goes): held on
+    ``llm.held.response`` (durable) when Postgres could not take it then, and written once when it returns, with
+    what it adds to its conversation."""
+
+    response_id: str
+    tenant_id: str
+    request_id: str
+    status: str  # queued | in_progress | completed | incomplete | failed | cancelled
+    body: str  # the response object, as JSON text
+    input_items: str  # this request's input items, as JSON text
+    background: bool = False
+    previous_response_id: str | None = None
+    conversation_id: str | None = None
+    conversation_messages: list[ChatMessage] = msgspec.field(default_factory=list)  # appended once it ends
 
 
 class BatchChoice(msgspec.Struct):

@@ -79,8 +79,9 @@ def batch_results_stream_config() -> StreamConfig:
 
 
 def held_writes_stream_config() -> StreamConfig:
-    """Writes the gateway could not make while Postgres was away (conversation turns), until it takes them."""
-    return _durable_log(subjects.HELD_WRITES_STREAM, f"{subjects.HELD_TURN_SUBJECT}", USAGE_MAX_AGE_S)
+    """Writes the gateway could not make while Postgres was away (conversation turns, responses), until it takes
+    them."""
+    return _durable_log(subjects.HELD_WRITES_STREAM, f"{subjects.HELD_PREFIX}.>", USAGE_MAX_AGE_S)
 
 
 def dead_letter_stream_config() -> StreamConfig:

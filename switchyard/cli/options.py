@@ -50,6 +50,13 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
                    help="the worker's Prometheus /metrics port (default 0: any free port; the worker registry has it)")
 
 
+def add_embedding_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--embedding-model", help="the embedding model served beside the chat model when no --model "
+                                             "list is given (default all-minilm-l6-v2)")
+    p.add_argument("--no-embeddings", dest="embedding_model", action="store_const", const="",
+                   help="serve no embedding model")
+
+
 def add_http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -76,7 +83,7 @@ def load_config(args: argparse.Namespace) -> SwitchyardConfig:
         else:
             models = specs
     return config.model_copy(update={
-        **given(("data_dir", "nats_url", "database_url", "log_format")),
+        **given(("data_dir", "nats_url", "database_url", "log_format", "embedding_model")),
         "worker": config.worker.model_copy(update=worker),
         "gateway": config.gateway.model_copy(update=given(type(config.gateway).model_fields)),
         "models": models,

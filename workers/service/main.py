@@ -16,6 +16,7 @@ import torch
 
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.tracing import setup_tracing
+from switchyard.workers import model_store
 from switchyard.workers.engine.interface import ServingEngine
 from switchyard.workers.service.engines import engine_builder
 from switchyard.workers.service.metrics import WorkerMetrics
@@ -25,9 +26,16 @@ from switchyard.workers.service.worker import Worker
 log = logging.getLogger("switchyard.worker")
 
 
+def with_model_engine(config: SwitchyardConfig) -> SwitchyardConfig:
+    """``config`` with the engine that serves its model: a registry embedding model's own in place of the default
+    (model_store.engine_for), so the start log and the heartbeat name the engine that runs."""
+    engine = model_store.engine_for(config.worker.model, config.worker.engine)
+    return config.model_copy(update={"worker": config.worker.model_copy(update={"engine": engine})})
+
+
 def build_engine(config: SwitchyardConfig) -> ServingEngine:
-    """The engine ``worker.engine`` names (workers/service/engines.py), loaded and warmed up: kernels and
-    allocator before the first request, not in it."""
+    """The engine ``worker.engine`` names (workers/service/engines.py), loaded and warmed up: kernels and allocator
+    before the first request, not in it."""
     if config.worker.torch_threads:
         torch.set_num_threads(config.worker.torch_threads)
     return engine_builder(config.worker.engine)(config)
@@ -78,6 +86,7 @@ def serve_worker(config: SwitchyardConfig) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # Every torch call of the process on one OS thread, loading included: OpenMP gives each calling thread a pool of
     # its own, and once two pools exist every matmul on 2 cores ran about 1.5x slower (bench/serve.py).
+    config = with_model_engine(config)
     step_thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-step")
     try:
         engine = step_thread.submit(build_engine, config).result()

@@ -1,0 +1,60 @@
+"""``/v1/responses``: OpenAI's Responses API over the chat path (gateway/responses_service.py), stored per tenant
+(domain/responses.py).
+
+    POST   /v1/responses                          {model, input, instructions?, tools?, stream?, background?, ...}
+    GET    /v1/responses/{id}
+    DELETE /v1/responses/{id}
+    GET    /v1/responses/{id}/input_items         ?limit=&after=&order=asc|desc
+    POST   /v1/responses/{id}/cancel              a background response
+
+The earlier turns (``previous_response_id``, ``conversation``) count toward the request's size and token
+reservation like a conversation's history; only the new input and the instructions are judged by the input filter.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+
+from switchyard.domain.api.responses import ResponseCreate
+from switchyard.domain.auth import AuthContext
+from switchyard.domain.errors import OpenAIError
+from switchyard.gateway.admission import admit, authenticated, request_ticket
+from switchyard.gateway.services import GatewayServices
+
+
+def router(services: GatewayServices) -> APIRouter:
+    router = APIRouter(prefix="/v1/responses")
+    caller = authenticated(services)
+
+    @router.post("")
+    async def create(body: ResponseCreate, request: Request, auth: AuthContext = Depends(caller)):
+        context = await services.responses.context(body, auth.tenant_id)
+        model = body.model or context.model
+        if not model:
+            raise OpenAIError(400, "Missing required parameter: 'model'.", param="model",
+                              code="missing_required_parameter")
+        ticket = await admit(services, request, request_ticket(
+            auth, body, model=model, num_chars=body.num_chars() + context.num_chars()))
+        return await services.responses.create(body, ticket, context)
+
+    @router.get("/{response_id}")
+    async def get(response_id: str, auth: AuthContext = Depends(caller)):
+        return await services.response_store.get(response_id, auth.tenant_id)
+
+    @router.delete("/{response_id}")
+    async def delete(response_id: str, auth: AuthContext = Depends(caller)):
+        await services.response_store.delete(response_id, auth.tenant_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @router.get("/{response_id}/input_items")
+    async def input_items(response_id: str, limit: int = 20, after: str | None = None,
+                          order: Literal["asc", "desc"] = "desc", auth: AuthContext = Depends(caller)):
+        return await services.response_store.input_items(response_id, auth.tenant_id, limit, after, order)
+
+    @router.post("/{response_id}/cancel")
+    async def cancel(response_id: str, auth: AuthContext = Depends(caller)):
+        return await services.responses.cancel(response_id, auth.tenant_id)
+
+    return router

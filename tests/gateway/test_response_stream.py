@@ -1,0 +1,95 @@
+"""How a streamed response ends when something fails mid-way, without servers: ``ResponseService``'s stream over
+``RelayDouble``, a named test double of CompletionService's deltas/end (the real relay is tested end to end in
+tests/e2e/test_responses.py, where no failure can be made to happen mid-stream on demand). A worker's error ends
+the stream with ``response.failed`` carrying it; a fault of the gateway's own with an ``error`` event; both are
+stored failed, and only a stream that ended tells the ticket its tokens."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from switchyard.domain.api.responses import ResponseCreate
+from switchyard.gateway.responses_service import ResponseService, _Run
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
+
+LOST = ErrorInfo("The worker running the request stopped; please retry.", code="worker_lost", type="server_error",
+                 status=503)
+
+
+class RelayDouble:
+    """Test double: yields the first delta and then ``later`` (an exception in it is raised there); ``end`` records
+    the tokens it was told and stores the response as the real one does (its ``on_finish``)."""
+
+    def __init__(self, later: list) -> None:
+        self.later = later
+        self.used_tokens: int | None | str = "never ended"
+
+    async def deltas(self, relayed, first: TokenDelta):
+        yield first
+        for item in self.later:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def end(self, relayed, ticket, outcome, used_tokens, on_finish=None) -> None:
+        self.used_tokens = used_tokens
+        await on_finish(outcome)
+
+
+class StoreDouble:
+    def __init__(self) -> None:
+        self.saved = []
+
+    async def save(self, record, hold: bool = True) -> None:
+        self.saved.append(record)
+
+
+async def stream(later: list) -> tuple[list[dict], RelayDouble, StoreDouble]:
+    relay, store = RelayDouble(later), StoreDouble()
+    service = ResponseService(relay, store, conversations=None, in_flight=None, nc=None)
+    request = GenerateRequest("r1", "tiny", "pro", SamplingParams(), 0.0, 0.0)
+    ticket = SimpleNamespace(service=SimpleNamespace(label="default"), auth=SimpleNamespace(tenant_id="t1"))
+    run = _Run(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request, "resp_r1")
+    chunks = [chunk async for chunk in service._stream(run, None, TokenDelta("r1"))]
+    events = [json.loads(line[6:]) for chunk in chunks for line in chunk.decode().splitlines()
+              if line.startswith("data: ")]
+    return events, relay, store
+
+
+def said(events: list[dict]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+async def test_a_worker_error_mid_stream_ends_it_with_response_failed_carrying_the_error():
+    events, relay, store = await stream([TokenDelta("r1", text="Hel", num_tokens=1),
+                                         TokenDelta("r1", error=LOST, finish_reason="error",
+                                                    usage=Usage(prompt_tokens=3, completion_tokens=1))])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert said(events) == "Hel" and events[-1]["type"] == "response.failed"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_lost"
+    assert failed["output"][0]["content"][0]["text"] == "Hel"  # what was streamed, closed as incomplete
+    (record,) = store.saved
+    assert record.status == "failed" and record.conversation_messages == []  # a failed reply adds nothing to a conversation
+    assert relay.used_tokens == 4  # what the worker's last word says it ran
+
+
+async def test_a_gateway_fault_mid_stream_ends_it_with_an_error_event():
+    events, relay, store = await stream([TokenDelta("r1", text="Hel", num_tokens=1), RuntimeError("bug")])
+    assert said(events) == "Hel"
+    assert events[-1] == {"type": "error", "sequence_number": len(events) - 1, "code": "server_error",
+                          "message": "The gateway had an error running the response.", "param": None}
+    (record,) = store.saved
+    assert record.status == "failed" and json.loads(record.body)["error"]["code"] == "server_error"
+    assert relay.used_tokens is None  # unknown here: the worker bills what it ran
+
+
+@pytest.mark.parametrize("reason, last", [("stop", "response.completed"), ("length", "response.incomplete")])
+async def test_a_stream_that_ends_well_is_stored_as_it_ended(reason, last):
+    events, relay, store = await stream([TokenDelta("r1", text="Hi", num_tokens=1, finish_reason=reason,
+                                                    usage=Usage(prompt_tokens=3, completion_tokens=1))])
+    assert events[-1]["type"] == last and events[-1]["response"]["usage"]["total_tokens"] == 4
+    assert relay.used_tokens == 4 and [r.status for r in store.saved] == [events[-1]["response"]["status"]]
