@@ -15,6 +15,7 @@ from switchyard.domain.api.chat import FunctionDefinition, FunctionName
 from switchyard.domain.api.fields import (INT32_MAX, MAX_TOOLS, Name, Strict, check_metadata, refuse_given,
                                           unsupported, validated)
 from switchyard.domain.api.response_items import item_text, parse_input
+from switchyard.domain.api.text import StoredText
 from switchyard.shared.messages import ResponseFormat, SamplingParams, ToolSpec, ToolUse
 
 
@@ -65,7 +66,7 @@ class Reasoning(Strict):
 class ResponseCreate(Strict):
     model: str | None = Field(None, min_length=1)  # None: the previous response's or the conversation's
     input: str | list = Field(min_length=1)
-    instructions: str | None = None
+    instructions: StoredText | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -74,9 +75,9 @@ class ResponseCreate(Strict):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
-    user: str | None = Field(None, max_length=256)
-    safety_identifier: str | None = Field(None, max_length=256)
-    metadata: dict[str, str] | None = None
+    user: StoredText | None = Field(None, max_length=256)
+    safety_identifier: StoredText | None = Field(None, max_length=256)
+    metadata: dict[StoredText, StoredText] | None = None
     stream: bool = False
     store: bool = True  # as OpenAI's: kept, so a later request can name it as previous_response_id
     previous_response_id: str | None = None
