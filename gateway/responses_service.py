@@ -33,6 +33,7 @@ from switchyard.gateway.response_events import ResponseEvents
 from switchyard.gateway.responses import BodyBuilder, Shape
 from switchyard.gateway.serving import CompletionService, Outcome
 from switchyard.shared import subjects
+from switchyard.shared.config import RequestLimits
 from switchyard.shared.messages import ChatMessage, ErrorInfo, GenerateRequest, StoredResponse
 
 log = logging.getLogger("switchyard.gateway")
@@ -82,10 +83,12 @@ class _Run:
 
 class ResponseService:
     def __init__(self, completions: CompletionService, responses: Responses, conversations: Conversations,
-                 in_flight: InFlightCounter, nc: NATS) -> None:
+                 in_flight: InFlightCounter, nc: NATS, limits: RequestLimits) -> None:
         """``in_flight``: background responses count as open requests, so a draining gateway finishes them.
-        ``nc``: cancels reach a background response's worker through it."""
+        ``nc``: cancels reach a background response's worker through it. ``limits``: how much of a conversation's
+        history is loaded (as for a conversation turn)."""
         self._nc = nc
+        self._limits = limits
         self._completions = completions
         self._responses = responses
         self._conversations = conversations
@@ -100,7 +103,9 @@ class ResponseService:
             return Context(history, model)
         if body.conversation_id is not None:
             conversation = await self._conversations.owned(body.conversation_id, tenant_id)
-            return Context(await self._conversations.history(conversation), conversation["model"])
+            history, _ = await self._conversations.history(conversation, self._limits.max_history_messages,
+                                                           self._limits.max_history_chars)
+            return Context(history, conversation["model"])
         return Context()
 
     async def create(self, body: ResponseCreate, ticket: Ticket, context: Context):

@@ -113,7 +113,7 @@ class GatewayServices:
         self.embeddings = EmbeddingService(self.completions)
         self.response_store = Responses(pool, self.js)
         self.responses = ResponseService(self.completions, self.response_store, self.conversations, self.in_flight,
-                                         self.nc)
+                                         self.nc, config.gateway.limits)
         self.files = Files(pool)
         self.batches = Batches(pool, self.files)
         self.usage = UsageReport(pool)

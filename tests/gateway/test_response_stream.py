@@ -13,6 +13,7 @@ import pytest
 
 from switchyard.domain.api.responses import ResponseCreate
 from switchyard.gateway.responses_service import ResponseService, _Run
+from switchyard.shared.config import RequestLimits
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
 
 LOST = ErrorInfo("The worker running the request stopped; please retry.", code="worker_lost", type="server_error",
@@ -49,7 +50,7 @@ class StoreDouble:
 
 async def stream(later: list) -> tuple[list[dict], RelayDouble, StoreDouble]:
     relay, store = RelayDouble(later), StoreDouble()
-    service = ResponseService(relay, store, conversations=None, in_flight=None, nc=None)
+    service = ResponseService(relay, store, conversations=None, in_flight=None, nc=None, limits=RequestLimits())
     request = GenerateRequest("r1", "tiny", "pro", SamplingParams(), 0.0, 0.0)
     ticket = SimpleNamespace(service=SimpleNamespace(label="default"), auth=SimpleNamespace(tenant_id="t1"))
     run = _Run(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request, "resp_r1")

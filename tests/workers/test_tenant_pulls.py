@@ -1,6 +1,6 @@
 """A worker's pulls from its per-tenant queues (workers/service/pulls.py, tenant_queues.py) on a real JetStream:
-one subscription whatever the number of tenants, an empty queue answered at once, a consumer deleted while idle
-made again, messages acked and redelivered as JetStream's own."""
+one subscription whatever the number of tenants, an empty queue answered by the server, a consumer deleted while
+idle made again, messages acked and redelivered as JetStream's own."""
 
 from __future__ import annotations
 
@@ -71,14 +71,15 @@ async def test_one_subscription_serves_more_tenants_than_a_worker_ever_subscribe
         await nc.close()
 
 
-async def test_an_empty_queue_answers_at_once_and_a_deleted_consumer_is_made_again(js_url):
+async def test_an_empty_queue_is_answered_and_a_deleted_consumer_is_made_again(js_url):
     nc = await nats.connect(js_url.url)
     try:
         js = nc.jetstream()
         stream = subjects.request_stream(TIER)
         consumer = await ensure_request_consumer(js, MODEL, TIER, "a")
         pulls = ConsumerPulls(nc)
-        # Empty: the server says so at once; a 30 s bound shows it is the answer, not the timeout, that ends it.
+        # Empty: the server says so (when the pull expires); a 30 s bound shows it is the answer, not the timeout,
+        # that ends it.
         assert await asyncio.wait_for(pulls.next(stream, consumer, timeout_s=30.0), 10.0) is None
         await js.delete_consumer(stream, consumer)
         with pytest.raises(ConsumerGone):

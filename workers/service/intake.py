@@ -45,7 +45,7 @@ from switchyard.workers.service.waiting import first_of
 
 log = logging.getLogger("switchyard.worker")
 
-FETCH_TIMEOUT_S = 1.0  # per pull, for an answer lost on the way: an empty queue answers at once (pulls.py)
+FETCH_TIMEOUT_S = 1.0  # per pull, for an answer lost on the way: an empty queue answers in 50 ms (pulls.py)
 PULL_AT_ONCE = 16  # requests pulled side by side into free seats, at most (each from another tenant)
 SWEEP_EVERY_S = 1.0  # look at the queues this often whatever rang (redeliveries, missed rings, slow fetches)
 EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered

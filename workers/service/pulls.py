@@ -4,9 +4,11 @@ A worker reads a queue per tier and tenant (tenant_queues.py). nats-py's pull su
 its own per consumer, and its ``fetch`` waits out its whole timeout when the queue turns out empty; with more
 active tenants than subscriptions kept, every pull also made a consumer and a subscription again. Here every pull
 is one request on JetStream's own pull API, ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`` with
-``{"batch": 1, "no_wait": true}``, answered on one wildcard inbox: the consumer's next message, or at once a
-status saying it has none (404/408), or that nobody serves that consumer (503: JetStream deleted it after its idle
-hour, or the server restarted without it).
+``{"batch": 1, "expires": 50 ms}``, answered on one wildcard inbox: the consumer's next message, or a status saying
+it has none (408 when the pull expired, 404), or that nobody serves that consumer (503: JetStream deleted it after
+its idle hour, or the server restarted without it). Not ``no_wait``: a doorbell can reach the worker before the
+stream hands its message to the consumer, and a pull that answered "none" at once then forgot that tenant until
+the next sweep, a second later (tests/e2e/test_hostile_work.py's victim waited for it).
 
 The messages are ordinary JetStream messages: ack, nak, in-progress and term answer their reply subject as with
 nats-py's own pulls. One that arrives after its pull gave up (a lost answer's timeout) is handed back at once (nak)
@@ -22,7 +24,8 @@ import logging
 
 log = logging.getLogger("switchyard.worker")
 
-NO_WAIT = json.dumps({"batch": 1, "no_wait": True}).encode()
+PULL_EXPIRES_S = 0.05  # how long the server holds a pull for a message that is on its way
+NEXT_ONE = json.dumps({"batch": 1, "expires": int(PULL_EXPIRES_S * 1e9)}).encode()
 EMPTY = frozenset({"404", "408"})  # no message now / the pull expired: the queue is empty for us
 GONE = frozenset({"503"})  # no responders: the consumer is not there (deleted when idle, or a fresh server)
 
@@ -59,15 +62,16 @@ class ConsumerPulls:
         self._waiting.clear()
 
     async def next(self, stream: str, consumer: str, timeout_s: float):
-        """The consumer's next message, or None when it has none now. ``timeout_s`` bounds a lost answer (an empty
-        queue answers at once); raises ConsumerGone when the consumer is not on the server."""
+        """The consumer's next message, or None when it has none now (the server says so within
+        ``PULL_EXPIRES_S``); ``timeout_s`` bounds a lost answer; raises ConsumerGone when the consumer is not on the
+        server."""
         if self._sub is None:
             await self.start()
         key, token = (stream, consumer), str(next(self._tokens))
         future = asyncio.get_running_loop().create_future()
         self._waiting[key], self._inboxes[token] = future, key
         try:
-            await self._nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", NO_WAIT,
+            await self._nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", NEXT_ONE,
                                    reply=f"{self._prefix}.{token}")
             msg = await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:

@@ -10,7 +10,7 @@ started, bells lost on the way), from a sweep of the stream's per-subject counts
 tenant that was served least goes first (scheduler/tenant_share.py); between tiers the worker's weighted tier
 share decides, as before. A consumer is made when a tenant first has work here, and again when a pull finds it gone
 (JetStream deletes a consumer nobody pulled from for an hour); every pull goes through one subscription
-(pulls.py), so a thousand active tenants cost the worker no subscription each, and an empty queue answers at once.
+(pulls.py), so a thousand active tenants cost the worker no subscription each.
 """
 
 from __future__ import annotations
