@@ -23,14 +23,17 @@ TIER = "pro"
 
 
 @pytest.fixture
-async def js_url():
+async def nc():
+    """A connection to a fresh JetStream server with the request streams made; closed, and the server stopped."""
     path = Path(tempfile.mkdtemp(prefix="switchyard-test-pulls-"))
     try:
         with NatsServer(path / "nats") as server:
-            nc = await nats.connect(server.url)
-            await ensure_streams(nc.jetstream())
-            await nc.close()
-            yield server
+            conn = await nats.connect(server.url)
+            try:
+                await ensure_streams(conn.jetstream())
+                yield conn
+            finally:
+                await conn.close()
     finally:
         shutil.rmtree(path)
 
@@ -48,100 +51,84 @@ def subscriptions(nc) -> int:
     return len(nc._subs)  # the client's own table: what the server holds for this connection
 
 
-async def test_one_subscription_serves_more_tenants_than_a_worker_ever_subscribed(js_url):
-    nc = await nats.connect(js_url.url)
-    try:
-        js = nc.jetstream()
-        tenants = [f"t{i:04d}" for i in range(300)]
-        for tenant in tenants:
-            await js.publish(subjects.request_subject(MODEL, TIER, tenant), tenant.encode())
-        queues = TenantQueues(nc, js, MODEL, [TIER])
-        before = subscriptions(nc)
-        await queues.sweep()
-        got = []
-        while (msg := await queues.take(TIER, timeout_s=5.0)) is not None:
-            got.append(msg.data.decode())
-            await msg.ack_sync()
-        assert sorted(got) == tenants  # each tenant's request once, none lost
-        assert subscriptions(nc) - before == 1  # one inbox for all 300 consumers (a worker kept one per tenant)
-        assert (await js.stream_info(subjects.request_stream(TIER))).state.messages == 0  # acked: gone
-        assert not queues.has_pending()  # every queue that came up empty is forgotten until it rings
-        await queues.close()
-    finally:
-        await nc.close()
+async def test_one_subscription_serves_more_tenants_than_a_worker_ever_subscribed(nc):
+    js = nc.jetstream()
+    tenants = [f"t{i:04d}" for i in range(300)]
+    for tenant in tenants:
+        await js.publish(subjects.request_subject(MODEL, TIER, tenant), tenant.encode())
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    before = subscriptions(nc)
+    await queues.sweep()
+    got = []
+    while (msg := await queues.take(TIER, timeout_s=5.0)) is not None:
+        got.append(msg.data.decode())
+        await msg.ack_sync()
+    assert sorted(got) == tenants  # each tenant's request once, none lost
+    assert subscriptions(nc) - before == 1  # one inbox for all 300 consumers (a worker kept one per tenant)
+    assert (await js.stream_info(subjects.request_stream(TIER))).state.messages == 0  # acked: gone
+    assert not queues.has_pending()  # every queue that came up empty is forgotten until it rings
+    await queues.close()
 
 
-async def test_an_empty_queue_is_answered_and_a_deleted_consumer_is_made_again(js_url):
-    nc = await nats.connect(js_url.url)
-    try:
-        js = nc.jetstream()
-        stream = subjects.request_stream(TIER)
-        consumer = await ensure_request_consumer(js, MODEL, TIER, "a")
-        pulls = ConsumerPulls(nc)
-        # Empty: the server says so (when the pull expires); a 30 s bound shows it is the answer, not the timeout,
-        # that ends it.
-        assert await asyncio.wait_for(pulls.next(stream, consumer, timeout_s=30.0), 10.0) is None
-        await js.delete_consumer(stream, consumer)
-        with pytest.raises(ConsumerGone):
-            await pulls.next(stream, consumer, timeout_s=30.0)
+async def test_an_empty_queue_is_answered_and_a_deleted_consumer_is_made_again(nc):
+    js = nc.jetstream()
+    stream = subjects.request_stream(TIER)
+    consumer = await ensure_request_consumer(js, MODEL, TIER, "a")
+    pulls = ConsumerPulls(nc)
+    # Empty: the server says so (when the pull expires); a 30 s bound shows it is the answer, not the timeout,
+    # that ends it.
+    assert await asyncio.wait_for(pulls.next(stream, consumer, timeout_s=30.0), 10.0) is None
+    await js.delete_consumer(stream, consumer)
+    with pytest.raises(ConsumerGone):
+        await pulls.next(stream, consumer, timeout_s=30.0)
 
-        # Through the queues: the consumer JetStream deleted (idle for an hour, say) is made again on the next pull.
-        queues = TenantQueues(nc, js, MODEL, [TIER])
-        await js.publish(subjects.request_subject(MODEL, TIER, "a"), b"first")
-        await queues.sweep()
-        first = await queues.take(TIER, timeout_s=5.0)
-        await first.ack_sync()
-        await js.delete_consumer(stream, consumer)
-        await js.publish(subjects.request_subject(MODEL, TIER, "a"), b"second")
-        queues.ring(subjects.request_subject(MODEL, TIER, "a"))
-        second = await queues.take(TIER, timeout_s=5.0)
-        assert (first.data, second.data) == (b"first", b"second")
-        await queues.close()
-        await pulls.close()
-    finally:
-        await nc.close()
+    # Through the queues: the consumer JetStream deleted (idle for an hour, say) is made again on the next pull.
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    await js.publish(subjects.request_subject(MODEL, TIER, "a"), b"first")
+    await queues.sweep()
+    first = await queues.take(TIER, timeout_s=5.0)
+    await first.ack_sync()
+    await js.delete_consumer(stream, consumer)
+    await js.publish(subjects.request_subject(MODEL, TIER, "a"), b"second")
+    queues.ring(subjects.request_subject(MODEL, TIER, "a"))
+    second = await queues.take(TIER, timeout_s=5.0)
+    assert (first.data, second.data) == (b"first", b"second")
+    await queues.close()
+    await pulls.close()
 
 
-async def test_a_pulled_message_is_jetstreams_own_nak_redelivers_and_in_progress_holds(js_url):
-    nc = await nats.connect(js_url.url)
-    try:
-        js = nc.jetstream()
-        stream = subjects.request_stream(TIER)
-        consumer = await ensure_request_consumer(js, MODEL, TIER, "a")
-        await js.publish(subjects.request_subject(MODEL, TIER, "a"), b"job")
-        pulls = ConsumerPulls(nc)
-        msg = await pulls.next(stream, consumer, timeout_s=5.0)
-        assert msg.metadata.num_delivered == 1
-        await msg.in_progress()
-        await msg.nak()
-        again = await until_pulled(pulls, stream, consumer)
-        assert (again.data, again.metadata.num_delivered) == (b"job", 2)
-        await again.ack_sync()
-        assert await pulls.next(stream, consumer, timeout_s=5.0) is None
-        await pulls.close()
-    finally:
-        await nc.close()
+async def test_a_pulled_message_is_jetstreams_own_nak_redelivers_and_in_progress_holds(nc):
+    js = nc.jetstream()
+    stream = subjects.request_stream(TIER)
+    consumer = await ensure_request_consumer(js, MODEL, TIER, "a")
+    await js.publish(subjects.request_subject(MODEL, TIER, "a"), b"job")
+    pulls = ConsumerPulls(nc)
+    msg = await pulls.next(stream, consumer, timeout_s=5.0)
+    assert msg.metadata.num_delivered == 1
+    await msg.in_progress()
+    await msg.nak()
+    again = await until_pulled(pulls, stream, consumer)
+    assert (again.data, again.metadata.num_delivered) == (b"job", 2)
+    await again.ack_sync()
+    assert await pulls.next(stream, consumer, timeout_s=5.0) is None
+    await pulls.close()
 
 
-async def test_free_seats_are_filled_from_the_least_served_tenants_one_request_each(js_url):
-    nc = await nats.connect(js_url.url)
-    try:
-        js = nc.jetstream()
-        tenants = [f"t{i:02d}" for i in range(12)]
-        for tenant in tenants:
-            for n in range(2):
-                await js.publish(subjects.request_subject(MODEL, TIER, tenant), f"{tenant}/{n}".encode())
-        queues = TenantQueues(nc, js, MODEL, [TIER])
-        await queues.sweep()
-        for tenant in tenants[:4]:  # served before: they come last
-            queues.charge(TIER, tenant, prompt_tokens=100)
-        first = await queues.take_many(TIER, 8, timeout_s=5.0)
-        assert sorted(m.data.decode() for m in first) == [f"{t}/0" for t in tenants[4:]]  # 8 tenants, one each
-        rest = await queues.take_many(TIER, 100, timeout_s=5.0, excluded={subjects.tenant_token("t00")})
-        assert sorted(m.data.decode() for m in rest) == sorted(
-            [f"{t}/1" for t in tenants[4:]] + [f"{t}/0" for t in tenants[1:4]])  # t00 excluded; one each again
-        for msg in first + rest:
-            await msg.ack_sync()
-        await queues.close()
-    finally:
-        await nc.close()
+async def test_free_seats_are_filled_from_the_least_served_tenants_one_request_each(nc):
+    js = nc.jetstream()
+    tenants = [f"t{i:02d}" for i in range(12)]
+    for tenant in tenants:
+        for n in range(2):
+            await js.publish(subjects.request_subject(MODEL, TIER, tenant), f"{tenant}/{n}".encode())
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    await queues.sweep()
+    for tenant in tenants[:4]:  # served before: they come last
+        queues.charge(TIER, tenant, prompt_tokens=100)
+    first = await queues.take_many(TIER, 8, timeout_s=5.0)
+    assert sorted(m.data.decode() for m in first) == [f"{t}/0" for t in tenants[4:]]  # 8 tenants, one each
+    rest = await queues.take_many(TIER, 100, timeout_s=5.0, excluded={subjects.tenant_token("t00")})
+    assert sorted(m.data.decode() for m in rest) == sorted(
+        [f"{t}/1" for t in tenants[4:]] + [f"{t}/0" for t in tenants[1:4]])  # t00 excluded; one each again
+    for msg in first + rest:
+        await msg.ack_sync()
+    await queues.close()
