@@ -58,6 +58,9 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "publish": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.events.>", "llm.usage", "llm.held.>", "llm.dead.>",
                     "$KV.tiers.>", "$KV.affinity.>", *_SETUP, f"{_API}.STREAM.CREATE.KV_affinity",
                     *(f"{_API}.STREAM.UPDATE.{name}" for name in _TIER_STREAMS),  # the tiers' queue caps
+                    f"{_API}.STREAM.UPDATE.AFFINITY",  # its consumer limit (shared/jetstream.py)
+                    # Queue gauges (oldest request, backlog), billing lag, batch lines: read by sequence.
+                    *(f"{_API}.STREAM.MSG.GET.{name}" for name in (*_TIER_STREAMS, "USAGE")),
                     f"{_API}.STREAM.DELETE.REQUESTS", f"{_API}.STREAM.MSG.DELETE.REQUESTS_BATCH",
                     *_consumes("USAGE", "HELD_WRITES", "BATCH_RESULTS"),
                     *_reads_buckets("tiers", "workers", "affinity")],

@@ -96,6 +96,15 @@ async def _upgrade_request_stream(js: JetStreamContext, config: StreamConfig) ->
                                                max_msgs_per_subject=config.max_msgs_per_subject))
 
 
+async def _lift_consumer_limit(js: JetStreamContext, config: StreamConfig) -> None:
+    """Give a queue stream made by an earlier version, which set no consumer limit, today's (stream_config.py says
+    why: nats-server 2.15's default of 1,000 starves the 1,001st tenant); a limit an operator set is kept."""
+    info = await js.stream_info(config.name)
+    if (info.config.max_consumers or -1) <= 0 and config.max_consumers:
+        log.info("stream %s: consumer limit -> %d", config.name, config.max_consumers)
+        await js.update_stream(dataclasses.replace(info.config, max_consumers=config.max_consumers))
+
+
 async def ensure_streams(js: JetStreamContext, replicas: int = 1, seed: bool = True) -> None:
     """Create the per-tier request streams, USAGE, EVENTS, BATCH_RESULTS and DEAD_LETTERS, and the tiers and
     workers buckets, if missing, and seed the tier policies.
@@ -113,9 +122,13 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 1, seed: bool = T
         config = tier_stream_config(tier, policies[tier].max_queued, policies[tier].tenant_cap)
         await _ensure_stream(js, config, replicas)
         await _upgrade_request_stream(js, config)
+        if seed:  # the gateway's role may update the queue streams; a worker's may not
+            await _lift_consumer_limit(js, config)
     for config in (usage_stream_config(), events_stream_config(), batch_results_stream_config(),
                    held_writes_stream_config(), dead_letter_stream_config(), affinity_stream_config()):
         await _ensure_stream(js, config, replicas)
+    if seed:
+        await _lift_consumer_limit(js, affinity_stream_config())
     await _widen_subjects(js, held_writes_stream_config())
     await workers_bucket(js, replicas)
 

@@ -18,6 +18,12 @@ def is_subject_cap(error) -> bool:
     return error.err_code == ERR_MAX_MSGS_PER_SUBJECT or "per subject" in (error.description or "")
 
 REQUEST_MAX_AGE_S = 3600.0
+
+# Consumers a request stream may hold: one per tenant and model queued in its tier within the last hour
+# (REQUEST_CONSUMER_IDLE_S), and one per worker for offers. Set on the stream because nats-server 2.15 gives a
+# stream that sets none a default of 1,000 (``default_max_consumers``): the 1,001st tenant active in a tier then got
+# no consumer, and its requests waited in the stream until their deadline.
+MAX_QUEUE_CONSUMERS = 1_000_000
 USAGE_MAX_AGE_S = 30 * 24 * 3600.0
 EVENTS_MAX_AGE_S = 300.0
 BATCH_RESULTS_MAX_AGE_S = 7 * 24 * 3600.0
@@ -30,7 +36,7 @@ def tier_stream_config(tier: str, max_queued: int, tenant_cap: int) -> StreamCon
     # publisher synchronously, so the client gets 429 at once.
     return _work_queue(subjects.request_stream(tier), subjects.tier_subjects(tier), REQUEST_MAX_AGE_S,
                        max_msgs=max_queued, max_msgs_per_subject=tenant_cap, discard=DiscardPolicy.NEW,
-                       discard_new_per_subject=True)
+                       discard_new_per_subject=True, max_consumers=MAX_QUEUE_CONSUMERS)
 
 
 def _work_queue(name: str, subject: str, max_age_s: float, **limits) -> StreamConfig:
@@ -47,7 +53,8 @@ def affinity_stream_config() -> StreamConfig:
     """Requests offered to the one worker that holds their prefix; one it does not take within its short wait
     is published to the shared queue too (gateway/affinity.py), and the worker drops its stale copy, so nothing
     waits here for long. File storage: an offered request is an accepted one."""
-    return _work_queue(subjects.AFFINITY_STREAM, f"{subjects.AFFINITY_PREFIX}.>", AFFINITY_MAX_AGE_S)
+    return _work_queue(subjects.AFFINITY_STREAM, f"{subjects.AFFINITY_PREFIX}.>", AFFINITY_MAX_AGE_S,
+                       max_consumers=MAX_QUEUE_CONSUMERS)
 
 
 def events_stream_config() -> StreamConfig:

@@ -1,5 +1,6 @@
 """JetStream setup on a store left by an earlier layout: the old all-tiers REQUESTS stream overlaps the per-tier
-streams, so an empty one is removed and one still holding requests stops the start with a clear message."""
+streams, so an empty one is removed and one still holding requests stops the start with a clear message; a tier's
+stream holds a queue for every tenant active in it, past the server's default consumer limit."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from nats.js.api import RetentionPolicy, StreamConfig
 
 from switchyard.deploy.launcher import NatsServer
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import ensure_streams
+from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams
+from switchyard.shared.stream_config import MAX_QUEUE_CONSUMERS
 
 
 @pytest.fixture
@@ -60,5 +62,36 @@ async def test_a_tier_stream_of_the_per_model_layout_takes_tenant_subjects_when_
         info = await js.stream_info(stream)
         assert info.config.subjects == [subjects.tier_subjects("pro")]
         assert (info.config.max_msgs, info.config.max_msgs_per_subject) == (500, 125)  # pro's tier and tenant caps
+    finally:
+        await nc.close()
+
+
+async def test_a_tier_holds_a_queue_for_more_tenants_than_the_servers_default_consumer_limit(js_url):
+    """nats-server 2.15 gives a stream without its own limit 1,000 consumers: the 1,001st tenant active in a tier
+    got no consumer, and its requests waited out their deadline. A stream made by an earlier version (no limit set)
+    takes today's when the gateway sets up; a worker (seed=False) may not update streams and leaves it."""
+    nc = await nats.connect(js_url)
+    try:
+        js = nc.jetstream()
+        stream = subjects.request_stream("pro")
+        await ensure_streams(js)
+        earlier = (await js.stream_info(stream)).config
+        earlier.max_consumers = -1
+        await js.update_stream(earlier)
+        await ensure_streams(js, seed=False)
+        assert (await js.stream_info(stream)).config.max_consumers == -1
+        await ensure_streams(js)
+        assert (await js.stream_info(stream)).config.max_consumers == MAX_QUEUE_CONSUMERS
+        assert (await js.stream_info(subjects.AFFINITY_STREAM)).config.max_consumers == MAX_QUEUE_CONSUMERS
+
+        tenants = [f"tenant-{i}" for i in range(1_010)]
+        for tenant in tenants:
+            await ensure_request_consumer(js, "m", "pro", tenant)
+        last = tenants[-1]
+        await js.publish(subjects.request_subject("m", "pro", last), b"the last tenant's request")
+        sub = await js.pull_subscribe_bind(subjects.request_consumer("m", "pro", last), stream=stream)
+        [msg] = await sub.fetch(1, timeout=5)
+        assert msg.data == b"the last tenant's request"
+        assert (await js.stream_info(stream)).state.consumer_count == len(tenants)
     finally:
         await nc.close()

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -33,7 +34,9 @@ from switchyard.deploy.launcher import NatsServer
 from switchyard.deploy.system import LocalSystem
 from switchyard.deploy.up import RUN_FILE, write_run_file
 from switchyard.shared import nats_client, subjects
-from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams
+from switchyard.domain.queues import billing_lag, queue_state
+from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams, ensure_usage_consumer
+from switchyard.shared.messages import GenerateRequest, SamplingParams, UsageRecord, encode
 from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
 from tests.support.system import free_port, make_key, poll
 from tests.support.tiny_model import save_tiny_model
@@ -127,6 +130,44 @@ async def test_neither_service_role_can_purge_delete_or_drain_the_usage_stream(d
             assert msg.data == b"a request"
         finally:
             for nc in clients.values():
+                await nc.close()
+
+
+async def test_the_gateway_role_reads_its_queue_gauges_and_billing_lag(data_dir):
+    """The gateway reads queued requests (the oldest one's age and the backlog, which KEDA scales workers on) and
+    the oldest unbilled usage record by sequence: its role must allow those reads, or the gauges stay empty and
+    nats-server logs a violation every scrape."""
+    creds = load_or_create(data_dir)
+    conf = write_nats_config(data_dir / NATS_CONFIG_FILE, creds)
+    with NatsServer(data_dir / "nats", extra_args=["-c", str(conf)]) as server:
+        violations = []
+
+        async def note(error):
+            violations.append(str(error))
+
+        gateway = await nats.connect(with_credentials(server.url, "gateway", creds.nats_passwords["gateway"]),
+                                     error_cb=note)
+        worker = await nats.connect(with_credentials(server.url, "worker", creds.nats_passwords["worker"]),
+                                    error_cb=note)
+        try:
+            js, worker_js = gateway.jetstream(timeout=2), worker.jetstream(timeout=2)
+            await ensure_streams(js)
+            await ensure_usage_consumer(js)
+            request = GenerateRequest(request_id="r1", model="m", tier="pro", created_at=time.time(),
+                                      deadline_at=time.time() + 60, prompt="x" * 400,
+                                      sampling=SamplingParams(max_tokens=100))
+            await js.publish(subjects.request_subject("m", "pro", "acme"), encode(request))
+            state = await queue_state(js, "m", "pro")
+            assert state.depth == 1 and state.oldest_age_s is not None and state.backlog_tokens >= 100
+            record = UsageRecord(request_id="r0", model="m", tier="pro", prompt_tokens=1, completion_tokens=1,
+                                 finish_reason="stop", created_at=time.time() - 5, queue_ms=0, first_token_ms=1,
+                                 total_ms=10)
+            await worker_js.publish(subjects.USAGE_SUBJECT, encode(record))
+            pending, age_s = await billing_lag(js)
+            assert pending == 1 and age_s > 0
+            assert not violations, violations
+        finally:
+            for nc in (gateway, worker):
                 await nc.close()
 
 

@@ -133,7 +133,8 @@ class TenantQueues:
             except ConsumerGone:
                 self._consumers.pop(key, None)  # deleted while idle, or a fresh server: made again, once
             except Exception as exc:
-                log.warning("fetch from %s failed: %r", "/".join(key), exc)
+                # A JetStream refusal names its cause in its description (a consumer limit, a stream gone).
+                log.warning("fetch from %s failed: %r %s", "/".join(key), exc, getattr(exc, "description", "") or "")
                 self._consumers.pop(key, None)
                 return None
         return None
