@@ -1,5 +1,10 @@
 """The clients of bench/tenants.py, in processes of their own: the light tenant's paced requests (their TTFT is the
-measure), and closed loops (one stream after another) for the heavy tenant and every active tenant."""
+measure), and closed loops (one stream after another) for the heavy tenant and every active tenant.
+
+The light tenant's requests are told apart by when they were sent: during the first round (before every active
+tenant has had its first request started, all of them arriving at once) or after it, in the steady state. In the
+first round a thousand tenants that have had nothing rank before one that has had a little (fair share orders by
+service received); after it, the light tenant is the least served whenever it comes back."""
 
 from __future__ import annotations
 
@@ -12,25 +17,40 @@ LIGHT_EVERY_S = 2.0
 
 @dataclass
 class LoadReport:
-    light_ttfts: list[float] = field(default_factory=list)
+    light: list[tuple[float, float]] = field(default_factory=list)  # (sent at, wall clock; TTFT) per light request
     served: dict[str, int] = field(default_factory=dict)  # role -> requests completed
     failed: int = 0
     errors: list[str] = field(default_factory=list)
+    # When the last active tenant got its first token (wall clock): the end of the first round. None: no active
+    # tenant, or one never served.
+    first_round_end: float | None = None
+    unserved_active: int = 0  # active tenants whose first request never got a token
 
     @staticmethod
     def merged(reports: list[LoadReport]) -> LoadReport:
         out = LoadReport()
         for r in reports:
-            out.light_ttfts += r.light_ttfts
+            out.light += r.light
             out.failed += r.failed
             out.errors += r.errors[:3]
+            out.unserved_active += r.unserved_active
+            if r.first_round_end is not None:
+                out.first_round_end = max(out.first_round_end or 0.0, r.first_round_end)
             for role, n in r.served.items():
                 out.served[role] = out.served.get(role, 0) + n
         return out
 
-    def light_ttft(self, q: float) -> float:
-        values = sorted(self.light_ttfts) or [float("nan")]
+    def light_ttft(self, q: float, phase: str = "all") -> float:
+        """The light tenant's TTFT percentile ``q`` over its requests sent in ``phase``: "all", "first" (the first
+        round) or "steady" (after it)."""
+        end = self.first_round_end if self.first_round_end is not None else float("inf")
+        values = sorted(ttft for sent, ttft in self.light
+                        if phase == "all" or (sent < end) == (phase == "first")) or [float("nan")]
         return values[min(len(values) - 1, int(len(values) * q / 100))]
+
+    def light_count(self, phase: str) -> int:
+        end = self.first_round_end if self.first_round_end is not None else float("inf")
+        return sum(1 for sent, _ in self.light if (sent < end) == (phase == "first"))
 
     def served_line(self) -> str:
         return " / ".join(str(self.served.get(role, 0)) for role in ("light", "heavy", "active"))
@@ -40,8 +60,9 @@ class LoadReport:
                 f"{self.served_line()}, failed {self.failed} {self.errors[:2]}")
 
 
-async def _stream(client, model: str, key: str, tokens: int) -> float:
-    """One streamed chat; its time to first content (raises on any failure)."""
+async def _stream(client, model: str, key: str, tokens: int, on_first=None) -> float:
+    """One streamed chat; its time to first content (raises on any failure). ``on_first()`` runs at the first
+    content."""
     sent = time.perf_counter()
     first = None
     stream = await client.chat.completions.create(
@@ -50,6 +71,8 @@ async def _stream(client, model: str, key: str, tokens: int) -> float:
     async for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.perf_counter() - sent
+            if on_first is not None:
+                on_first()
     if first is None:
         raise RuntimeError("no content")
     return first
@@ -66,25 +89,34 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="per-request", max_retries=0,
                          http_client=httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=120)))
 
-    async def once(role: str, key: str) -> float | None:
+    async def once(role: str, key: str, on_first=None) -> float | None:
         try:
-            ttft = await _stream(client, model, key, light_tokens if role == "light" else tokens)
+            ttft = await _stream(client, model, key, light_tokens if role == "light" else tokens, on_first)
         except Exception as exc:  # noqa: BLE001 - counted: a failure is a result
             report.failed += 1
             report.errors.append(f"{role}: {type(exc).__name__}: {str(exc)[:120]}")
+            # As the official client would (its retries are off here, to count each failure): wait what the server
+            # asked, so one refusal is not a storm of them.
+            response = getattr(exc, "response", None)
+            await asyncio.sleep(float(response.headers.get("retry-after", 1)) if response is not None else 1.0)
             return None
         report.served[role] += 1
         return ttft
 
+    first_tokens: list[float] = []  # wall clock of each active tenant's first token
+
     async def closed_loop(role: str, key: str) -> None:
+        if role == "active":
+            await once(role, key, lambda: first_tokens.append(time.time()))
         while time.perf_counter() < end:
             await once(role, key)
 
     async def paced(key: str) -> None:
         async def timed() -> None:
+            sent = time.time()
             ttft = await once("light", key)
             if ttft is not None:
-                report.light_ttfts.append(ttft)
+                report.light.append((sent, ttft))
 
         tasks = []
         while time.perf_counter() < end:
@@ -97,6 +129,10 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
         await asyncio.gather(*loops, *(paced(key) for key in keys.get("light", [])))
     finally:
         await client.close()
+    active = len(keys.get("active", ()))
+    report.unserved_active = active - len(first_tokens)
+    if active:  # a tenant never served: the first round never ended
+        report.first_round_end = max(first_tokens) if first_tokens and not report.unserved_active else float("inf")
     return report
 
 

@@ -8,6 +8,12 @@ live with their callers: known keys are served from the authentication cache, ra
 Postgres on the request path (usage records go through JetStream). Anything else that meets the outage (listing
 files, usage reports) answers 503 with Retry-After, never a 500 or a hang (gateway/errors.py).
 
+A call waits for its turn first (at most the pool's connections run at once): that wait is load, not an outage,
+so it is not part of the call's bound and never trips the breaker. A thousand tenants arriving at once queue for
+the pool; before, their waits past the bound opened the breaker, and every request whose key was not cached yet
+got 503 for ``RETRY_AFTER_S``. A wait past ``TURN_WAIT_S`` gives up with ``DatabaseBusy`` (the callers' fallbacks
+apply, the breaker stays closed).
+
 ``connect`` makes the gateway's pool, its connects and statements bounded.
 """
 
@@ -29,6 +35,7 @@ T = TypeVar("T")
 
 CALL_TIMEOUT_S = 2.0  # a request path query takes milliseconds; two seconds without an answer is an outage
 RETRY_AFTER_S = 5  # after a failure, how long callers go straight to their fallbacks before one probes again
+TURN_WAIT_S = 10.0  # the longest a call waits for a free connection before its caller falls back (load shedding)
 POOL_OPTIONS = dict(timeout=CALL_TIMEOUT_S, command_timeout=10.0)  # connect; any statement of the gateway's
 
 # A database that is down, hung, restarting or out of connections: not a bug, an outage.
@@ -42,14 +49,19 @@ class DatabaseUnavailable(Exception):
     """Postgres did not answer (or is known not to right now): the caller falls back or answers 503."""
 
 
+class DatabaseBusy(DatabaseUnavailable):
+    """Every connection stayed busy for ``TURN_WAIT_S``: load, not an outage (the breaker stays closed)."""
+
+
 def database_unavailable():
     """The 503 for a request that needs Postgres while it is away."""
     return service_unavailable("The database is unavailable right now; please retry.", RETRY_AFTER_S,
                                code="database_unavailable")
 
 
-async def connect(database_url: str, max_size: int = 4) -> asyncpg.Pool:
-    """A pool whose connects and statements are bounded (``POOL_OPTIONS``)."""
+async def connect(database_url: str, max_size: int) -> asyncpg.Pool:
+    """A pool of at most ``max_size`` connections (GatewayConfig.database_pool_size) whose connects and statements
+    are bounded (``POOL_OPTIONS``)."""
     return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, **POOL_OPTIONS)
 
 
@@ -60,27 +72,40 @@ class Database:
         self.pool = pool
         self._failed_at: float | None = None
         self._probing = False
+        self._turns = asyncio.Semaphore(pool.get_max_size())  # calls in flight: one per connection
 
     @property
     def degraded(self) -> bool:
         return self._failed_at is not None
 
     async def run(self, call: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
-        """``await call(pool)`` within ``CALL_TIMEOUT_S``; raises DatabaseUnavailable on an outage, and at once
-        while the breaker is open (one caller at a time probes once ``RETRY_AFTER_S`` has passed)."""
+        """``await call(pool)`` within ``CALL_TIMEOUT_S`` once a connection is free; raises DatabaseUnavailable on
+        an outage, and at once while the breaker is open (one caller at a time probes once ``RETRY_AFTER_S`` has
+        passed); DatabaseBusy when no connection was free for ``TURN_WAIT_S``."""
+        probe = False
         if self._failed_at is not None:
             if self._probing or time.monotonic() - self._failed_at < RETRY_AFTER_S:
                 raise DatabaseUnavailable
-            self._probing = True
+            self._probing = probe = True
         try:
-            result = await bounded(call(self.pool), CALL_TIMEOUT_S)
+            try:
+                await asyncio.wait_for(self._turns.acquire(), TURN_WAIT_S)
+            except asyncio.TimeoutError:
+                raise DatabaseBusy from None
+            try:
+                if self._failed_at is not None and not probe:
+                    raise DatabaseUnavailable  # found down while this call waited for its turn
+                result = await bounded(call(self.pool), CALL_TIMEOUT_S)
+            finally:
+                self._turns.release()
         except OUTAGE_ERRORS as exc:
             if self._failed_at is None:
                 log.warning("Postgres unavailable (%r): serving known keys from cache, limits locally", exc)
             self._failed_at = time.monotonic()
             raise DatabaseUnavailable from exc
         finally:
-            self._probing = False
+            if probe:
+                self._probing = False
         if self._failed_at is not None:
             log.warning("Postgres is back")
             self._failed_at = None

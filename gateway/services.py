@@ -92,7 +92,7 @@ class GatewayServices:
         self.nc = await nats_client.connect(config.nats_url, "switchyard-gateway", tls_ca=config.nats_tls_ca)
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, config.nats_replicas)
-        self._pool = pool = await connect(config.database_url)
+        self._pool = pool = await connect(config.database_url, gateway.database_pool_size)
         self.db = Database(pool)
         self.registry = ModelRegistry(self.js, {m.served_name: m.aliases for m in config.models})
         self.router = Router(self.registry, gateway)

@@ -119,6 +119,9 @@ class GatewayConfig(BaseModel):
     shared_prefix_cache: bool = False
     # SIGTERM: /readyz answers 503 and open requests and streams get this long to end before the gateway stops.
     drain_timeout_s: float = Field(60.0, ge=0)
+    # Postgres connections of each gateway process (authentication, limits, reservations): calls beyond them wait
+    # their turn (domain/database.py). Mind the server's max_connections: processes x this, plus the jobs'.
+    database_pool_size: int = Field(10, ge=1)
     # Gateways sharing each key's rate limits: while Postgres is away each enforces 1/num_gateways of them alone.
     num_gateways: int = Field(1, ge=1)
     # Cache-aware placement (gateway/affinity.py): a follow-up turn, or a request sharing a long system prompt, is
