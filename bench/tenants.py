@@ -6,10 +6,11 @@ worker and NATS, and what does an idle tenant cost?
     .venv/bin/python bench/tenants.py --tokens 400 --tokens-per-delta 20    # on a 2-core machine (see below)
 
 The engine is the simulated one (workers/simulated_engine.py, a test double): ``--seats`` sequences at ``--rate``
-tokens/s (20), each request ``--tokens`` (40: 2 s), ``--tokens-per-delta`` to a message after the first. With
-every seat taken that is 256 requests and 10,240 deltas a second through one gateway: more than a 2-core machine
-running clients, gateway, NATS, Postgres and worker together relays (bench/streams.py), so there longer requests
-sent in larger deltas keep the seats full at a rate the machine carries. Keys for ``--tenants`` tenants are made in
+tokens/s (20), each request about ``--tokens`` (40: 2 s; each 0.5-1.5x that, as real lengths vary),
+``--tokens-per-delta`` to a message after the first. With every seat taken that is 256 requests and 10,240 deltas a
+second through one gateway: more than a 2-core machine running clients, gateway, NATS, Postgres and worker together
+relays (bench/streams.py), so there longer requests sent in larger deltas keep the seats full at a rate the machine
+carries. Keys for ``--tenants`` tenants are made in
 Postgres. Then, on the pro tier:
 
 1. idle: a light tenant L alone, a short request (8 tokens) every 2 s: its TTFT p95 is the reference;
@@ -22,9 +23,10 @@ Postgres. Then, on the pro tier:
 3. idle again: the consumers the active tenants left behind (one per tenant, queue and model, deleted by JetStream
    after an idle hour) and what they cost while nobody sends: NATS's memory, the worker's CPU.
 
-Reported: L's TTFT p50/p95 idle and loaded (first round, after it), the first round's length, requests served per tenant class, JetStream consumers on the tier's
-stream, the worker's NATS subscriptions, the worker's queue time p95 (its metric), the share of the worker's time
-spent pulling (py-spy over the loaded phase: samples inside the intake's pulls), NATS memory and worker CPU per
+Reported: L's TTFT p50/p95 idle and loaded (first round, after it), the first round's length, requests served per
+tenant class, JetStream consumers on the tier's stream, the worker's NATS subscriptions, the worker's queue time
+p95 (its metric), the share of the worker's time spent pulling (py-spy over the loaded phase: samples inside the
+intake's pulls), NATS memory and worker CPU per
 idle tenant. Clients run in processes of their own; ``lscpu`` is printed and the CPU named with the table.
 """
 

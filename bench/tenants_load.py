@@ -9,10 +9,15 @@ service received); after it, the light tenant is the least served whenever it co
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass, field
 
 LIGHT_EVERY_S = 2.0
+# An active or heavy tenant's request asks for --tokens times a factor drawn from this range: requests of one length,
+# all started at once, would end at once too, and the seats would free in bursts a request's length apart (a
+# light tenant then waits for the next burst whatever the scheduler does); real requests vary.
+LENGTH_SPREAD = (0.5, 1.5)
 
 
 @dataclass
@@ -84,6 +89,7 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
     from openai import AsyncOpenAI
 
     report = LoadReport(served={role: 0 for role in keys})
+    lengths = random.Random(len(keys.get("active", ())))  # the same lengths run after run
     end = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="per-request", max_retries=0,
@@ -91,7 +97,8 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
 
     async def once(role: str, key: str, on_first=None) -> float | None:
         try:
-            ttft = await _stream(client, model, key, light_tokens if role == "light" else tokens, on_first)
+            wanted = light_tokens if role == "light" else max(1, round(tokens * lengths.uniform(*LENGTH_SPREAD)))
+            ttft = await _stream(client, model, key, wanted, on_first)
         except Exception as exc:  # noqa: BLE001 - counted: a failure is a result
             report.failed += 1
             report.errors.append(f"{role}: {type(exc).__name__}: {str(exc)[:120]}")

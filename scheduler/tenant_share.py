@@ -7,6 +7,13 @@ lifted to the smallest counter among the tenants still queued, so it cannot spen
 and a tenant that floods cannot push another's requests behind its own: the difference in service between two
 backlogged tenants stays bounded by about one request's tokens.
 
+Counters alone order tenants badly when many are level: a thousand tenants, each waiting for one long request, sit
+at the same counter, and a light tenant one short request above them waits until every one of them has had its
+long request (a whole round of the seats). So the order adds each tenant's next request's expected cost to its
+counter (start-time fair queueing's finish tag: whose next request would be done first in virtual time), predicted
+by the tenant's last finished request (prompt and output lengths are unknown before a request is pulled; a tenant's
+requests tend to be alike, and a wrong guess costs one request's place). A tenant never seen finished counts 0.
+
 Pure bookkeeping, no I/O: the worker (workers/service/tenant_queues.py) says which tenants have requests queued, asks
 ``pick`` which to pull from, and charges what it served. Counters are per worker; several workers each
 share their own pulls fairly, so the tier's service is shared fairly too.
@@ -32,6 +39,7 @@ class TenantShare:
         self._backlogged: set[str] = set()
         self._since: dict[str, int] = {}  # backlogged tenant -> when it became so (a number, ever growing)
         self._before_lift: dict[str, float] = {}  # backlogged tenant -> its own counter when it came back
+        self._last_cost: dict[str, float] = {}  # tenant -> its last finished request's cost (its next one's guess)
         self._clock = itertools.count()
 
     def counter(self, tenant: str) -> float:
@@ -57,13 +65,20 @@ class TenantShare:
         self._backlogged = tenants
 
     def order(self, tenants: Iterable[str]) -> list[str]:
-        """``tenants`` (the backlogged ones to consider), least served first. Many are equal when each tenant has
-        a request at a time: every one that comes back is lifted level with the least served. Between equals,
+        """``tenants`` (the backlogged ones to consider), the one whose next request would finish first in virtual
+        time first: its counter plus that request's expected cost (its last one's). Many are equal when each tenant
+        has a request at a time: every one that comes back is lifted level with the least served. Between equals,
         the one that had been served least before it was lifted (a light tenant, next to ones that come back from
         long requests, is not queued behind them all), then the one backlogged longest (by name, the same tenants
         would always come last)."""
-        since, counters, before = self._since, self._counters, self._before_lift
-        return sorted(tenants, key=lambda t: (counters.get(t, 0.0), before.get(t, 0.0), since.get(t, 0), t))
+        since, counters, before, cost = self._since, self._counters, self._before_lift, self._last_cost
+        return sorted(tenants, key=lambda t: (counters.get(t, 0.0) + cost.get(t, 0.0), before.get(t, 0.0),
+                                              since.get(t, 0), t))
+
+    def finished(self, tenant: str, prompt_tokens: int, generated_tokens: int) -> None:
+        """A request of ``tenant`` ended with these tokens: the guess of its next one's cost (service is charged
+        as it is given, by ``charge``)."""
+        self._last_cost[tenant] = self._input_weight * prompt_tokens + self._output_weight * generated_tokens
 
     def charge(self, tenant: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
         """Record service given to ``tenant``."""
@@ -78,3 +93,4 @@ class TenantShare:
         """Drop the counters of tenants not in ``keep`` and not queued (a worker sees tenants come and go)."""
         keep = set(keep) | self._backlogged
         self._counters = {t: c for t, c in self._counters.items() if t in keep}
+        self._last_cost = {t: c for t, c in self._last_cost.items() if t in keep}

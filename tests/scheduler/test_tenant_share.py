@@ -95,3 +95,34 @@ def test_a_light_tenant_lifted_with_many_goes_before_those_that_were_served_more
     order = share.order(["waiting"] + busy + ["light"])
     assert share.counter("light") == share.counter("busy0") == share.counter("waiting")  # all lifted level
     assert order[0] == "light"  # served least before the lift: first among equals, not behind fifty
+
+
+def test_a_light_tenant_a_little_above_many_level_tenants_goes_before_their_long_requests():
+    """A thousand tenants level at one long request each, every one waiting for its next long request, and a light
+    tenant a few short requests above them: by counters alone it waited until every one of them had had its long
+    request (a whole round of the seats: tens of seconds). Its next request is expected to be short, theirs long:
+    it goes first, and only while its counter plus a short request stays below theirs plus a long one."""
+    share = TenantShare()
+    busy = [f"busy{i:04d}" for i in range(1000)]
+    share.set_backlogged(busy + ["light"])
+    for tenant in busy:
+        share.charge(tenant, prompt_tokens=10, generated_tokens=400)
+        share.finished(tenant, prompt_tokens=10, generated_tokens=400)
+    for _ in range(32):  # 32 short requests: a little more service than any one of them
+        share.charge("light", prompt_tokens=10, generated_tokens=8)
+        share.finished("light", prompt_tokens=10, generated_tokens=8)
+    assert share.counter("light") > share.counter("busy0000")
+    assert share.order(busy + ["light"])[0] == "light"
+    share.charge("light", generated_tokens=400)  # far ahead now: their turn
+    assert share.order(busy + ["light"])[-1] == "light"
+
+
+def test_a_tenant_never_seen_finishing_is_expected_to_cost_nothing_and_forget_drops_its_guess():
+    share = TenantShare()
+    share.set_backlogged(["old", "new"])
+    share.charge("old", prompt_tokens=5)
+    share.finished("old", prompt_tokens=5, generated_tokens=100)
+    assert share.order(["old", "new"]) == ["new", "old"]
+    share.set_backlogged([])
+    share.forget(keep=())
+    assert share._last_cost == {}

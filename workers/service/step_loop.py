@@ -193,6 +193,7 @@ class StepLoop:
                     tracked.completion_tokens = delta.usage.completion_tokens
                     tracked.cached_tokens = delta.usage.cached_tokens
                 held.active.pop(req.request_id, None)
+                self._intake.queues.finished(req.tier, req.tenant_id, tracked.prompt_tokens, tracked.completion_tokens)
                 metrics.finished(req.tier, delta.finish_reason)
                 record_request_trace(tracked, out.worker_id, delta.finish_reason, now)
                 await out.finished(tracked, delta.finish_reason, now)

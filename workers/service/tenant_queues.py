@@ -145,6 +145,12 @@ class TenantQueues:
         if share is not None:
             share.charge(subjects.tenant_token(tenant), prompt_tokens, generated_tokens)
 
+    def finished(self, tier: str, tenant: str | None, prompt_tokens: int, generated_tokens: int) -> None:
+        """A request of ``tenant`` in ``tier`` ended: how much its next one is expected to cost (tenant_share.py)."""
+        share = self._shares.get(tier)
+        if share is not None:
+            share.finished(subjects.tenant_token(tenant), prompt_tokens, generated_tokens)
+
     async def close(self) -> None:
         await self._pulls.close()
 
