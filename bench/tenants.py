@@ -222,6 +222,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     ratio = loaded.light_ttft(95, "steady") / max(1e-9, alone.light_ttft(95))
     first_round_s = (loaded.first_round_end or float("nan")) - loaded_at
+    settled_s = loaded.settled_at() - loaded_at
     table = markdown_table(
         ("measure", "value"),
         [("tenants with keys (made in)", f"{args.tenants + 2:,} ({made_s:.0f} s)"),
@@ -229,6 +230,7 @@ def main() -> None:
          ("L TTFT p50 / p95 alone (ms)", f"{1e3 * alone.light_ttft(50):.0f} / {1e3 * alone.light_ttft(95):.0f}"),
          ("first round: every active tenant's first request started within (s)",
           f"{first_round_s:.1f}" + (f" ({loaded.unserved_active} never)" if loaded.unserved_active else "")),
+         ("L's requests queued in it served within (s)", f"{settled_s:.1f}"),
          (f"L TTFT p50 / p95 loaded, first round ({loaded.light_count('first')} requests, ms)",
           f"{1e3 * loaded.light_ttft(50, 'first'):.0f} / {1e3 * loaded.light_ttft(95, 'first'):.0f}"),
          (f"L TTFT p50 / p95 loaded, after it ({loaded.light_count('steady')} requests, ms)",

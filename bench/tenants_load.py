@@ -2,7 +2,8 @@
 measure), and closed loops (one stream after another) for the heavy tenant and every active tenant.
 
 The light tenant's requests are told apart by when they were sent: during the first round (before every active
-tenant has had its first request started, all of them arriving at once) or after it, in the steady state. In the
+tenant has had its first request started, all of them arriving at once, and until the light tenant's own requests
+queued meanwhile are served) or after it, in the steady state. In the
 first round a thousand tenants that have had nothing rank before one that has had a little (fair share orders by
 service received); after it, the light tenant is the least served whenever it comes back."""
 
@@ -45,17 +46,25 @@ class LoadReport:
                 out.served[role] = out.served.get(role, 0) + n
         return out
 
-    def light_ttft(self, q: float, phase: str = "all") -> float:
-        """The light tenant's TTFT percentile ``q`` over its requests sent in ``phase``: "all", "first" (the first
-        round) or "steady" (after it)."""
+    def settled_at(self) -> float:
+        """When the steady state begins: the first round over, and the light tenant's own requests queued during
+        it served (a request of its sent just after the round waits behind its own earlier ones, not the others')."""
         end = self.first_round_end if self.first_round_end is not None else float("inf")
-        values = sorted(ttft for sent, ttft in self.light
-                        if phase == "all" or (sent < end) == (phase == "first")) or [float("nan")]
+        return max([end] + [sent + ttft for sent, ttft in self.light if sent < end])
+
+    def _phase(self, phase: str) -> list[float]:
+        """TTFTs of the light tenant's requests sent in ``phase``: "all", "first" (the first round and its
+        backlog) or "steady" (after ``settled_at``)."""
+        settled = self.settled_at()
+        return sorted(ttft for sent, ttft in self.light if phase == "all" or (sent < settled) == (phase == "first"))
+
+    def light_ttft(self, q: float, phase: str = "all") -> float:
+        """The light tenant's TTFT percentile ``q`` over its requests sent in ``phase`` (see ``_phase``)."""
+        values = self._phase(phase) or [float("nan")]
         return values[min(len(values) - 1, int(len(values) * q / 100))]
 
     def light_count(self, phase: str) -> int:
-        end = self.first_round_end if self.first_round_end is not None else float("inf")
-        return sum(1 for sent, _ in self.light if (sent < end) == (phase == "first"))
+        return len(self._phase(phase))
 
     def served_line(self) -> str:
         return " / ".join(str(self.served.get(role, 0)) for role in ("light", "heavy", "active"))
