@@ -144,3 +144,17 @@ def test_what_cannot_run_is_refused_before_it_is_queued(model, req, param):
     with pytest.raises(RequestRejected) as exc:
         engine(model).prepare(req)
     assert exc.value.error.param == param and exc.value.error.status == 400
+
+
+def test_a_failed_step_fails_only_the_requests_it_ran(model, monkeypatch):
+    e = engine(model, max_num_seqs=2)
+    add(e, request("ran", ["one", "two", "three"]))  # its first two inputs run in the step that fails
+    add(e, request("later", ["four"]))
+    real = model.embed
+    monkeypatch.setattr(model, "embed", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    (failed,) = e.step()
+    assert (failed.request_id, failed.finish_reason, failed.is_last) == ("ran", "error", True)
+    assert (failed.error.status, failed.error.code) == (500, "internal_error")
+    monkeypatch.setattr(model, "embed", real)
+    out = run(e)
+    assert list(out) == ["later"] and out["later"][-1].is_last and vectors(out["later"]).shape == (1, 32)
