@@ -1,8 +1,8 @@
 """A sentence-embedding model on the device: a Hugging Face encoder (BERT and kin) and the pooling its
 sentence-transformers configuration names, so its vectors are the reference implementation's.
 
-    token ids (ragged) ─▶ by length, forwards of at most FORWARD_TOKENS padded tokens ─▶ padded batch + attention
-                          mask ─▶ encoder ─▶ pooling (mean | cls | max) ─▶ L2 normalize?
+    token ids (ragged) ─▶ by length, into forwards (plan_forwards: least padding + per-forward cost) ─▶ padded
+                          batch + attention mask ─▶ encoder ─▶ pooling (mean | cls | max) ─▶ L2 normalize?
 
 Read from the model directory: ``modules.json`` (a ``Normalize`` module means unit vectors), ``1_Pooling/config.json``
 (the pooling mode) and ``sentence_bert_config.json`` (``max_seq_length``: the longest input the model was trained
@@ -24,10 +24,38 @@ import torch
 
 log = logging.getLogger("switchyard.worker")
 
-# Padded tokens one forward may hold. Smaller forwards of length-sorted inputs pad less and stay in the caches: 64
-# inputs of 4-60 words on a 2-core EPYC ran at 88-104 inputs/s in one forward (8192), 148 in forwards of 1024 and
-# 150 of 512 (the reference: 91-105 at batch 64); below that a forward's fixed cost starts to show.
-FORWARD_TOKENS = 1024
+# How a step's inputs are cut into forwards (``plan_forwards``). A forward pads its inputs to its longest, and
+# costs about a fixed part plus its padded tokens: all-MiniLM-L6-v2 in fp32 on a 2-core EPYC took 150-165 us a
+# padded token from 512 to 4,096 of them (no cache cliff), and about 5 ms more per forward (1 input of 8 tokens: 7.5
+# ms): the fixed part is worth about FORWARD_COST_TOKENS padded tokens. So length-sorted inputs are cut where the
+# padding saved is worth more than another forward; 16 inputs of 4-60 words pad about half their tokens in one
+# forward. FORWARD_TOKENS bounds a forward's memory (activations and attention grow with it), not its speed.
+FORWARD_COST_TOKENS = 32
+FORWARD_TOKENS = 4096
+
+
+def plan_forwards(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS,
+                  max_tokens: int = FORWARD_TOKENS) -> list[list[int]]:
+    """Indexes of ``lengths`` in forwards: shortest first, cut where the padded tokens plus ``forward_cost`` a
+    forward are fewest (exact, by dynamic programming over the sorted order: a step holds at most a few hundred
+    inputs), each forward within ``max_tokens`` padded tokens (an input longer than that runs alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0] + [float("inf")] * n  # best[j]: the cost of the first j sorted inputs
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j - 1, -1, -1):  # the forward holding sorted inputs i..j-1, padded to the j-1th
+            if j - i > 1 and (j - i) * longest > max_tokens:
+                break
+            cost = best[i] + forward_cost + (j - i) * longest
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    forwards, j = [], n
+    while j > 0:
+        forwards.append(order[cut[j]:j])
+        j = cut[j]
+    return forwards[::-1]
 
 
 def _read_json(path: Path) -> dict | list | None:
@@ -113,18 +141,11 @@ class EmbeddingModel(EmbeddingInputs):
         return self.device.type
 
     def embed(self, batch: list[list[int]]) -> np.ndarray:
-        """Vectors of ``batch`` (float32 [len(batch), dimensions], in its order): shortest first, in forwards of at
-        most ``FORWARD_TOKENS`` padded tokens (an input longer than that runs alone)."""
-        order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
+        """Vectors of ``batch`` (float32 [len(batch), dimensions], in its order), in the forwards ``plan_forwards``
+        cuts."""
         out = np.empty((len(batch), self.dimensions), dtype=np.float32)
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and len(batch[order[end]]) * (end - start + 1) <= FORWARD_TOKENS:
-                end += 1
-            chunk = order[start:end]
-            out[chunk] = self.encode([batch[i] for i in chunk]).numpy()
-            start = end
+        for forward in plan_forwards([len(ids) for ids in batch]):
+            out[forward] = self.encode([batch[i] for i in forward]).numpy()
         return out
 
     @torch.inference_mode()
