@@ -77,6 +77,7 @@ class VllmEmbedder(EmbeddingInputs):
         until all are done. Raises what vLLM raises (the embeddings engine fails the step's requests), with
         whatever is left aborted."""
         ids = [f"e{next(self._ids)}" for _ in batch]
+        wanted = set(ids)
         rows: dict[str, np.ndarray] = {}
         added: list[str] = []
         try:
@@ -85,7 +86,7 @@ class VllmEmbedder(EmbeddingInputs):
                 added.append(request_id)
             while len(rows) < len(ids):
                 for out in self._llm.step():
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:
                         rows[out.request_id] = out.outputs.data.float().cpu().numpy()
                 if len(rows) < len(ids) and not self._llm.has_unfinished_requests():
                     raise RuntimeError(f"vLLM finished {len(rows)} of {len(ids)} embeddings")
