@@ -14,7 +14,9 @@ It starts embedded NATS + Postgres in a temp dir, a SmolLM2-135M worker, an all-
    one request at a time, the official ``openai`` client's default base64) through the whole system, and
    sentence-transformers' ``encode`` on the same sentences at the same batch sizes in this process, with the
    same number of torch threads as the worker, the two alternating in ``--rounds`` rounds. Target: the system at
-   least sentence-transformers' throughput at batch 64.
+   least sentence-transformers' throughput at batch 64. ``--vllm``: a second embeddings worker on the vLLM engine
+   (its pooling runner, in .venv-vllm), served as ``all-minilm-l6-v2-vllm``, measured in the same rounds.
+   ``--requests 0`` skips part 1 (no chat worker).
 
 Prints ``lscpu`` and appends the tables to bench/RESULTS.md.
 """
@@ -42,6 +44,7 @@ from bench.results import RESULTS, append_section, command_line, markdown_table 
 from tests.support.system import free_port  # noqa: E402
 
 EMBED = "all-minilm-l6-v2"
+EMBED_VLLM = f"{EMBED}-vllm"
 WORDS = ("river mountain ledger cobalt harbor lantern orchard falcon meadow quartz signal timber velvet willow "
          "anchor beacon canyon delta ember fjord glacier horizon island jasmine kestrel lagoon").split()
 
@@ -95,28 +98,32 @@ def _response(prompt: str, max_tokens: int) -> dict:
             "store": False}
 
 
-def embed_rounds(base: str, key: str, reference, texts: list[str], batch: int, rounds: int) -> tuple[float, float]:
-    """Inputs/s through the system and through sentence-transformers at ``batch``, measured in alternating rounds
-    (each on its share of ``texts``), so both see the same machine: a shared one changes speed by the minute."""
+def embed_rounds(base: str, key: str, reference, texts: list[str], batch: int, rounds: int,
+                 models: list[str]) -> dict[str, float]:
+    """Inputs/s of each of ``models`` through the system and of sentence-transformers (``reference``) at ``batch``,
+    measured in alternating rounds (each on its share of ``texts``), so all see the same machine: a shared one
+    changes speed by the minute."""
     from openai import OpenAI
 
-    spent = {"system": 0.0, "reference": 0.0}
+    spent = dict.fromkeys([*models, "reference"], 0.0)
     with OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=600) as client:
-        client.embeddings.create(model=EMBED, input=texts[:batch])  # warm
+        for model in models:  # warm
+            client.embeddings.create(model=model, input=texts[:batch])
         reference.encode(texts[:batch], batch_size=batch)
         share = len(texts) // rounds
         for r in range(rounds):
             part = texts[r * share:(r + 1) * share]
-            t0 = time.perf_counter()
-            for start in range(0, len(part), batch):
-                client.embeddings.create(model=EMBED, input=part[start:start + batch])
-            spent["system"] += time.perf_counter() - t0
+            for model in models:
+                t0 = time.perf_counter()
+                for start in range(0, len(part), batch):
+                    client.embeddings.create(model=model, input=part[start:start + batch])
+                spent[model] += time.perf_counter() - t0
             t0 = time.perf_counter()
             for start in range(0, len(part), batch):
                 reference.encode(part[start:start + batch], batch_size=batch)
             spent["reference"] += time.perf_counter() - t0
     done = share * rounds
-    return done / spent["system"], done / spent["reference"]
+    return {name: done / seconds for name, seconds in spent.items()}
 
 
 def main() -> int:
@@ -126,6 +133,7 @@ def main() -> int:
     p.add_argument("--inputs", type=int, default=512, help="sentences embedded per batch size")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, worker and reference")
     p.add_argument("--rounds", type=int, default=4, help="alternating system/reference rounds per batch size")
+    p.add_argument("--vllm", action="store_true", help="also an embeddings worker on the vLLM engine (.venv-vllm)")
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     command, cpu = command_line(), lscpu()
@@ -142,54 +150,72 @@ def main() -> int:
     batches = (1, 16, 64)
     torch.set_num_threads(args.threads)
     reference = SentenceTransformer(str(embed_dir), device="cpu")
-    ours, theirs = {}, {}
+    models = [EMBED, *([EMBED_VLLM] if args.vllm else [])]
+    rates: dict[int, dict[str, float]] = {}
+    ttft = None
     try:
         system.start_servers()
         (key,) = asyncio.run(unlimited_keys(config.database_url, "pro", "responses"))
-        system.start_worker("worker")
+        if args.requests:
+            system.start_worker("worker")
         system.start_worker("worker-embed", model=str(embed_dir), served_model_name=EMBED, engine="embeddings",
                             max_num_seqs=64, dtype="float32")
+        if args.vllm:
+            system.start_worker("worker-embed-vllm", model=str(embed_dir), served_model_name=EMBED_VLLM,
+                                engine="vllm", max_num_seqs=64, dtype="float32")
         system.start_gateway()
-        system.wait_until_ready(MODEL, timeout_s=300)
-        system.wait_until_ready(EMBED, timeout_s=300)
-        ttft = asyncio.run(compare_ttft(system.url(), key, args.requests, args.max_tokens))
-        print({k: (ms(pct(v, 50)), ms(pct(v, 95))) for k, v in ttft.items()}, flush=True)
-        # The chat worker idles meanwhile; the embeddings worker and the reference take turns on the cores.
+        for model in ([MODEL] if args.requests else []) + models:
+            system.wait_until_ready(model, timeout_s=300)
+        if args.requests:
+            ttft = asyncio.run(compare_ttft(system.url(), key, args.requests, args.max_tokens))
+            print({k: (ms(pct(v, 50)), ms(pct(v, 95))) for k, v in ttft.items()}, flush=True)
+        # The chat worker idles meanwhile; the embeddings workers and the reference take turns on the cores.
         for b in batches:
-            ours[b], theirs[b] = embed_rounds(system.url(), key, reference, texts, b, args.rounds)
-            print(f"batch {b}: system {ours[b]:.1f} inputs/s, sentence-transformers {theirs[b]:.1f}", flush=True)
+            rates[b] = embed_rounds(system.url(), key, reference, texts, b, args.rounds, models)
+            print(f"batch {b}: " + ", ".join(f"{k} {v:.1f} inputs/s" for k, v in rates[b].items()), flush=True)
     finally:
         system.stop()
         shutil.rmtree(work, ignore_errors=True)
-    report(args, ttft, ours, theirs, command, cpu)
+    report(args, ttft, rates, command, cpu)
     return 0
 
 
-def report(args, ttft: dict, ours: dict, theirs: dict, command: str, cpu: str) -> None:
-    chat50, resp50 = pct(ttft["chat"], 50), pct(ttft["responses"], 50)
-    added_ms = (resp50 - chat50) * 1000
-    # Each pair ran back to back on the same machine state: the median of their differences is steadier.
-    paired_ms = pct([r - c for r, c in zip(ttft["responses"], ttft["chat"])], 50) * 1000
-    rows = [[name, len(v), ms(pct(v, 50)), ms(pct(v, 95))] for name, v in ttft.items()]
-    emb_rows = [[b, f"{ours[b]:.1f}", f"{theirs[b]:.1f}", f"{ours[b] / theirs[b]:.2f}"] for b in ours]
-    text = "\n".join([
-        f"## The Responses API over chat; embeddings against sentence-transformers "
-        f"({datetime.date.today().isoformat()})", "",
-        f"`{command}` on {cpu_name(cpu)}, {os.cpu_count()} cores, run through benchlock (no test ran meanwhile; "
-        f"other engineers' builds and editors share the machine: timings are noisy). "
-        f"SmolLM2-135M worker (max_num_seqs=8), streamed requests one at a time, {args.requests} per API "
-        f"alternating, max_tokens={args.max_tokens}; all-MiniLM-L6-v2 worker (fp32, 64 inputs a step), "
-        f"{args.inputs} sentences of 4-60 words, one request at a time, the official client; sentence-transformers "
-        f"in process, same sentences and batch sizes, {args.threads} torch threads (the worker's too), the two "
-        f"alternating in {args.rounds} rounds.", "",
-        markdown_table(["API", "requests", "TTFT p50 ms", "TTFT p95 ms"], rows), "",
-        f"- Responses TTFT p50 - chat TTFT p50 = {added_ms:+.1f} ms (target within 5 ms): "
-        f"{'MET' if added_ms <= 5 else 'NOT MET'}; the median of the pairs' differences (each pair back to back): "
-        f"{paired_ms:+.1f} ms", "",
-        markdown_table(["batch", "system inputs/s", "sentence-transformers inputs/s", "ratio"], emb_rows), "",
-        f"- at batch 64 the system does {ours[64] / theirs[64]:.2f}x sentence-transformers' throughput (target >= 1): "
-        f"{'MET' if ours[64] >= theirs[64] else 'NOT MET'}",
-    ]) + "\n"
+def report(args, ttft: dict | None, rates: dict[int, dict[str, float]], command: str, cpu: str) -> None:
+    parts = [f"`{command}` on {cpu_name(cpu)}, {os.cpu_count()} cores, run through benchlock (no test ran meanwhile; "
+             f"other engineers' builds and editors share the machine: timings are noisy). "]
+    if ttft is not None:
+        parts.append(f"SmolLM2-135M worker (max_num_seqs=8), streamed requests one at a time, {args.requests} per API "
+                     f"alternating, max_tokens={args.max_tokens}; ")
+    parts.append(f"all-MiniLM-L6-v2 worker (fp32, 64 inputs a step{', and one on the vLLM engine' if args.vllm else ''}"
+                 f"), {args.inputs} sentences of 4-60 words, one request at a time, the official client; "
+                 f"sentence-transformers in process, same sentences and batch sizes, {args.threads} torch threads "
+                 f"(the worker's too), {'all' if args.vllm else 'the two'} alternating in {args.rounds} rounds.")
+    lines = [f"## The Responses API over chat; embeddings against sentence-transformers "
+             f"({datetime.date.today().isoformat()})", "", "".join(parts), ""]
+    if ttft is not None:
+        chat50, resp50 = pct(ttft["chat"], 50), pct(ttft["responses"], 50)
+        added_ms = (resp50 - chat50) * 1000
+        # Each pair ran back to back on the same machine state: the median of their differences is steadier.
+        paired_ms = pct([r - c for r, c in zip(ttft["responses"], ttft["chat"])], 50) * 1000
+        rows = [[name, len(v), ms(pct(v, 50)), ms(pct(v, 95))] for name, v in ttft.items()]
+        lines += [markdown_table(["API", "requests", "TTFT p50 ms", "TTFT p95 ms"], rows), "",
+                  f"- Responses TTFT p50 - chat TTFT p50 = {added_ms:+.1f} ms (target within 5 ms): "
+                  f"{'MET' if added_ms <= 5 else 'NOT MET'}; the median of the pairs' differences (each pair back to "
+                  f"back): {paired_ms:+.1f} ms", ""]
+    header = ["batch", "system inputs/s", "sentence-transformers inputs/s", "ratio"]
+    if args.vllm:
+        header += ["system on vLLM inputs/s", "vLLM ratio"]
+    rows = []
+    for b, r in rates.items():
+        row = [b, f"{r[EMBED]:.1f}", f"{r['reference']:.1f}", f"{r[EMBED] / r['reference']:.2f}"]
+        if args.vllm:
+            row += [f"{r[EMBED_VLLM]:.1f}", f"{r[EMBED_VLLM] / r['reference']:.2f}"]
+        rows.append(row)
+    at64 = rates[64][EMBED] / rates[64]["reference"]
+    lines += [markdown_table(header, rows), "",
+              f"- at batch 64 the system does {at64:.2f}x sentence-transformers' throughput (target >= 1): "
+              f"{'MET' if at64 >= 1 else 'NOT MET'}"]
+    text = "\n".join(lines) + "\n"
     print("\n" + text)
     append_section(text, args.results)
 

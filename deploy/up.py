@@ -78,12 +78,14 @@ Press Ctrl-C to stop.
 
 
 def default_models(config: SwitchyardConfig) -> list[ModelEntry]:
-    """What ``up`` serves with no model list: the worker's model, and the embedding model unless it is off."""
+    """What ``up`` serves with no model list: the worker's model, and the embedding model unless it is off. Under
+    ``--engine vllm`` both run on vLLM (the embedding model on its pooling runner); under any other engine the
+    embedding model runs on ours (``embeddings``: the simulated test double embeds nothing)."""
     models = [ModelEntry(model=config.worker.model, served_model_name=config.worker.served_name,
                          aliases=config.worker.aliases)]
     if config.embedding_model:
-        models.append(ModelEntry(model=config.embedding_model, engine="embeddings",
-                                 max_num_seqs=EMBEDDING_INPUTS_PER_STEP))
+        engine = "vllm" if config.worker.engine == "vllm" else "embeddings"
+        models.append(ModelEntry(model=config.embedding_model, engine=engine, max_num_seqs=EMBEDDING_INPUTS_PER_STEP))
     return models
 
 

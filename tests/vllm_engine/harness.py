@@ -2,7 +2,8 @@
 
 vLLM lives in its own environment (``.venv-vllm``), so the tests, which run in the project's, cannot import it.
 This module is both ends of a pipe: run as a script under the vLLM environment's Python it builds a real
-``VllmEngine`` (SmolLM2 on the CPU) and answers one JSON command per line on stdin, exactly the calls the worker
+vLLM engine (``VllmEngine`` on SmolLM2, or the embeddings engine over vLLM on all-MiniLM-L6-v2, on the CPU)
+as the worker builds it, and answers one JSON command per line on stdin, exactly the calls the worker
 makes (prepare + add_request, step, abort_request, capacity, stats); imported by a test, ``EngineProcess`` starts
 it and makes those calls. Messages are the wire's own structs (shared/messages.py), as JSON.
 
@@ -90,11 +91,11 @@ def _serve(settings: dict) -> None:
     # vLLM logs to stdout: the answers get a descriptor of their own, and stdout goes to the log.
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    from switchyard.shared.config import WorkerConfig
-    from switchyard.workers.vllm_engine.engine import VllmEngine
+    from switchyard.shared.config import SwitchyardConfig, WorkerConfig
+    from switchyard.workers.service.engines import engine_builder
 
-    worker = WorkerConfig(**settings)
-    engine = VllmEngine.from_settings(worker, worker.model)
+    # As a worker builds it: a chat model's VllmEngine, or an embedding model's EmbeddingEngine over vLLM.
+    engine = engine_builder("vllm")(SwitchyardConfig(worker=WorkerConfig(**{"engine": "vllm", **settings})))
 
     def answer(value) -> None:
         answers.write(msgspec.json.encode(value) + b"\n")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from switchyard.shared.config import SwitchyardConfig, WorkerConfig, settings_env
-from switchyard.workers.vllm_engine.args import engine_kwargs, process_env
+from switchyard.workers.vllm_engine.args import engine_kwargs, pooling_kwargs, process_env
 from switchyard.workers.vllm_engine.environment import VllmUnavailable, vllm_python
 
 GPU_70B = {
@@ -107,6 +107,20 @@ def test_any_other_engine_arg_passes_as_given_and_wins():
     worker = WorkerConfig(vllm={"engine_args": {"block_size": 32, "max_num_seqs": 7}})
     kwargs = engine_kwargs(worker, "/m", on_gpu=False)
     assert (kwargs["block_size"], kwargs["max_num_seqs"]) == (32, 7)
+
+
+def test_an_embedding_model_runs_on_the_pooling_runner_in_float32_on_a_cpu():
+    kwargs = pooling_kwargs(WorkerConfig(max_num_seqs=64), "/m", on_gpu=False, max_input_tokens=256)
+    assert (kwargs["runner"], kwargs["dtype"], kwargs["enable_prefix_caching"]) == ("pooling", "float32", False)
+    assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (64, 512)
+    assert not {"scheduling_policy", "max_logprobs", "structured_outputs_config"} & set(kwargs)  # generation's
+    # A budget that could not hold the model's longest input is raised to it (vLLM refuses to start otherwise).
+    assert pooling_kwargs(WorkerConfig(), "/m", on_gpu=False, max_input_tokens=8192)["max_num_batched_tokens"] == 8192
+    assert pooling_kwargs(WorkerConfig(dtype="bfloat16"), "/m", on_gpu=False, max_input_tokens=None)["dtype"] == \
+        "bfloat16"
+    assert pooling_kwargs(WorkerConfig(), "/m", on_gpu=True, max_input_tokens=None)["dtype"] == "auto"
+    worker = WorkerConfig(vllm={"engine_args": {"max_num_batched_tokens": 300}})
+    assert pooling_kwargs(worker, "/m", on_gpu=False, max_input_tokens=256)["max_num_batched_tokens"] == 300  # wins
 
 
 def test_the_vllm_settings_reach_a_child_through_the_environment(monkeypatch):

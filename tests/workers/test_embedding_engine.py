@@ -10,7 +10,7 @@ import pytest
 from switchyard.shared.config import EngineSettings
 from switchyard.shared.messages import EmbedInput, GenerateRequest, SamplingParams
 from switchyard.workers.engine import embeddings
-from switchyard.workers.engine.embedding_model import EmbeddingModel
+from switchyard.workers.engine.embedding_model import EmbeddingModel, plan_forwards
 from switchyard.workers.engine.embeddings import EmbeddingEngine
 from switchyard.workers.engine.interface import RequestRejected
 from tests.support.tiny_bert import MAX_TOKENS, save_tiny_bert
@@ -144,3 +144,36 @@ def test_what_cannot_run_is_refused_before_it_is_queued(model, req, param):
     with pytest.raises(RequestRejected) as exc:
         engine(model).prepare(req)
     assert exc.value.error.param == param and exc.value.error.status == 400
+
+
+def test_a_failed_step_fails_only_the_requests_it_ran(model, monkeypatch):
+    e = engine(model, max_num_seqs=2)
+    add(e, request("ran", ["one", "two", "three"]))  # its first two inputs run in the step that fails
+    add(e, request("later", ["four"]))
+    real = model.embed
+    monkeypatch.setattr(model, "embed", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    (failed,) = e.step()
+    assert (failed.request_id, failed.finish_reason, failed.is_last) == ("ran", "error", True)
+    assert (failed.error.status, failed.error.code) == (500, "internal_error")
+    monkeypatch.setattr(model, "embed", real)
+    out = run(e)
+    assert list(out) == ["later"] and out["later"][-1].is_last and vectors(out["later"]).shape == (1, 32)
+
+
+def test_forwards_are_cut_where_padding_costs_more_than_another_forward():
+    def padded(forwards, lengths):
+        return sum(len(f) * max(lengths[i] for i in f) for f in forwards)
+
+    same = [10] * 64
+    assert plan_forwards(same, forward_cost=32) == [list(range(64))]  # nothing to save: one forward
+    mixed = [60, 5, 6, 58, 7, 59]
+    assert plan_forwards(mixed, forward_cost=32) == [[1, 2, 4], [3, 5, 0]]  # short ones unpadded by the long
+    assert plan_forwards(mixed, forward_cost=10_000) == [[1, 2, 4, 3, 5, 0]]  # a forward dearer than any padding
+    lengths = [(i * 37) % 61 + 4 for i in range(64)]
+    forwards = plan_forwards(lengths, forward_cost=32, max_tokens=512)
+    assert sorted(i for f in forwards for i in f) == list(range(64))
+    assert all(len(f) * max(lengths[i] for i in f) <= 512 for f in forwards)
+    # Never worse than the two plans at its ends: everything in one forward, or a forward each.
+    cost = padded(forwards, lengths) + 32 * len(forwards)
+    assert cost <= min(64 * max(lengths) + 32, sum(lengths) + 32 * 64)
+    assert plan_forwards([300, 5000, 2], max_tokens=1024) == [[2], [0], [1]]  # longer than a forward: alone

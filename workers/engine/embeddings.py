@@ -3,10 +3,14 @@ worker serves ``/v1/embeddings`` with the same intake, tiers, tenants, usage rec
 
     intake thread  prepare: tokenize the texts (or frame the token ids), check lengths and ``dimensions``
     step thread    add_request ─▶ queue (tier order, then arrival)
-                   step: the next ``max_num_seqs`` inputs of the queued requests, whoever's, by length into
-                         forwards of at most ``FORWARD_TOKENS`` padded tokens ─▶ vectors
+                   step: the next ``max_num_seqs`` inputs of the queued requests, whoever's ─▶ the embedder
+                         (``Embedder.embed``) ─▶ vectors
                          ─▶ one delta per request per step with its new vectors (split where a NATS message
                          would overflow); a request's last has usage and ``is_last``
+
+The embedder runs the model: ours (workers/engine/embedding_model.py: padded forwards of length-sorted inputs) or
+vLLM's pooling runner (workers/vllm_engine/embedder.py, ``--engine vllm``). Queue, tiers, deltas and usage are
+this module's whichever runs it, so the wire is the same.
 
 A request of many inputs takes several steps, and inputs of several requests share a forward: the step is the
 batch, as a decode step is the chat engine's. Nothing is generated, so a request's usage is its prompt tokens.
@@ -14,22 +18,44 @@ batch, as a decode step is the chat engine's. Nothing is generated, so a request
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import torch
+import numpy as np
 
 from switchyard.shared.config import EngineSettings
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, Usage
 from switchyard.shared.tiers import BATCH_TIER, get_tier
-from switchyard.workers.engine.embedding_model import EmbeddingModel
 from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected
 
+log = logging.getLogger("switchyard.engine")
+
 MAX_DELTA_BYTES = 512 * 1024  # vectors per delta: well inside NATS's default 1 MiB message
-# Padded tokens one forward may hold. Smaller forwards of length-sorted inputs pad less: 64 inputs of 4-60 words on
-# a 2-core EPYC ran at 88-104 inputs/s in one forward (8192), 148 in forwards of 1024 and 150 of 512 (the
-# reference: 91-105 at batch 64); below that a forward's fixed cost starts to show.
-FORWARD_TOKENS = 1024
+_INTERNAL = ErrorInfo("The worker had an error processing your request.", code="internal_error",
+                      type="server_error", status=500)
+
+
+class Embedder(Protocol):
+    """What the engine needs of a model: its inputs as token ids (``EmbeddingInputs``), and their vectors."""
+
+    tokenizer: object
+    max_tokens: int  # the longest input, in tokens (special tokens included)
+    dimensions: int
+
+    @property
+    def device_type(self) -> str: ...
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]: ...
+
+    def with_special_tokens(self, ids: list[int]) -> list[int]: ...
+
+    def embed(self, batch: list[list[int]]) -> np.ndarray:
+        """float32 [len(batch), dimensions], in ``batch``'s order; however many forwards it takes."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -60,13 +86,10 @@ def _rejected(message: str, param: str, code: str = "invalid_request") -> Reques
 class EmbeddingEngine:
     """See the module docstring; the worker calls it as workers/engine/interface.py says."""
 
-    def __init__(self, model: EmbeddingModel, settings: EngineSettings, name: str = "") -> None:
+    def __init__(self, model: Embedder, settings: EngineSettings, name: str = "") -> None:
         self.model = model
         self.name = name
         self.max_num_seqs = settings.max_num_seqs  # inputs per step
-        # Padded tokens per forward (FORWARD_TOKENS, not the chat engine's decode-step budget): a step's inputs,
-        # sorted by length, run in forwards of similar lengths; an input longer than it runs alone.
-        self.max_num_batched_tokens = FORWARD_TOKENS
         self._queue: deque[_Queued] = deque()
         self._ending: list[_Queued] = []  # aborted: their finals go out with the next step
         self.num_steps_run = 0  # steps that ran the model
@@ -79,7 +102,7 @@ class EmbeddingEngine:
 
     @property
     def device_type(self) -> str:
-        return self.model.device.type
+        return self.model.device_type
 
     def capacity(self) -> EngineCapacity:
         # A seat is a request; the step decides how many inputs run. No KV cache to fill.
@@ -100,7 +123,8 @@ class EmbeddingEngine:
         return bool(self._queue) or bool(self._ending)
 
     def shutdown(self) -> None:
-        """Nothing to release but memory."""
+        """Release the model (vLLM's engine core; ours holds only memory)."""
+        self.model.close()
 
     # -- requests -------------------------------------------------------------------------------------------
     def prepare(self, request: GenerateRequest) -> PreparedInputs:
@@ -152,9 +176,9 @@ class EmbeddingEngine:
         deltas = [self._final(q) for q in self._ending]
         self._ending = []
         picked = self._pick(background_limit)
-        if picked:
-            self._run(picked)
-            self.num_steps_run += 1
+        if picked and not self._run(picked):
+            return deltas + self._fail([q for q, _ in picked])
+        self.num_steps_run += bool(picked)
         touched = list(dict.fromkeys(q.request.request_id for q, _ in picked))
         by_id = {q.request.request_id: q for q, _ in picked}
         for request_id in touched:
@@ -182,28 +206,27 @@ class EmbeddingEngine:
                 break
         return picked
 
-    def _run(self, picked: list[tuple[_Queued, int]]) -> None:
-        """Forwards over the picked inputs, shortest first, each within the padded token budget."""
-        order = sorted(range(len(picked)), key=lambda i: len(picked[i][0].inputs.ids[picked[i][1]]))
-        vectors: list[bytes | None] = [None] * len(picked)
-        start, total = 0, 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order):
-                longest = len(picked[order[end]][0].inputs.ids[picked[order[end]][1]])
-                if longest * (end - start + 1) > self.max_num_batched_tokens:
-                    break
-                end += 1
-            chunk = order[start:end]
-            batch = [picked[i][0].inputs.ids[picked[i][1]] for i in chunk]
-            out = self.model.encode(batch).to(torch.float32).numpy().astype("<f4")
-            for row, i in zip(out, chunk):
-                vectors[i] = row.tobytes()
-            total += sum(len(b) for b in batch)
-            start = end
-        for (q, _), vector in zip(picked, vectors):
-            q.vectors.append(vector)
-        self._last_batch = (len(picked), total)
+    def _run(self, picked: list[tuple[_Queued, int]]) -> bool:
+        """The picked inputs' vectors, onto their requests; False when the model failed (the step's requests fail,
+        no other)."""
+        batch = [q.inputs.ids[i] for q, i in picked]
+        try:
+            out = self.model.embed(batch).astype("<f4", copy=False)
+        except Exception:
+            log.exception("an embeddings step of %d inputs failed", len(batch))
+            return False
+        for (q, _), row in zip(picked, out):
+            q.vectors.append(row.tobytes())
+        self._last_batch = (len(picked), sum(len(ids) for ids in batch))
+        return True
+
+    def _fail(self, requests: list[_Queued]) -> list[TokenDelta]:
+        """Finals of the requests a failed step ran (each once, whatever else of theirs is queued)."""
+        failed = list({id(q): q for q in requests}.values())
+        for q in failed:
+            self._queue.remove(q)
+            q.ended = _INTERNAL
+        return [self._final(q) for q in failed]
 
     def _vector_deltas(self, q: _Queued, done: bool) -> list[TokenDelta]:
         """``q``'s vectors of this step, as many per delta as fit; the last delta of its last step is final."""

@@ -34,15 +34,24 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine:
 
 def _vllm(config: SwitchyardConfig) -> ServingEngine:
     """vLLM (V1, its engine core in this process), for what ours lacks: tensor parallelism, quantization,
-    speculative decoding, KV offload, any architecture vLLM knows (workers/vllm_engine/). Needs vLLM installed
-    where the worker runs (``make vllm-env``); refused with how to install it otherwise."""
+    speculative decoding, KV offload, any architecture vLLM knows (workers/vllm_engine/). A sentence-embedding model
+    (its ``modules.json`` names a pooling) runs on vLLM's pooling runner under the embeddings engine, serving
+    /v1/embeddings. Needs vLLM installed where the worker runs (``make vllm-env``); refused with how to install it
+    otherwise."""
     from switchyard.workers import model_store
+    from switchyard.workers.engine.embedding_model import is_sentence_embedding_model
     from switchyard.workers.vllm_engine.environment import require_vllm
 
     require_vllm()
+    path = model_store.resolve(config.worker.model, config.model_cache_dir)
+    if is_sentence_embedding_model(path):
+        from switchyard.workers.engine.embeddings import EmbeddingEngine
+        from switchyard.workers.vllm_engine.embedder import VllmEmbedder
+
+        return EmbeddingEngine(VllmEmbedder.from_settings(config.worker, str(path)), config.worker,
+                               config.worker.served_name)
     from switchyard.workers.vllm_engine.engine import VllmEngine
 
-    path = model_store.resolve(config.worker.model, config.model_cache_dir)
     return VllmEngine.from_settings(config.worker, str(path))
 
 
