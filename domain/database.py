@@ -12,7 +12,10 @@ A call waits for its turn first (at most the pool's connections run at once): th
 so it is not part of the call's bound and never trips the breaker. A thousand tenants arriving at once queue for
 the pool; before, their waits past the bound opened the breaker, and every request whose key was not cached yet
 got 503 for ``RETRY_AFTER_S``. A wait past ``TURN_WAIT_S`` gives up with ``DatabaseBusy`` (the callers' fallbacks
-apply, the breaker stays closed).
+apply, the breaker stays closed). Calls about one tenant's rows (its rate window, budget, open requests) carry its
+``key`` and run one at a time here: a tenant with hundreds of requests at once then waits for its own calls without
+holding a connection, instead of queueing on its row locks inside Postgres with every connection held by it, and
+another tenant's requests waiting behind them.
 
 ``connect`` makes the gateway's pool, its connects and statements bounded.
 """
@@ -20,6 +23,7 @@ apply, the breaker stays closed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -65,6 +69,13 @@ async def connect(database_url: str, max_size: int) -> asyncpg.Pool:
     return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, **POOL_OPTIONS)
 
 
+class _KeyLock:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock, self.users = asyncio.Lock(), 0
+
+
 class Database:
     """A pool with bounded calls and a circuit breaker; ``degraded`` says whether Postgres failed recently."""
 
@@ -73,31 +84,31 @@ class Database:
         self._failed_at: float | None = None
         self._probing = False
         self._turns = asyncio.Semaphore(pool.get_max_size())  # calls in flight: one per connection
+        self._keys: dict[str, _KeyLock] = {}  # keys with calls running or waiting (dropped when none)
 
     @property
     def degraded(self) -> bool:
         return self._failed_at is not None
 
-    async def run(self, call: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
+    async def run(self, call: Callable[[asyncpg.Pool], Awaitable[T]], key: str | None = None) -> T:
         """``await call(pool)`` within ``CALL_TIMEOUT_S`` once a connection is free; raises DatabaseUnavailable on
         an outage, and at once while the breaker is open (one caller at a time probes once ``RETRY_AFTER_S`` has
-        passed); DatabaseBusy when no connection was free for ``TURN_WAIT_S``."""
+        passed); DatabaseBusy when no connection was free for ``TURN_WAIT_S``. Calls with the same ``key`` (one
+        tenant's rows) run one at a time, waiting for each other without a connection."""
         probe = False
         if self._failed_at is not None:
             if self._probing or time.monotonic() - self._failed_at < RETRY_AFTER_S:
                 raise DatabaseUnavailable
             self._probing = probe = True
         try:
-            try:
-                await asyncio.wait_for(self._turns.acquire(), TURN_WAIT_S)
-            except asyncio.TimeoutError:
-                raise DatabaseBusy from None
-            try:
-                if self._failed_at is not None and not probe:
-                    raise DatabaseUnavailable  # found down while this call waited for its turn
-                result = await bounded(call(self.pool), CALL_TIMEOUT_S)
-            finally:
-                self._turns.release()
+            async with self._one_per_key(key):
+                await _within_turn_wait(self._turns.acquire())
+                try:
+                    if self._failed_at is not None and not probe:
+                        raise DatabaseUnavailable  # found down while this call waited for its turn
+                    result = await bounded(call(self.pool), CALL_TIMEOUT_S)
+                finally:
+                    self._turns.release()
         except OUTAGE_ERRORS as exc:
             if self._failed_at is None:
                 log.warning("Postgres unavailable (%r): serving known keys from cache, limits locally", exc)
@@ -110,6 +121,33 @@ class Database:
             log.warning("Postgres is back")
             self._failed_at = None
         return result
+
+    @contextlib.asynccontextmanager
+    async def _one_per_key(self, key: str | None):
+        if key is None:
+            yield
+            return
+        entry = self._keys.get(key)
+        if entry is None:
+            entry = self._keys[key] = _KeyLock()
+        entry.users += 1
+        try:
+            await _within_turn_wait(entry.lock.acquire())
+            try:
+                yield
+            finally:
+                entry.lock.release()
+        finally:
+            entry.users -= 1
+            if not entry.users:
+                del self._keys[key]
+
+
+async def _within_turn_wait(acquire: Awaitable[bool]) -> None:
+    try:
+        await asyncio.wait_for(acquire, TURN_WAIT_S)
+    except asyncio.TimeoutError:
+        raise DatabaseBusy from None
 
 
 async def bounded(coro: Awaitable[T], timeout: float) -> T:

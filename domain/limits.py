@@ -116,9 +116,10 @@ class Limiter:
         try:
             weight = _previous_weight(reset_s)
             row = await self._db.run(lambda pool: pool.fetchrow(ADMIT_SQL, auth.key_id, window_start, tokens, rpm,
-                                                                tpm, weight))
+                                                                tpm, weight), key=auth.key_id)
             if row is None:
-                used = await self._db.run(lambda pool: pool.fetchrow(USED_SQL, auth.key_id, window_start, weight))
+                used = await self._db.run(lambda pool: pool.fetchrow(USED_SQL, auth.key_id, window_start, weight),
+                                          key=auth.key_id)
         except DatabaseUnavailable:
             return self._admit_locally(auth, rpm, tpm, tokens, window_start)
         if row is None:
@@ -156,7 +157,8 @@ class Limiter:
             try:
                 await self._db.run(lambda pool: pool.execute(
                     "UPDATE rate_windows SET tokens = greatest(tokens + $3, 0) WHERE key_id = $1 "
-                    "AND window_start = $2", reservation.key_id, reservation.window_start, difference))
+                    "AND window_start = $2", reservation.key_id, reservation.window_start, difference),
+                    key=reservation.key_id)
             except DatabaseUnavailable:  # the window keeps its reservation: a limit errs on the safe side
                 pass
 

@@ -59,9 +59,11 @@ class MonthlyBudget(Policy):
         try:
             if reserve:
                 spent = await self._db.run(lambda pool: pool.fetchval(RESERVE_SQL, tenant_id,
-                                                                      ticket.estimated_tokens, budget, month))
+                                                                      ticket.estimated_tokens, budget, month),
+                                           key=tenant_id)
             else:
-                spent = await self._db.run(lambda pool: pool.fetchval(SPENT_SQL, tenant_id, month)) or 0
+                spent = await self._db.run(lambda pool: pool.fetchval(SPENT_SQL, tenant_id, month),
+                                           key=tenant_id) or 0
         except DatabaseUnavailable:
             if self._spent.get(tenant_id, 0) >= budget:
                 raise _refusal(budget) from None
@@ -79,6 +81,6 @@ class MonthlyBudget(Policy):
             return
         try:
             await self._db.run(lambda pool: pool.execute(RELEASE_SQL, ticket.auth.tenant_id, ticket.budget_month,
-                                                         reserved))
+                                                         reserved), key=ticket.auth.tenant_id)
         except DatabaseUnavailable:
             pass  # held until the month ends: a budget errs on the safe side, as the rate window does

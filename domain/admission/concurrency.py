@@ -66,7 +66,8 @@ class Concurrency(Policy):
                               "at once: lower n.", type="rate_limit_error", code="concurrency_limit_exceeded",
                               param="n")
         try:
-            admitted = await self._db.run(lambda pool: self._admit(pool, ticket, max_streams, max_sequences))
+            admitted = await self._db.run(lambda pool: self._admit(pool, ticket, max_streams, max_sequences),
+                                          key=auth.tenant_id)
         except DatabaseUnavailable:
             admitted = self._admit_locally(ticket, max_streams, max_sequences)
         if admitted is None:

@@ -62,3 +62,18 @@ async def test_a_call_that_does_not_answer_opens_the_breaker_and_the_calls_waiti
         await asyncio.wait_for(waiting, 0.5)  # not a query of its own on a server found down
     with pytest.raises(DatabaseUnavailable):  # and later callers go straight to their fallbacks
         await db.run(sleep_for(0))
+
+
+async def test_one_tenants_calls_hold_one_connection_at_a_time_and_never_queue_another_tenant_behind_them(
+        small_pool):
+    """A tenant with many requests at once: its calls about its own rows (a row lock in Postgres would serialise
+    them anyway) wait for each other without a connection, so another tenant's call gets the other connection at
+    once instead of waiting behind all of them."""
+    db = Database(small_pool)
+    heavy = [asyncio.create_task(db.run(sleep_for(0.5), key="heavy")) for _ in range(6)]
+    await asyncio.sleep(0)
+    started = asyncio.get_running_loop().time()
+    assert await db.run(sleep_for(0), key="light") == "slept"
+    assert asyncio.get_running_loop().time() - started < 0.4  # not behind the heavy calls (1.5 s unkeyed)
+    assert await asyncio.gather(*heavy) == ["slept"] * 6
+    assert db._keys == {}  # nothing kept for keys with no call
