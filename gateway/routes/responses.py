@@ -20,13 +20,14 @@ from fastapi import APIRouter, Depends, Request
 from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.admission import admit, authenticated, request_ticket
+from switchyard.gateway.admission import admit, authenticated, counted, request_ticket
 from switchyard.gateway.services import GatewayServices
 
 
 def router(services: GatewayServices) -> APIRouter:
     router = APIRouter(prefix="/v1/responses")
     caller = authenticated(services)
+    call = counted(services)  # reading, deleting, cancelling a stored response counts against the key's rate too
 
     @router.post("")
     async def create(body: ResponseCreate, request: Request, auth: AuthContext = Depends(caller)):
@@ -40,21 +41,21 @@ def router(services: GatewayServices) -> APIRouter:
         return await services.responses.create(body, ticket, context)
 
     @router.get("/{response_id}")
-    async def get(response_id: str, auth: AuthContext = Depends(caller)):
+    async def get(response_id: str, auth: AuthContext = Depends(call)):
         return await services.response_store.get(response_id, auth.tenant_id)
 
     @router.delete("/{response_id}")
-    async def delete(response_id: str, auth: AuthContext = Depends(caller)):
+    async def delete(response_id: str, auth: AuthContext = Depends(call)):
         await services.response_store.delete(response_id, auth.tenant_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @router.get("/{response_id}/input_items")
     async def input_items(response_id: str, limit: int = 20, after: str | None = None,
-                          order: Literal["asc", "desc"] = "desc", auth: AuthContext = Depends(caller)):
+                          order: Literal["asc", "desc"] = "desc", auth: AuthContext = Depends(call)):
         return await services.response_store.input_items(response_id, auth.tenant_id, limit, after, order)
 
     @router.post("/{response_id}/cancel")
-    async def cancel(response_id: str, auth: AuthContext = Depends(caller)):
+    async def cancel(response_id: str, auth: AuthContext = Depends(call)):
         return await services.responses.cancel(response_id, auth.tenant_id)
 
     return router

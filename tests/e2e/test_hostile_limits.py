@@ -48,7 +48,7 @@ async def test_flex_is_held_to_the_tiers_limits_of_the_keys_tenant(system, new_k
             assert r.headers["x-ratelimit-limit-tokens"] == "40000"
 
 
-@pytest.mark.parametrize("route", ["files", "batches", "usage", "conversations", "models"])
+@pytest.mark.parametrize("route", ["files", "batches", "usage", "conversations", "models", "responses"])
 async def test_every_route_counts_against_the_keys_request_rate(system, new_key, route):
     _, secret = await new_key("pro", rpm_limit=3)
     calls = {
@@ -57,10 +57,12 @@ async def test_every_route_counts_against_the_keys_request_rate(system, new_key,
         "usage": lambda http: http.get("/v1/usage"),
         "conversations": lambda http: http.post("/v1/conversations", json={"model": MODEL}),
         "models": lambda http: http.get("/v1/models"),
+        "responses": lambda http: http.get("/v1/responses/resp_nobody_made"),  # counted before the lookup
     }
+    ok = 404 if route == "responses" else 200
     async with httpx.AsyncClient(base_url=system, headers=bearer(secret), timeout=30) as http:
         answers = [await calls[route](http) for _ in range(4)]
-    assert [r.status_code for r in answers] == [200, 200, 200, 429], [r.text for r in answers]
+    assert [r.status_code for r in answers] == [ok, ok, ok, 429], [r.text for r in answers]
     assert answers[0].headers["x-ratelimit-limit-requests"] == "3"
     assert answers[-1].json()["error"]["code"] == "rate_limit_exceeded" and int(answers[-1].headers["retry-after"])
 
