@@ -27,7 +27,11 @@ Reported: L's TTFT p50/p95 idle and loaded (first round, after it), the first ro
 tenant class, JetStream consumers on the tier's stream, the worker's NATS subscriptions, the worker's queue time
 p95 (its metric), the share of the worker's time spent pulling (py-spy over the loaded phase: samples inside the
 intake's pulls), NATS memory and worker CPU per
-idle tenant. Clients run in processes of their own; ``lscpu`` is printed and the CPU named with the table.
+idle tenant, the gateway's event-loop lag over the loaded phase (its metric) and the CPU each part used then (in
+cores: on a small machine everything shares, and a loop that waits for a core shows here). Clients run in processes
+of their own, L's apart from the closed loops (whose thousand streams would otherwise delay L's on one event loop);
+the closed loops run at ``--client-nice`` 10, standing for clients on other machines. ``lscpu`` is printed and the
+CPU named with the table.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -46,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.local import cpu_name, lscpu  # noqa: E402
-from bench.proc import cpu_seconds, profile, rss_bytes  # noqa: E402
+from bench.proc import cpu_seconds, profile, rss_bytes, tree_cpu_seconds  # noqa: E402
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 from bench.tenants_load import LoadReport, run_load  # noqa: E402
 
@@ -145,15 +150,22 @@ async def _metrics_url(system) -> str:
         await nc.close()
 
 
-def load(system, keys: dict[str, list[str]], seconds: float, clients: int, tokens: int = TOKENS) -> LoadReport:
-    """Run the clients (L's pacing and every closed loop) in ``clients`` processes; their merged report."""
+def load(system, keys: dict[str, list[str]], seconds: float, clients: int, tokens: int = TOKENS,
+         nice: int = 0) -> LoadReport:
+    """Run the clients in processes of their own, their merged report: the light tenant's paced requests in one
+    (its TTFT is the measure: it must not wait on the event loop of a thousand other streams), every closed loop
+    spread over ``clients`` more at ``nice`` (they stand for clients on other machines: on one machine they take
+    the cores the platform leaves, rather than take them from it)."""
     context = multiprocessing.get_context("spawn")
+    shares = [({"light": keys["light"]}, 0)] if keys.get("light") else []
+    loops = {role: ks for role, ks in keys.items() if role != "light"}
+    if loops:
+        shares += [({role: ks[i::clients] for role, ks in loops.items()}, nice) for i in range(clients)]
     pipes, procs = [], []
-    for i in range(clients):
-        share = {role: ks[i::clients] for role, ks in keys.items()}
+    for share, niceness in shares:
         recv, send = context.Pipe(duplex=False)
         proc = context.Process(target=run_load, args=(system.url(), MODEL, tokens, LIGHT_TOKENS, share, seconds,
-                                                      send))
+                                                      send, niceness))
         proc.start()
         send.close()  # the child holds the only write end: a client that dies is an EOFError here, not a hang
         pipes.append(recv)
@@ -162,6 +174,60 @@ def load(system, keys: dict[str, list[str]], seconds: float, clients: int, token
     for proc in procs:
         proc.join()
     return LoadReport.merged(reports)
+
+
+class CpuShares:
+    """CPU the system's parts and the clients use over a phase, in cores: which part a slow loop waits on."""
+
+    def __init__(self, system) -> None:
+        by_name = {s.name: s.pid for s in system.services}
+        self._pids = {"gateway": by_name["gateway"], "worker": by_name["worker-sim"], "jobs": by_name.get("jobs"),
+                      "NATS": system._stack[0].pid, "Postgres": system._stack[1].pid}  # servers, started first
+
+    def __enter__(self) -> CpuShares:
+        self._started = time.perf_counter()
+        self._before = self._read()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        seconds = time.perf_counter() - self._started
+        after = self._read()
+        self.cores = {part: (after[part] - self._before[part]) / seconds for part in after}
+
+    def _read(self) -> dict[str, float]:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the client processes, once joined
+        out = {part: tree_cpu_seconds(pid) for part, pid in self._pids.items() if pid is not None}
+        out["clients"] = usage.ru_utime + usage.ru_stime
+        out["machine"] = sum(_machine_busy())
+        return out
+
+    def line(self) -> str:
+        parts = " / ".join(f"{part} {self.cores[part]:.2f}" for part in self.cores if part != "machine")
+        return f"{parts}; whole machine {self.cores['machine']:.2f} of {os.cpu_count()}"
+
+
+def _machine_busy() -> tuple[float, ...]:
+    """The machine's busy CPU seconds so far (every core; user, nice, system, irq, softirq, steal)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(v) / os.sysconf("SC_CLK_TCK") for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9])
+    return user, nice, system, irq, softirq, steal
+
+
+async def _gateway_loop_lag(base_url: str) -> list[tuple[float, float]]:
+    """The gateway's event-loop lag histogram: (bucket bound, observations at or under it)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        text = (await http.get(f"{base_url}/metrics")).text
+    return [(float(line.split('le="')[1].split('"')[0]), float(line.rsplit(" ", 1)[1]))
+            for line in text.splitlines() if line.startswith("switchyard:event_loop_lag_seconds_bucket")]
+
+
+def lag_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
+    """The ``q`` quantile's bucket bound of the observations made between two reads of the histogram."""
+    counts = [(le, n - dict(before).get(le, 0.0)) for le, n in sorted(after)]
+    total = counts[-1][1] if counts else 0
+    return next((le for le, n in counts if total and n >= q * total), float("nan"))
 
 
 def main() -> None:
@@ -177,7 +243,9 @@ def main() -> None:
     p.add_argument("--tokens-per-delta", type=int, default=1,
                    help="tokens a delta carries after the first (fewer messages for the same tokens: on a small "
                         "machine the relay's cost per message, not the worker, bounds a run with every seat taken)")
-    p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--clients", type=int, default=2, help="client processes for the closed loops (L has its own)")
+    p.add_argument("--client-nice", type=int, default=10,
+                   help="nice value of the closed loops' processes (0: compete with the platform for its cores)")
     p.add_argument("--results", default=str(RESULTS), help="'-' to skip")
     args = p.parse_args()
     cpu = cpu_name(lscpu())
@@ -204,8 +272,11 @@ def main() -> None:
         spying = threading.Timer(args.seconds / 3, spy)
         spying.start()
         loaded_at = time.time()
-        loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
-                      args.seconds, args.clients, args.tokens)
+        lag_before = asyncio.run(_gateway_loop_lag(system.url()))
+        with CpuShares(system) as cpu_loaded:
+            loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
+                          args.seconds, args.clients, args.tokens, args.client_nice)
+        lag_after = asyncio.run(_gateway_loop_lag(system.url()))
         spying.join()
         print("loaded:", loaded.summary(), flush=True)
         consumers, subs = asyncio.run(jetstream_counts(system))
@@ -238,6 +309,9 @@ def main() -> None:
          ("L p95 loaded after the first round / alone (target <= 3x)", f"{ratio:.2f}x"),
          ("requests served loaded: L / H / active tenants", loaded.served_line()),
          ("requests failed loaded", str(loaded.failed)),
+         ("gateway event-loop lag loaded, p50 / p99 (bucket bound, s)",
+          f"{lag_quantile(lag_before, lag_after, 0.5):g} / {lag_quantile(lag_before, lag_after, 0.99):g}"),
+         (f"CPU loaded, cores (closed-loop clients at nice {args.client_nice})", cpu_loaded.line()),
          ("JetStream consumers on the tier's stream", f"{consumers:,}"),
          ("worker NATS subscriptions", f"{subs:,}"),
          ("worker queue time p95 (bucket bound, s)", f"{queue_p95:g}"),

@@ -10,6 +10,7 @@ service received); after it, the light tenant is the least served whenever it co
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -153,7 +154,10 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
 
 
 def run_load(base_url: str, model: str, tokens: int, light_tokens: int, keys: dict[str, list[str]], seconds: float,
-             out) -> None:
-    """A client process's body; its report through ``out`` (a multiprocessing connection)."""
+             out, nice: int = 0) -> None:
+    """A client process's body; its report through ``out`` (a multiprocessing connection). ``nice``: added to the
+    process's nice value first (load generators that stand for clients on other machines)."""
+    if nice:
+        os.nice(nice)
     out.send(asyncio.run(_load(base_url, model, tokens, light_tokens, keys, seconds)))
     out.close()

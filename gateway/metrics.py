@@ -13,7 +13,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from switchyard.shared.messages import GenerateRequest, TokenDelta
-from switchyard.shared.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
+from switchyard.shared.metrics import LATENCY_BUCKETS, LOOP_LAG_BUCKETS, REQUEST_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
 
 _LABELS = ("model", "tier")
 
@@ -53,6 +53,10 @@ class GatewayMetrics:
                                     "Requests judged by the input safety filter (domain/admission/safety.py), by tier, "
                                     "category (none: allowed) and action: allowed, logged, blocked.",
                                     ("tier", "category", "action"), registry=r)
+        self.loop_lag = Histogram(name("event_loop_lag_seconds"),
+                                  "How late a timer fires on the gateway's event loop (gateway/loop_lag.py): every "
+                                  "await of every request it serves is late by as much.", buckets=LOOP_LAG_BUCKETS,
+                                  registry=r)
         self.served_models: set[str] = set()  # names a model label may take (the registry's), see model_label
 
     def model_label(self, model: str | None) -> str:

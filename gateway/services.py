@@ -5,7 +5,7 @@
               ├─ tier policies ──────┼─▶ admission (domain/admission/policies.py) ─┐
         postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
               publisher ── relay (liveness, failover) ── affinity ──────────────────┘
-        stores: conversations, responses, files, batches, usage      queue gauges (poller)
+        stores: conversations, responses, files, batches, usage      queue gauges (poller), loop lag probe
         responses (responses_service.py), embeddings (embeddings.py): over completions (and the stores)
 
 Routes are handed this object when the app is made (gateway/routes/) and read the service they need from it when
@@ -41,6 +41,7 @@ from switchyard.gateway.embeddings import EmbeddingService
 from switchyard.gateway.failover import Failover
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.gateway.loop_lag import LoopLagProbe
 from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.responses_service import ResponseService
@@ -83,6 +84,7 @@ class GatewayServices:
         self.draining = False  # set by DrainingServer on SIGTERM; /readyz reads it
         self._pool: asyncpg.Pool | None = None
         self._poller: QueuePoller | None = None
+        self._loop_lag = LoopLagProbe(self.metrics.loop_lag)
         self._upkeep: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -119,6 +121,7 @@ class GatewayServices:
         self.usage = UsageReport(pool)
         self._poller = QueuePoller(self.metrics, self.js, self.registry, self.db, self.batches)
         self._poller.start()
+        self._loop_lag.start()
         self._upkeep = asyncio.create_task(self._keep_up())
 
     async def _keep_up(self) -> None:
@@ -135,6 +138,7 @@ class GatewayServices:
             self._upkeep.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._upkeep
+        await self._loop_lag.stop()
         if self._poller is not None:
             await self._poller.stop()
         if self._pool is not None:
