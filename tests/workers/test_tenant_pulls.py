@@ -132,3 +132,87 @@ async def test_free_seats_are_filled_from_the_least_served_tenants_one_request_e
     for msg in first + rest:
         await msg.ack_sync()
     await queues.close()
+
+
+class CountedPulls:
+    """Wraps a TenantQueues' pulls: counts them, and runs ``after(stream, consumer, msg)`` once each answers."""
+
+    def __init__(self, queues: TenantQueues, after=None) -> None:
+        self.count, self._next, self._after = 0, queues._pulls.next, after
+        queues._pulls.next = self.next
+
+    async def next(self, stream, consumer, timeout_s):
+        self.count += 1
+        msg = await self._next(stream, consumer, timeout_s)
+        if self._after is not None:
+            await self._after(stream, consumer, msg)
+        return msg
+
+
+async def test_a_tenant_whose_only_request_was_taken_costs_the_next_pull_nothing(nc):
+    # A thousand tenants with a request each, one seat freeing at a time: a tenant JetStream said had nothing
+    # after the message it handed out is not asked again (an empty answer waits out the pull's expiry; twenty such
+    # tenants ranked first held one free seat's pull for a second).
+    js = nc.jetstream()
+    tenants = [f"t{i:02d}" for i in range(30)]
+    for tenant in tenants:
+        await js.publish(subjects.request_subject(MODEL, TIER, tenant), tenant.encode())
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    await queues.sweep()
+    pulls = CountedPulls(queues)
+    got = []
+    for _ in tenants:
+        (msg,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+        got.append(msg.data.decode())
+        await msg.ack_sync()
+    assert sorted(got) == tenants
+    assert pulls.count == len(tenants)  # not one empty answer on the way
+    assert not queues.has_pending()
+    await queues.close()
+
+
+async def test_a_request_that_rings_after_the_count_was_taken_is_not_forgotten(nc):
+    js = nc.jetstream()
+    subject = subjects.request_subject(MODEL, TIER, "a")
+    await js.publish(subject, b"first")
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    queues.ring(subject)
+
+    async def another_comes(stream, consumer, msg):  # the count in the answer (0 left) predates this request
+        if msg is not None and msg.data == b"first":
+            await js.publish(subject, b"second")
+            queues.ring(subject)
+
+    CountedPulls(queues, another_comes)
+    (first,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    assert first.metadata.num_pending == 0
+    assert queues.has_work(TIER, set())  # the newer ring wins over the older count
+    (second,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    assert (first.data, second.data) == (b"first", b"second")
+    for msg in (first, second):
+        await msg.ack_sync()
+    await queues.close()
+
+
+async def test_a_tenant_that_rings_while_a_pull_is_out_is_asked_next_not_after_the_first_order(nc):
+    # Tenants the worker believes have work (they rang; their requests went elsewhere) and that were served a lot,
+    # ahead of a light tenant that rings while the first of them is being asked: the next round asks it.
+    js = nc.jetstream()
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    stale = [f"s{i:02d}" for i in range(20)]
+    for tenant in stale:
+        queues.ring(subjects.request_subject(MODEL, TIER, tenant))
+        queues.finished(TIER, tenant, prompt_tokens=100, generated_tokens=400)
+    light = subjects.request_subject(MODEL, TIER, "light")
+
+    async def light_comes(stream, consumer, msg):
+        if pulls.count == 1:
+            await js.publish(light, b"light")
+            queues.ring(light)
+
+    pulls = CountedPulls(queues, light_comes)
+    (msg,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    assert msg.data == b"light"
+    assert pulls.count == 2  # one stale tenant asked, then the light one: not the nineteen others first
+    await msg.ack_sync()
+    await queues.close()

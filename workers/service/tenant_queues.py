@@ -16,6 +16,7 @@ share decides, as before. A consumer is made when a tenant first has work here, 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 
 from nats.js import JetStreamContext
@@ -41,6 +42,9 @@ class TenantQueues:
         self._pending: dict[str, set[str]] = {t: set() for t in tiers}  # tier -> tenant tokens that may have work
         self._shares: dict[str, TenantShare] = {t: TenantShare() for t in tiers}
         self._consumers: dict[tuple[str, str], tuple[str, str]] = {}  # (tier, tenant) -> (stream, consumer) made
+        # (tier, tenant) -> the number of its last doorbell (see ``_emptied``); only for tenants pending
+        self._rung: dict[tuple[str, str], int] = {}
+        self._rings = itertools.count(1)
 
     # -- what may be queued -----------------------------------------------------------------------------------
     def ring(self, subject: str) -> bool:
@@ -52,6 +56,7 @@ class TenantQueues:
         if len(parts) != 5 or parts[3] not in self._pending:
             return False
         self._pending[parts[3]].add(parts[4])
+        self._rung[(parts[3], parts[4])] = next(self._rings)
         return True
 
     async def sweep(self) -> None:
@@ -109,19 +114,33 @@ class TenantQueues:
                 self._offered.discard(tier)
         share = self._shares[tier]
         tenants = self._pending[tier]
-        share.set_backlogged(tenants)
-        order = share.order(tenants - excluded)
-        start = 0
-        while len(got) < count and start < len(order):
-            asked = order[start:start + count - len(got)]
-            start += len(asked)
+        asked_before: set[str] = set()
+        while len(got) < count:
+            # The order again each round: a tenant that rang while the last round's pulls were out (a light one,
+            # ranked first) is asked now, not after every tenant the first order named.
+            share.set_backlogged(tenants)
+            candidates = tenants - excluded - asked_before
+            if not candidates:
+                break
+            asked = share.order(candidates)[:count - len(got)]
+            asked_before.update(asked)
+            rung_before = next(self._rings)
             answers = await asyncio.gather(*(self._fetch((tier, tenant), timeout_s) for tenant in asked))
             for tenant, msg in zip(asked, answers):
-                if msg is None:
-                    tenants.discard(tenant)
-                else:
+                if msg is not None:
                     got.append(msg)
+                if (msg is None or _num_pending(msg) == 0) and self._rung.get((tier, tenant), 0) < rung_before:
+                    self._emptied(tier, tenant)
         return got
+
+    def _emptied(self, tier: str, tenant: str) -> None:
+        """``tenant``'s queue in ``tier`` has nothing more: JetStream said so, by an empty pull or by the pending
+        count of the message it last handed out (its one request taken, a tenant stays out of the order until it
+        rings again, rather than cost the next pull an empty answer's wait for each such tenant ranked first: with
+        a thousand tenants a request each, a pull for one free seat asked twenty of them in turn, a second). A ring
+        newer than the pull that said so wins: that request may have come after the count was taken."""
+        self._pending[tier].discard(tenant)
+        self._rung.pop((tier, tenant), None)
 
     async def _fetch(self, key: tuple[str, str], timeout_s: float):
         """One message from a queue's consumer, or None (empty, or failed: the consumer is made again when a pull
@@ -168,3 +187,12 @@ class TenantQueues:
             self._consumers.clear()  # only names: making a consumer that exists again is a no-op on the server
         self._consumers[key] = known
         return known
+
+
+def _num_pending(msg) -> int | None:
+    """Messages left for the consumer after ``msg`` (JetStream puts the count in the reply subject); None when the
+    reply names none."""
+    try:
+        return msg.metadata.num_pending
+    except Exception:  # not a JetStream delivery's reply: no count, so no conclusion
+        return None
