@@ -37,11 +37,10 @@ class TenantSeats:
     def __init__(self, tenants: Iterable[str]) -> None:
         """``tenants``: one entry per seat held (a tenant holding three seats appears three times)."""
         self.held = Counter(tenants)
-
-    @property
-    def most(self) -> int:
+        # Asked once per tenant or waiting request (may_take): computed each time, a thousand tenants' seats cost
+        # a million steps per pull.
+        self.most = max(self.held.values(), default=0)
         """The seats the tenant holding the most holds (0 when none are held)."""
-        return max(self.held.values(), default=0)
 
     def holder(self) -> str | None:
         """The tenant that gives a seat up: the one holding the most (of equals, the greatest name, so the choice
