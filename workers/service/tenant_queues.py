@@ -129,16 +129,18 @@ class TenantQueues:
             for tenant, msg in zip(asked, answers):
                 if msg is not None:
                     got.append(msg)
-                if (msg is None or _num_pending(msg) == 0) and self._rung.get((tier, tenant), 0) < rung_before:
+                elif self._rung.get((tier, tenant), 0) < rung_before:
                     self._emptied(tier, tenant)
         return got
 
     def _emptied(self, tier: str, tenant: str) -> None:
-        """``tenant``'s queue in ``tier`` has nothing more: JetStream said so, by an empty pull or by the pending
-        count of the message it last handed out (its one request taken, a tenant stays out of the order until it
-        rings again, rather than cost the next pull an empty answer's wait for each such tenant ranked first: with
-        a thousand tenants a request each, a pull for one free seat asked twenty of them in turn, a second). A ring
-        newer than the pull that said so wins: that request may have come after the count was taken."""
+        """``tenant``'s queue in ``tier`` came up empty: it leaves the order until it rings again. A ring newer
+        than the pull that came back empty wins: that request may have reached the stream after the pull expired.
+
+        (A tenant also left the order when the message it was handed was the last in its queue, by the count in the
+        message's reply subject, before any empty answer: bench/tenants.py's light tenant gained from it, but a
+        victim's first token in tests/e2e/test_hostile_work.py came 2x its idle figure, 1.5x allowed, and the cause
+        was not found in the time there was; bench/RESULTS.md, issue 28.)"""
         self._pending[tier].discard(tenant)
         self._rung.pop((tier, tenant), None)
 
@@ -188,11 +190,3 @@ class TenantQueues:
         self._consumers[key] = known
         return known
 
-
-def _num_pending(msg) -> int | None:
-    """Messages left for the consumer after ``msg`` (JetStream puts the count in the reply subject); None when the
-    reply names none."""
-    try:
-        return msg.metadata.num_pending
-    except Exception:  # not a JetStream delivery's reply: no count, so no conclusion
-        return None
