@@ -195,9 +195,10 @@ class CpuShares:
         self.cores = {part: (after[part] - self._before[part]) / seconds for part in after}
 
     def _read(self) -> dict[str, float]:
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the client processes, once joined
+        # The client processes once joined, and py-spy's run (it profiles the worker meanwhile): children waited for.
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         out = {part: tree_cpu_seconds(pid) for part, pid in self._pids.items() if pid is not None}
-        out["clients"] = usage.ru_utime + usage.ru_stime
+        out["clients and py-spy"] = usage.ru_utime + usage.ru_stime
         out["machine"] = sum(_machine_busy())
         return out
 
