@@ -118,8 +118,11 @@ async def test_batch_runs_to_completion_with_openai_client(tenant_client, databa
 
 
 async def test_completions_endpoint_batch(client):
+    # Greedy: the tiny model's sampled text is random, and the output filter's profanity classifier (on by
+    # default) once blocked a line after 4 of its 5 tokens.
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": MODEL, "prompt": "once upon a time", "max_tokens": 5, "ignore_eos": True}}
+              "body": {"model": MODEL, "prompt": "once upon a time", "max_tokens": 5, "ignore_eos": True,
+                       "temperature": 0}}
              for i in range(3)]
     _, batch = submit(client, lines, endpoint="/v1/completions")
     done = await wait_batch(client, batch.id, finished, what="an end")
