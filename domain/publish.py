@@ -62,6 +62,10 @@ class RequestPublisher:
         sequence. Raises QueueFull (429), QueueUnavailable (503) or OpenAIError 413."""
         payload = self.encode(request) if payload is None else payload
         subject = subject or subjects.request_subject(request.model, request.tier, request.tenant_id)
+        if not self._nc.is_connected:
+            # No server at all (not a leader election, which a connected client rides out by retrying): the
+            # client hears "retry" now rather than after the whole retry window (tests/e2e/test_nats_restart.py).
+            raise _unavailable("The request queue is unavailable right now; please retry.", self._retry_after_s)
         try:
             # Retried through a JetStream leader election (a cluster node lost); the message id keeps a retried
             # request from being queued twice.

@@ -45,6 +45,8 @@ class ModelRegistry:
             return self._cached
         found: dict[str, list[WorkerInfo]] = {}
         try:
+            if not self._js._nc.is_connected:  # every read would wait out its timeout: the same as failing now
+                raise ConnectionError("not connected to NATS")
             workers = await live_workers(self._js)
         except Exception as exc:
             log.warning("cannot read the worker registry: %r", exc)
