@@ -28,10 +28,10 @@ log = logging.getLogger("switchyard.registry")
 
 
 class ModelRegistry:
-    def __init__(self, js: JetStreamContext, catalog: dict[str, list[str]] | None = None) -> None:
-        """``catalog``: the models the deployment is configured with (served name -> aliases): known before any of
+    def __init__(self, nc, js: JetStreamContext, catalog: dict[str, list[str]] | None = None) -> None:
+        """``nc``: the NATS connection ``js`` is of (while it has no server at all, reads fail at once). ``catalog``: the models the deployment is configured with (served name -> aliases): known before any of
         their workers is live, so a request for one with no worker is a 503 to retry, not a 404."""
-        self._js = js
+        self._nc, self._js = nc, js
         self._cached: dict[str, list[WorkerInfo]] = {}
         self._cached_at = 0.0
         self._last_served: dict[str, float] = {}  # model -> when a listing last had it
@@ -45,7 +45,7 @@ class ModelRegistry:
             return self._cached
         found: dict[str, list[WorkerInfo]] = {}
         try:
-            if not self._js._nc.is_connected:  # every read would wait out its timeout: the same as failing now
+            if not self._nc.is_connected:  # every read would wait out its timeout: the same as failing now
                 raise ConnectionError("not connected to NATS")
             workers = await live_workers(self._js)
         except Exception as exc:
