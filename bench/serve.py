@@ -272,7 +272,7 @@ def main() -> int:
         from transformers import AutoTokenizer
 
         reqs = workload(AutoTokenizer.from_pretrained(model_dir), args)
-        pids = {type(item).__name__ if not hasattr(item, "name") else item.name: item.pid for item in system._stack}
+        pids = system.pids()
         pids["bench client"] = os.getpid()
         system_rows = asyncio.run(system_load(system.url(), api_key, reqs, plan, config.nats_url, heartbeat_s, pids))
     finally:

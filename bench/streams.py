@@ -93,7 +93,7 @@ async def _open_tier(base_url: str, streams: int) -> None:
 def run_step(system, keys: list[str], streams: int, rate: float, args, profile_it: bool) -> dict:
     gateways = [s.pid for s in system.services if s.name.startswith("gateway")]
     worker = next(s.pid for s in system.services if s.name == f"worker-{model_of(rate)}")
-    nats = system._stack[0].pid  # the embedded NATS server, started first
+    nats = system.nats.pid
     before = {"gateway": sum(map(cpu_seconds, gateways)), "nats": cpu_seconds(nats), "worker": cpu_seconds(worker)}
     rss_before = sum(map(rss_bytes, gateways))
     peak = PeakRss(gateways)

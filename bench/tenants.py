@@ -114,7 +114,7 @@ async def jetstream_counts(system) -> tuple[int, int]:
         consumers = (await nc.jetstream().stream_info(subjects.request_stream(TIER))).state.consumer_count
     finally:
         await nc.close()
-    nats_server = system._stack[0]  # the embedded NATS server, started first
+    nats_server = system.nats
     async with httpx.AsyncClient(timeout=10) as http:
         conns = (await http.get(f"{nats_server.monitor_url}/connz?limit=1000")).json()["connections"]
     worker_subs = sum(c.get("subscriptions", 0) for c in conns
@@ -182,7 +182,7 @@ class CpuShares:
     def __init__(self, system) -> None:
         by_name = {s.name: s.pid for s in system.services}
         self._pids = {"gateway": by_name["gateway"], "worker": by_name["worker-sim"], "jobs": by_name.get("jobs"),
-                      "NATS": system._stack[0].pid, "Postgres": system._stack[1].pid}  # servers, started first
+                      "NATS": system.nats.pid, "Postgres": system.postgres.pid}
 
     def __enter__(self) -> CpuShares:
         self._started = time.perf_counter()
@@ -214,14 +214,20 @@ def _machine_busy() -> tuple[float, ...]:
     return user, nice, system, irq, softirq, steal
 
 
-async def _gateway_loop_lag(base_url: str) -> list[tuple[float, float]]:
-    """The gateway's event-loop lag histogram: (bucket bound, observations at or under it)."""
+async def _gateway_metrics(base_url: str) -> str:
     import httpx
 
     async with httpx.AsyncClient(timeout=30) as http:
-        text = (await http.get(f"{base_url}/metrics")).text
-    return [(float(line.split('le="')[1].split('"')[0]), float(line.rsplit(" ", 1)[1]))
-            for line in text.splitlines() if line.startswith("switchyard:event_loop_lag_seconds_bucket")]
+        return (await http.get(f"{base_url}/metrics")).text
+
+
+def histogram(text: str, metric: str, where: str = "") -> tuple[list[tuple[float, float]], float]:
+    """A histogram of the gateway's metrics (the series whose labels contain ``where``): its buckets, (bound,
+    observations at or under it), and the sum of its observations."""
+    series = [line for line in text.splitlines() if line.startswith(metric) and where in line]
+    buckets = [(float(line.split('le="')[1].split('"')[0]), float(line.rsplit(" ", 1)[1]))
+               for line in series if line.startswith(f"{metric}_bucket")]
+    return buckets, sum(float(line.rsplit(" ", 1)[1]) for line in series if line.startswith(f"{metric}_sum"))
 
 
 def lag_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
@@ -229,6 +235,15 @@ def lag_quantile(before: list[tuple[float, float]], after: list[tuple[float, flo
     counts = [(le, n - dict(before).get(le, 0.0)) for le, n in sorted(after)]
     total = counts[-1][1] if counts else 0
     return next((le for le, n in counts if total and n >= q * total), float("nan"))
+
+
+def gc_line(before: str, after: str) -> str:
+    """The gateway's full collections between two reads of its metrics: how many, the largest (bucket bound) and
+    their time in all."""
+    (b0, s0), (b1, s1) = (histogram(t, "switchyard:gc_pause_seconds", 'generation="2"') for t in (before, after))
+    count = (sorted(b1)[-1][1] - (sorted(b0)[-1][1] if b0 else 0.0)) if b1 else 0.0
+    return (f"{count:.0f} / {lag_quantile(b0, b1, 1.0):g} / {s1 - s0:.2f}" if count
+            else "0")
 
 
 def main() -> None:
@@ -259,7 +274,7 @@ def main() -> None:
         made_s = time.perf_counter() - t0
         light, heavy, rest = all_keys[0], all_keys[1], all_keys[2:]
         worker = next(s.pid for s in system.services if s.name == "worker-sim")
-        nats_pid = system._stack[0].pid
+        nats_pid = system.nats.pid
         alone = load(system, {"light": [light]}, args.seconds / 2, 1)
         print("idle:", alone.summary(), flush=True)
         spied: list[tuple[str, dict]] = []
@@ -273,11 +288,11 @@ def main() -> None:
         spying = threading.Timer(args.seconds / 3, spy)
         spying.start()
         loaded_at = time.time()
-        lag_before = asyncio.run(_gateway_loop_lag(system.url()))
+        metrics_before = asyncio.run(_gateway_metrics(system.url()))
         with CpuShares(system) as cpu_loaded:
             loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
                           args.seconds, args.clients, args.tokens, args.client_nice)
-        lag_after = asyncio.run(_gateway_loop_lag(system.url()))
+        metrics_after = asyncio.run(_gateway_metrics(system.url()))
         spying.join()
         print("loaded:", loaded.summary(), flush=True)
         consumers, subs = asyncio.run(jetstream_counts(system))
@@ -292,6 +307,11 @@ def main() -> None:
     finally:
         system.stop()
         shutil.rmtree(work, ignore_errors=True)
+    lag_before, lag_after = (histogram(t, "switchyard:event_loop_lag_seconds")[0]
+                             for t in (metrics_before, metrics_after))
+    # Every seat taken, L first in line: it waits for the next request to end. Ends of requests of spread lengths
+    # come about as a Poisson stream, so that wait's p95 is about 3 (ln 20) times their mean interval.
+    free_every_ms = 1e3 * args.seconds / max(1, sum(loaded.served.values()))
     ratio = loaded.light_ttft(95, "steady") / max(1e-9, alone.light_ttft(95))
     first_round_s = (loaded.first_round_end or float("nan")) - loaded_at
     settled_s = loaded.settled_at() - loaded_at
@@ -308,10 +328,14 @@ def main() -> None:
          (f"L TTFT p50 / p95 loaded, after it ({loaded.light_count('steady')} requests, ms)",
           f"{1e3 * loaded.light_ttft(50, 'steady'):.0f} / {1e3 * loaded.light_ttft(95, 'steady'):.0f}"),
          ("L p95 loaded after the first round / alone (target <= 3x)", f"{ratio:.2f}x"),
+         ("a seat freed every (ms, loaded) / so L's wait for the next one, p95 (ms)",
+          f"{free_every_ms:.0f} / {3 * free_every_ms:.0f}"),
          ("requests served loaded: L / H / active tenants", loaded.served_line()),
          ("requests failed loaded", str(loaded.failed)),
          ("gateway event-loop lag loaded, p50 / p99 (bucket bound, s)",
           f"{lag_quantile(lag_before, lag_after, 0.5):g} / {lag_quantile(lag_before, lag_after, 0.99):g}"),
+         ("gateway full GCs loaded: count / longest (bucket bound, s) / in all (s)",
+          gc_line(metrics_before, metrics_after)),
          (f"CPU loaded, cores (closed-loop clients at nice {args.client_nice})", cpu_loaded.line()),
          ("JetStream consumers on the tier's stream", f"{consumers:,}"),
          ("worker NATS subscriptions", f"{subs:,}"),

@@ -51,6 +51,9 @@ class LocalSystem:
         self._role_nats_urls: dict[str, str] = {}  # embedded NATS: each command's URL, with its role's user
         self._app_database_url: str | None = None  # embedded Postgres: the services' role (not the superuser)
         self._stack: list = []  # everything started, servers and services, in start order
+        # The embedded servers, once start_servers has started them (None: the settings named one elsewhere).
+        self.nats: NatsServer | None = None
+        self.postgres: PostgresServer | None = None
         self._jobs: ServiceProcess | None = None
 
     def __enter__(self) -> LocalSystem:
@@ -68,7 +71,7 @@ class LocalSystem:
         creds = load_or_create(data) if not (config.nats_url and config.database_url) else None
         if not config.nats_url:
             auth = write_nats_config(data / NATS_CONFIG_FILE, creds, config.nats_tls_cert, config.nats_tls_key)
-            nats = self._started(NatsServer(data / "nats", extra_args=["-c", str(auth)]))
+            nats = self.nats = self._started(NatsServer(data / "nats", extra_args=["-c", str(auth)]))
             scheme = "tls" if config.nats_tls_cert else None
             self._role_nats_urls = {role: with_credentials(nats.url, role, creds.nats_passwords[role], scheme)
                                     for role in ("gateway", "worker")}
@@ -76,7 +79,7 @@ class LocalSystem:
             said.append(f"nats      {nats.url} (pid {nats.pid}; a user per role, see {NATS_CONFIG_FILE})")
         embedded_pg = not config.database_url
         if embedded_pg:
-            pg = self._started(PostgresServer(data / "postgres", ephemeral=self.ephemeral,
+            pg = self.postgres = self._started(PostgresServer(data / "postgres", ephemeral=self.ephemeral,
                                               password=creds.postgres_password))
             config.database_url = pg.url
             said.append(f"postgres  {redacted(pg.url)} (pid {pg.pid})")
@@ -114,6 +117,13 @@ class LocalSystem:
         self._jobs = self._start_service(name, "jobs", {"gateway": gateway})
         return self._jobs
 
+    def pids(self) -> dict[str, int]:
+        """Every process started and not yet stopped, by name: ``nats`` and ``postgres`` where embedded, then each
+        service's (``gateway``, ``worker``, ...)."""
+        servers = {"nats": self.nats, "postgres": self.postgres}
+        return ({name: server.pid for name, server in servers.items() if server is not None}
+                | {service.name: service.pid for service in self.services})
+
     def url(self, port: int | None = None) -> str:
         """The base URL of the gateway on ``port`` (default: the settings')."""
         return f"http://{self.config.gateway.host}:{port or self.config.gateway.port}"
@@ -132,7 +142,7 @@ class LocalSystem:
             except Exception as exc:  # leaving a server behind is worse than a noisy stop
                 print(f"could not stop {item}: {exc}", file=sys.stderr)
         self.services.clear()
-        self._jobs = None
+        self._jobs = self.nats = self.postgres = None
 
     def _started(self, item):
         self._stack.append(item)  # before start(): a half-started server is stopped too

@@ -33,12 +33,7 @@ class ClientGone(Exception):
 def until_gone(request: Request) -> Callable[[], Awaitable[None]]:
     """A waiter that returns once ``request``'s client has disconnected. Only for after the body was read: it
     takes the connection's next ASGI messages, and once the body is in, the only one left is the disconnect."""
-
-    async def wait() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return wait
+    return lambda: _until_disconnect(request.receive)
 
 
 async def unless_gone(work: Awaitable[T], gone: Callable[[], Awaitable[None]] | None) -> T:
@@ -58,14 +53,17 @@ async def unless_gone(work: Awaitable[T], gone: Callable[[], Awaitable[None]] | 
     raise ClientGone
 
 
-class SlowReader(Exception):
-    """The client stopped taking the stream: ``why`` says by how much."""
-
-
 class BoundedStream(StreamingResponse):
     """A stream whose client must keep up: a chunk not taken within ``send_timeout_s``, or deltas waiting behind it
     over ``max_buffered_bytes`` (``buffered()`` counts them), ends the stream. Its body iterator is closed then,
-    so whatever it does on the way out (the worker told to stop, the ticket settled) runs at once."""
+    as when the client leaves, so whatever it does on the way out (the worker told to stop, the ticket settled)
+    runs at once.
+
+    Starlette's ``StreamingResponse`` runs each stream in a task group of two tasks (the body, and a listener for
+    the disconnect), and a task per chunk made the send timeout: at thousands of open streams those were a
+    hundred objects each for the garbage collector to walk (gateway/gc_pauses.py) and a task per token. Here the
+    body is sent from the request's own task; one task listens for the disconnect, and a timer, armed while a
+    send is out, checks the bounds every ``_POLL_S``. Either ends the stream by cancelling the request's task."""
 
     def __init__(self, content, *, send_timeout_s: float, max_buffered_bytes: int, buffered: Callable[[], int],
                  **kwargs) -> None:
@@ -73,33 +71,79 @@ class BoundedStream(StreamingResponse):
         self._send_timeout_s = send_timeout_s
         self._max_buffered_bytes = max_buffered_bytes
         self._buffered = buffered
+        self._task: asyncio.Task | None = None  # the request's, sending the body
+        self._streaming = False  # the body is being sent: only then may the stream be ended from outside it
+        self._ended_by: str | None = None  # why it was ended from outside: the client left, or is too slow
+        self._sending_since: float | None = None  # when the send now out began (the loop's clock)
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
+        self._task = asyncio.current_task()
+        listening = asyncio.ensure_future(_until_disconnect(receive))
+        listening.add_done_callback(self._client_left)
+        self._streaming = True
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if self._ended_by is None or self._task.uncancel() > 0:
+                raise  # cancelled by someone else: the server stopping
+        except OSError:  # a server on ASGI 2.4 says so when the client left
+            self._ended_by = "the client left"
+        finally:
+            self._streaming = False
+            listening.remove_done_callback(self._client_left)
+            listening.cancel()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+        if self._ended_by is not None:
+            if self._ended_by != "the client left":
+                log.warning("ending a stream whose client stopped reading (%s)", self._ended_by)
+            # Its way out now (the worker told to stop); the response is left unfinished, so the server closes
+            # the connection.
+            await self.body_iterator.aclose()
+
+    def _end(self, why: str) -> None:
+        if self._streaming and self._ended_by is None:
+            self._ended_by = why
+            self._task.cancel()
+
+    def _client_left(self, listening: asyncio.Future) -> None:
+        if not listening.cancelled():
+            self._end("the client left")
 
     async def stream_response(self, send) -> None:
-        try:
-            await self._send(send, {"type": "http.response.start", "status": self.status_code,
-                                    "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                if not isinstance(chunk, bytes | memoryview):
-                    chunk = chunk.encode(self.charset)
-                await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
-            await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
-        except SlowReader as exc:
-            log.warning("ending a stream whose client stopped reading (%s)", exc)
-            await self.body_iterator.aclose()  # its cleanup now: the connection is then closed unfinished
+        await self._send(send, {"type": "http.response.start", "status": self.status_code,
+                                "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            if not isinstance(chunk, bytes | memoryview):
+                chunk = chunk.encode(self.charset)
+            await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send(self, send, message: dict) -> None:
-        sending = asyncio.ensure_future(send(message))
-        waited = 0.0
-        try:
-            while True:
-                done, _ = await asyncio.wait({sending}, timeout=_POLL_S)
-                if done:
-                    return sending.result()
-                waited += _POLL_S
-                if waited >= self._send_timeout_s:
-                    raise SlowReader(f"a chunk not taken in {self._send_timeout_s:g} s")
-                if (queued := self._buffered()) > self._max_buffered_bytes:
-                    raise SlowReader(f"{queued} bytes waiting behind a chunk not taken")
-        finally:
-            if not sending.done():
-                sending.cancel()
+        loop = asyncio.get_running_loop()
+        self._sending_since = loop.time()
+        if self._watchdog is None:
+            self._watchdog = loop.call_later(_POLL_S, self._watch)
+        await send(message)  # returns at once unless the connection's buffer is full
+        self._sending_since = None
+
+    def _watch(self) -> None:
+        """Every ``_POLL_S`` while a send is out: is it out too long, or is too much waiting behind it?"""
+        self._watchdog = None
+        if self._sending_since is None or not self._streaming:
+            return  # nothing out: the next send arms it again
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._sending_since >= self._send_timeout_s:
+            self._end(f"a chunk not taken in {self._send_timeout_s:g} s")
+        elif (queued := self._buffered()) > self._max_buffered_bytes:
+            self._end(f"{queued} bytes waiting behind a chunk not taken")
+        else:
+            self._watchdog = loop.call_later(_POLL_S, self._watch)
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -13,7 +13,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from switchyard.shared.messages import GenerateRequest, TokenDelta
-from switchyard.shared.metrics import LATENCY_BUCKETS, LOOP_LAG_BUCKETS, REQUEST_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
+from switchyard.shared.metrics import (GC_PAUSE_BUCKETS, LATENCY_BUCKETS, LOOP_LAG_BUCKETS, REQUEST_BUCKETS,
+                                      TOKEN_INTERVAL_BUCKETS, name)
 
 _LABELS = ("model", "tier")
 
@@ -57,6 +58,10 @@ class GatewayMetrics:
                                   "How late a timer fires on the gateway's event loop (gateway/loop_lag.py): every "
                                   "await of every request it serves is late by as much.", buckets=LOOP_LAG_BUCKETS,
                                   registry=r)
+        self.gc_pauses = Histogram(name("gc_pause_seconds"),
+                                   "How long each of the gateway's garbage collections held its event loop, by "
+                                   "generation (gateway/gc_pauses.py); 2 is a full one.", ("generation",),
+                                   buckets=GC_PAUSE_BUCKETS, registry=r)
         self.served_models: set[str] = set()  # names a model label may take (the registry's), see model_label
 
     def model_label(self, model: str | None) -> str:

@@ -5,7 +5,7 @@
               ├─ tier policies ──────┼─▶ admission (domain/admission/policies.py) ─┐
         postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
               publisher ── relay (liveness, failover) ── affinity ──────────────────┘
-        stores: conversations, responses, files, batches, usage      queue gauges (poller), loop lag probe
+        stores: conversations, responses, files, batches, usage      queue gauges (poller), loop lag probe, GC pauses
         responses (responses_service.py), embeddings (embeddings.py): over completions (and the stores)
 
 Routes are handed this object when the app is made (gateway/routes/) and read the service they need from it when
@@ -39,6 +39,7 @@ from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.drain import InFlightCounter
 from switchyard.gateway.embeddings import EmbeddingService
 from switchyard.gateway.failover import Failover
+from switchyard.gateway.gc_pauses import GcPauses
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.loop_lag import LoopLagProbe
@@ -85,6 +86,7 @@ class GatewayServices:
         self._pool: asyncpg.Pool | None = None
         self._poller: QueuePoller | None = None
         self._loop_lag = LoopLagProbe(self.metrics.loop_lag)
+        self._gc_pauses = GcPauses(self.metrics.gc_pauses)
         self._upkeep: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -122,6 +124,7 @@ class GatewayServices:
         self._poller = QueuePoller(self.metrics, self.js, self.registry, self.db, self.batches)
         self._poller.start()
         self._loop_lag.start()
+        self._gc_pauses.start()
         self._upkeep = asyncio.create_task(self._keep_up())
 
     async def _keep_up(self) -> None:
@@ -139,6 +142,7 @@ class GatewayServices:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._upkeep
         await self._loop_lag.stop()
+        self._gc_pauses.stop()
         if self._poller is not None:
             await self._poller.stop()
         if self._pool is not None:

@@ -24,6 +24,7 @@ REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30
                    600.0, 1800.0, 3600.0)
 # A loop late by more than a few milliseconds is already adding to every client's first token.
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005) + LOOP_LAG_BUCKETS  # a young collection takes well under 1 ms
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 
 

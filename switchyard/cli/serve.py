@@ -16,6 +16,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     from switchyard.gateway.app import create_app
     from switchyard.gateway.drain import DrainingServer
+    from switchyard.gateway.gc_pauses import startup_frozen
     from switchyard.gateway.services import GatewayServices
     from switchyard.jobs.runner import running_jobs
     from switchyard.shared.tracing import setup_tracing
@@ -24,6 +25,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     setup_tracing("switchyard-gateway", config.traces_exporter, config.traces_file)
     services = GatewayServices(config)
     companions = [lambda: running_jobs(config)] if config.gateway.run_jobs else []
+    companions.append(startup_frozen)  # last: what the services and jobs made at start is there to freeze
     app = create_app(config, services, companions)
     # After the drain nothing is open: uvicorn's own grace period only closes idle keep-alive connections.
     # log_config=None: uvicorn's loggers go through the process's own (shared/logs.py), text or JSON alike.

@@ -270,3 +270,14 @@ def test_a_system_serves_through_its_credentials_and_shows_no_secret(data_dir):
             except OSError:
                 continue
             assert not any(s in cmdline for s in secrets_), f"a secret on the command line of {pid}: {cmdline}"
+        started = system.pids()
+        assert started.keys() == {"nats", "postgres", "worker", "gateway", "jobs"}
+    # Stopped by PID, every one: none is left running (a zombie has stopped too).
+    assert not [name for name, pid in started.items() if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

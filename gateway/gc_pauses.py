@@ -1,0 +1,61 @@
+"""The gateway's garbage-collector pauses: how long each collection held its event loop, by generation.
+
+Every stream the gateway relays keeps about a hundred objects the cyclic collector tracks (the coroutines, closures
+and tasks of its ASGI chain), so a gateway holding thousands of streams holds hundreds of thousands of them, and a
+full collection walks them all while no request moves: a first token or a delta that arrives then waits it out. The
+loop-lag probe (gateway/loop_lag.py) sees such a pause only if one of its timers falls due inside it; this sees
+each one. ``freeze_startup_objects`` takes what start-up made (modules, classes, the services) out of the
+collector's walk, so the walk is over what the requests hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import Histogram
+
+log = logging.getLogger("switchyard.gateway")
+
+
+class GcPauses:
+    """Observes into ``histogram`` (label: ``generation``) each collection's length, from ``start`` to ``stop``."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._began_at = 0.0
+        self._by_generation = {g: histogram.labels(str(g)) for g in range(3)}
+
+    def start(self) -> None:
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        # Runs inside the collector, in whichever thread triggered it: nothing here may allocate much.
+        if phase == "start":
+            self._began_at = time.perf_counter()
+        else:
+            self._by_generation[info["generation"]].observe(time.perf_counter() - self._began_at)
+
+
+def freeze_startup_objects() -> int:
+    """Moves every object alive now out of the collector's reach for good (``gc.freeze``): call once, after
+    start-up, when what is alive is what lives as long as the process. Returns how many were frozen."""
+    gc.collect()  # start-up's own garbage, collected rather than frozen
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+@contextlib.asynccontextmanager
+async def startup_frozen() -> AsyncIterator[None]:
+    """A companion of the gateway's app (gateway/app.py), the last one: entered once everything has started, it
+    freezes what start-up made. Only the gateway process uses it; an app made in a test process does not."""
+    log.info("froze %d objects alive after start-up", freeze_startup_objects())
+    yield

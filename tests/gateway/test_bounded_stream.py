@@ -1,0 +1,100 @@
+"""A streamed answer over plain ASGI callables, no server: a client that leaves, or stops reading, ends it and runs
+its body's way out at once; one that reads gets every chunk; the server stopping is not swallowed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from switchyard.gateway.client_watch import BoundedStream
+
+
+class Body:
+    """An endless body, a chunk per ``every_s``, that records whether its way out ran."""
+
+    def __init__(self, chunks: int | None = None, every_s: float = 0.01) -> None:
+        self.chunks, self.every_s, self.closed = chunks, every_s, False
+
+    async def __call__(self):
+        try:
+            n = 0
+            while self.chunks is None or n < self.chunks:
+                await asyncio.sleep(self.every_s)
+                yield f"data: {n}\n\n"
+                n += 1
+        finally:
+            self.closed = True
+
+
+def stream(body: Body, send_timeout_s: float = 5.0, buffered=lambda: 0, max_buffered: int = 1 << 20):
+    return BoundedStream(body(), send_timeout_s=send_timeout_s, max_buffered_bytes=max_buffered, buffered=buffered,
+                         media_type="text/event-stream")
+
+
+async def never_leaves():
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}
+
+
+async def test_a_client_that_reads_gets_every_chunk_and_the_end():
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    body = Body(chunks=5)
+    await asyncio.wait_for(stream(body)({"type": "http"}, never_leaves, send), 10)
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 6
+    assert b"".join(m["body"] for m in sent[1:]) == b"".join(f"data: {n}\n\n".encode() for n in range(5))
+    assert sent[-1]["more_body"] is False and body.closed
+
+
+async def test_a_client_that_leaves_ends_the_stream_and_its_body_runs_its_way_out():
+    left = asyncio.Event()
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+        if len(sent) == 4:
+            left.set()
+
+    async def receive():
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    body = Body()
+    await asyncio.wait_for(stream(body)({"type": "http"}, receive, send), 10)  # returns: no error for the server
+    assert body.closed and sent[-1]["more_body"] is True  # left unfinished: the server closes the connection
+
+
+@pytest.mark.parametrize("bound", ["time", "bytes"])
+async def test_a_client_that_stops_reading_is_ended_within_its_bounds(bound):
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+        if len(sent) == 3:  # the connection's buffer is full: this send never returns
+            await asyncio.Event().wait()
+
+    body = Body()
+    waiting = (lambda: 10_000) if bound == "bytes" else (lambda: 0)
+    response = stream(body, send_timeout_s=0.5 if bound == "time" else 60, buffered=waiting, max_buffered=1_000)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.wait_for(response({"type": "http"}, never_leaves, send), 10)
+    # Ended by the bound, well before the 60 s send timeout where bytes are the bound; the body's way out ran.
+    assert body.closed and len(sent) == 3 and loop.time() - started < 5
+
+
+async def test_the_server_stopping_still_cancels_the_request():
+    async def send(message):
+        pass
+
+    body = Body()
+    task = asyncio.ensure_future(stream(body)({"type": "http"}, never_leaves, send))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert body.closed
