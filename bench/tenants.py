@@ -122,19 +122,10 @@ async def jetstream_counts(system) -> tuple[int, int]:
     return consumers, worker_subs
 
 
-def worker_queue_time_p95(system) -> float:
+def worker_queue_time_p95(worker_metrics: str) -> float:
     """The worker's own queue-time histogram (published to admitted), its 95th percentile bucket bound."""
-    import httpx
-
-    from switchyard.shared.jetstream import live_workers  # noqa: F401 (the registry names the metrics URL)
-
-    url = asyncio.run(_metrics_url(system))
-    text = httpx.get(url, timeout=10).text
-    buckets = [(float(line.split('le="')[1].split('"')[0]), float(line.rsplit(" ", 1)[1]))
-               for line in text.splitlines() if line.startswith("switchyard:request_queue_time_seconds_bucket")
-               and f'tier="{TIER}"' in line]
-    total = max((n for _, n in buckets), default=0)
-    return next((le for le, n in sorted(buckets) if n >= 0.95 * total), float("nan"))
+    return bucket_quantile([], histogram(worker_metrics, "switchyard:request_queue_time_seconds",
+                                         f'tier="{TIER}"')[0], 0.95)
 
 
 async def _metrics_url(system) -> str:
@@ -214,11 +205,48 @@ def _machine_busy() -> tuple[float, ...]:
     return user, nice, system, irq, softirq, steal
 
 
-async def _gateway_metrics(base_url: str) -> str:
+async def usage_rows(database_url: str, request_ids: list[str]) -> dict[str, dict]:
+    """Each request's usage row (when the gateway accepted it, its queue time), once the billing writer has written
+    them all (at most 30 s)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            rows = await conn.fetch("SELECT request_id, extract(epoch FROM created_at)::float8 AS accepted_at, "
+                                    "queue_ms FROM requests WHERE request_id = ANY($1)", request_ids)
+            if len(rows) >= len(request_ids) or time.monotonic() > deadline:
+                return {r["request_id"]: dict(r) for r in rows}
+            await asyncio.sleep(1)
+    finally:
+        await conn.close()
+
+
+def ttft_parts(requests: list[tuple[float, float, str]], rows: dict[str, dict]) -> str:
+    """Where L's TTFT went, in ms: before the gateway accepted the request (the client's send, the gateway's
+    parsing, authentication and admission), in the worker's queue (JetStream, the pull, a free seat), and the rest
+    (the worker's first token back through NATS and the gateway to the client). Medians over every request, then
+    means over its slowest 5%."""
+    parts = sorted((ttft, rows[rid]["accepted_at"] - sent, rows[rid]["queue_ms"] / 1e3)
+                   for sent, ttft, rid in requests if rid in rows)
+    if not parts:
+        return "no usage rows"
+    split = [(before, queue, ttft - before - queue) for ttft, before, queue in parts]
+    slowest = split[-max(1, len(split) // 20):]
+    medians = [sorted(p[i] for p in split)[len(split) // 2] for i in range(3)]
+    means = [sum(p[i] for p in slowest) / len(slowest) for i in range(3)]
+    return (" / ".join(f"{1e3 * v:.0f}" for v in medians) + f"; slowest {len(slowest)}: "
+            + " / ".join(f"{1e3 * v:.0f}" for v in means))
+
+
+def read_metrics(system) -> dict[str, str]:
+    """The gateway's and the worker's Prometheus text, by part."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=30) as http:
-        return (await http.get(f"{base_url}/metrics")).text
+    worker_url = asyncio.run(_metrics_url(system))
+    return {"gateway": httpx.get(f"{system.url()}/metrics", timeout=30).text,
+            "worker": httpx.get(worker_url, timeout=30).text}
 
 
 def histogram(text: str, metric: str, where: str = "") -> tuple[list[tuple[float, float]], float]:
@@ -230,7 +258,7 @@ def histogram(text: str, metric: str, where: str = "") -> tuple[list[tuple[float
     return buckets, sum(float(line.rsplit(" ", 1)[1]) for line in series if line.startswith(f"{metric}_sum"))
 
 
-def lag_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
+def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
     """The ``q`` quantile's bucket bound of the observations made between two reads of the histogram."""
     counts = [(le, n - dict(before).get(le, 0.0)) for le, n in sorted(after)]
     total = counts[-1][1] if counts else 0
@@ -238,12 +266,11 @@ def lag_quantile(before: list[tuple[float, float]], after: list[tuple[float, flo
 
 
 def gc_line(before: str, after: str) -> str:
-    """The gateway's full collections between two reads of its metrics: how many, the largest (bucket bound) and
+    """A process's full collections between two reads of its metrics: how many, the longest (bucket bound) and
     their time in all."""
     (b0, s0), (b1, s1) = (histogram(t, "switchyard:gc_pause_seconds", 'generation="2"') for t in (before, after))
     count = (sorted(b1)[-1][1] - (sorted(b0)[-1][1] if b0 else 0.0)) if b1 else 0.0
-    return (f"{count:.0f} / {lag_quantile(b0, b1, 1.0):g} / {s1 - s0:.2f}" if count
-            else "0")
+    return f"{count:.0f} / {bucket_quantile(b0, b1, 1.0):g} / {s1 - s0:.2f}" if count else "0"
 
 
 def main() -> None:
@@ -288,15 +315,17 @@ def main() -> None:
         spying = threading.Timer(args.seconds / 3, spy)
         spying.start()
         loaded_at = time.time()
-        metrics_before = asyncio.run(_gateway_metrics(system.url()))
+        metrics_before = read_metrics(system)
         with CpuShares(system) as cpu_loaded:
             loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
                           args.seconds, args.clients, args.tokens, args.client_nice)
-        metrics_after = asyncio.run(_gateway_metrics(system.url()))
+        metrics_after = read_metrics(system)
         spying.join()
         print("loaded:", loaded.summary(), flush=True)
+        steady = loaded.light_requests("steady")
+        rows = asyncio.run(usage_rows(system.config.database_url, [rid for _, _, rid in steady]))
         consumers, subs = asyncio.run(jetstream_counts(system))
-        queue_p95 = worker_queue_time_p95(system)
+        queue_p95 = worker_queue_time_p95(metrics_after["worker"])
         # Idle: what the consumers left behind cost while nobody sends.
         time.sleep(3)
         cpu_before, nats_rss = cpu_seconds(worker), rss_bytes(nats_pid)
@@ -307,8 +336,10 @@ def main() -> None:
     finally:
         system.stop()
         shutil.rmtree(work, ignore_errors=True)
-    lag_before, lag_after = (histogram(t, "switchyard:event_loop_lag_seconds")[0]
+    lag_before, lag_after = (histogram(t["gateway"], "switchyard:event_loop_lag_seconds")[0]
                              for t in (metrics_before, metrics_after))
+    admitted_before, admitted_after = (histogram(t["gateway"], "switchyard:admission_seconds", 'outcome="admitted"')[0]
+                                       for t in (metrics_before, metrics_after))
     # Every seat taken, L first in line: it waits for the next request to end. Ends of requests of spread lengths
     # come about as a Poisson stream, so that wait's p95 is about 3 (ln 20) times their mean interval.
     free_every_ms = 1e3 * args.seconds / max(1, sum(loaded.served.values()))
@@ -328,14 +359,18 @@ def main() -> None:
          (f"L TTFT p50 / p95 loaded, after it ({loaded.light_count('steady')} requests, ms)",
           f"{1e3 * loaded.light_ttft(50, 'steady'):.0f} / {1e3 * loaded.light_ttft(95, 'steady'):.0f}"),
          ("L p95 loaded after the first round / alone (target <= 3x)", f"{ratio:.2f}x"),
+         ("L's TTFT after the first round in parts (ms), medians; means of its slowest 5%: before the gateway "
+          "accepted it (admission) / worker queue / the rest", ttft_parts(steady, rows)),
          ("a seat freed every (ms, loaded) / so L's wait for the next one, p95 (ms)",
           f"{free_every_ms:.0f} / {3 * free_every_ms:.0f}"),
          ("requests served loaded: L / H / active tenants", loaded.served_line()),
          ("requests failed loaded", str(loaded.failed)),
          ("gateway event-loop lag loaded, p50 / p99 (bucket bound, s)",
-          f"{lag_quantile(lag_before, lag_after, 0.5):g} / {lag_quantile(lag_before, lag_after, 0.99):g}"),
-         ("gateway full GCs loaded: count / longest (bucket bound, s) / in all (s)",
-          gc_line(metrics_before, metrics_after)),
+          f"{bucket_quantile(lag_before, lag_after, 0.5):g} / {bucket_quantile(lag_before, lag_after, 0.99):g}"),
+         ("gateway admission loaded, p50 / p95 / p99 (bucket bound, s)",
+          " / ".join(f"{bucket_quantile(admitted_before, admitted_after, q):g}" for q in (0.5, 0.95, 0.99))),
+         *((f"{part} full GCs loaded: count / longest (bucket bound, s) / in all (s)",
+            gc_line(metrics_before[part], metrics_after[part])) for part in ("gateway", "worker")),
          (f"CPU loaded, cores (closed-loop clients at nice {args.client_nice})", cpu_loaded.line()),
          ("JetStream consumers on the tier's stream", f"{consumers:,}"),
          ("worker NATS subscriptions", f"{subs:,}"),

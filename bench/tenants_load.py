@@ -24,7 +24,8 @@ LENGTH_SPREAD = (0.5, 1.5)
 
 @dataclass
 class LoadReport:
-    light: list[tuple[float, float]] = field(default_factory=list)  # (sent at, wall clock; TTFT) per light request
+    # Per light request: (sent at, wall clock; TTFT; its request id, for its usage row)
+    light: list[tuple[float, float, str]] = field(default_factory=list)
     served: dict[str, int] = field(default_factory=dict)  # role -> requests completed
     failed: int = 0
     errors: list[str] = field(default_factory=list)
@@ -51,13 +52,17 @@ class LoadReport:
         """When the steady state begins: the first round over, and the light tenant's own requests queued during
         it served (a request of its sent just after the round waits behind its own earlier ones, not the others')."""
         end = self.first_round_end if self.first_round_end is not None else float("inf")
-        return max([end] + [sent + ttft for sent, ttft in self.light if sent < end])
+        return max([end] + [sent + ttft for sent, ttft, _ in self.light if sent < end])
 
     def _phase(self, phase: str) -> list[float]:
         """TTFTs of the light tenant's requests sent in ``phase``: "all", "first" (the first round and its
         backlog) or "steady" (after ``settled_at``)."""
+        return sorted(ttft for sent, ttft, _ in self.light_requests(phase))
+
+    def light_requests(self, phase: str) -> list[tuple[float, float, str]]:
+        """The light tenant's requests sent in ``phase`` (see ``_phase``)."""
         settled = self.settled_at()
-        return sorted(ttft for sent, ttft in self.light if phase == "all" or (sent < settled) == (phase == "first"))
+        return [r for r in self.light if phase == "all" or (r[0] < settled) == (phase == "first")]
 
     def light_ttft(self, q: float, phase: str = "all") -> float:
         """The light tenant's TTFT percentile ``q`` over its requests sent in ``phase`` (see ``_phase``)."""
@@ -75,9 +80,9 @@ class LoadReport:
                 f"{self.served_line()}, failed {self.failed} {self.errors[:2]}")
 
 
-async def _stream(client, model: str, key: str, tokens: int, on_first=None) -> float:
-    """One streamed chat; its time to first content (raises on any failure). ``on_first()`` runs at the first
-    content."""
+async def _stream(client, model: str, key: str, tokens: int, on_first=None) -> tuple[float, str]:
+    """One streamed chat: its time to first content and its request id (raises on any failure). ``on_first()``
+    runs at the first content."""
     sent = time.perf_counter()
     first = None
     stream = await client.chat.completions.create(
@@ -90,7 +95,7 @@ async def _stream(client, model: str, key: str, tokens: int, on_first=None) -> f
                 on_first()
     if first is None:
         raise RuntimeError("no content")
-    return first
+    return first, chunk.id.removeprefix("chatcmpl-")
 
 
 async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys: dict[str, list[str]],
@@ -105,10 +110,10 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="per-request", max_retries=0,
                          http_client=httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=120)))
 
-    async def once(role: str, key: str, on_first=None) -> float | None:
+    async def once(role: str, key: str, on_first=None) -> tuple[float, str] | None:
         try:
             wanted = light_tokens if role == "light" else max(1, round(tokens * lengths.uniform(*LENGTH_SPREAD)))
-            ttft = await _stream(client, model, key, wanted, on_first)
+            answer = await _stream(client, model, key, wanted, on_first)
         except Exception as exc:  # noqa: BLE001 - counted: a failure is a result
             report.failed += 1
             report.errors.append(f"{role}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -118,7 +123,7 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
             await asyncio.sleep(float(response.headers.get("retry-after", 1)) if response is not None else 1.0)
             return None
         report.served[role] += 1
-        return ttft
+        return answer
 
     first_tokens: list[float] = []  # wall clock of each active tenant's first token
 
@@ -131,9 +136,9 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
     async def paced(key: str) -> None:
         async def timed() -> None:
             sent = time.time()
-            ttft = await once("light", key)
-            if ttft is not None:
-                report.light.append((sent, ttft))
+            answer = await once("light", key)
+            if answer is not None:
+                report.light.append((sent, *answer))
 
         tasks = []
         while time.perf_counter() < end:

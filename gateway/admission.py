@@ -10,6 +10,7 @@ admission pipeline (domain/admission/) on the request's ticket, and what the res
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import Request
@@ -69,9 +70,13 @@ async def admit(services: GatewayServices, request: Request, ticket: Ticket) -> 
     tier as far as they were decided, and the response the rate-limit headers."""
     request.state.model = ticket.model or None
     ticket.tier_override = _tier_header(services, request)
+    began, outcome = time.perf_counter(), "refused"
     try:
-        return await services.admission.check(ticket)
+        admitted = await services.admission.check(ticket)
+        outcome = "admitted"
+        return admitted
     finally:
+        services.metrics.admission.labels(ticket.tier or "", outcome).observe(time.perf_counter() - began)
         request.state.tier = ticket.tier
         request.state.model = ticket.model or None
         request.state.rate_headers = ticket.headers

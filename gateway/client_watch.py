@@ -61,7 +61,7 @@ class BoundedStream(StreamingResponse):
 
     Starlette's ``StreamingResponse`` runs each stream in a task group of two tasks (the body, and a listener for
     the disconnect), and a task per chunk made the send timeout: at thousands of open streams those were a
-    hundred objects each for the garbage collector to walk (gateway/gc_pauses.py) and a task per token. Here the
+    hundred objects each for the garbage collector to walk (shared/gc_pauses.py) and a task per token. Here the
     body is sent from the request's own task; one task listens for the disconnect, and a timer, armed while a
     send is out, checks the bounds every ``_POLL_S``. Either ends the stream by cancelling the request's task."""
 

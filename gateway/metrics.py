@@ -13,7 +13,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from switchyard.shared.messages import GenerateRequest, TokenDelta
-from switchyard.shared.metrics import (GC_PAUSE_BUCKETS, LATENCY_BUCKETS, LOOP_LAG_BUCKETS, REQUEST_BUCKETS,
+from switchyard.shared.gc_pauses import pause_histogram
+from switchyard.shared.metrics import (LATENCY_BUCKETS, LOOP_LAG_BUCKETS, REQUEST_BUCKETS,
                                       TOKEN_INTERVAL_BUCKETS, name)
 
 _LABELS = ("model", "tier")
@@ -27,6 +28,12 @@ class GatewayMetrics:
         self.ttft = Histogram(name("time_to_first_token_seconds"),
                               "From the gateway accepting a request to its first token reaching it.", _LABELS,
                               buckets=LATENCY_BUCKETS, registry=r)
+        # Before the TTFT above begins: a client's own TTFT is this plus that (plus its network and the body read).
+        self.admission = Histogram(name("admission_seconds"),
+                                   "How long admission took (domain/admission/: the key's limits, the tier's queue "
+                                   "and the tenant's quotas checked, its seat reserved in Postgres), by tier and "
+                                   "outcome: admitted, refused.", ("tier", "outcome"), buckets=LOOP_LAG_BUCKETS,
+                                   registry=r)
         self.itl = Histogram(name("inter_token_latency_seconds"), "Time between two tokens of one stream.", _LABELS,
                              buckets=TOKEN_INTERVAL_BUCKETS, registry=r)
         self.e2e = Histogram(name("e2e_request_latency_seconds"),
@@ -58,10 +65,7 @@ class GatewayMetrics:
                                   "How late a timer fires on the gateway's event loop (gateway/loop_lag.py): every "
                                   "await of every request it serves is late by as much.", buckets=LOOP_LAG_BUCKETS,
                                   registry=r)
-        self.gc_pauses = Histogram(name("gc_pause_seconds"),
-                                   "How long each of the gateway's garbage collections held its event loop, by "
-                                   "generation (gateway/gc_pauses.py); 2 is a full one.", ("generation",),
-                                   buckets=GC_PAUSE_BUCKETS, registry=r)
+        self.gc_pauses = pause_histogram(r)
         self.served_models: set[str] = set()  # names a model label may take (the registry's), see model_label
 
     def model_label(self, model: str | None) -> str:

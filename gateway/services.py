@@ -39,7 +39,7 @@ from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.drain import InFlightCounter
 from switchyard.gateway.embeddings import EmbeddingService
 from switchyard.gateway.failover import Failover
-from switchyard.gateway.gc_pauses import GcPauses
+from switchyard.shared.gc_pauses import GcPauses
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.loop_lag import LoopLagProbe

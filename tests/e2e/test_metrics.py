@@ -111,6 +111,7 @@ async def test_metrics_count_requests_and_follow_a_flood(e2e, nats_url, new_key)
         # One interval per token after the first, also where one delta brought two (a held-back character).
         assert grew(gw1, gw0, "switchyard:inter_token_latency_seconds_count", **tiny) == 5 * (MAX_TOKENS - 1)
         assert grew(gw1, gw0, "switchyard:time_to_first_token_seconds_bucket", le="+Inf", **tiny) == 5
+        assert grew(gw1, gw0, "switchyard:admission_seconds_count", tier="enterprise", outcome="admitted") == 5
         assert grew(gw1, gw0, "switchyard:request_errors_total", status="400", reason="invalid_tier") == 1
         assert not any(name == "switchyard:request_errors_total" and ("model", "no-such-model") in labels
                        for name, labels in gw1)

@@ -19,6 +19,7 @@ from switchyard.shared.tracing import setup_tracing
 from switchyard.workers import model_store
 from switchyard.workers.engine.interface import ServingEngine
 from switchyard.workers.service.engines import engine_builder
+from switchyard.shared.gc_pauses import GcPauses, freeze_startup_objects
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.status_server import StatusServer, WorkerStatus
 from switchyard.workers.service.worker import Worker
@@ -57,9 +58,14 @@ async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: T
     worker = Worker(engine, config, step_thread, metrics=metrics, metrics_url=metrics_url)
     ready = asyncio.Event()
     reporting = asyncio.create_task(_report_status(status, ready, stop))
+    pauses = GcPauses(metrics.gc_pauses)
+    pauses.start()
+    # The engine (a model's modules included) lives as long as the worker: full collections need not walk it.
+    log.info("froze %d objects alive after start-up", freeze_startup_objects())
     try:
         await worker.run(stop, ready)
     finally:
+        pauses.stop()
         reporting.cancel()
         status.drained.set()
         server.stop()

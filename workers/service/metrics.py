@@ -13,6 +13,7 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from switchyard.shared.gc_pauses import pause_histogram
 from switchyard.shared.metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
 from switchyard.shared.tiers import TIER_NAMES
 from switchyard.workers.engine.stats import EngineStats
@@ -36,6 +37,7 @@ class WorkerMetrics:
         self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated.", labels, registry=r)
         self.request_success = Counter(name("request_success"), "Requests finished, by finish reason.",
                                        (*labels, "finished_reason"), registry=r)
+        self.gc_pauses = pause_histogram(r)
         self.step_time = Histogram(name("engine_step_seconds"), "Time inside one engine step.", ("model",),
                                    buckets=TOKEN_INTERVAL_BUCKETS, registry=r)
         self.batch_size = Histogram(name("engine_batch_size"), "Sequences run in one engine step.", ("model",),

@@ -1,4 +1,4 @@
-"""The gateway's garbage-collector pauses: each collection shows in its histogram, by generation, until stopped;
+"""A process's garbage-collector pauses: each collection shows in its histogram, by generation, until stopped;
 what start-up made leaves the collector's walk."""
 
 from __future__ import annotations
@@ -7,20 +7,21 @@ import gc
 
 import pytest
 
-from switchyard.gateway.gc_pauses import GcPauses, freeze_startup_objects
-from switchyard.gateway.metrics import GatewayMetrics
+from prometheus_client import CollectorRegistry, Histogram
+
+from switchyard.shared.gc_pauses import GcPauses, freeze_startup_objects, pause_histogram
 
 
-def _full_collections(metrics: GatewayMetrics) -> tuple[float, float]:
+def _full_collections(histogram: Histogram) -> tuple[float, float]:
     """(count, sum) of the generation-2 series."""
-    samples = {s.name: s.value for m in metrics.gc_pauses.collect() for s in m.samples
+    samples = {s.name: s.value for m in histogram.collect() for s in m.samples
                if s.labels.get("generation") == "2" and not s.name.endswith("_bucket")}
     return samples["switchyard:gc_pause_seconds_count"], samples["switchyard:gc_pause_seconds_sum"]
 
 
 def test_each_full_collection_is_observed_until_stopped():
-    metrics = GatewayMetrics()
-    pauses = GcPauses(metrics.gc_pauses)
+    metrics = pause_histogram(CollectorRegistry())
+    pauses = GcPauses(metrics)
     pauses.start()
     try:
         # Something for the collection to walk, so its time is more than the clock's resolution.

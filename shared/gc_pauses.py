@@ -1,11 +1,12 @@
-"""The gateway's garbage-collector pauses: how long each collection held its event loop, by generation.
+"""Garbage-collector pauses of a gateway or worker process: how long each collection held it, by generation.
 
-Every stream the gateway relays keeps about a hundred objects the cyclic collector tracks (the coroutines, closures
-and tasks of its ASGI chain), so a gateway holding thousands of streams holds hundreds of thousands of them, and a
-full collection walks them all while no request moves: a first token or a delta that arrives then waits it out. The
-loop-lag probe (gateway/loop_lag.py) sees such a pause only if one of its timers falls due inside it; this sees
-each one. ``freeze_startup_objects`` takes what start-up made (modules, classes, the services) out of the
-collector's walk, so the walk is over what the requests hold.
+Every stream a gateway relays keeps a couple of hundred objects the cyclic collector tracks (the coroutines,
+closures and tasks of its ASGI chain), and a worker some for each request it holds, so at thousands of requests a
+process holds hundreds of thousands of them, and a full collection walks them all while no request moves (every
+thread waits: the collector holds the GIL): a first token or a delta that arrives then waits it out. The
+gateway's loop-lag probe (gateway/loop_lag.py) sees such a pause only if one of its timers falls due inside it;
+this sees each one. ``freeze_startup_objects`` takes what start-up made (modules, classes, the services, a model's
+modules) out of the collector's walk, so the walk is over what the requests hold.
 """
 
 from __future__ import annotations
@@ -16,9 +17,18 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from prometheus_client import Histogram
+from prometheus_client import CollectorRegistry, Histogram
 
-log = logging.getLogger("switchyard.gateway")
+from switchyard.shared.metrics import GC_PAUSE_BUCKETS, name
+
+log = logging.getLogger("switchyard")
+
+
+def pause_histogram(registry: CollectorRegistry) -> Histogram:
+    """The process's ``switchyard:gc_pause_seconds`` histogram, in ``registry`` (the gateway's, or a worker's)."""
+    return Histogram(name("gc_pause_seconds"), "How long each of this process's garbage collections held it, by "
+                     "generation (shared/gc_pauses.py); 2 is a full one.", ("generation",), buckets=GC_PAUSE_BUCKETS,
+                     registry=registry)
 
 
 class GcPauses:
