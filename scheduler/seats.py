@@ -60,6 +60,11 @@ class TenantSeats:
             return None
         return {tenant for tenant in self.held if not self.may_take(tenant)}
 
+    def num_to_give(self) -> int:
+        """How many seats the tenants holding the most would give up, one after another, to tenants holding none:
+        each holder down to ``SEAT_GAP - 1``, where no newcomer may take from it any more."""
+        return sum(n - (SEAT_GAP - 1) for n in self.held.values() if n >= SEAT_GAP)
+
     def may_take_any(self) -> bool:
         """Whether some tenant, at least one holding no seat, may take one."""
         return SEAT_GAP <= self.most

@@ -25,7 +25,8 @@ TARGET_LABELS = {"instance", "job", "namespace", "pod", "service", "container", 
 REQUIRED = {"time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "queue_depth",
             "queue_oldest_age_seconds", "kv_cache_usage_perc", "generation_tokens_total", "request_errors_total",
             "billing_lag_seconds", "billing_lag_records", "num_requests_running", "num_requests_waiting",
-            "num_preemptions_total", "batch_lines", "event_loop_lag_seconds_bucket"}
+            "num_preemptions_total", "batch_lines", "event_loop_lag_seconds_bucket", "admission_seconds_bucket",
+            "gc_pause_seconds_bucket"}
 
 
 def _observe_all(metrics) -> None:

@@ -32,3 +32,9 @@ def test_with_nobody_holding_the_gap_no_tenant_may_take_one():
 
 def test_equal_holders_give_up_the_greatest_name_first():
     assert TenantSeats(["b", "b", "a", "a"]).holder() == "b"
+
+
+def test_the_seats_holders_would_give_up_leave_each_one_short_of_the_gap():
+    assert TenantSeats(["a", "a", "b"]).num_to_give() == 1  # a gives one; at one each nothing moves
+    assert TenantSeats(["a"] * 5 + ["b"] * 2 + ["c"]).num_to_give() == 4 + 1
+    assert TenantSeats(["a", "b", "c"]).num_to_give() == 0

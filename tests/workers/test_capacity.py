@@ -74,6 +74,18 @@ def test_seat_takers_are_bounded_by_the_headroom():
     assert allowance(engine(free=0, running=16, seats=16), held, no_batch_limit()).pull
 
 
+def test_a_tiers_own_seat_takers_are_bounded_by_the_seats_its_holders_would_give_up():
+    # 64 seats: "heavy" holds two, 62 tenants one each. One seat would change hands (heavy's second), so one
+    # request of a tenant holding none may be pulled; a second would only wait in the engine, ahead of the next
+    # tenant to come, for a seat to end.
+    running = [tracked(0, "pro", "heavy"), tracked(1, "pro", "heavy")] + [tracked(i, "pro", f"t{i}")
+                                                                          for i in range(2, 64)]
+    assert "pro" in allowance(engine(free=0, running=64, seats=64), holding(running), no_batch_limit()).pull
+    one_on_its_way = holding(running, pending=[tracked(99, "pro", "newcomer")])
+    assert allowance(engine(free=0, running=64, seats=64), one_on_its_way, no_batch_limit()).pull == {
+        "enterprise": frozenset()}
+
+
 def test_batch_yields_to_interactive_work():
     policy = BackgroundPolicy(seats_when_busy=2, busy_window_s=10.0)
     batch = [tracked(i, "batch") for i in range(2)]

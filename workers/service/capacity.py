@@ -77,7 +77,10 @@ def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozen
     seats = TenantSeats(subjects.tenant_token(t.request.tenant_id) for t in held.active.values()
                         if t.request.tier == least_tier)
     excluded = seats.may_not_take()
-    if excluded is not None:
+    # Only as many of the tier's own as there are seats its holders would give up: one more waits in the engine
+    # for a seat to free, ahead of whoever comes next, however much less that tenant was served (a light tenant
+    # waited seconds behind 60 such, one tenant's second seat having opened the tier to every tenant holding none).
+    if excluded is not None and beyond < seats.num_to_give():
         pull[least_tier] = frozenset(excluded)
     return pull
 
