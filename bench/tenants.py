@@ -42,6 +42,7 @@ import multiprocessing
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -124,8 +125,8 @@ async def jetstream_counts(system) -> tuple[int, int]:
 
 def worker_queue_time_p95(worker_metrics: str) -> float:
     """The worker's own queue-time histogram (published to admitted), its 95th percentile bucket bound."""
-    return bucket_quantile([], histogram(worker_metrics, "switchyard:request_queue_time_seconds",
-                                         f'tier="{TIER}"')[0], 0.95)
+    return bucket_quantile([], histogram(worker_metrics, "switchyard:request_queue_time_seconds", tier=TIER)[0],
+                           0.95)
 
 
 async def _metrics_url(system) -> str:
@@ -234,7 +235,7 @@ def ttft_parts(requests: list[tuple[float, float, str]], rows: dict[str, dict]) 
         return "no usage rows"
     split = [(before, queue, ttft - before - queue) for ttft, before, queue in parts]
     slowest = split[-max(1, len(split) // 20):]
-    medians = [sorted(p[i] for p in split)[len(split) // 2] for i in range(3)]
+    medians = [statistics.median(p[i] for p in split) for i in range(3)]
     means = [sum(p[i] for p in slowest) / len(slowest) for i in range(3)]
     return (" / ".join(f"{1e3 * v:.0f}" for v in medians) + f"; slowest {len(slowest)}: "
             + " / ".join(f"{1e3 * v:.0f}" for v in means))
@@ -249,13 +250,23 @@ def read_metrics(system) -> dict[str, str]:
             "worker": httpx.get(worker_url, timeout=30).text}
 
 
-def histogram(text: str, metric: str, where: str = "") -> tuple[list[tuple[float, float]], float]:
-    """A histogram of the gateway's metrics (the series whose labels contain ``where``): its buckets, (bound,
-    observations at or under it), and the sum of its observations."""
-    series = [line for line in text.splitlines() if line.startswith(metric) and where in line]
-    buckets = [(float(line.split('le="')[1].split('"')[0]), float(line.rsplit(" ", 1)[1]))
-               for line in series if line.startswith(f"{metric}_bucket")]
-    return buckets, sum(float(line.rsplit(" ", 1)[1]) for line in series if line.startswith(f"{metric}_sum"))
+def histogram(text: str, metric: str, **labels: str) -> tuple[list[tuple[float, float]], float]:
+    """A histogram in Prometheus text, its series with ``labels`` added up: its buckets, (bound, observations at or
+    under it), and the sum of its observations."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if any(sample.labels.get(k) != v for k, v in labels.items()):
+                continue
+            if sample.name == f"{metric}_bucket":
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            elif sample.name == f"{metric}_sum":
+                total += sample.value
+    return sorted(buckets.items()), total
 
 
 def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
@@ -268,8 +279,8 @@ def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, 
 def gc_line(before: str, after: str) -> str:
     """A process's full collections between two reads of its metrics: how many, the longest (bucket bound) and
     their time in all."""
-    (b0, s0), (b1, s1) = (histogram(t, "switchyard:gc_pause_seconds", 'generation="2"') for t in (before, after))
-    count = (sorted(b1)[-1][1] - (sorted(b0)[-1][1] if b0 else 0.0)) if b1 else 0.0
+    (b0, s0), (b1, s1) = (histogram(t, "switchyard:gc_pause_seconds", generation="2") for t in (before, after))
+    count = (b1[-1][1] - (b0[-1][1] if b0 else 0.0)) if b1 else 0.0  # the +Inf bucket: every observation
     return f"{count:.0f} / {bucket_quantile(b0, b1, 1.0):g} / {s1 - s0:.2f}" if count else "0"
 
 
@@ -338,15 +349,12 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     lag_before, lag_after = (histogram(t["gateway"], "switchyard:event_loop_lag_seconds")[0]
                              for t in (metrics_before, metrics_after))
-    admitted_before, admitted_after = (histogram(t["gateway"], "switchyard:admission_seconds", 'outcome="admitted"')[0]
+    admitted_before, admitted_after = (histogram(t["gateway"], "switchyard:admission_seconds", outcome="admitted")[0]
                                        for t in (metrics_before, metrics_after))
     # Every seat taken, L first in line: it waits for the next request to end. Ends of requests of spread lengths
     # come about as a Poisson stream, so that wait's p95 is about 3 (ln 20) times their mean interval.
     free_every_ms = 1e3 * args.seconds / max(1, sum(loaded.served.values()))
     ratio = loaded.light_ttft(95, "steady") / max(1e-9, alone.light_ttft(95))
-    # The second half of the loaded phase: past the first round, and past L's own backlog from it, which fair share
-    # charged to L (twenty requests served at once): until the others have caught up, L ranks behind some of them.
-    late = sorted(ttft for sent, ttft, _ in loaded.light if sent >= loaded_at + args.seconds / 2) or [float("nan")]
     first_round_s = (loaded.first_round_end or float("nan")) - loaded_at
     settled_s = loaded.settled_at() - loaded_at
     table = markdown_table(
@@ -362,9 +370,9 @@ def main() -> None:
          (f"L TTFT p50 / p95 loaded, after it ({loaded.light_count('steady')} requests, ms)",
           f"{1e3 * loaded.light_ttft(50, 'steady'):.0f} / {1e3 * loaded.light_ttft(95, 'steady'):.0f}"),
          ("L p95 loaded after the first round / alone (target <= 3x)", f"{ratio:.2f}x"),
-         (f"L TTFT p50 / p95 loaded, second half of the phase ({len(late)} requests, ms; p95 / alone)",
-          f"{1e3 * late[len(late) // 2]:.0f} / {1e3 * late[int(len(late) * 0.95)]:.0f} "
-          f"({late[int(len(late) * 0.95)] / max(1e-9, alone.light_ttft(95)):.2f}x)"),
+         (f"L TTFT p50 / p95 loaded, second half of the phase ({loaded.light_count('late')} requests, ms; p95 / "
+          "alone)", f"{1e3 * loaded.light_ttft(50, 'late'):.0f} / {1e3 * loaded.light_ttft(95, 'late'):.0f} "
+          f"({loaded.light_ttft(95, 'late') / max(1e-9, alone.light_ttft(95)):.2f}x)"),
          ("L's TTFT after the first round in parts (ms), medians; means of its slowest 5%: before the gateway "
           "accepted it (admission) / worker queue / the rest", ttft_parts(steady, rows)),
          ("a seat freed every (ms, loaded) / so L's wait for the next one, p95 (ms)",

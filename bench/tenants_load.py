@@ -33,6 +33,8 @@ class LoadReport:
     # tenant, or one never served.
     first_round_end: float | None = None
     unserved_active: int = 0  # active tenants whose first request never got a token
+    started_at: float = 0.0  # when the load began (wall clock), and for how long it ran
+    seconds: float = 0.0
 
     @staticmethod
     def merged(reports: list[LoadReport]) -> LoadReport:
@@ -42,6 +44,8 @@ class LoadReport:
             out.failed += r.failed
             out.errors += r.errors[:3]
             out.unserved_active += r.unserved_active
+            out.started_at = min(out.started_at or r.started_at, r.started_at)
+            out.seconds = max(out.seconds, r.seconds)
             if r.first_round_end is not None:
                 out.first_round_end = max(out.first_round_end or 0.0, r.first_round_end)
             for role, n in r.served.items():
@@ -56,11 +60,15 @@ class LoadReport:
 
     def _phase(self, phase: str) -> list[float]:
         """TTFTs of the light tenant's requests sent in ``phase``: "all", "first" (the first round and its
-        backlog) or "steady" (after ``settled_at``)."""
+        backlog), "steady" (after ``settled_at``) or "late" (in the load's second half: past the first round, and
+        past the light tenant's own backlog from it, which fair share charged to it, twenty requests served at once:
+        until the others have caught up, it ranks behind some of them)."""
         return sorted(ttft for sent, ttft, _ in self.light_requests(phase))
 
     def light_requests(self, phase: str) -> list[tuple[float, float, str]]:
         """The light tenant's requests sent in ``phase`` (see ``_phase``)."""
+        if phase == "late":
+            return [r for r in self.light if r[0] >= self.started_at + self.seconds / 2]
         settled = self.settled_at()
         return [r for r in self.light if phase == "all" or (r[0] < settled) == (phase == "first")]
 
@@ -103,7 +111,7 @@ async def _load(base_url: str, model: str, tokens: int, light_tokens: int, keys:
     import httpx
     from openai import AsyncOpenAI
 
-    report = LoadReport(served={role: 0 for role in keys})
+    report = LoadReport(served={role: 0 for role in keys}, started_at=time.time(), seconds=seconds)
     lengths = random.Random(len(keys.get("active", ())))  # the same lengths run after run
     end = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NATS
 
 from switchyard.domain.errors import service_unavailable
 from switchyard.shared.jetstream import live_workers
@@ -28,10 +28,11 @@ log = logging.getLogger("switchyard.registry")
 
 
 class ModelRegistry:
-    def __init__(self, nc, js: JetStreamContext, catalog: dict[str, list[str]] | None = None) -> None:
-        """``nc``: the NATS connection ``js`` is of (while it has no server at all, reads fail at once). ``catalog``: the models the deployment is configured with (served name -> aliases): known before any of
+    def __init__(self, nc: NATS, catalog: dict[str, list[str]] | None = None) -> None:
+        """``nc``: the NATS connection it reads through (while that has no server at all, reads fail at once).
+        ``catalog``: the models the deployment is configured with (served name -> aliases): known before any of
         their workers is live, so a request for one with no worker is a 503 to retry, not a 404."""
-        self._nc, self._js = nc, js
+        self._nc, self._js = nc, nc.jetstream()
         self._cached: dict[str, list[WorkerInfo]] = {}
         self._cached_at = 0.0
         self._last_served: dict[str, float] = {}  # model -> when a listing last had it

@@ -24,6 +24,7 @@ log = logging.getLogger("switchyard.gateway")
 
 T = TypeVar("T")
 _POLL_S = 0.25  # how often a chunk the client has not taken yet checks the bytes waiting behind it
+_CLIENT_LEFT = "the client left"  # why a stream was ended, when it was not for being too slow
 
 
 class ClientGone(Exception):
@@ -72,15 +73,16 @@ class BoundedStream(StreamingResponse):
         self._max_buffered_bytes = max_buffered_bytes
         self._buffered = buffered
         self._task: asyncio.Task | None = None  # the request's, sending the body
+        self._loop: asyncio.AbstractEventLoop | None = None  # its loop (read once, not per chunk)
         self._streaming = False  # the body is being sent: only then may the stream be ended from outside it
         self._ended_by: str | None = None  # why it was ended from outside: the client left, or is too slow
         self._sending_since: float | None = None  # when the send now out began (the loop's clock)
         self._watchdog: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope, receive, send) -> None:
+        self._task, self._loop = asyncio.current_task(), asyncio.get_running_loop()
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
-        self._task = asyncio.current_task()
         listening = asyncio.ensure_future(_until_disconnect(receive))
         listening.add_done_callback(self._client_left)
         self._streaming = True
@@ -90,7 +92,7 @@ class BoundedStream(StreamingResponse):
             if self._ended_by is None or self._task.uncancel() > 0:
                 raise  # cancelled by someone else: the server stopping
         except OSError:  # a server on ASGI 2.4 says so when the client left
-            self._ended_by = "the client left"
+            self._ended_by = _CLIENT_LEFT
         finally:
             self._streaming = False
             listening.remove_done_callback(self._client_left)
@@ -98,7 +100,7 @@ class BoundedStream(StreamingResponse):
             if self._watchdog is not None:
                 self._watchdog.cancel()
         if self._ended_by is not None:
-            if self._ended_by != "the client left":
+            if self._ended_by is not _CLIENT_LEFT:
                 log.warning("ending a stream whose client stopped reading (%s)", self._ended_by)
             # Its way out now (the worker told to stop); the response is left unfinished, so the server closes
             # the connection.
@@ -111,7 +113,7 @@ class BoundedStream(StreamingResponse):
 
     def _client_left(self, listening: asyncio.Future) -> None:
         if not listening.cancelled():
-            self._end("the client left")
+            self._end(_CLIENT_LEFT)
 
     async def stream_response(self, send) -> None:
         await self._send(send, {"type": "http.response.start", "status": self.status_code,
@@ -123,10 +125,9 @@ class BoundedStream(StreamingResponse):
         await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send(self, send, message: dict) -> None:
-        loop = asyncio.get_running_loop()
-        self._sending_since = loop.time()
+        self._sending_since = self._loop.time()
         if self._watchdog is None:
-            self._watchdog = loop.call_later(_POLL_S, self._watch)
+            self._watchdog = self._loop.call_later(_POLL_S, self._watch)
         await send(message)  # returns at once unless the connection's buffer is full
         self._sending_since = None
 
@@ -135,13 +136,12 @@ class BoundedStream(StreamingResponse):
         self._watchdog = None
         if self._sending_since is None or not self._streaming:
             return  # nothing out: the next send arms it again
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._sending_since >= self._send_timeout_s:
+        if self._loop.time() - self._sending_since >= self._send_timeout_s:
             self._end(f"a chunk not taken in {self._send_timeout_s:g} s")
         elif (queued := self._buffered()) > self._max_buffered_bytes:
             self._end(f"{queued} bytes waiting behind a chunk not taken")
         else:
-            self._watchdog = loop.call_later(_POLL_S, self._watch)
+            self._watchdog = self._loop.call_later(_POLL_S, self._watch)
 
 
 async def _until_disconnect(receive) -> None:

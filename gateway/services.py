@@ -98,7 +98,7 @@ class GatewayServices:
         await ensure_streams(self.js, config.nats_replicas)
         self._pool = pool = await connect(config.database_url, gateway.database_pool_size)
         self.db = Database(pool)
-        self.registry = ModelRegistry(self.nc, self.js, {m.served_name: m.aliases for m in config.models})
+        self.registry = ModelRegistry(self.nc, {m.served_name: m.aliases for m in config.models})
         self.router = Router(self.registry, gateway)
         self.tier_policies = PolicyCache(self.js)
         self.authenticator = Authenticator(self.db)

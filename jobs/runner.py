@@ -92,7 +92,7 @@ async def running_jobs(config: SwitchyardConfig) -> AsyncIterator[Jobs]:
     try:
         await ensure_streams(js, config.nats_replicas)
         pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=6)  # + validations (batches)
-        registry = ModelRegistry(nc, js)
+        registry = ModelRegistry(nc)
         db = Database(pool)
         # The same admission as the gateway's (batches and their lines pass the policies that judge them).
         admission = admission_pipeline(db=db, registry=registry, router=Router(registry, config.gateway),

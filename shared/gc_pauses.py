@@ -35,7 +35,6 @@ class GcPauses:
     """Observes into ``histogram`` (label: ``generation``) each collection's length, from ``start`` to ``stop``."""
 
     def __init__(self, histogram: Histogram) -> None:
-        self._histogram = histogram
         self._began_at = 0.0
         self._by_generation = {g: histogram.labels(str(g)) for g in range(3)}
 
@@ -60,12 +59,14 @@ def freeze_startup_objects() -> int:
     start-up, when what is alive is what lives as long as the process. Returns how many were frozen."""
     gc.collect()  # start-up's own garbage, collected rather than frozen
     gc.freeze()
-    return gc.get_freeze_count()
+    frozen = gc.get_freeze_count()
+    log.info("froze %d objects alive after start-up", frozen)
+    return frozen
 
 
 @contextlib.asynccontextmanager
 async def startup_frozen() -> AsyncIterator[None]:
     """A companion of the gateway's app (gateway/app.py), the last one: entered once everything has started, it
     freezes what start-up made. Only the gateway process uses it; an app made in a test process does not."""
-    log.info("froze %d objects alive after start-up", freeze_startup_objects())
+    freeze_startup_objects()
     yield

@@ -59,7 +59,7 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                       f"max_streams {old.max_streams} -> {new.max_streams}, max_sequences {old.max_sequences} -> "
                       f"{new.max_sequences}")
             else:
-                served = await ModelRegistry(nc, js).models(fresh=True)
+                served = await ModelRegistry(nc).models(fresh=True)
                 rows = await tier_status(js, served)
                 for r in rows:  # seconds as an operator reads them
                     r["oldest_wait_s"] = None if r["oldest_wait_s"] is None else f"{r['oldest_wait_s']:.1f}s"

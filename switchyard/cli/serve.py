@@ -16,9 +16,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     from switchyard.gateway.app import create_app
     from switchyard.gateway.drain import DrainingServer
-    from switchyard.shared.gc_pauses import startup_frozen
     from switchyard.gateway.services import GatewayServices
     from switchyard.jobs.runner import running_jobs
+    from switchyard.shared.gc_pauses import startup_frozen
     from switchyard.shared.tracing import setup_tracing
 
     config = load_config(args)

@@ -31,6 +31,7 @@ from switchyard.deploy.credentials import (
 )
 from switchyard.deploy.db_roles import APP_ROLE
 from switchyard.deploy.launcher import NatsServer
+from switchyard.deploy.processes import pid_alive
 from switchyard.deploy.system import LocalSystem
 from switchyard.deploy.up import RUN_FILE, write_run_file
 from switchyard.shared import nats_client, subjects
@@ -273,11 +274,4 @@ def test_a_system_serves_through_its_credentials_and_shows_no_secret(data_dir):
         started = system.pids()
         assert started.keys() == {"nats", "postgres", "worker", "gateway", "jobs"}
     # Stopped by PID, every one: none is left running (a zombie has stopped too).
-    assert not [name for name, pid in started.items() if _running(pid)]
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not [name for name, pid in started.items() if pid_alive(pid)]

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.gc_pauses import GcPauses, freeze_startup_objects
 from switchyard.shared.tracing import setup_tracing
 from switchyard.workers import model_store
 from switchyard.workers.engine.interface import ServingEngine
 from switchyard.workers.service.engines import engine_builder
-from switchyard.shared.gc_pauses import GcPauses, freeze_startup_objects
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.status_server import StatusServer, WorkerStatus
 from switchyard.workers.service.worker import Worker
@@ -61,7 +61,7 @@ async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: T
     pauses = GcPauses(metrics.gc_pauses)
     pauses.start()
     # The engine (a model's modules included) lives as long as the worker: full collections need not walk it.
-    log.info("froze %d objects alive after start-up", freeze_startup_objects())
+    freeze_startup_objects()
     try:
         await worker.run(stop, ready)
     finally:
