@@ -207,6 +207,10 @@ class WorkerConfig(EngineSettings):
     # with 503 worker_shutdown and exit.
     drain_timeout_s: float = Field(60.0, ge=0)
     torch_threads: int | None = None
+    # Rounds an idle OpenMP thread of the step spins before it sleeps (workers/cpu_priority.py); None: libgomp's
+    # default (300,000), for a worker whose cores run nothing else. GOMP_SPINCOUNT or OMP_WAIT_POLICY in the
+    # environment win over it.
+    omp_spin_count: int | None = Field(10_000, ge=0)
     # While interactive traffic is about (a request here, or one in the last interactive_busy_s), batch-tier
     # requests hold at most this many seats and run at most this many per step. None: auto, 2 on CPU (where a
     # step's cost grows with its batch, so batch decodes would delay interactive first tokens) and no limit on

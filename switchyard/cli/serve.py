@@ -52,10 +52,13 @@ def _reuse_port_socket(host: str, port: int):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from switchyard.workers.cpu_priority import bound_openmp_spin
+
+    config = load_config(args)
+    bound_openmp_spin(config.worker.omp_spin_count)  # before torch loads libgomp
     from switchyard.workers.engine.interface import EngineUnavailable
     from switchyard.workers.service.main import serve_worker
 
-    config = load_config(args)
     if not config.nats_url:
         print("switchyard worker needs --nats-url (or SWITCHYARD_NATS_URL); `switchyard up` starts one.",
               file=sys.stderr)

@@ -149,6 +149,71 @@ class CountedPulls:
         return msg
 
 
+async def test_a_tenant_whose_last_request_was_taken_costs_the_next_pull_nothing(nc):
+    # Thirty tenants with a request each (rung, as published), one seat freeing at a time: a tenant JetStream said
+    # had nothing left after the request it handed out is not asked again. An empty answer waits out the pull's
+    # expiry, and the intake pulls for nobody else meanwhile: the next tenant to ring waited for it.
+    js = nc.jetstream()
+    tenants = [f"t{i:02d}" for i in range(30)]
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    for tenant in tenants:
+        subject = subjects.request_subject(MODEL, TIER, tenant)
+        await js.publish(subject, tenant.encode())
+        queues.ring(subject)
+    pulls = CountedPulls(queues)
+    got = []
+    for _ in tenants:
+        (msg,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+        got.append(msg.data.decode())
+        await msg.ack_sync()
+    assert sorted(got) == tenants
+    assert pulls.count == len(tenants)  # not one empty answer on the way
+    assert not queues.has_pending()
+    await queues.close()
+
+
+async def test_a_tenant_that_rang_more_often_than_it_was_served_is_asked_again_though_its_count_says_none(nc):
+    # Two doorbells, and only the first request in the stream when it is pulled (a doorbell can come before the
+    # stream hands its request to the consumer): the count in the answer says none left, but the second bell has
+    # no request yet, so the tenant stays in the order and its second request is taken, not left for a sweep.
+    js = nc.jetstream()
+    subject = subjects.request_subject(MODEL, TIER, "a")
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    await js.publish(subject, b"first")
+    queues.ring(subject)
+    queues.ring(subject)  # the second request's bell, its request not in the stream yet
+    (first,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    assert (first.data, first.metadata.num_pending) == (b"first", 0)
+    assert queues.has_work(TIER, set())
+    await js.publish(subject, b"second")
+    (second,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    assert second.data == b"second"
+    assert not queues.has_work(TIER, set())  # both bells answered, and none left: out of the order
+    for msg in (first, second):
+        await msg.ack_sync()
+    await queues.close()
+
+
+async def test_a_sweep_does_not_bring_back_a_tenant_for_requests_this_worker_took_and_holds(nc):
+    # The stream counts a request until it is acknowledged; one this worker took and is preparing is not there to be
+    # pulled, and asking for it again would only wait out an empty answer.
+    js = nc.jetstream()
+    subject = subjects.request_subject(MODEL, TIER, "a")
+    await js.publish(subject, b"only")
+    await js.publish(subjects.request_subject(MODEL, TIER, "b"), b"queued")
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    await queues.sweep()
+    msgs = await queues.take_many(TIER, 2, timeout_s=5.0, excluded={subjects.tenant_token("b")})
+    assert [m.data for m in msgs] == [b"only"]
+    await queues.sweep(taken_subjects=[msgs[0].subject])
+    assert not queues.has_work(TIER, {subjects.tenant_token("b")})  # a's one request is held here
+    assert queues.has_work(TIER, set())  # b's is still queued
+    await queues.sweep()
+    assert queues.has_work(TIER, {subjects.tenant_token("b")})  # without the worker's word, the count stands
+    await msgs[0].ack_sync()
+    await queues.close()
+
+
 async def test_a_request_that_rings_while_its_queue_answers_empty_is_not_forgotten(nc):
     # The pull expired empty, but the tenant rang meanwhile: its request reached the stream after the pull gave up,
     # and it is asked for again now, not after the next sweep.

@@ -140,7 +140,9 @@ class Engine:
         """What would otherwise be made on first use (kernels, allocator, ``prepare``'s tokenizers), made now."""
         self.runner.warmup()
         with self._prepare_lock:
-            while len(self._spare_tokenizers) < self.config.prepare_threads:
+            # One for each prepare thread and one for the intake's slow lane (workers/service/intake.py): a copy
+            # made on first use holds the GIL while it is made, and every serving thread waits for it.
+            while len(self._spare_tokenizers) < self.config.prepare_threads + 1:
                 self._spare_tokenizers.append(copy.deepcopy(self.tokenizer))
 
     def shutdown(self) -> None:

@@ -29,6 +29,7 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine:
     log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
     engine = Engine(model, tokenizer, EngineConfig.from_settings(config.worker))
     engine.warmup()
+    _load_safety_classifier(config)
     return engine
 
 
@@ -43,6 +44,7 @@ def _vllm(config: SwitchyardConfig) -> ServingEngine:
     from switchyard.workers.vllm_engine.environment import require_vllm
 
     require_vllm()
+    _load_safety_classifier(config)
     path = model_store.resolve(config.worker.model, config.model_cache_dir)
     if is_sentence_embedding_model(path):
         from switchyard.workers.engine.embeddings import EmbeddingEngine
@@ -53,6 +55,24 @@ def _vllm(config: SwitchyardConfig) -> ServingEngine:
     from switchyard.workers.vllm_engine.engine import VllmEngine
 
     return VllmEngine.from_settings(config.worker, str(path))
+
+
+def _load_safety_classifier(config: SwitchyardConfig) -> None:
+    """The safety classifier, read now when the gateways' settings use it: on first use it took a tenant's first
+    request a second of CPU, holding the GIL (scikit-learn's import) while every other tenant's steps waited, and
+    had that tenant taken for one with expensive prompts (workers/service/intake.py). A worker without the wheel
+    serves on; the requests that need it are refused as before, saying what to install."""
+    if not config.gateway.safety.classifier:
+        return
+    from switchyard.shared.profanity import load_classifier
+
+    t0 = time.monotonic()
+    try:
+        load_classifier()
+    except RuntimeError as exc:
+        log.warning("safety classifier not loaded: %s", exc)
+        return
+    log.info("safety classifier loaded in %.2f s", time.monotonic() - t0)
 
 
 def _simulated(config: SwitchyardConfig) -> ServingEngine:

@@ -16,8 +16,9 @@ the intake's own, so it never waits for a step and a step never waits for it; th
 tenant with a request being prepared is not pulled for until it is ready (capacity.py): one tenant's slow prompts
 (a huge schema, thousands of messages) hold one thread and delay that tenant alone, never another tenant's turn.
 A tenant whose prompt took over ``SLOW_PREPARE_S`` of CPU has its next ones prepared on a slow lane at a lower
-CPU priority (workers/cpu_priority.py) for ``DEMOTED_S``, and every grammar compiles on such threads
-(workers/engine/guided.py): what one tenant's expensive prompts cost is taken from what serving leaves.
+CPU priority (workers/cpu_priority.py) for ``DEMOTED_S``, one at a time with rests between (they hold the GIL), and
+every grammar compiles on such threads (workers/engine/guided.py): what one tenant's expensive prompts cost is
+taken from what serving leaves.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ ACK_RETRY_S = 10.0
 CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
 SLOW_PREPARE_S = 0.02  # CPU a prompt may take to prepare before its tenant's next ones go to the slow lane
 DEMOTED_S = 10.0
+SLOW_LANE_REST = 2.0  # the slow lane rests this many times the CPU its last prepare took (see _on_slow_lane)
+SLOW_LANE_MAX_REST_S = 1.0
 
 
 class _Failed(Exception):
@@ -103,12 +106,14 @@ class Intake:
         self._slow_lane = ThreadPoolExecutor(1, thread_name_prefix="switchyard-prepare-slow",
                                              initializer=lower_priority)
         self._demoted: dict[str, float] = {}  # tenant id -> until when its prompts go to the slow lane
+        self._slow_lane_turn = asyncio.Lock()
+        self._slow_lane_rested_at = 0.0  # (monotonic) when the slow lane may start its next prepare
         self._preparing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
 
     async def sweep(self) -> None:
         """Learn which queues hold work from the streams themselves (work queued before this worker started rings
         no doorbell)."""
-        await self.queues.sweep()
+        await self.queues.sweep(msg.subject for msg in list(self._unacked.values()))
 
     async def close(self) -> None:
         await self.queues.close()
@@ -156,7 +161,7 @@ class Intake:
                 # back empty (a slow server) is forgotten until it rings again: look everywhere, every second, busy
                 # or not (a busy intake that only swept when idle once left a tenant unserved while others' work
                 # kept it awake).
-                await queues.sweep()
+                await self.sweep()
                 swept_at = time.monotonic()
             allowed = self._capacity.allowance()
             # Only queues that may hold a request of a tenant not left out (seat takers, tenants being prepared):
@@ -241,8 +246,11 @@ class Intake:
         now = time.monotonic()
         demoted = self._demoted.get(request.tenant_id, 0.0) > now
         try:
-            tracked.prepared, cpu_s = await asyncio.get_running_loop().run_in_executor(
-                self._slow_lane if demoted else self._threads, _timed, self._engine.prepare, request)
+            if demoted:
+                tracked.prepared, cpu_s = await self._on_slow_lane(request)
+            else:
+                tracked.prepared, cpu_s = await asyncio.get_running_loop().run_in_executor(
+                    self._threads, _timed, self._engine.prepare, request)
             self._note_cost(request.tenant_id, cpu_s, now)
         except _Failed as failed:
             self._note_cost(request.tenant_id, failed.cpu_s, now)
@@ -259,6 +267,29 @@ class Intake:
             await self.refuse(request, msg, error)
         else:
             self._held.add(tracked, msg)
+
+    async def _on_slow_lane(self, request: GenerateRequest):
+        """``_timed(prepare, request)`` on the slow lane, one at a time, each after the lane has rested
+        ``SLOW_LANE_REST`` times the CPU its last prepare took. A chat template renders in Python, holding the GIL
+        in slices that every serving thread waits out at each hand-off, whatever the thread's CPU priority: six
+        loops of 2048-message prompts kept the lane busy without pause, and another tenant's first token took 2x
+        its idle time (tests/e2e/test_hostile_work.py). Resting, such prompts take at most a third of the
+        interpreter, and the rest of the worker has it the other two thirds."""
+        async with self._slow_lane_turn:
+            rest = self._slow_lane_rested_at - time.monotonic()
+            if rest > 0:
+                await asyncio.sleep(rest)
+            cpu_s = 0.0
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    self._slow_lane, _timed, self._engine.prepare, request)
+                cpu_s = result[1]
+                return result
+            except _Failed as failed:
+                cpu_s = failed.cpu_s
+                raise
+            finally:
+                self._slow_lane_rested_at = time.monotonic() + min(SLOW_LANE_REST * cpu_s, SLOW_LANE_MAX_REST_S)
 
     def _note_cost(self, tenant_id: str | None, cpu_s: float, now: float) -> None:
         if cpu_s > SLOW_PREPARE_S:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import Counter
+from collections.abc import Iterable
 
 from nats.js import JetStreamContext
 
@@ -44,6 +46,9 @@ class TenantQueues:
         self._consumers: dict[tuple[str, str], tuple[str, str]] = {}  # (tier, tenant) -> (stream, consumer) made
         # (tier, tenant) -> the number of its last doorbell (see ``_emptied``); only for tenants pending
         self._rung: dict[tuple[str, str], int] = {}
+        # (tier, tenant) -> its doorbells not yet matched by a request taken here (see ``_took_last``); only for
+        # tenants pending
+        self._unmatched: dict[tuple[str, str], int] = {}
         self._rings = itertools.count(1)
 
     # -- what may be queued -----------------------------------------------------------------------------------
@@ -53,21 +58,34 @@ class TenantQueues:
         if len(parts) == 4 and parts[2] == self._worker_id and parts[3] in self._pending:  # llm.aff.<me>.<tier>
             self._offered.add(parts[3])
             return True
-        if len(parts) != 5 or parts[3] not in self._pending:
+        key = self._queue_of(subject)
+        if key is None:
             return False
-        self._pending[parts[3]].add(parts[4])
-        self._rung[(parts[3], parts[4])] = next(self._rings)
+        self._pending[key[0]].add(key[1])
+        self._rung[key] = next(self._rings)
+        self._unmatched[key] = self._unmatched.get(key, 0) + 1
         return True
 
-    async def sweep(self) -> None:
-        """Every tenant with requests in the stream, whatever rang."""
+    def _queue_of(self, subject: str) -> tuple[str, str] | None:
+        """(tier, tenant token) of a request subject of this model's tenant queues, else None."""
+        parts = subject.split(".")
+        if len(parts) != 5 or parts[3] not in self._pending:
+            return None
+        return parts[3], parts[4]
+
+    async def sweep(self, taken_subjects: Iterable[str] = ()) -> None:
+        """Every tenant with requests in the stream, whatever rang. ``taken_subjects``: the subjects of requests
+        this worker took and has not acknowledged yet; the stream still counts them, but they are not there to be
+        pulled (a tenant whose last request was being prepared came back into the order with every sweep, and its
+        empty answer held the next tenant to ring)."""
+        taken = Counter(filter(None, map(self._queue_of, taken_subjects)))
         for tier in self._tiers:
             try:
                 counts = await queued_tenants(self._js, self._model, tier)
             except Exception as exc:  # NATS reconnecting: the next sweep sees them
                 log.debug("sweep of %s failed: %r", tier, exc)
                 continue
-            self._pending[tier].update(t for t, n in counts.items() if n)
+            self._pending[tier].update(t for t, n in counts.items() if n > taken[(tier, t)])
         if self._worker_id:
             try:
                 info = await self._js.stream_info(subjects.AFFINITY_STREAM,
@@ -129,20 +147,33 @@ class TenantQueues:
             for tenant, msg in zip(asked, answers):
                 if msg is not None:
                     got.append(msg)
+                    if self._took_last(tier, tenant, msg):
+                        self._emptied(tier, tenant)
                 elif self._rung.get((tier, tenant), 0) < rung_before:
                     self._emptied(tier, tenant)
         return got
 
-    def _emptied(self, tier: str, tenant: str) -> None:
-        """``tenant``'s queue in ``tier`` came up empty: it leaves the order until it rings again. A ring newer
-        than the pull that came back empty wins: that request may have reached the stream after the pull expired.
+    def _took_last(self, tier: str, tenant: str, msg) -> bool:
+        """Whether ``msg`` was ``tenant``'s last request in ``tier``, so that asking again would only wait out an
+        empty answer (``PULL_EXPIRES_S``, during which the intake pulls for nobody else: the next tenant to ring
+        waited for it). JetStream says how many it left in the consumer; but a doorbell can come before the stream
+        hands its request to the consumer (sooner still in a cluster, where the stream commits first), so a tenant
+        with more doorbells than requests taken here stays in the order and is asked again, at a pull's usual wait.
+        Where other workers take some of a tenant's requests, its doorbells outnumber what this one took, and an
+        empty answer ends its turn as before."""
+        key = (tier, tenant)
+        unmatched = self._unmatched.get(key, 0)
+        if unmatched:
+            self._unmatched[key] = unmatched - 1
+        return unmatched <= 1 and _num_pending(msg) == 0
 
-        (A tenant also left the order when the message it was handed was the last in its queue, by the count in the
-        message's reply subject, before any empty answer: bench/tenants.py's light tenant gained from it, but a
-        victim's first token in tests/e2e/test_hostile_work.py came 2x its idle figure, 1.5x allowed, and the cause
-        was not found in the time there was; bench/RESULTS.md, issue 28.)"""
+    def _emptied(self, tier: str, tenant: str) -> None:
+        """``tenant``'s queue in ``tier`` has nothing more (an empty answer, or its last request taken): it leaves
+        the order until it rings again. A ring newer than the pull that came back empty wins: that request may
+        have reached the stream after the pull expired."""
         self._pending[tier].discard(tenant)
         self._rung.pop((tier, tenant), None)
+        self._unmatched.pop((tier, tenant), None)
 
     async def _fetch(self, key: tuple[str, str], timeout_s: float):
         """One message from a queue's consumer, or None (empty, or failed: the consumer is made again when a pull
@@ -190,3 +221,11 @@ class TenantQueues:
         self._consumers[key] = known
         return known
 
+
+def _num_pending(msg) -> int | None:
+    """Requests left in the consumer after ``msg`` (JetStream puts the count in the reply subject); None when the
+    reply names none."""
+    try:
+        return msg.metadata.num_pending
+    except Exception:  # not a JetStream delivery's reply: no count, so no conclusion
+        return None
