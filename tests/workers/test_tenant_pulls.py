@@ -194,6 +194,30 @@ async def test_a_tenant_that_rang_more_often_than_it_was_served_is_asked_again_t
     await queues.close()
 
 
+async def test_a_request_that_rings_after_the_count_was_taken_is_not_forgotten(nc):
+    # Found by a sweep (no doorbell), its one request handed out with none left; meanwhile another request rang.
+    js = nc.jetstream()
+    subject = subjects.request_subject(MODEL, TIER, "a")
+    await js.publish(subject, b"first")
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    await queues.sweep()
+
+    async def another_comes(stream, consumer, msg):  # the count in the answer (0 left) predates this request
+        if msg is not None and msg.data == b"first":
+            await js.publish(subject, b"second")
+            queues.ring(subject)
+
+    CountedPulls(queues, another_comes)
+    (first,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    assert first.metadata.num_pending == 0
+    assert queues.has_work(TIER, set())  # the newer ring wins over the older count
+    (second,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    assert (first.data, second.data) == (b"first", b"second")
+    for msg in (first, second):
+        await msg.ack_sync()
+    await queues.close()
+
+
 async def test_a_sweep_does_not_bring_back_a_tenant_for_requests_this_worker_took_and_holds(nc):
     # The stream counts a request until it is acknowledged; one this worker took and is preparing is not there to be
     # pulled, and asking for it again would only wait out an empty answer.

@@ -147,7 +147,7 @@ class TenantQueues:
             for tenant, msg in zip(asked, answers):
                 if msg is not None:
                     got.append(msg)
-                    if self._took_last(tier, tenant, msg):
+                    if self._took_last(tier, tenant, msg) and self._rung.get((tier, tenant), 0) < rung_before:
                         self._emptied(tier, tenant)
                 elif self._rung.get((tier, tenant), 0) < rung_before:
                     self._emptied(tier, tenant)
