@@ -16,7 +16,7 @@ from switchyard.shared.config import (ENV_PREFIX, GatewayConfig, ModelEntry, Req
 WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l3"], dtype="float32", device="cpu",
               max_num_seqs=7,
               max_num_batched_tokens=96, block_size=32, kv_cache_gib=1.5, gpu_memory_fraction=0.5,
-              enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3,
+              enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3, omp_spin_count=20_000,
               batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
               metrics_port=9400, engine="vllm", simulated_tokens_per_s=40.0,
               simulated_prefill_us_per_token=5.0, simulated_output_tokens=64, simulated_tokens_per_delta=4,
