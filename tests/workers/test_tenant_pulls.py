@@ -149,6 +149,17 @@ class CountedPulls:
         return msg
 
 
+async def take_one(queues: TenantQueues):
+    (msg,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    return msg
+
+
+async def ack_and_close(queues: TenantQueues, *msgs) -> None:
+    for msg in msgs:
+        await msg.ack_sync()
+    await queues.close()
+
+
 async def test_a_tenant_whose_last_request_was_taken_costs_the_next_pull_nothing(nc):
     # Thirty tenants with a request each (rung, as published), one seat freeing at a time: a tenant JetStream said
     # had nothing left after the request it handed out is not asked again. An empty answer waits out the pull's
@@ -182,16 +193,14 @@ async def test_a_tenant_that_rang_more_often_than_it_was_served_is_asked_again_t
     await js.publish(subject, b"first")
     queues.ring(subject)
     queues.ring(subject)  # the second request's bell, its request not in the stream yet
-    (first,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    first = await take_one(queues)
     assert (first.data, first.metadata.num_pending) == (b"first", 0)
     assert queues.has_work(TIER, set())
     await js.publish(subject, b"second")
-    (second,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    second = await take_one(queues)
     assert second.data == b"second"
     assert not queues.has_work(TIER, set())  # both bells answered, and none left: out of the order
-    for msg in (first, second):
-        await msg.ack_sync()
-    await queues.close()
+    await ack_and_close(queues, first, second)
 
 
 async def test_a_request_that_rings_after_the_count_was_taken_is_not_forgotten(nc):
@@ -208,14 +217,12 @@ async def test_a_request_that_rings_after_the_count_was_taken_is_not_forgotten(n
             queues.ring(subject)
 
     CountedPulls(queues, another_comes)
-    (first,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    first = await take_one(queues)
     assert first.metadata.num_pending == 0
     assert queues.has_work(TIER, set())  # the newer ring wins over the older count
-    (second,) = await queues.take_many(TIER, 1, timeout_s=5.0)
+    second = await take_one(queues)
     assert (first.data, second.data) == (b"first", b"second")
-    for msg in (first, second):
-        await msg.ack_sync()
-    await queues.close()
+    await ack_and_close(queues, first, second)
 
 
 async def test_a_sweep_does_not_bring_back_a_tenant_for_requests_this_worker_took_and_holds(nc):
