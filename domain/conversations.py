@@ -33,7 +33,7 @@ def conversation_json(row) -> dict:
 
 
 def message_json(row) -> dict:
-    out = {"id": row["id"], "object": "conversation.message", "role": row["role"], "content": row["content"],
+    out = {"id": row["id"], "object": "conversation.message", "role": row["role"], "content": json.loads(row["content"]),
            "status": row["status"], "created_at": int(row["created_at"].timestamp())}
     if row["tool_calls"] is not None:
         out["tool_calls"] = json.loads(row["tool_calls"])
@@ -44,7 +44,7 @@ def message_json(row) -> dict:
 
 def _history_message(row) -> ChatMessage:
     calls = [tool_call_from_json(c) for c in json.loads(row["tool_calls"])] if row["tool_calls"] is not None else None
-    return ChatMessage(row["role"], row["content"], tool_calls=calls, tool_call_id=row["tool_call_id"])
+    return ChatMessage(row["role"], json.loads(row["content"]), tool_calls=calls, tool_call_id=row["tool_call_id"])
 
 
 async def write_turn(pool, turn: ConversationTurn) -> None:
@@ -61,18 +61,15 @@ async def insert_messages(conn, conversation_id: str, request_id: str,
                           messages: list[tuple[str, ChatMessage, str]]) -> None:
     """Append ``(id suffix, message, status)`` rows to a conversation, in order. Each id is the request id and its
     suffix: written again, nothing is stored twice."""
+    # The text goes in as a JSON string (migration 0016: a model may write U+0000), escaped only where JSON must,
+    # so the history's length bound still counts about one character per character.
     for suffix, m, status in messages:
         calls = json.dumps([tool_call_json(c) for c in m.tool_calls]) if m.tool_calls else None
         await conn.execute(
             "INSERT INTO conversation_messages (id, conversation_id, role, content, status, request_id, "
-            "tool_calls, tool_call_id) VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8) ON CONFLICT (id) DO NOTHING",
-            f"msg_{request_id}_{suffix}", conversation_id, m.role, _storable(m.content), status, request_id, calls,
+            "tool_calls, tool_call_id) VALUES ($1, $2, $3, $4::json, $5, $6, $7::jsonb, $8) ON CONFLICT (id) DO NOTHING",
+            f"msg_{request_id}_{suffix}", conversation_id, m.role, json.dumps(m.content, ensure_ascii=False), status, request_id, calls,
             m.tool_call_id)
-
-
-def _storable(text: str) -> str:
-    # Postgres text cannot hold NUL; a model (or client) can produce one. Keep the position visible.
-    return text.replace("\x00", "\ufffd")
 
 
 # The newest messages first, with the running length of their text; the outer query keeps those within the bound
@@ -80,7 +77,7 @@ def _storable(text: str) -> str:
 _HISTORY_SQL = """
 SELECT role, content, tool_calls, tool_call_id, total FROM (
     SELECT role, content, tool_calls, tool_call_id, seq,
-           sum(length(content)) OVER (ORDER BY seq DESC) AS chars,
+           sum(length(content::text)) OVER (ORDER BY seq DESC) AS chars,
            (SELECT count(*) FROM conversation_messages WHERE conversation_id = $1) AS total
     FROM conversation_messages WHERE conversation_id = $1 ORDER BY seq DESC LIMIT $2
 ) newest WHERE chars <= $3 ORDER BY seq DESC

@@ -12,8 +12,9 @@ Two rules, each with the place it comes from:
                                                                              conversation's system prompt, model and
                                                                              turns, a batch line's custom_id, ...
 
-A prompt may hold U+0000 (JSON allows it and a user may mean it): it travels in msgpack and is stored only in
-``json`` columns (batch lines), which keep it. A refusal is a 400 ``invalid_value`` naming the field, so a request
+A prompt may hold U+0000 (JSON allows it and a user may mean it), and so may a model's reply (a byte-level
+tokenizer has a token for byte 0): they travel in msgpack and are stored only in ``json`` columns (batch lines,
+responses, conversation messages), which keep it. A refusal is a 400 ``invalid_value`` naming the field, so a request
 is never served and then left unbilled because its usage row could not be written (jobs/usage_writer.py bills
 what it knows of a record Postgres still refuses).
 """

@@ -80,8 +80,8 @@ async def test_a_conversations_history_is_loaded_within_its_bounds(tenant, datab
     try:
         await conn.executemany(
             "INSERT INTO conversation_messages (id, conversation_id, role, content, status) "
-            "VALUES ($1, $2, $3, $4, 'completed')",
-            [(f"msg_{conv}_{i}", conv, "user" if i % 2 == 0 else "assistant", f"m{i}") for i in range(5000)])
+            "VALUES ($1, $2, $3, $4::json, 'completed')",
+            [(f"msg_{conv}_{i}", conv, "user" if i % 2 == 0 else "assistant", f'"m{i}"') for i in range(5000)])
     finally:
         await conn.close()
     t0 = time.monotonic()
