@@ -100,3 +100,22 @@ def test_the_default_batch_policy_depends_on_the_device():
     assert background_policy(WorkerConfig(), "cuda").seats_when_busy is None
     assert background_policy(WorkerConfig(batch_seqs_when_busy=0), "cpu").seats_when_busy is None
     assert background_policy(WorkerConfig(batch_seqs_when_busy=5), "cuda").seats_when_busy == 5
+
+
+async def test_the_intake_is_woken_when_seats_or_holders_change_not_for_every_token():
+    """A step that only generated tokens changes nothing the intake decides on: waking it for each such step (hundreds
+    a second with every seat taken) cost the worker more CPU than its pulls."""
+    from switchyard.workers.service.capacity import Capacity
+
+    capacity = Capacity(engine(free=0, running=8), holding([tracked(i, "pro") for i in range(8)]), no_batch_limit())
+    capacity.update(EngineCapacity(8, 0, 8, 0, 0, 0.7), moved=False)  # more KV used, the same seats
+    assert not capacity.changed.is_set()
+    capacity.update(engine(free=1, running=7), moved=False)  # a seat freed
+    assert capacity.changed.is_set()
+    capacity.changed.clear()
+    capacity.update(engine(free=1, running=7), moved=True)  # a request admitted as another finished
+    assert capacity.changed.is_set()
+    capacity.changed.clear()
+    capacity.update(None, moved=False)  # the step failed: nothing known, so look again
+    assert capacity.changed.is_set()
+    assert capacity.background_limit() == capacity.allowance().background_limit

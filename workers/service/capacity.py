@@ -43,7 +43,7 @@ class Allowance:
 
 def allowance(engine: EngineCapacity, held: HeldRequests, background: BackgroundPolicy) -> Allowance:
     """What may be taken on, given the engine's capacity and what the worker holds on top of it."""
-    num_interactive = sum(t.request.tier != BATCH_TIER for t in held.active.values())
+    num_interactive = _num_interactive(held)
     # Requests handed to the running step are in the engine's count only once that step is done: count them here.
     num_free = engine.num_free_seats - len(held.pending) - held.num_admitting - len(held.preparing)
     if num_free > 0:
@@ -60,6 +60,10 @@ def allowance(engine: EngineCapacity, held: HeldRequests, background: Background
         if not background.may_take_background(num_batch, num_interactive):
             del pull[BATCH_TIER]  # its seats while interactive traffic is about are taken
     return Allowance(num_free, pull, background.step_limit(num_interactive))
+
+
+def _num_interactive(held: HeldRequests) -> int:
+    return sum(t.request.tier != BATCH_TIER for t in held.active.values())
 
 
 def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozenset[str]]:
@@ -85,6 +89,11 @@ def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozen
     return pull
 
 
+def _seats(engine: EngineCapacity) -> tuple[int, ...]:
+    """What of the engine's capacity the allowance reads (not its KV usage, which moves with every token)."""
+    return engine.max_num_seqs, engine.num_free_seats, engine.num_running, engine.num_waiting, engine.num_waiting_new
+
+
 def background_policy(settings: WorkerConfig, device_type: str) -> BackgroundPolicy:
     """The batch policy a worker's settings ask for on its device: unset, 2 seats on a CPU (where a step's cost
     grows with its batch) and no limit on a GPU (where a decode step costs about the same for 1 or 32); 0: none."""
@@ -104,14 +113,25 @@ class Capacity:
         self.background = background
         self.changed = asyncio.Event()  # seats freed, or admissions that change who may take a seat
 
-    def update(self, engine: EngineCapacity | None) -> None:
-        """After a step (or failing one): the engine's new capacity (None: unknown, keep the last)."""
+    def update(self, engine: EngineCapacity | None, moved: bool = True) -> None:
+        """After a step (or failing one): the engine's new capacity (None: unknown, keep the last). ``moved``: the
+        step admitted, aborted, refused or finished a request, so who holds a seat changed. The intake is woken
+        only then or when the engine's seats changed: a step that only generated tokens changes nothing it
+        decides on, and waking it for each (hundreds a second with every seat taken) cost the worker more CPU
+        than its pulls (bench/tenants.py)."""
         if engine is not None:
+            moved = moved or _seats(engine) != _seats(self.engine)
             self.engine = engine
-        self.changed.set()
+        if moved or engine is None:
+            self.changed.set()
 
     def allowance(self) -> Allowance:
         return allowance(self.engine, self.held, self.background)
+
+    def background_limit(self) -> int | None:
+        """The allowance's ``background_limit`` alone (each step asks for it; the rest costs a count by tenant).
+        The policy asks only whether an interactive request runs: the first one found answers it."""
+        return self.background.step_limit(int(any(t.request.tier != BATCH_TIER for t in self.held.active.values())))
 
     def summary(self) -> str:
         e, held = self.engine, self.held

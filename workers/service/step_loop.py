@@ -97,7 +97,7 @@ class StepLoop:
             if ended_at is not None:
                 self.gap_s += started_at - ended_at
             step = asyncio.get_running_loop().run_in_executor(
-                self._step_thread, self._step_sync, adds, aborts, self._capacity.allowance().background_limit)
+                self._step_thread, self._step_sync, adds, aborts, self._capacity.background_limit())
             if publishing is not None:
                 await _published(publishing)
                 publishing = None
@@ -114,13 +114,14 @@ class StepLoop:
                 continue
             held.num_admitting = 0
             self._engine_busy = result.has_unfinished
-            self._capacity.update(result.capacity)  # freed seats, or admissions that change who may take one
+            freed = bool(result.rejected) or any(d.finish_reason for d in result.deltas)
+            # Freed seats, or admissions that change who may take one.
+            self._capacity.update(result.capacity, moved=freed or bool(adds) or bool(aborts))
             ended_at = time.perf_counter()
             self.num_steps += 1
             self.step_s += ended_at - started_at
             self._metrics.stepped(ended_at - started_at, result.stats)
             publishing = asyncio.create_task(self._publish(result))
-            freed = bool(result.rejected) or any(d.finish_reason for d in result.deltas)
             if freed and self._intake.queues.has_pending():
                 # Let the intake refill the freed seats before the next step starts, not a whole step later;
                 # bounded, so an empty queue costs at most a few milliseconds.
@@ -177,6 +178,7 @@ class StepLoop:
             await out.started(tracked)
         now = time.time()
         generated: dict[str, int] = {}
+        ended = False
         for delta in result.deltas:
             tracked = held.active.get(delta.request_id)
             if tracked is None:
@@ -197,7 +199,10 @@ class StepLoop:
                 metrics.finished(req.tier, delta.finish_reason)
                 record_request_trace(tracked, out.worker_id, delta.finish_reason, now)
                 await out.finished(tracked, delta.finish_reason, now)
+                ended = True
         metrics.generated(generated)
+        if ended or result.rejected:
+            self._capacity.changed.set()  # their seats were counted as held until now
 
     async def _fail_all(self) -> None:
         """A step raised outside the engine's own recovery: every running request fails with a 500."""
