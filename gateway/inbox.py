@@ -1,10 +1,15 @@
-"""A request's token subject (``llm.tok.<request_id>``) received into a queue of its own.
+"""A request's token subject (``llm.tok.<request_id>``), read straight from its subscription's own queue.
 
 nats-py's ``Subscription.next_msg`` makes a task and a ``wait_for`` for every message: at thousands of streams
-that was a fifth of the gateway's time (bench/streams.py's profile). Here the subscription's callback drops each
-message into an ``asyncio.Queue``; a reader takes what is there without waiting, and waits (with a timeout, no
-task) only when nothing is. ``pending`` lets a stream write every chunk that is already here in one go;
-``pending_bytes`` is what a reader falling behind has left waiting (gateway/client_watch.py bounds it).
+that was a fifth of the gateway's time (bench/streams.py's profile). A subscription with a callback instead runs
+a task of its own that wakes for every message to hand it on, a second wake-up per token besides the reader's.
+Here the subscription has neither: nats-py puts each message in the subscription's queue, and the reader takes
+what is there without waiting, and waits (with a timeout, no task) only when nothing is: one wake-up per message,
+and none while the reader is busy writing. ``pending`` lets a stream write every chunk that is already here in one
+go; ``pending_bytes`` is what a reader falling behind has left waiting (gateway/client_watch.py bounds it).
+
+The queue and its byte count are nats-py's own (``Subscription._pending_queue``, ``_pending_size``, what its
+``next_msg`` reads; 2.9 to 2.16 at least): ``tests/gateway/test_inbox.py`` fails if a release renames them.
 """
 
 from __future__ import annotations
@@ -13,29 +18,19 @@ import asyncio
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 
 class TokenInbox:
     """See the module docstring. Made with ``subscribe``; ``close`` unsubscribes."""
 
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
-        self._sub = None
-        self._bytes = 0
+    def __init__(self, sub: Subscription) -> None:
+        self._sub = sub
+        self._queue: asyncio.Queue[Msg] = sub._pending_queue
 
     @classmethod
     async def subscribe(cls, nc: NATS, subject: str) -> TokenInbox:
-        inbox = cls()
-        inbox._sub = await nc.subscribe(subject, cb=inbox._received)
-        return inbox
-
-    async def _received(self, msg: Msg) -> None:
-        self._bytes += len(msg.data)
-        self._queue.put_nowait(msg)
-
-    def _taken(self, msg: Msg) -> Msg:
-        self._bytes -= len(msg.data)
-        return msg
+        return cls(await nc.subscribe(subject))
 
     @property
     def pending(self) -> int:
@@ -45,7 +40,11 @@ class TokenInbox:
     @property
     def pending_bytes(self) -> int:
         """The payload bytes of the messages received and not taken yet."""
-        return self._bytes
+        return self._sub.pending_bytes
+
+    def _taken(self, msg: Msg) -> Msg:
+        self._sub._pending_size -= len(msg.data)  # as next_msg does: nats-py's slow-consumer bound reads it
+        return msg
 
     async def next(self, timeout: float) -> Msg:
         """The next message; raises ``TimeoutError`` when none comes within ``timeout`` seconds."""
@@ -55,6 +54,6 @@ class TokenInbox:
             return self._taken(await self._queue.get())
 
     async def close(self) -> None:
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
+        sub, self._sub = self._sub, None
+        if sub is not None:
             await sub.unsubscribe()
