@@ -26,15 +26,7 @@ LEASE_S = 300.0  # several upkeep rounds: a gateway that missed one keeps its re
 RETRY_AFTER_S = 1  # a seat frees when one of the tenant's own requests ends: soon, but when is not known
 # The advisory lock's key space: the tenant id hashed with this seed, apart from the other advisory locks.
 _LOCK_SEED = 0x5359_434F_4E43
-_ADMIT_SQL = """
-INSERT INTO open_requests (request_id, tenant_id, sequences, expires_at)
-SELECT $1, $2, $3::int, now() + make_interval(secs => $6::float8)
-FROM (SELECT count(*) AS streams, coalesce(sum(sequences), 0) AS sequences FROM open_requests
-      WHERE tenant_id = $2 AND expires_at > now()) AS held
-WHERE held.streams + 1 <= $4::bigint AND held.sequences + $3::int <= $5::bigint
-ON CONFLICT (request_id) DO NOTHING
-RETURNING request_id
-"""
+_ADMIT_SQL = "SELECT admit_open_request($1, $2, $3::int, $4::bigint, $5::bigint, $6::float8, $7::bigint)"
 
 
 def _refusal(what: str) -> OpenAIError:
@@ -78,13 +70,10 @@ class Concurrency(Policy):
 
     @staticmethod
     async def _admit(pool, ticket: Ticket, max_streams: int, max_sequences: int) -> str | None:
-        async with pool.acquire() as conn, conn.transaction():
-            # Serialises one tenant's admissions (not others'): the count below then sees every earlier one.
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, $2))", ticket.auth.tenant_id,
-                               _LOCK_SEED)
-            admitted = await conn.fetchval(_ADMIT_SQL, ticket.request_id, ticket.auth.tenant_id, ticket.n,
-                                           max_streams, max_sequences, LEASE_S)
-        return admitted
+        # One statement (migration 0017): the tenant's advisory lock serialises its admissions (not others'), the
+        # count under it then sees every earlier one; one round trip, so the lock is held for no loop turn of ours.
+        return await pool.fetchval(_ADMIT_SQL, ticket.request_id, ticket.auth.tenant_id, ticket.n, max_streams,
+                                   max_sequences, LEASE_S, _LOCK_SEED)
 
     def _admit_locally(self, ticket: Ticket, max_streams: int, max_sequences: int) -> str | None:
         held = self._local.setdefault(ticket.auth.tenant_id, Counter())
