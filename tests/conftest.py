@@ -85,3 +85,13 @@ async def database_url(_postgres_url: str) -> str:
     """URL of a PostgreSQL database with all migrations applied, shared by the whole session."""
     await apply_migrations(_postgres_url)
     return _postgres_url
+
+
+@pytest.fixture
+async def pool(database_url: str):
+    """A small asyncpg pool on the session's database (a test's own ``pool`` fixture overrides it)."""
+    import asyncpg
+
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+    yield pool
+    await pool.close()

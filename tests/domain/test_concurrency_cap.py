@@ -15,7 +15,6 @@ from switchyard.domain.admission.ticket import Origin, Ticket
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.database import Database
 from switchyard.domain.errors import OpenAIError
-from switchyard.migrations import apply_migrations
 
 
 class NoTierCaps:
@@ -25,7 +24,6 @@ class NoTierCaps:
 
 @pytest.fixture
 async def gateways(database_url):
-    await apply_migrations(database_url)
     pools = [await asyncpg.create_pool(database_url, min_size=1, max_size=8) for _ in range(2)]
     yield [Concurrency(Database(pool), NoTierCaps()) for pool in pools]
     for pool in pools:

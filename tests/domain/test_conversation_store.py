@@ -6,21 +6,9 @@ from __future__ import annotations
 
 import secrets
 
-import asyncpg
-import pytest
-
 from switchyard.domain.conversations import Conversations, write_turn
 from switchyard.domain.tenancy import create_tenant
-from switchyard.migrations import apply_migrations
 from switchyard.shared.messages import ConversationTurn
-
-
-@pytest.fixture
-async def pool(database_url):
-    await apply_migrations(database_url)
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
-    yield pool
-    await pool.close()
 
 
 async def test_a_reply_with_nul_and_any_text_reads_back_unchanged(pool):

@@ -9,20 +9,10 @@ import secrets
 from datetime import datetime, timedelta, timezone
 
 import asyncpg
-import pytest
 
 from switchyard.domain.tenancy import create_tenant
 from switchyard.jobs.batch_runner import BatchRunner
-from switchyard.migrations import apply_migrations
 from switchyard.shared.messages import BatchChoice, BatchResult, Usage
-
-
-@pytest.fixture
-async def pool(database_url):
-    await apply_migrations(database_url)
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
-    yield pool
-    await pool.close()
 
 
 async def make_batch(pool, custom_ids: list[str], content: str = "hi") -> tuple[str, dict[str, str]]:
