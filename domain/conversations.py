@@ -33,8 +33,9 @@ def conversation_json(row) -> dict:
 
 
 def message_json(row) -> dict:
-    out = {"id": row["id"], "object": "conversation.message", "role": row["role"], "content": json.loads(row["content"]),
-           "status": row["status"], "created_at": int(row["created_at"].timestamp())}
+    out = {"id": row["id"], "object": "conversation.message", "role": row["role"],
+           "content": json.loads(row["content"]), "status": row["status"],
+           "created_at": int(row["created_at"].timestamp())}
     if row["tool_calls"] is not None:
         out["tool_calls"] = json.loads(row["tool_calls"])
     if row["tool_call_id"] is not None:
@@ -67,9 +68,10 @@ async def insert_messages(conn, conversation_id: str, request_id: str,
         calls = json.dumps([tool_call_json(c) for c in m.tool_calls]) if m.tool_calls else None
         await conn.execute(
             "INSERT INTO conversation_messages (id, conversation_id, role, content, status, request_id, "
-            "tool_calls, tool_call_id) VALUES ($1, $2, $3, $4::json, $5, $6, $7::jsonb, $8) ON CONFLICT (id) DO NOTHING",
-            f"msg_{request_id}_{suffix}", conversation_id, m.role, json.dumps(m.content, ensure_ascii=False), status, request_id, calls,
-            m.tool_call_id)
+            "tool_calls, tool_call_id) VALUES ($1, $2, $3, $4::json, $5, $6, $7::jsonb, $8) "
+            "ON CONFLICT (id) DO NOTHING",
+            f"msg_{request_id}_{suffix}", conversation_id, m.role, json.dumps(m.content, ensure_ascii=False), status,
+            request_id, calls, m.tool_call_id)
 
 
 # The newest messages first, with the running length of their text; the outer query keeps those within the bound
