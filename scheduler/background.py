@@ -37,16 +37,17 @@ class BackgroundPolicy:
         if not is_background:
             self._last_interactive_at = self._clock()
 
-    def is_interactive_busy(self, num_interactive_running: int) -> bool:
-        return num_interactive_running > 0 or self._clock() - self._last_interactive_at < self.busy_window_s
+    def is_interactive_busy(self, interactive_running: bool) -> bool:
+        return interactive_running or self._clock() - self._last_interactive_at < self.busy_window_s
 
-    def step_limit(self, num_interactive_running: int) -> int | None:
-        """Background sequences that may run in the next step; None: no limit."""
-        if self.seats_when_busy is None or not self.is_interactive_busy(num_interactive_running):
+    def step_limit(self, interactive_running: bool) -> int | None:
+        """Background sequences that may run in the next step; None: no limit. ``interactive_running``: whether
+        any interactive request runs (how many does not matter: one is enough to turn the limit on)."""
+        if self.seats_when_busy is None or not self.is_interactive_busy(interactive_running):
             return None
         return self.seats_when_busy
 
-    def may_take_background(self, num_background_held: int, num_interactive_running: int) -> bool:
+    def may_take_background(self, num_background_held: int, interactive_running: bool) -> bool:
         """Whether the worker may pull one more background request, holding ``num_background_held`` already."""
-        limit = self.step_limit(num_interactive_running)
+        limit = self.step_limit(interactive_running)
         return limit is None or num_background_held < limit

@@ -58,8 +58,11 @@ class Concurrency(Policy):
                               "at once: lower n.", type="rate_limit_error", code="concurrency_limit_exceeded",
                               param="n")
         try:
-            admitted = await self._db.run(lambda pool: self._admit(pool, ticket, max_streams, max_sequences),
-                                          key=auth.tenant_id)
+            # One statement (migration 0017): the tenant's advisory lock serialises its admissions (not others'),
+            # the count under it then sees every earlier one, and the lock is held for no turn of our event loop.
+            admitted = await self._db.run(lambda pool: pool.fetchval(
+                _ADMIT_SQL, ticket.request_id, auth.tenant_id, ticket.n, max_streams, max_sequences, LEASE_S,
+                _LOCK_SEED), key=auth.tenant_id)
         except DatabaseUnavailable:
             admitted = self._admit_locally(ticket, max_streams, max_sequences)
         if admitted is None:
@@ -67,13 +70,6 @@ class Concurrency(Policy):
         ticket.holds_seat = True
         if ticket.request_id not in self._local_ids:
             self._held[ticket.request_id] = ticket.auth.tenant_id
-
-    @staticmethod
-    async def _admit(pool, ticket: Ticket, max_streams: int, max_sequences: int) -> str | None:
-        # One statement (migration 0017): the tenant's advisory lock serialises its admissions (not others'), the
-        # count under it then sees every earlier one; one round trip, so the lock is held for no loop turn of ours.
-        return await pool.fetchval(_ADMIT_SQL, ticket.request_id, ticket.auth.tenant_id, ticket.n, max_streams,
-                                   max_sequences, LEASE_S, _LOCK_SEED)
 
     def _admit_locally(self, ticket: Ticket, max_streams: int, max_sequences: int) -> str | None:
         held = self._local.setdefault(ticket.auth.tenant_id, Counter())

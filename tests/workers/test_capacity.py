@@ -8,7 +8,7 @@ from switchyard.shared import subjects
 from switchyard.shared.config import WorkerConfig
 from switchyard.shared.messages import GenerateRequest, SamplingParams
 from switchyard.workers.engine.interface import EngineCapacity
-from switchyard.workers.service.capacity import allowance, background_policy
+from switchyard.workers.service.capacity import Capacity, allowance, background_policy
 from switchyard.workers.service.held import HeldRequests, Tracked
 
 ALL_TIERS = {"enterprise", "pro", "free", "batch"}
@@ -105,8 +105,6 @@ def test_the_default_batch_policy_depends_on_the_device():
 async def test_the_intake_is_woken_when_seats_or_holders_change_not_for_every_token():
     """A step that only generated tokens changes nothing the intake decides on: waking it for each such step (hundreds
     a second with every seat taken) cost the worker more CPU than its pulls."""
-    from switchyard.workers.service.capacity import Capacity
-
     capacity = Capacity(engine(free=0, running=8), holding([tracked(i, "pro") for i in range(8)]), no_batch_limit())
     capacity.update(EngineCapacity(8, 0, 8, 0, 0, 0.7), moved=False)  # more KV used, the same seats
     assert not capacity.changed.is_set()
@@ -119,3 +117,11 @@ async def test_the_intake_is_woken_when_seats_or_holders_change_not_for_every_to
     capacity.update(None, moved=False)  # the step failed: nothing known, so look again
     assert capacity.changed.is_set()
     assert capacity.background_limit() == capacity.allowance().background_limit
+
+
+def test_a_steps_batch_limit_is_the_allowances_without_counting_by_tenant():
+    limited = BackgroundPolicy(seats_when_busy=2, busy_window_s=0.0)
+    mixed = Capacity(engine(free=4, running=4), holding([tracked(0, "batch"), tracked(1, "pro")]), limited)
+    batch_only = Capacity(engine(free=4, running=4), holding([tracked(0, "batch"), tracked(1, "batch")]), limited)
+    assert mixed.background_limit() == mixed.allowance().background_limit == 2
+    assert batch_only.background_limit() is None and batch_only.allowance().background_limit is None

@@ -43,7 +43,7 @@ class Allowance:
 
 def allowance(engine: EngineCapacity, held: HeldRequests, background: BackgroundPolicy) -> Allowance:
     """What may be taken on, given the engine's capacity and what the worker holds on top of it."""
-    num_interactive = _num_interactive(held)
+    interactive_running = _interactive_running(held)
     # Requests handed to the running step are in the engine's count only once that step is done: count them here.
     num_free = engine.num_free_seats - len(held.pending) - held.num_admitting - len(held.preparing)
     if num_free > 0:
@@ -57,13 +57,14 @@ def allowance(engine: EngineCapacity, held: HeldRequests, background: Background
     if BATCH_TIER in pull:
         num_batch = (sum(t.request.tier == BATCH_TIER for t in held.active.values())
                      + sum(t.request.tier == BATCH_TIER for t, _ in held.pending))
-        if not background.may_take_background(num_batch, num_interactive):
+        if not background.may_take_background(num_batch, interactive_running):
             del pull[BATCH_TIER]  # its seats while interactive traffic is about are taken
-    return Allowance(num_free, pull, background.step_limit(num_interactive))
+    return Allowance(num_free, pull, background.step_limit(interactive_running))
 
 
-def _num_interactive(held: HeldRequests) -> int:
-    return sum(t.request.tier != BATCH_TIER for t in held.active.values())
+def _interactive_running(held: HeldRequests) -> bool:
+    """Whether any interactive request runs (all the batch policy asks): the first one found answers it."""
+    return any(t.request.tier != BATCH_TIER for t in held.active.values())
 
 
 def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozenset[str]]:
@@ -129,9 +130,8 @@ class Capacity:
         return allowance(self.engine, self.held, self.background)
 
     def background_limit(self) -> int | None:
-        """The allowance's ``background_limit`` alone (each step asks for it; the rest costs a count by tenant).
-        The policy asks only whether an interactive request runs: the first one found answers it."""
-        return self.background.step_limit(int(any(t.request.tier != BATCH_TIER for t in self.held.active.values())))
+        """The allowance's ``background_limit`` alone (each step asks for it; the rest costs a count by tenant)."""
+        return self.background.step_limit(_interactive_running(self.held))
 
     def summary(self) -> str:
         e, held = self.engine, self.held
