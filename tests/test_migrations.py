@@ -3,31 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from datetime import datetime, timezone
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
 from switchyard.migrations import Migration, apply_migrations, load_migrations
-
-
-def _with_database(url: str, name: str) -> str:
-    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+from tests.support.databases import own_database
 
 
 @pytest.fixture
 async def fresh_database_url(database_url):
     """An empty database on the session's server, dropped afterwards."""
-    name = f"migrations_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(database_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        yield _with_database(database_url, name)
-        await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    async with own_database(database_url, "migrations") as url:
+        yield url
 
 
 async def _applied(url: str) -> list[str]:

@@ -13,7 +13,9 @@ import pytest
 
 from switchyard.deploy.services import ServiceProcess
 from switchyard.deploy.system import LocalSystem
+from switchyard.migrations import apply_migrations
 from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
+from tests.support.databases import own_database
 from tests.support.system import free_port, make_key
 from tests.support.tiny_model import save_tiny_model
 
@@ -38,6 +40,16 @@ class System(LocalSystem):
     @property
     def base_url(self) -> str:
         return self.url()
+
+
+@pytest.fixture(scope="session")
+async def database_url(_postgres_url: str):
+    """The end-to-end systems' own database (migrated) on the session's server. Their gateways' batch runners and
+    sweepers act on every row they find, for the whole session; tests elsewhere write rows straight into the
+    session's database (a batch left ``validating`` there was once failed by this system's runner)."""
+    async with own_database(_postgres_url, "e2e") as url:
+        await apply_migrations(url)
+        yield url
 
 
 @pytest.fixture(scope="session")
