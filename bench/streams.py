@@ -7,8 +7,9 @@ latency, CPU and memory, and what N processes on one port (``--gateways N``) add
 The model is the simulated engine (workers/simulated_engine.py, a test double): each stream gets ``rate`` tokens a
 second for ``--seconds``, its first token as soon as the worker adds it, so everything a client waits for beyond
 that is the platform's: gateway, NATS, the worker's intake and publishing. A step ``S:R`` opens S streams at R
-tokens/s each, started evenly over ``--ramp`` seconds, through the official ``openai`` client (async, streaming,
-``include_usage``) in ``--clients`` processes of their own. Per step:
+tokens/s each, started evenly over ``--ramp`` seconds (longer for a large step: at most ``--open-per-s`` a second),
+each lasting until ``--seconds`` after the last has started, so that all of them are open together, through the
+official ``openai`` client (async, streaming, ``include_usage``) in ``--clients`` processes of their own. Per step:
 
 * completed / failed streams (a stream fails on any error, or fewer tokens than asked);
 * relayed tokens/s: tokens the clients got over the step's wall time;
@@ -30,7 +31,6 @@ import multiprocessing
 import os
 import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -97,19 +97,19 @@ def run_step(system, keys: list[str], streams: int, rate: float, args, profile_i
     before = {"gateway": sum(map(cpu_seconds, gateways)), "nats": cpu_seconds(nats), "worker": cpu_seconds(worker)}
     rss_before = sum(map(rss_bytes, gateways))
     peak = PeakRss(gateways)
-    tokens = int(rate * args.seconds)
+    ramp = step_ramp(streams, args)
     context = multiprocessing.get_context("spawn")
     pipes, procs = [], []
     share = [streams // args.clients + (i < streams % args.clients) for i in range(args.clients)]
     spied: list[str] = []
     if profile_it:  # the middle of the step, once every stream is open
-        threading.Timer(args.ramp + 1,
+        threading.Timer(ramp + 1,
                         lambda: spied.append(profile(gateways[0], max(2, args.seconds / 2))[0])).start()
     started = time.perf_counter()
     for i, count in enumerate(share):
         recv, send = context.Pipe(duplex=False)
-        proc = context.Process(target=run_client, args=(system.url(), keys, model_of(rate), count, tokens,
-                                                         args.ramp, i, send))
+        proc = context.Process(target=run_client, args=(system.url(), keys, model_of(rate), count, rate,
+                                                         args.seconds, ramp, i, send, args.client_nice))
         proc.start()
         send.close()  # the child holds the only write end: a client that dies is an EOFError here, not a hang
         pipes.append(recv)
@@ -139,6 +139,12 @@ def run_step(system, keys: list[str], streams: int, rate: float, args, profile_i
     }
 
 
+def step_ramp(streams: int, args) -> float:
+    """Over how many seconds a step's streams start: ``--ramp``, or longer so that at most ``--open-per-s`` start a
+    second (opening is admission's work, not relaying's)."""
+    return max(args.ramp, streams / args.open_per_s)
+
+
 def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(len(values) * q / 100))]
 
@@ -148,9 +154,15 @@ def main() -> None:
     p.add_argument("--steps", nargs="+", default=["100:20", "1000:20", "2000:20", "5000:4", "10000:1"],
                    help="STREAMS:TOKENS_PER_S per step (default: the ramp of issue 28)")
     p.add_argument("--gateways", type=int, nargs="+", default=[1, 2], help="gateway processes, one run each")
-    p.add_argument("--seconds", type=float, default=15.0, help="how long each stream lasts")
-    p.add_argument("--ramp", type=float, default=5.0, help="seconds over which a step's streams start")
+    p.add_argument("--seconds", type=float, default=15.0,
+                   help="how long a step's streams are all open together, after the last one started")
+    p.add_argument("--ramp", type=float, default=5.0, help="seconds over which a step's streams start, at least")
+    p.add_argument("--open-per-s", type=float, default=200.0,
+                   help="streams started a second, at most (a larger step's ramp is longer)")
     p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--client-nice", type=int, default=0,
+                   help="the clients' niceness: 10 stands for clients on other machines, which take no core from "
+                        "the platform (their own latency then includes waiting for the cores it leaves)")
     p.add_argument("--profile", action="store_true", help="py-spy the gateway in the largest 20 tok/s step")
     p.add_argument("--results", default=str(RESULTS), help="'-' to skip")
     args = p.parse_args()
@@ -189,8 +201,9 @@ def main() -> None:
           f"{r['nats_cpu']:.0%}", f"{r['worker_cpu']:.0%}", f"{r['client_cpu']:.0%}") for g, r in rows])
     failures = [f"- {g} gateway(s), {r['streams']} streams: {'; '.join(r['errors'])}" for g, r in rows if r["errors"]]
     text = (f"## Streams through the platform (simulated engine), {cpu}, {os.cpu_count()} cores\n\n"
-            f"`{command_line()}`: each stream {args.seconds:g} s long, started over {args.ramp:g} s, "
-            f"{args.clients} client processes; client, gateway(s), NATS and worker on the same cores. CPU columns: "
+            f"`{command_line()}`: a step's streams started over {args.ramp:g} s (at most {args.open_per_s:g} a "
+            f"second), all open together for {args.seconds:g} s after that, {args.clients} client processes at nice "
+            f"{args.client_nice}; client, gateway(s), NATS and worker on the same cores. CPU columns: "
             "share of one core over the step.\n\n" + table + "\n"
             + ("\nFailures:\n" + "\n".join(failures) + "\n" if failures else "")
             + "".join(f"\n{p}\n" for p in profiles))

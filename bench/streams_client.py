@@ -1,13 +1,16 @@
 """The client side of bench/streams.py, in processes of its own so that its CPU is not the gateway's.
 
 Each process opens its share of a step's streams through the official ``openai`` client (async, streaming,
-``stream_options.include_usage``), started evenly over the ramp, and reports per stream: whether it completed, its
-time to first content, its largest and a sample of its inter-chunk gaps, and its tokens; plus its own CPU time.
+``stream_options.include_usage``), started evenly over the ramp and each lasting until ``hold_s`` after it (the
+step's streams are all open together for that long, however long the ramp), and reports per stream: whether it
+completed, its time to first content, its largest and a sample of its inter-chunk gaps, and its tokens; plus its
+own CPU time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import resource
 import time
@@ -68,8 +71,8 @@ async def _one(client, model: str, max_tokens: int, delay_s: float, content: str
     return StreamResult(True, first - sent, tokens, max_gap, gaps)
 
 
-async def _run(base_url: str, keys: list[str], model: str, num_streams: int, max_tokens: int, ramp_s: float,
-               seed: int) -> list[StreamResult]:
+async def _run(base_url: str, keys: list[str], model: str, num_streams: int, rate: float, hold_s: float,
+               ramp_s: float, seed: int) -> list[StreamResult]:
     import httpx
     from openai import AsyncOpenAI
 
@@ -78,19 +81,22 @@ async def _run(base_url: str, keys: list[str], model: str, num_streams: int, max
                            http_client=httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=120)))
                for key in keys]
     try:
+        delays = [ramp_s * i / max(1, num_streams) for i in range(num_streams)]
         return await asyncio.gather(*(
-            _one(clients[i % len(clients)], model, max_tokens, ramp_s * i / max(1, num_streams),
-                 f"stream {seed}-{i}: tell me a story") for i in range(num_streams)))
+            _one(clients[i % len(clients)], model, max(1, round(rate * (hold_s + ramp_s - delay))), delay,
+                 f"stream {seed}-{i}: tell me a story") for i, delay in enumerate(delays)))
     finally:
         for client in clients:
             await client.close()
 
 
-def run_client(base_url: str, keys: list[str], model: str, num_streams: int, max_tokens: int, ramp_s: float,
-               seed: int, out) -> None:
-    """A client process's body: its streams, then its report through ``out`` (a multiprocessing connection)."""
+def run_client(base_url: str, keys: list[str], model: str, num_streams: int, rate: float, hold_s: float,
+               ramp_s: float, seed: int, out, nice: int = 0) -> None:
+    """A client process's body: its streams, then its report through ``out`` (a multiprocessing connection).
+    ``nice``: how much less of the CPU it asks for than the platform (a client on another machine asks none)."""
+    os.nice(nice)
     start = resource.getrusage(resource.RUSAGE_SELF)
-    results = asyncio.run(_run(base_url, keys, model, num_streams, max_tokens, ramp_s, seed))
+    results = asyncio.run(_run(base_url, keys, model, num_streams, rate, hold_s, ramp_s, seed))
     end = resource.getrusage(resource.RUSAGE_SELF)
     out.send(ClientReport(results, (end.ru_utime - start.ru_utime) + (end.ru_stime - start.ru_stime)))
     out.close()

@@ -3,6 +3,9 @@ services (gateway/services.py), which its lifespan starts and stops.
 
     request ─▶ RequestIds ─▶ rate-limit headers ─▶ in-flight count ─▶ URL text ─▶ key checked (gatekeeper)
             ─▶ body size and pace ─▶ route ─▶ services
+
+A streamed response's chunks skip the middlewares' ``send`` wrappers (gateway/client_watch.py says why): its
+start line and end pass them, and none of them rewrites a body.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from contextlib import AbstractAsyncContextManager
 from fastapi import FastAPI
 
 from switchyard.gateway.body_limit import BodySizeLimit
+from switchyard.gateway.client_watch import passing_stream_starts
 from switchyard.gateway.drain import CountInFlight
 from switchyard.gateway.rate_headers import RateLimitHeaders
 from switchyard.gateway.errors import install_error_handlers
@@ -27,6 +31,16 @@ from switchyard.shared.config import SwitchyardConfig
 # Something that runs beside the gateway for as long as it serves (``switchyard gateway`` puts the durable
 # consumers here unless --no-jobs): entered once the services started, left before they stop.
 Companion = Callable[[], AbstractAsyncContextManager]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with the outermost layer that lets a stream's chunks go straight to the server
+    (client_watch.passing_stream_starts)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            send = passing_stream_starts(scope, send)
+        await super().__call__(scope, receive, send)
 
 
 def create_app(config: SwitchyardConfig, services: GatewayServices | None = None,
@@ -50,7 +64,7 @@ def create_app(config: SwitchyardConfig, services: GatewayServices | None = None
     # its metrics are Prometheus's here, and its logs are off: they would carry request bodies.
     telemetry = {"exclude": lambda scope: not scope.get("path", "").startswith("/v1/"), "operation_spans": False,
                  "metrics": False, "logs": False}
-    app = FastAPI(title="Switchyard", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
+    app = GatewayApp(title="Switchyard", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
     install_error_handlers(app, services.metrics)
     gateway = config.gateway
     app.add_middleware(BodySizeLimit, max_bytes=gateway.max_request_bytes, timeout_s=gateway.body_timeout_s,

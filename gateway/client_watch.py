@@ -7,6 +7,15 @@ stopped, and nothing is buffered for a reader without bound.
     streamed       each chunk must be taken by the client within ``send_timeout_s``, and the deltas waiting behind
                    it may not pass ``max_buffered_bytes``: a reader that falls further behind has its stream ended
                    and its work stopped (``BoundedStream``)
+
+A stream's chunks between its start line and its end go to the server's own ``send``, not down the app's chain of
+middleware wrappers (Starlette's error handlers, the rate-limit headers, the body limit, ...): each wrapper is a
+coroutine per chunk, and at thousands of streams the chain cost a gateway more than the server's own write
+(bench/streams.py's profile). Its start line and its end still pass the whole chain, so everything that watches
+a response (started or not, its headers, its end) sees it; no middleware here rewrites a body, and one that did
+would not see a stream's chunks. ``passing_stream_starts``, the app's outermost layer, hands the server's ``send``
+over once the stream's own start line has reached it, so a stream whose start was replaced on the way (an error
+answered instead) never writes past it.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from fastapi.responses import StreamingResponse
 log = logging.getLogger("switchyard.gateway")
 
 T = TypeVar("T")
+SERVER_SEND = "switchyard.server_send"  # in a streamed request's scope, once its start line reached the server
+_STREAM_START = "switchyard.stream_start"  # marks a BoundedStream's own start line on its way down the chain
 _POLL_S = 0.25  # how often a chunk the client has not taken yet checks the bytes waiting behind it
 _CLIENT_LEFT = "the client left"  # why a stream was ended, when it was not for being too slow
 
@@ -54,6 +65,17 @@ async def unless_gone(work: Awaitable[T], gone: Callable[[], Awaitable[None]] | 
     raise ClientGone
 
 
+def passing_stream_starts(scope, send):
+    """``send`` as the app's outermost layer hands it down: when a ``BoundedStream``'s own start line reaches it,
+    the server's ``send`` goes in ``scope`` (``SERVER_SEND``) for that stream's chunks."""
+    async def send_through(message) -> None:
+        if message.get(_STREAM_START):
+            message = {k: v for k, v in message.items() if k != _STREAM_START}
+            scope[SERVER_SEND] = send
+        await send(message)
+    return send_through
+
+
 class BoundedStream(StreamingResponse):
     """A stream whose client must keep up: a chunk not taken within ``send_timeout_s``, or deltas waiting behind it
     over ``max_buffered_bytes`` (``buffered()`` counts them), ends the stream. Its body iterator is closed then,
@@ -62,9 +84,12 @@ class BoundedStream(StreamingResponse):
 
     Starlette's ``StreamingResponse`` runs each stream in a task group of two tasks (the body, and a listener for
     the disconnect), and a task per chunk made the send timeout: at thousands of open streams those were a
-    hundred objects each for the garbage collector to walk (shared/gc_pauses.py) and a task per token. Here the
-    body is sent from the request's own task; one task listens for the disconnect, and a timer, armed while a
-    send is out, checks the bounds every ``_POLL_S``. Either ends the stream by cancelling the request's task."""
+    hundred objects each for the garbage collector to walk (shared/gc_pauses.py) and a task per token. Here one
+    task sends the body: not the request's own, whose stack holds the thirty-odd coroutines of the app's
+    middlewares and routing, every one of which each wake-up for a token would resume (a tenth of the gateway's
+    CPU, bench/streams.py), but one of its own a few frames deep, which the request's task awaits. One task
+    listens for the disconnect, and a timer, armed while a send is out, checks the bounds every ``_POLL_S``.
+    Either ends the stream by cancelling the body's task."""
 
     def __init__(self, content, *, send_timeout_s: float, max_buffered_bytes: int, buffered: Callable[[], int],
                  **kwargs) -> None:
@@ -72,7 +97,8 @@ class BoundedStream(StreamingResponse):
         self._send_timeout_s = send_timeout_s
         self._max_buffered_bytes = max_buffered_bytes
         self._buffered = buffered
-        self._task: asyncio.Task | None = None  # the request's, sending the body
+        self._task: asyncio.Task | None = None  # the one sending the body
+        self._scope: dict = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # its loop (read once, not per chunk)
         self._streaming = False  # the body is being sent: only then may the stream be ended from outside it
         self._ended_by: str | None = None  # why it was ended from outside: the client left, or is too slow
@@ -80,16 +106,19 @@ class BoundedStream(StreamingResponse):
         self._watchdog: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope, receive, send) -> None:
-        self._task, self._loop = asyncio.current_task(), asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
+        self._scope = scope
         listening = asyncio.ensure_future(_until_disconnect(receive))
         listening.add_done_callback(self._client_left)
         self._streaming = True
+        # Cancelling this task (the server stopping) cancels the body's task too: it is what this one awaits.
+        self._task = self._loop.create_task(self.stream_response(send))
         try:
-            await self.stream_response(send)
+            await self._task
         except asyncio.CancelledError:
-            if self._ended_by is None or self._task.uncancel() > 0:
+            if self._ended_by is None or asyncio.current_task().cancelling():
                 raise  # cancelled by someone else: the server stopping
         except OSError:  # a server on ASGI 2.4 says so when the client left
             self._ended_by = _CLIENT_LEFT
@@ -117,11 +146,12 @@ class BoundedStream(StreamingResponse):
 
     async def stream_response(self, send) -> None:
         await self._send(send, {"type": "http.response.start", "status": self.status_code,
-                                "headers": self.raw_headers})
+                                "headers": self.raw_headers, _STREAM_START: True})
+        direct = self._scope.get(SERVER_SEND, send)  # see the module docstring
         async for chunk in self.body_iterator:
             if not isinstance(chunk, bytes | memoryview):
                 chunk = chunk.encode(self.charset)
-            await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+            await self._send(direct, {"type": "http.response.body", "body": chunk, "more_body": True})
         await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send(self, send, message: dict) -> None:

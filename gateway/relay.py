@@ -1,12 +1,12 @@
 """Publish a request to JetStream and relay the worker's token deltas back.
 
     gateway                      NATS                               worker
-      │ subscribe llm.tok.<id>     │                                   │
+      │ open an inbox (TokenRouter)│                                   │
       │ publish llm.req.<m>.<tier> │──── JetStream REQUESTS ──────────▶│ (pull when it can admit)
-      │◀──── llm.tok.<id>: first delta (taken), then one per step ─────│
+      │◀── llm.tok.gw.<gateway>: first delta (taken), then one per step, with the step's other deltas to us ──│
       │ llm.cancel.<id> on disconnect ───────────────────────────────▶│
 
-Subscribing before publishing means no delta can be missed, however fast the worker is.
+Opening the inbox before publishing means no delta can be missed, however fast the worker is.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from switchyard.domain.errors import OpenAIError, service_unavailable
 from switchyard.domain.publish import QueueFull, RequestPublisher
 from switchyard.gateway.failover import Failover
-from switchyard.gateway.inbox import TokenInbox
-from switchyard.gateway.liveness import ALIVE_INTERVAL_S, WorkerLiveness
+from switchyard.gateway.token_router import DeltaInbox, TokenRouter
+from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode
 
@@ -47,7 +47,7 @@ class RelayedRequest:
     the prompt's token count, choice 0's token ids and text length so far, and every choice's token count.
     """
 
-    def __init__(self, nc: NATS, request: GenerateRequest, inbox: TokenInbox, stall_timeout_s: float,
+    def __init__(self, nc: NATS, request: GenerateRequest, inbox: DeltaInbox, stall_timeout_s: float,
                  retry_after_s: int,
                  liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
         self._nc = nc
@@ -72,11 +72,13 @@ class RelayedRequest:
         self._reconnects_at_last_delta = liveness.num_reconnects if liveness is not None else 0
         self._fallback: tuple[float, object] | None = None  # see fall_back
 
-    async def _next(self, timeout: float) -> TokenDelta:
+    async def _next(self, timeout: float | None) -> TokenDelta:
+        """The next delta to stream; raises TimeoutError when none came within ``timeout`` (None: by the token
+        router's next idle tick)."""
         while True:
-            msg = await self._inbox.next(timeout)
+            data = await self._inbox.next(timeout)
             try:
-                delta = decode(msg.data, TokenDelta)
+                delta = decode(data, TokenDelta)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 log.error("request %s: an undecodable message on its token subject; ending it",
                           self.request.request_id)
@@ -99,7 +101,7 @@ class RelayedRequest:
             log.warning("request %s: delta %d arrived where %d was due", self.request.request_id, delta.seq,
                         self._next_seq)
             if await self._continue_elsewhere(delta.worker_id, exclude_it=False):
-                return await self._next(max(timeout, DEADLINE_GRACE_S))
+                return await self._next(None if timeout is None else max(timeout, DEADLINE_GRACE_S))
             if self._failover is not None:
                 await self._bill_lost()  # the dismissed worker bills nothing: the streamed tokens are billed here
             return await self._abandon(ErrorInfo(
@@ -179,8 +181,8 @@ class RelayedRequest:
         heard_at = time.monotonic()
         while not self.is_finished:
             try:
-                # Woken each liveness interval, so a dead worker is noticed without a message from it.
-                delta = await self._next(ALIVE_INTERVAL_S)
+                # Woken at least every idle tick (a second), so a dead worker is noticed without a message from it.
+                delta = await self._next(None)
                 heard_at = time.monotonic()
             except (NatsTimeoutError, asyncio.TimeoutError):
                 error = self._silence_error(time.monotonic() - heard_at)
@@ -264,9 +266,11 @@ class RelayedRequest:
 class Relay:
     """Submits requests; one per gateway process, shared by all handlers."""
 
-    def __init__(self, nc: NATS, publisher: RequestPublisher, stall_timeout_s: float, retry_after_s: int,
-                 liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
+    def __init__(self, nc: NATS, router: TokenRouter, publisher: RequestPublisher, stall_timeout_s: float,
+                 retry_after_s: int, liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
+        """``router``: this process's token subject, started (its deltas come there)."""
         self._nc = nc
+        self._router = router
         self._publisher = publisher
         self._liveness = liveness
         self._failover = failover
@@ -281,8 +285,9 @@ class Relay:
         ``offer_to``: a worker that holds the request's prefix (gateway/affinity.py). The request is offered to it
         alone first; if no first message comes within ``offer_s``, it goes to the shared queue too (the worker
         drops an offer it finds past its time, and a rare double start is dismissed like any other)."""
+        request = msgspec.structs.replace(request, reply_subject=self._router.subject)
         payload = self._publisher.encode(request)
-        inbox = await TokenInbox.subscribe(self._nc, subjects.token_subject(request.request_id))
+        inbox = self._router.open(request.request_id)
         relayed = RelayedRequest(self._nc, request, inbox, self._stall_timeout_s, self._retry_after_s,
                                  self._liveness, self._failover)
         try:

@@ -4,7 +4,7 @@
         nats ─┬─ registry ── router ─┐
               ├─ tier policies ──────┼─▶ admission (domain/admission/policies.py) ─┐
         postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
-              publisher ── relay (liveness, failover) ── affinity ──────────────────┘
+              publisher ── relay (token router, liveness, failover) ── affinity ────┘
         stores: conversations, responses, files, batches, usage      queue gauges (poller), loop lag probe, GC pauses
         responses (responses_service.py), embeddings (embeddings.py): over completions (and the stores)
 
@@ -47,6 +47,7 @@ from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.responses_service import ResponseService
 from switchyard.gateway.serving import CompletionService
+from switchyard.gateway.token_router import TokenRouter
 from switchyard.shared import nats_client
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
@@ -88,6 +89,7 @@ class GatewayServices:
         self._loop_lag = LoopLagProbe(self.metrics.loop_lag)
         self._gc_pauses = GcPauses(self.metrics.gc_pauses)
         self._upkeep: asyncio.Task | None = None
+        self._tokens: TokenRouter | None = None
 
     async def start(self) -> None:
         config, gateway = self.config, self.config.gateway
@@ -108,7 +110,9 @@ class GatewayServices:
         liveness = WorkerLiveness()
         await liveness.start(self.nc)
         publisher = RequestPublisher(self.nc, self.js, gateway.retry_after_s)
-        relay = Relay(self.nc, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
+        self._tokens = TokenRouter(self.nc)
+        await self._tokens.start()
+        relay = Relay(self.nc, self._tokens, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
                       Failover(self.js, publisher, self.registry, liveness))
         affinity = AffinityIndex(self.js, config.nats_replicas) if gateway.affinity else None
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,

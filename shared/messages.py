@@ -147,6 +147,10 @@ class GenerateRequest(msgspec.Struct):
     metadata: dict[str, str] | None = None  # the client's ``metadata``, kept with its usage record
     safety: SafetyPolicy | None = None  # the output filter; None: the tenant's policy is off
     embed: EmbedInput | None = None  # an embeddings request (an embedding engine's only kind); None: generate
+    # Where the deltas go: the gateway's own subject (``llm.tok.gw.<gateway_id>``), where a worker sends a step's
+    # deltas of every request naming it in one message (``RoutedDelta`` lists). None: one ``TokenDelta`` a message
+    # on ``llm.tok.<request_id>`` (a client of the wire protocol that subscribes per request).
+    reply_subject: str | None = None
 
 
 class Usage(msgspec.Struct):
@@ -200,7 +204,8 @@ def add_tool_call_parts(calls: list[ToolCall], parts: list[ToolCallDelta] | None
 
 
 class TokenDelta(msgspec.Struct):
-    """Published by the worker on ``llm.tok.<request_id>``: one message per request per engine step.
+    """Published by the worker for each request on each engine step: in a ``RoutedDelta`` on the request's
+    ``reply_subject`` (batched with the step's other deltas to that gateway), or alone on ``llm.tok.<request_id>``.
 
     The first message (``text == ""``, ``num_tokens == 0``) says the worker took the request. The last one has
     ``finish_reason`` (stop, length, cancelled, error) and ``usage``; an ``error`` may come instead of any text.
@@ -232,6 +237,15 @@ class TokenDelta(msgspec.Struct):
     # An embeddings request's vectors, in input order, each little-endian float32 (OpenAI's base64 is exactly
     # these bytes): the next inputs' after those of the deltas before, as many per delta as fit a NATS message.
     embeddings: list[bytes] | None = None
+
+
+class RoutedDelta(msgspec.Struct, array_like=True):
+    """One item of a message on a gateway's token subject (a list of them, one worker step's deltas of that
+    gateway's requests): ``delta`` is an encoded ``TokenDelta``, routed by ``request_id`` without being decoded, so
+    the gateway decodes it on the request's own turn and counts what waits for a slow reader in bytes."""
+
+    request_id: str
+    delta: msgspec.Raw
 
 
 class UsageRecord(msgspec.Struct):
@@ -340,3 +354,11 @@ def encode(msg: msgspec.Struct) -> bytes:
 def decode(data: bytes, type_: type[msgspec.Struct]):
     """Decode ``data`` as ``type_``; raises ``msgspec.ValidationError``/``DecodeError`` on bad input."""
     return msgspec.msgpack.decode(data, type=type_)
+
+
+_routed_decoder = msgspec.msgpack.Decoder(list[RoutedDelta])
+
+
+def decode_routed(data: bytes) -> list[RoutedDelta]:
+    """A message on a gateway's token subject; raises ``msgspec.ValidationError``/``DecodeError`` on bad input."""
+    return _routed_decoder.decode(data)

@@ -4,7 +4,8 @@
 |----------------------------|------------------------------|-------------------------------------------|
 | llm.req.<model>.<tier>.<tenant> | JetStream REQUESTS_<TIER> | GenerateRequest (work queue, capped per tier and per tenant) |
 | llm.aff.<worker>.<tier>    | JetStream AFFINITY, 5 min    | GenerateRequest for the worker holding its prefix (affinity.py) |
-| llm.tok.<request_id>       | core NATS                    | TokenDelta (one per request per step)     |
+| llm.tok.gw.<gateway_id>    | core NATS                    | RoutedDelta list: a step's deltas of one gateway's requests |
+| llm.tok.<request_id>       | core NATS                    | TokenDelta, for a request that names no reply subject |
 | llm.cancel.<request_id>    | core NATS                    | empty body: stop this request             |
 | llm.usage                  | JetStream USAGE, limits      | UsageRecord (one per finished request)    |
 | llm.events.rejected.<m>.<t>| JetStream EVENTS, 5 min      | empty: one 429 queue_full, for ops counts |
@@ -94,7 +95,14 @@ def request_consumer(model: str, tier: str, tenant: str | None) -> str:
 
 
 def token_subject(request_id: str) -> str:
+    """Where a request that names no ``reply_subject`` gets its deltas, one ``TokenDelta`` per message."""
     return f"{TOKEN_PREFIX}.{request_id}"
+
+
+def gateway_token_subject(gateway_id: str) -> str:
+    """One gateway process's token subject: the deltas of every request it relays, a worker's step of them per
+    message (``RoutedDelta`` lists; gateway/token_router.py)."""
+    return f"{TOKEN_PREFIX}.gw.{gateway_id}"
 
 
 def cancel_subject(request_id: str) -> str:

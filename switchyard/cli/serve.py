@@ -29,6 +29,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     app = create_app(config, services, companions)
     # After the drain nothing is open: uvicorn's own grace period only closes idle keep-alive connections.
     # log_config=None: uvicorn's loggers go through the process's own (shared/logs.py), text or JSON alike.
+    # loop and http stay "auto": uvloop and httptools, both dependencies, where they install (pyproject.toml).
     server_config = uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port, log_config=None,
                                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     server = DrainingServer(server_config, services, services.in_flight, config.gateway.drain_timeout_s)

@@ -17,10 +17,8 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError
 
 from switchyard.deploy.services import wait_until_ready
-from switchyard.shared import subjects
 from switchyard.shared.jetstream import live_workers
-from switchyard.shared.messages import TokenDelta, decode
-from tests.support.system import poll, wait_usage_written
+from tests.support.system import poll, wait_usage_written, worker_running
 
 SIM = "sim"
 RATE = 400.0  # tokens/s per sequence: fast enough for tests, slow enough that a stream can be cancelled
@@ -151,10 +149,8 @@ async def test_a_stream_whose_worker_is_killed_goes_on_with_the_same_words(e2e, 
                     if event["choices"]:
                         text += event["choices"][0]["text"]
                     if text and not killed:
-                        sub = await nc.subscribe(subjects.token_subject(request_id))
-                        delta = decode((await sub.next_msg(timeout=10)).data, TokenDelta)
-                        await sub.unsubscribe()
-                        (info,) = [w for w in await live_workers(js) if w.worker_id == delta.worker_id]
+                        worker_id = await worker_running(nc, request_id, timeout_s=10)
+                        (info,) = [w for w in await live_workers(js) if w.worker_id == worker_id]
                         os.kill(info.pid, signal.SIGKILL)
                         killed.append(info.worker_id)
         assert killed and usage["completion_tokens"] == 150

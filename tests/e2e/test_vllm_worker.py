@@ -24,14 +24,12 @@ from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from switchyard.deploy.services import wait_until_ready
-from switchyard.shared import subjects
 from switchyard.shared.config import VllmSettings
 from switchyard.shared.jetstream import live_workers
-from switchyard.shared.messages import TokenDelta, decode
 from switchyard.workers.model_store import pull
 from tests.e2e.conftest import ADMIN_KEY
 from tests.e2e.test_metrics import scrape, value
-from tests.support.system import poll, stream_completion
+from tests.support.system import poll, stream_completion, worker_running
 from tests.support.vllm_env import vllm_env_python
 from tests.workers.conftest import model_cache_dir
 
@@ -169,10 +167,8 @@ async def test_a_stream_whose_vllm_worker_is_killed_goes_on_on_the_other_exactly
         js = nc.jetstream()
 
         async def kill_its_worker(request_id: str) -> None:
-            sub = await nc.subscribe(subjects.token_subject(request_id))
-            delta = decode((await sub.next_msg(timeout=30)).data, TokenDelta)
-            await sub.unsubscribe()
-            (info,) = [w for w in await live_workers(js) if w.worker_id == delta.worker_id]
+            worker_id = await worker_running(nc, request_id, timeout_s=30)
+            (info,) = [w for w in await live_workers(js) if w.worker_id == worker_id]
             killed.append(info.worker_id)
             os.kill(info.pid, signal.SIGKILL)
 

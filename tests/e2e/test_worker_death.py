@@ -17,8 +17,7 @@ import pytest
 from switchyard.deploy.services import wait_until_ready
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_request_consumer, live_workers
-from switchyard.shared.messages import TokenDelta, decode
-from tests.support.system import poll, stream_completion
+from tests.support.system import poll, stream_completion, worker_running
 
 
 async def _usage_rows(database_url: str, request_id: str, timeout_s: float = 20.0) -> list:
@@ -78,10 +77,8 @@ async def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker_exactly
 
         async def kill_its_worker(request_id: str) -> None:
             # Which worker runs it: the next delta says (every delta names its worker), the registry has its pid.
-            sub = await nc.subscribe(subjects.token_subject(request_id))
-            delta = decode((await sub.next_msg(timeout=10)).data, TokenDelta)
-            await sub.unsubscribe()
-            (info,) = [w for w in await live_workers(js) if w.worker_id == delta.worker_id]
+            worker_id = await worker_running(nc, request_id, timeout_s=10)
+            (info,) = [w for w in await live_workers(js) if w.worker_id == worker_id]
             killed.append(info.worker_id)
             if how == "killed":
                 os.kill(info.pid, signal.SIGKILL)

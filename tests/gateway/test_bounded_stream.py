@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from switchyard.gateway.client_watch import BoundedStream
+from switchyard.gateway.client_watch import BoundedStream, passing_stream_starts
 
 
 class Body:
@@ -48,6 +48,47 @@ async def test_a_client_that_reads_gets_every_chunk_and_the_end():
     assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 6
     assert b"".join(m["body"] for m in sent[1:]) == b"".join(f"data: {n}\n\n".encode() for n in range(5))
     assert sent[-1]["more_body"] is False and body.closed
+
+
+async def test_a_streams_chunks_go_straight_to_the_server_and_its_start_and_end_through_the_middlewares():
+    at_server: list[dict] = []
+    seen_by_middleware: list[dict] = []
+
+    async def server_send(message):
+        at_server.append(message)
+
+    async def middleware_send(message):  # a middleware's wrapper, as the rate-limit headers' is
+        seen_by_middleware.append(message)
+        await outer(message)
+
+    scope = {"type": "http"}
+    outer = passing_stream_starts(scope, server_send)  # the app's outermost layer (gateway/app.py)
+    await asyncio.wait_for(stream(Body(chunks=5))(scope, never_leaves, middleware_send), 10)
+    assert [m.get("more_body") for m in at_server] == [None, True, True, True, True, True, False]
+    assert all(set(m) <= {"type", "status", "headers", "body", "more_body"} for m in at_server)  # no marker left
+    assert [m["type"] for m in seen_by_middleware] == ["http.response.start", "http.response.body"]
+    assert seen_by_middleware[-1]["more_body"] is False
+
+
+async def test_a_stream_whose_start_a_middleware_answered_instead_writes_nothing_past_that_answer():
+    at_server: list[dict] = []
+
+    async def server_send(message):
+        at_server.append(message)
+
+    answered = False
+
+    async def refusing_send(message):  # as the body limit's wrapper answers a refused body with a 413
+        nonlocal answered
+        if not answered:
+            answered = True
+            await outer({"type": "http.response.start", "status": 413, "headers": []})
+            await outer({"type": "http.response.body", "body": b"too large", "more_body": False})
+
+    scope = {"type": "http"}
+    outer = passing_stream_starts(scope, server_send)
+    await asyncio.wait_for(stream(Body(chunks=3))(scope, never_leaves, refusing_send), 10)
+    assert [m.get("status") for m in at_server] == [413, None] and at_server[-1]["body"] == b"too large"
 
 
 async def test_a_client_that_leaves_ends_the_stream_and_its_body_runs_its_way_out():

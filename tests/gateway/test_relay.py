@@ -11,31 +11,37 @@ import msgspec
 import nats
 import pytest
 
-from switchyard.gateway.inbox import TokenInbox
 from switchyard.gateway.relay import RelayedRequest
+from switchyard.gateway.token_router import TokenRouter
 from switchyard.shared import subjects
-from switchyard.shared.messages import GenerateRequest, Resume, SamplingParams, TokenDelta, encode
+from switchyard.shared.messages import GenerateRequest, Resume, RoutedDelta, SamplingParams, TokenDelta, encode
 
 
 def _delta(request_id: str, seq: int, text: str = "") -> bytes:
     return encode(TokenDelta(request_id, text=text, num_tokens=len(text), seq=seq))
 
 
+def _routed(request_id: str, data: bytes) -> bytes:
+    """One delta as a worker sends it to a gateway (alone in its step's message)."""
+    return encode([RoutedDelta(request_id, msgspec.Raw(data))])
+
+
 @pytest.mark.parametrize("arriving,texts,code", [
     # seq 2 ("b") was lost on the way
     (lambda rid: [_delta(rid, 0), _delta(rid, 1, "a"), _delta(rid, 3, "c")], ["a"], "stream_gap"),
-    (lambda rid: [_delta(rid, 0), b"\xc1 not msgpack"], [], "bad_worker_message"),
+    (lambda rid: [_delta(rid, 0), msgspec.msgpack.encode(["not", "a delta"])], [], "bad_worker_message"),
 ], ids=["gap", "undecodable"])
 async def test_a_broken_token_stream_ends_the_request_with_an_error_and_a_cancel(nats_url, arriving, texts, code):
     nc = await nats.connect(nats_url)
     try:
         request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
                                   deadline_at=time.time() + 30, prompt="x")
-        sub = await TokenInbox.subscribe(nc, subjects.token_subject(request.request_id))
+        router = TokenRouter(nc)
+        await router.start()
         cancels = await nc.subscribe(subjects.cancel_subject(request.request_id))
-        relayed = RelayedRequest(nc, request, sub, stall_timeout_s=10, retry_after_s=1)
+        relayed = RelayedRequest(nc, request, router.open(request.request_id), stall_timeout_s=10, retry_after_s=1)
         for data in arriving(request.request_id):
-            await nc.publish(subjects.token_subject(request.request_id), data)
+            await nc.publish(router.subject, _routed(request.request_id, data))
         await nc.flush()
         assert (await relayed.first()).seq == 0
         got = [d async for d in relayed.deltas()]
@@ -68,10 +74,12 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
         request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
                                   deadline_at=time.time() + 30, prompt="x")
         rid = request.request_id
-        sub = await TokenInbox.subscribe(nc, subjects.token_subject(rid))
+        router = TokenRouter(nc)
+        await router.start()
         cancels = await nc.subscribe(subjects.cancel_subject(rid))
         failover = RecordingFailover()
-        relayed = RelayedRequest(nc, request, sub, stall_timeout_s=10, retry_after_s=1, failover=failover)
+        relayed = RelayedRequest(nc, request, router.open(rid), stall_timeout_s=10, retry_after_s=1,
+                                 failover=failover)
 
         def delta(seq, text="", ids=(), attempt=0, worker="w1", **kw):
             return encode(TokenDelta(rid, text=text, num_tokens=len(ids), seq=seq, token_ids=list(ids) or None,
@@ -81,7 +89,7 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
                      delta(4, "late", [10]),  # the first run goes on a moment: ignored
                      delta(0, worker="w1", attempt=1), delta(1, "c", [11], attempt=1, worker="w1"),
                      delta(2, "d", [12], attempt=1, worker="w1", finish_reason="length", is_last=True)]:
-            await nc.publish(subjects.token_subject(rid), data)
+            await nc.publish(router.subject, _routed(rid, data))
         await nc.flush()
         await relayed.first()
         got = [d async for d in relayed.deltas()]

@@ -9,7 +9,8 @@ import pytest
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from switchyard.shared.gc_pauses import GcPauses, freeze_startup_objects, pause_histogram
+from switchyard.shared.gc_pauses import (GATEWAY_THRESHOLDS, GcPauses, freeze_startup_objects, pause_histogram,
+                                         startup_frozen)
 
 
 def _full_collections(histogram: Histogram) -> tuple[float, float]:
@@ -38,8 +39,10 @@ def test_each_full_collection_is_observed_until_stopped():
 
 @pytest.fixture
 def unfrozen():
+    thresholds = gc.get_threshold()
     yield
     gc.unfreeze()  # this test process goes on collecting what it froze
+    gc.set_threshold(*thresholds)
 
 
 def test_objects_alive_after_startup_leave_the_collectors_walk(unfrozen):
@@ -49,3 +52,8 @@ def test_objects_alive_after_startup_leave_the_collectors_walk(unfrozen):
     assert frozen >= len(kept)
     # A full collection now walks what is made from here on, not the 50,000 lists start-up left.
     assert len(gc.get_objects(generation=2)) < walked_before - len(kept)
+
+
+async def test_a_gateway_freezes_its_start_up_and_collects_at_its_own_thresholds(unfrozen):
+    async with startup_frozen():
+        assert gc.get_threshold() == GATEWAY_THRESHOLDS and gc.get_freeze_count() > 0

@@ -88,6 +88,25 @@ async def stream_completion(system: str, auth: dict, body: dict, on_text) -> tup
                     called = True
                     await on_text(request_id)
     return events, request_id
+
+
+async def worker_running(nc, request_id: str, timeout_s: float = 10.0) -> str:
+    """The id of the worker running ``request_id``, from its next delta to a gateway (each delta names its
+    worker; a gateway's requests get theirs on its own subject, several to a message)."""
+    from switchyard.shared.messages import TokenDelta, decode, decode_routed
+
+    sub = await nc.subscribe(subjects.gateway_token_subject("*"))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = await sub.next_msg(timeout=max(0.01, deadline - time.monotonic()))
+            for routed in decode_routed(msg.data):
+                if routed.request_id == request_id:
+                    return decode(routed.delta, TokenDelta).worker_id
+    finally:
+        await sub.unsubscribe()
+
+
 async def usage_rows(database_url: str, nats_url: str, request_id: str,
                      columns: str = "prompt_tokens, completion_tokens") -> list:
     """The ``requests`` rows billed for ``request_id`` (one, when it is billed exactly once), once every usage

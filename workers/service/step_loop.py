@@ -28,7 +28,7 @@ from switchyard.workers.service.capacity import Capacity
 from switchyard.workers.service.held import HeldRequests, Tracked
 from switchyard.workers.service.intake import CANCELLED, Intake
 from switchyard.workers.service.metrics import WorkerMetrics
-from switchyard.workers.service.publisher import Publisher
+from switchyard.workers.service.publisher import Publisher, StepDeltas
 from switchyard.workers.service.request_trace import record_request_trace
 from switchyard.workers.service.waiting import first_of
 
@@ -162,23 +162,25 @@ class StepLoop:
         return result
 
     async def _publish(self, result: StepResult) -> None:
-        """A step's outcome, out: rejections, admissions, deltas, and the records of what finished."""
+        """A step's outcome, out: rejections, admissions, deltas (together: one message per gateway), then the
+        records of what finished."""
         held, out, metrics = self._held, self._out, self._metrics
         metrics.safety_flagged(result.safety_events)  # counted before a client can see the halt
         # Acks are confirmed round trips, retried through an outage: all of a step's at once, not one after another.
         await asyncio.gather(*(self._intake.ack(msg) for _, msg, _ in result.rejected),
                              *(self._intake.ack(msg) for _, msg in result.admitted))
+        step = StepDeltas()
         for tracked, _, error in result.rejected:
             held.active.pop(tracked.request.request_id, None)
-            await out.error(tracked.request, error)
+            await out.error(tracked.request, error, step)
         for tracked, _ in result.admitted:
             req = tracked.request
             metrics.started(req.tier, tracked.admitted_at - req.created_at, tracked.prompt_tokens)
             self._intake.queues.charge(req.tier, req.tenant_id, prompt_tokens=tracked.prompt_tokens)
-            await out.started(tracked)
+            await out.started(tracked, step)
         now = time.time()
         generated: dict[str, int] = {}
-        ended = False
+        ended: list[tuple[Tracked, str | None]] = []
         for delta in result.deltas:
             tracked = held.active.get(delta.request_id)
             if tracked is None:
@@ -189,7 +191,7 @@ class StepLoop:
                 self._intake.queues.charge(req.tier, req.tenant_id, generated_tokens=delta.num_tokens)
                 if tracked.first_token_at is None:
                     tracked.first_token_at = now
-            await out.relay(tracked, delta)
+            await out.relay(tracked, delta, step)
             if delta.is_last:  # every choice has ended (the engine counts them)
                 if delta.usage is not None:
                     tracked.completion_tokens = delta.usage.completion_tokens
@@ -197,9 +199,11 @@ class StepLoop:
                 held.active.pop(req.request_id, None)
                 self._intake.queues.finished(req.tier, req.tenant_id, tracked.prompt_tokens, tracked.completion_tokens)
                 metrics.finished(req.tier, delta.finish_reason)
-                record_request_trace(tracked, out.worker_id, delta.finish_reason, now)
-                await out.finished(tracked, delta.finish_reason, now)
-                ended = True
+                ended.append((tracked, delta.finish_reason))
+        await out.send(step)  # before the records: a usage record retried through an outage holds no token back
+        for tracked, finish_reason in ended:
+            record_request_trace(tracked, out.worker_id, finish_reason, now)
+            await out.finished(tracked, finish_reason, now)
         metrics.generated(generated)
         if ended or result.rejected:
             self._capacity.changed.set()  # their seats were counted as held until now
@@ -210,12 +214,14 @@ class StepLoop:
         capacity, busy = await asyncio.get_running_loop().run_in_executor(
             self._step_thread, self._abort_sync, request_ids)
         self._engine_busy = busy
+        step = StepDeltas()
         for request_id in request_ids:
             tracked = self._held.active.pop(request_id, None)
             if tracked is not None:
                 await self._out.error(tracked.request, ErrorInfo(
                     "The worker had an error processing your request.", code="internal_error",
-                    type="server_error", status=500))
+                    type="server_error", status=500), step)
+        await self._out.send(step)
         self._capacity.update(capacity)
 
     def _abort_sync(self, request_ids: list[str]) -> tuple[EngineCapacity | None, bool]:
