@@ -82,7 +82,8 @@ class BodyBuilder:
         c.texts.append(delta.text)
         if self._keep_logprobs:
             c.logprobs += delta.logprobs or ()
-        add_tool_call_parts(c.calls, delta.tool_calls)
+        if delta.tool_calls:
+            add_tool_call_parts(c.calls, delta.tool_calls)
         if delta.finish_reason is not None:
             c.finish_reason = delta.finish_reason
         if delta.usage is not None:
@@ -133,6 +134,11 @@ class ChunkBuilder:
     def __init__(self, shape: Shape, request: GenerateRequest) -> None:
         self._shape = shape
         self._head = header(shape, request, chunk=True)
+        # A chunk's fields around its choice are the same in every chunk: written once, and each chunk's JSON is
+        # its choice's between them (once per streamed token, so it counts).
+        head = msgspec.json.encode(self._head)
+        self._before_choice = b"data: " + head[:-1] + (b"," if len(head) > 2 else b"") + b'"choices":['
+        self._after_choice = b"]" + (b',"usage":null' if shape.include_usage else b"")
         self._formatters = [LogprobsFormatter(shape.kind.is_chat, request.sampling.logprobs)
                             for _ in range(request.sampling.n)]
 
@@ -167,10 +173,8 @@ class ChunkBuilder:
         else:
             choice = {"index": index, "text": delta.get("content", ""), "logprobs": formatted,
                       "finish_reason": finish_reason}
-        payload = {**self._head, "choices": [choice]}
-        if self._shape.include_usage:
-            payload["usage"] = None
+        after = self._after_choice
         if self._shape.include_obfuscation:
             # Random padding of random length: the size of an encrypted chunk no longer tells its token's length.
-            payload["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(24) + 1)
-        return sse(payload)
+            after += b',"obfuscation":' + msgspec.json.encode(secrets.token_urlsafe(secrets.randbelow(24) + 1))
+        return self._before_choice + msgspec.json.encode(choice) + after + b"}\n\n"

@@ -6,6 +6,8 @@ it, as tests/e2e/test_vllm_worker.py)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import numpy as np
 import openai
@@ -39,6 +41,12 @@ def embedder(request, e2e, model_dir):
         yield request.param
     finally:
         worker.stop()
+        # Gone from the gateway's view before the next engine's worker takes the name: the gateway reads its
+        # registry through a cache, and readiness must not be the stopped worker's.
+        deadline = time.monotonic() + 30
+        while EMBED in httpx.get(f"{e2e.base_url}/readyz", timeout=5).json()["checks"]["models"]:
+            assert time.monotonic() < deadline, "the stopped worker's model is still listed"
+            time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
