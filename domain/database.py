@@ -65,8 +65,18 @@ def database_unavailable():
 
 async def connect(database_url: str, max_size: int) -> asyncpg.Pool:
     """A pool of at most ``max_size`` connections (GatewayConfig.database_pool_size) whose connects and statements
-    are bounded (``POOL_OPTIONS``)."""
-    return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, **POOL_OPTIONS)
+    are bounded (``POOL_OPTIONS``).
+
+    A connection goes back to the pool as it is, not reset: nothing here leaves session state behind (no LISTEN,
+    no SET, no session advisory lock, no cursor outside a transaction), and asyncpg's default reset is a round trip
+    of its own on every release, four or more per request (bench/streams.py: a tenth of the gateway's CPU per
+    request). An open transaction is still rolled back (asyncpg does that whatever the reset)."""
+    return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, reset=_keep_session,
+                                     **POOL_OPTIONS)
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Nothing to undo: see ``connect``."""
 
 
 class _KeyLock:

@@ -77,3 +77,21 @@ async def test_one_tenants_calls_hold_one_connection_at_a_time_and_never_queue_a
     assert asyncio.get_running_loop().time() - started < 0.4  # not behind the heavy calls (1.5 s unkeyed)
     assert await asyncio.gather(*heavy) == ["slept"] * 6
     assert db._keys == {}  # nothing kept for keys with no call
+
+
+async def test_a_connection_left_inside_a_transaction_or_after_a_failed_one_goes_back_clean(database_url):
+    pool = await connect(database_url, max_size=1)  # one connection: the next user gets the very same one
+    try:
+        async with pool.acquire() as conn:
+            await conn.execute("CREATE TEMP TABLE t_kept (x int)")  # session state outside any transaction stays
+            await conn.execute("BEGIN")  # left open by a caller that was cancelled, say
+            await conn.execute("INSERT INTO t_kept VALUES (1)")
+        with pytest.raises(ZeroDivisionError):
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute("INSERT INTO t_kept VALUES (2)")
+                1 / 0
+        async with pool.acquire() as conn:
+            assert not conn.is_in_transaction()
+            assert await conn.fetchval("SELECT count(*) FROM t_kept") == 0  # both transactions were undone
+    finally:
+        await pool.close()
