@@ -5,8 +5,10 @@ latency, CPU and memory, and what N processes on one port (``--gateways N``) add
     .venv/bin/python bench/streams.py --steps 100:20 1000:20 --gateways 1 --profile
 
 The model is the simulated engine (workers/simulated_engine.py, a test double): each stream gets ``rate`` tokens a
-second for ``--seconds``, its first token as soon as the worker adds it, so everything a client waits for beyond
-that is the platform's: gateway, NATS, the worker's intake and publishing. A step ``S:R`` opens S streams at R
+second, its first token as soon as the worker adds it, so everything a client waits for beyond that is the
+platform's: gateway, NATS, the worker's intake and publishing. The engine steps every ``--engine-step-ms`` (20 ms:
+a real engine at a large batch), a token of every sequence due in each step, so a worker sends each gateway one
+message a step, as it would with a real model. A step ``S:R`` opens S streams at R
 tokens/s each, started evenly over ``--ramp`` seconds (longer for a large step: at most ``--open-per-s`` a second),
 each lasting until ``--seconds`` after the last has started, so that all of them are open together, through the
 official ``openai`` client (async, streaming, ``include_usage``) in ``--clients`` processes of their own. Per step:
@@ -57,7 +59,7 @@ def model_of(rate: float) -> str:
     return f"sim-{rate:g}"
 
 
-def start_system(work: Path, gateways: int, rates: dict[float, int]):
+def start_system(work: Path, gateways: int, rates: dict[float, int], engine_step_ms: float = 0.0):
     """Embedded NATS and Postgres, a simulated worker per rate (seats for its largest step), ``gateways`` gateway
     processes on one port; returns the system and its keys."""
     from switchyard.deploy.system import LocalSystem
@@ -66,7 +68,8 @@ def start_system(work: Path, gateways: int, rates: dict[float, int]):
 
     config = SwitchyardConfig(data_dir=work, gateway=GatewayConfig(port=free_port(), admin_key=ADMIN_KEY,
                                                                     processes=gateways, queue_timeout_s=300),
-                              worker=WorkerConfig(engine="simulated", heartbeat_s=1.0))
+                              worker=WorkerConfig(engine="simulated", heartbeat_s=1.0,
+                                                  simulated_step_ms=engine_step_ms))
     system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
     system.start_servers()
     for rate, seats in rates.items():
@@ -163,6 +166,9 @@ def main() -> None:
     p.add_argument("--client-nice", type=int, default=0,
                    help="the clients' niceness: 10 stands for clients on other machines, which take no core from "
                         "the platform (their own latency then includes waiting for the cores it leaves)")
+    p.add_argument("--engine-step-ms", type=float, default=20.0,
+                   help="how often the simulated engine steps, every sequence's due token in one step, as a real "
+                        "engine at a large batch does (0: whenever a token is due, hundreds of steps a second)")
     p.add_argument("--profile", action="store_true", help="py-spy the gateway in the largest 20 tok/s step")
     p.add_argument("--results", default=str(RESULTS), help="'-' to skip")
     args = p.parse_args()
@@ -178,7 +184,7 @@ def main() -> None:
     for gateways in args.gateways:
         work = Path(tempfile.mkdtemp(prefix="switchyard-bench-streams-"))
         os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
-        system, keys = start_system(work, gateways, rates)
+        system, keys = start_system(work, gateways, rates, args.engine_step_ms)
         try:
             for streams, rate in steps:
                 row = run_step(system, keys, streams, rate, args, args.profile and gateways == 1
@@ -203,8 +209,9 @@ def main() -> None:
     text = (f"## Streams through the platform (simulated engine), {cpu}, {os.cpu_count()} cores\n\n"
             f"`{command_line()}`: a step's streams started over {args.ramp:g} s (at most {args.open_per_s:g} a "
             f"second), all open together for {args.seconds:g} s after that, {args.clients} client processes at nice "
-            f"{args.client_nice}; client, gateway(s), NATS and worker on the same cores. CPU columns: "
-            "share of one core over the step.\n\n" + table + "\n"
+            f"{args.client_nice}; the simulated engine steps every {args.engine_step_ms:g} ms (so up to that much of a "
+            "gap is the engine's); client, gateway(s), NATS and worker on the same cores. CPU columns: share of one "
+            "core over the step.\n\n" + table + "\n"
             + ("\nFailures:\n" + "\n".join(failures) + "\n" if failures else "")
             + "".join(f"\n{p}\n" for p in profiles))
     print(text)

@@ -218,12 +218,15 @@ class WorkerConfig(EngineSettings):
     batch_seqs_when_busy: int | None = Field(None, ge=0)
     interactive_busy_s: float = Field(10.0, ge=0)
     # engine ``simulated`` (a test double for load tests, workers/simulated_engine.py): tokens per second of each
-    # sequence, microseconds of prefill per prompt token, the length of a reply without max_tokens, and tokens per
-    # delta after the first (as a slow step, or speculative decoding, sends several: fewer messages per token).
+    # sequence, microseconds of prefill per prompt token, the length of a reply without max_tokens, tokens per
+    # delta after the first (as a slow step, or speculative decoding, sends several: fewer messages per token), and
+    # how often it steps (0: whenever a token is due; a real engine at a large batch steps every 20-50 ms and sends
+    # a token of every sequence in each step).
     simulated_tokens_per_s: float = Field(20.0, gt=0)
     simulated_prefill_us_per_token: float = Field(0.0, ge=0)
     simulated_output_tokens: int = Field(128, ge=1)
     simulated_tokens_per_delta: int = Field(1, ge=1)
+    simulated_step_ms: float = Field(0.0, ge=0)
     # Prometheus /metrics of this worker: 0 picks a free port (several workers on one host); its URL is in the
     # worker registry either way. A pod sets a fixed port and host 0.0.0.0.
     metrics_host: str = "127.0.0.1"

@@ -5,10 +5,16 @@ over it pulls, admits by tier and tenant, heartbeats, publishes deltas with sequ
 drains and fails over like a real one; only the tokens are made up. Nothing here runs a model:
 
 * time: a sequence's first token is due ``prefill_us_per_token`` x its prompt tokens after it is added, the next
-  ones at ``tokens_per_s`` each, sent ``tokens_per_delta`` at a time (when the last of them is due). ``step()`` emits what is due (several tokens of a sequence that fell behind go
-  in one delta, as a real step never sends more than one per choice) and otherwise waits for the next due token,
-  at most ``_IDLE_WAIT_S``, so requests added meanwhile start promptly. Due times sit in a heap: a step costs what
-  it emits, not what runs, so thousands of seats are cheap.
+  ones at ``tokens_per_s`` each, sent ``tokens_per_delta`` at a time (when the last of them is due). ``step()``
+  emits what is due (several tokens of a sequence that fell behind go in one delta, as a real step never sends
+  more than one per choice) and otherwise waits for the next due token, at most ``_IDLE_WAIT_S``, so requests
+  added meanwhile start promptly. Due times sit in a heap: a step costs what it emits, not what runs, so
+  thousands of seats are cheap.
+* steps: with ``step_s`` 0 a token goes out as soon as it is due, so at a thousand sequences the engine steps
+  hundreds of times a second, a few tokens each. A real engine with that batch steps every few tens of
+  milliseconds and sends a token of every sequence in each step: with ``step_s`` set, a sequence's later tokens
+  go out at the first multiple of ``step_s`` after they are due (its first token still as soon as it is due:
+  the prefill's time is ``prefill_us_per_token``'s), so a step carries what a real one would.
 * text: words of a fixed list, chosen by the prompt and the choice's index, so the same request gives the same
   text on any worker (a continuation after a failover goes on with the very words the first worker would have
   sent) and a different prompt gives a different text. Prompt tokens are counted as about four bytes each.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -76,12 +83,13 @@ class SimulatedEngine:
     device_type = "simulated"  # a step's cost does not grow with its batch (workers/service/capacity.py)
 
     def __init__(self, max_num_seqs: int, tokens_per_s: float, prefill_us_per_token: float = 0.0,
-                 output_tokens: int = 128, tokens_per_delta: int = 1) -> None:
+                 output_tokens: int = 128, tokens_per_delta: int = 1, step_s: float = 0.0) -> None:
         self.max_num_seqs = max_num_seqs
         self.tokens_per_s = tokens_per_s
         self.prefill_s_per_token = prefill_us_per_token / 1e6
         self.output_tokens = output_tokens
         self.tokens_per_delta = tokens_per_delta
+        self.step_s = step_s
         self._requests: dict[str, _Request] = {}
         self._due: list[tuple[float, int, _Choice]] = []  # (due, tie-breaker, choice): the heap of next tokens
         self._tie = 0
@@ -218,7 +226,10 @@ class SimulatedEngine:
         self._tie += 1
         group = 1 if choice.num_deltas == 0 else min(self.tokens_per_delta,
                                                      choice.request.prepared.max_tokens - choice.position)
-        heapq.heappush(self._due, (choice.due + (group - 1) / self.tokens_per_s, self._tie, choice))
+        goes_at = choice.due + (group - 1) / self.tokens_per_s
+        if self.step_s and choice.num_deltas:  # on the step grid (see the module docstring)
+            goes_at = math.ceil(goes_at / self.step_s) * self.step_s
+        heapq.heappush(self._due, (goes_at, self._tie, choice))
 
     @staticmethod
     def _token_id(state: _Request, index: int, position: int) -> int:

@@ -35,6 +35,9 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--simulated-output-tokens", type=int, help="engine simulated: a reply's length without max_tokens")
     p.add_argument("--simulated-tokens-per-delta", type=int,
                    help="engine simulated: tokens sent together after the first (default 1)")
+    p.add_argument("--simulated-step-ms", type=float,
+                   help="engine simulated: how often it steps, every sequence's due tokens in one step (default 0: "
+                        "whenever a token is due)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, help="sequences a worker runs at once")

@@ -91,3 +91,25 @@ def test_what_it_cannot_imitate_is_refused_by_name(asked, param):
     with pytest.raises(RequestRejected) as refused:
         SimulatedEngine(max_num_seqs=4, tokens_per_s=10).prepare(request("a", **asked))
     assert refused.value.error.param == param
+
+
+def test_with_a_step_cadence_every_sequences_later_tokens_go_in_the_same_steps_and_say_the_same():
+    stepped = SimulatedEngine(max_num_seqs=8, tokens_per_s=50, step_s=0.05)
+    steps: list[list] = []
+    for i in range(3):  # started apart, so their tokens fall due at different times
+        r = request(f"r{i}", prompt=f"prompt {i}", max_tokens=8)
+        stepped.add_request(r, stepped.prepare(r))
+        steps.append(stepped.step())
+        time.sleep(0.013)
+    while stepped.has_unfinished_requests():
+        steps.append(stepped.step())
+    later = [step for step in steps[3:] if step]
+    assert all(any(d.request_id == f"r{i}" for d in steps[i]) for i in range(3))  # each first token at once
+    # Then in lockstep: all three in every step but where one's tokens began or ended a step before the others'.
+    assert all(len({d.request_id for d in step}) == 3 for step in later[1:-1])
+    assert len(later) <= 5  # 7 tokens each at 50/s: about 0.14 s, so three to five steps of 0.05 s
+    alone = run(SimulatedEngine(max_num_seqs=8, tokens_per_s=50),
+                *(request(f"r{i}", prompt=f"prompt {i}", max_tokens=8) for i in range(3)))
+    for i in range(3):
+        got = [d for step in steps for d in step if d.request_id == f"r{i}"]
+        assert text(got) == text(alone[f"r{i}"]) and sum(d.num_tokens for d in got) == 8

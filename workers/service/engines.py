@@ -83,7 +83,7 @@ def _simulated(config: SwitchyardConfig) -> ServingEngine:
     log.warning("engine simulated: a TEST DOUBLE for load tests, %d seats at %g tokens/s each; no model runs",
                 w.max_num_seqs, w.simulated_tokens_per_s)
     return SimulatedEngine(w.max_num_seqs, w.simulated_tokens_per_s, w.simulated_prefill_us_per_token,
-                           w.simulated_output_tokens, w.simulated_tokens_per_delta)
+                           w.simulated_output_tokens, w.simulated_tokens_per_delta, w.simulated_step_ms / 1000)
 
 
 def _embeddings(config: SwitchyardConfig) -> ServingEngine:
