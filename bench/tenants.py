@@ -7,7 +7,8 @@ worker and NATS, and what does an idle tenant cost?
 
 The engine is the simulated one (workers/simulated_engine.py, a test double): ``--seats`` sequences at ``--rate``
 tokens/s (20), each request about ``--tokens`` (40: 2 s; each 0.5-1.5x that, as real lengths vary),
-``--tokens-per-delta`` to a message after the first. With every seat taken that is 256 requests and 10,240 deltas a
+``--tokens-per-delta`` to a message after the first, the engine stepping every ``--engine-step-ms`` (20: a real
+engine at a large batch; a new request's first token goes out at once). With every seat taken that is 256 requests and 10,240 deltas a
 second through one gateway: more than a 2-core machine running clients, gateway, NATS, Postgres and worker together
 relays (bench/streams.py), so there longer requests sent in larger deltas keep the seats full at a rate the machine
 carries. Keys for ``--tenants`` tenants are made in
@@ -63,7 +64,7 @@ TOKENS = 40  # an active or heavy tenant's request (--tokens)
 LIGHT_TOKENS = 8  # L's
 
 
-def start_system(work: Path, seats: int, rate: float = 20.0, tokens_per_delta: int = 1):
+def start_system(work: Path, seats: int, rate: float = 20.0, tokens_per_delta: int = 1, step_ms: float = 0.0):
     from switchyard.deploy.system import LocalSystem
     from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
     from tests.support.system import free_port
@@ -74,7 +75,7 @@ def start_system(work: Path, seats: int, rate: float = 20.0, tokens_per_delta: i
     system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
     system.start_servers()
     system.start_worker("worker-sim", model=MODEL, max_num_seqs=seats, simulated_tokens_per_s=rate,
-                        simulated_tokens_per_delta=tokens_per_delta)
+                        simulated_tokens_per_delta=tokens_per_delta, simulated_step_ms=step_ms)
     system.start_gateway()
     system.wait_until_ready(MODEL, timeout_s=120)
     return system
@@ -297,6 +298,8 @@ def main() -> None:
     p.add_argument("--tokens-per-delta", type=int, default=1,
                    help="tokens a delta carries after the first (fewer messages for the same tokens: on a small "
                         "machine the relay's cost per message, not the worker, bounds a run with every seat taken)")
+    p.add_argument("--engine-step-ms", type=float, default=20.0,
+                   help="how often the simulated engine steps (as bench/streams.py; 0: whenever a token is due)")
     p.add_argument("--clients", type=int, default=2, help="client processes for the closed loops (L has its own)")
     p.add_argument("--client-nice", type=int, default=10,
                    help="nice value of the closed loops' processes (0: compete with the platform for its cores)")
@@ -305,7 +308,7 @@ def main() -> None:
     cpu = cpu_name(lscpu())
     work = Path(tempfile.mkdtemp(prefix="switchyard-bench-tenants-"))
     os.chmod(work, 0o755)
-    system = start_system(work, args.seats, args.rate, args.tokens_per_delta)
+    system = start_system(work, args.seats, args.rate, args.tokens_per_delta, args.engine_step_ms)
     try:
         t0 = time.perf_counter()
         all_keys = asyncio.run(make_tenants(system.config.database_url, system.url(), args.tenants + 2))

@@ -7,7 +7,7 @@
     ├─ Capacity (capacity.py)   the engine's capacity after its last step + what is held ─▶ Allowance,
     │                           asked by the intake (what to pull) and the step loop (batch per step)
     ├─ StepLoop (step_loop.py)  step thread: add, abort, engine.step(); publishes step N while N+1 runs; drains
-    ├─ Publisher (publisher.py) llm.tok.<id> deltas, llm.usage records, llm.result.<batch> batch lines
+    ├─ Publisher (publisher.py) deltas (llm.tok.gw.<gateway>, a step's at once), llm.usage records, batch lines
     └─ Liveness (liveness.py)   KV workers/<model>.<me> heartbeats, llm.alive.<me> pings, the state line
              │
              ▼ ServingEngine (workers/engine/interface.py): prepare, add_request, abort_request, step,
