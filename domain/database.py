@@ -69,8 +69,8 @@ async def connect(database_url: str, max_size: int) -> asyncpg.Pool:
 
     A connection goes back to the pool as it is, not reset: nothing here leaves session state behind (no LISTEN,
     no SET, no session advisory lock, no cursor outside a transaction), and asyncpg's default reset is a round trip
-    of its own on every release, four or more per request (bench/streams.py: a tenth of the gateway's CPU per
-    request). An open transaction is still rolled back (asyncpg does that whatever the reset)."""
+    of its own on every release, four or more per request, each holding the connection from the next caller a
+    little longer. An open transaction is still rolled back (asyncpg does that whatever the reset)."""
     return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, reset=_keep_session,
                                      **POOL_OPTIONS)
 
