@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from switchyard.shared.messages import (
     BatchResult,
     GenerateRequest,
+    RoutedDelta,
     TokenDelta,
     UsageRecord,
     WorkerInfo,
     decode,
+    decode_routed,
 )
 
 WIRE_TYPES = [GenerateRequest, TokenDelta, UsageRecord, BatchResult, WorkerInfo]
@@ -36,3 +38,18 @@ def test_decoding_anything_gives_the_struct_or_a_decode_error(struct, data):
     except (msgspec.DecodeError, msgspec.ValidationError):
         return
     assert isinstance(decoded, struct)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=200) | values.map(lambda v: msgspec.msgpack.encode(v)))
+def test_a_gateways_token_subject_decodes_anything_to_routed_deltas_or_a_decode_error(data):
+    try:
+        batch = decode_routed(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return
+    assert all(isinstance(r, RoutedDelta) and isinstance(r.request_id, str) for r in batch)
+    for routed in batch:  # each delta is decoded on its request's turn, with the same two errors caught there
+        try:
+            decode(routed.delta, TokenDelta)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
