@@ -203,9 +203,10 @@ def add_tool_call_parts(calls: list[ToolCall], parts: list[ToolCallDelta] | None
             calls[-1] = ToolCall(last.id, last.name, last.arguments + part.arguments)
 
 
-class TokenDelta(msgspec.Struct):
+class TokenDelta(msgspec.Struct, omit_defaults=True):
     """Published by the worker for each request on each engine step: in a ``RoutedDelta`` on the request's
     ``reply_subject`` (batched with the step's other deltas to that gateway), or alone on ``llm.tok.<request_id>``.
+    Fields at their defaults are left out of the encoding (a token's delta sets five of them: half the bytes).
 
     The first message (``text == ""``, ``num_tokens == 0``) says the worker took the request. The last one has
     ``finish_reason`` (stop, length, cancelled, error) and ``usage``; an ``error`` may come instead of any text.
