@@ -7,7 +7,7 @@ from collections import defaultdict
 from unittest import mock
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import switchyard.workers.engine.choice as choice_module
@@ -82,8 +82,14 @@ def _sample_or_fail(logits, params, *args, **kwargs):
     return REAL_SAMPLE(logits, params, *args, **kwargs)
 
 
+_TOO_LONG = ({"max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+              "frequency_penalty": 0.0, "repetition_penalty": 1.0, "seed": None, "n": 1, "ignore_eos": False,
+              "logprobs": False, "top_logprobs": 0, "stop": []}, ["日本"] * 40)
+
+
 @settings(max_examples=40, deadline=None)
 @given(mix=requests, poison=st.integers(-1, 5))
+@example(mix=[(*_TOO_LONG, True, 0), (*_TOO_LONG, False, 1), (_TOO_LONG[0], ["fox"], True, 0)], poison=-1)
 def test_random_requests_complete_and_a_failing_one_fails_alone(engine, mix, poison):
     # Patched per example (a function-scoped monkeypatch would last across all of them).
     with mock.patch.object(engine_module, "sample", _sample_or_fail):
@@ -100,9 +106,15 @@ def _check_mix(engine: Engine, mix, poison: int) -> None:
     rejected = {}
     deltas = _drive(engine, arrivals, rejected=rejected)
 
-    # Refused before compute only for what can never run: an empty completions prompt, with a 400.
+    # Refused before compute only for what can never run, with a 400: an empty completions prompt, or a prompt
+    # that with its max_tokens does not fit the context (forty words of multi-byte text can pass 128 tokens).
     for request_id, error in rejected.items():
-        assert expected[request_id].prompt == "" and (error.status, error.param) == (400, "prompt")
+        req = expected[request_id]
+        assert error.status == 400, error
+        if error.code != "context_length_exceeded":
+            assert req.prompt == "" and error.param == "prompt", error
+        else:
+            assert error.param == ("messages" if req.messages is not None else "prompt"), error
     assert set(deltas) == set(expected) - set(rejected)
     for request_id, req in expected.items():
         if request_id in rejected:
