@@ -149,6 +149,8 @@ class GatewayServices:
         self._gc_pauses.stop()
         if self._poller is not None:
             await self._poller.stop()
+        if self._tokens is not None:
+            await self._tokens.stop()
         if self._pool is not None:
             await self._pool.close()
         if getattr(self, "nc", None) is not None:

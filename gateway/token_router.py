@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import uuid
 
@@ -102,9 +103,9 @@ def _expire(waiter: asyncio.Future) -> None:
 class TokenRouter:
     """This gateway process's token subject and the inboxes of the requests it relays; ``start`` subscribes."""
 
-    def __init__(self, nc: NATS, gateway_id: str | None = None) -> None:
+    def __init__(self, nc: NATS) -> None:
         self._nc = nc
-        self.subject = subjects.gateway_token_subject(gateway_id or uuid.uuid4().hex)
+        self.subject = subjects.gateway_token_subject(uuid.uuid4().hex)  # this process's alone
         self._inboxes: dict[str, DeltaInbox] = {}
         self._sub = None
         self._ticking: asyncio.Task | None = None
@@ -153,6 +154,8 @@ class TokenRouter:
     async def stop(self) -> None:
         if self._ticking is not None:
             self._ticking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticking
         sub, self._sub = self._sub, None
         if sub is not None:
             try:

@@ -17,6 +17,7 @@ import nats
 from switchyard.deploy.processes import free_port
 from switchyard.domain.tenancy import create_key, create_tenant
 from switchyard.shared import subjects
+from switchyard.shared.messages import TokenDelta, decode, decode_routed
 
 __all__ = ["free_port", "make_key", "model_cache_dir", "poll", "wait_usage_written"]
 
@@ -93,8 +94,6 @@ async def stream_completion(system: str, auth: dict, body: dict, on_text) -> tup
 async def worker_running(nc, request_id: str, timeout_s: float = 10.0) -> str:
     """The id of the worker running ``request_id``, from its next delta to a gateway (each delta names its
     worker; a gateway's requests get theirs on its own subject, several to a message)."""
-    from switchyard.shared.messages import TokenDelta, decode, decode_routed
-
     sub = await nc.subscribe(subjects.gateway_token_subject("*"))
     try:
         deadline = time.monotonic() + timeout_s

@@ -92,13 +92,12 @@ class Publisher:
         self._next_seq[delta.request_id] = delta.seq + 1
         if request.reply_subject is None:  # a wire client subscribed to the request's own subject
             await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
-            return
-        alone = step is None
-        if alone:
-            step = StepDeltas()
-        step.add(request.reply_subject, delta.request_id, encode(delta))
-        if alone:
-            await self.send(step)
+        elif step is not None:
+            step.add(request.reply_subject, delta.request_id, encode(delta))
+        else:  # outside a step (a refusal from the intake): alone, at once
+            alone = StepDeltas()
+            alone.add(request.reply_subject, delta.request_id, encode(delta))
+            await self.send(alone)
 
     async def send(self, step: StepDeltas) -> None:
         """Every delta added to ``step``: a message per gateway (more where one would pass NATS's max_payload)."""
