@@ -69,7 +69,13 @@ async def billing_lag(js: JetStreamContext) -> tuple[int, float]:
         info = await js.consumer_info(subjects.USAGE_STREAM, subjects.USAGE_CONSUMER)
     except NotFoundError:
         return 0, 0.0
-    pending = (info.num_pending or 0) + (info.num_ack_pending or 0)
+    # The consumer's own num_pending is updated by nats-server after the publish is acked, so a record just stored
+    # can read as none pending; the stream's last sequence is set before the ack. The consumer reads the whole
+    # stream, so every sequence past the last delivered one waits for it.
+    stream = await js.stream_info(subjects.USAGE_STREAM)
+    delivered = info.delivered.stream_seq if info.delivered is not None else 0
+    undelivered = max(info.num_pending or 0, (stream.state.last_seq or 0) - (delivered or 0))
+    pending = undelivered + (info.num_ack_pending or 0)
     if not pending:
         return 0, 0.0
     floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
