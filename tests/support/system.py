@@ -16,6 +16,7 @@ import nats
 
 from switchyard.deploy.processes import free_port
 from switchyard.domain.tenancy import create_key, create_tenant
+from switchyard.domain.queues import billing_lag
 from switchyard.shared import subjects
 from switchyard.shared.messages import TokenDelta, decode, decode_routed
 
@@ -63,8 +64,7 @@ async def wait_usage_written(nats_url: str, timeout_s: float = 20.0) -> None:
         js = nc.jetstream()
 
         async def drained() -> bool:
-            info = await js.consumer_info(subjects.USAGE_STREAM, subjects.USAGE_CONSUMER)
-            return info.num_pending == 0 and info.num_ack_pending == 0
+            return (await billing_lag(js))[0] == 0
 
         await poll(drained, timeout_s=timeout_s, what="usage records written")
     finally:
