@@ -71,12 +71,12 @@ async def connect(database_url: str, max_size: int) -> asyncpg.Pool:
     no SET, no session advisory lock, no cursor outside a transaction), and asyncpg's default reset is a round trip
     of its own on every release, four or more per request, each holding the connection from the next caller a
     little longer. An open transaction is still rolled back (asyncpg does that whatever the reset)."""
-    return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, reset=_keep_session,
+    return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, reset=keep_session,
                                      **POOL_OPTIONS)
 
 
-async def _keep_session(conn: asyncpg.Connection) -> None:
-    """Nothing to undo: see ``connect``."""
+async def keep_session(conn: asyncpg.Connection) -> None:
+    """A pool's ``reset`` for connections that leave no session state behind: nothing to undo (see ``connect``)."""
 
 
 class _KeyLock:

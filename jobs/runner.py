@@ -20,7 +20,7 @@ from switchyard.domain.admission.pipeline import Pipeline
 from switchyard.domain.admission.policies import admission_pipeline
 from switchyard.domain.admission.routing import Router
 from switchyard.domain.admission.safety import InputSafety
-from switchyard.domain.database import Database
+from switchyard.domain.database import Database, keep_session
 from switchyard.domain.limits import Limiter
 from switchyard.domain.registry import ModelRegistry
 from switchyard.jobs.batch_runner import BatchRunner
@@ -91,7 +91,11 @@ async def running_jobs(config: SwitchyardConfig) -> AsyncIterator[Jobs]:
     pool = None
     try:
         await ensure_streams(js, config.nats_replicas)
-        pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=6)  # + validations (batches)
+        # No reset on release, as the gateway's pool (domain/database.connect): the jobs keep no session state on
+        # pooled connections (the batch leader's lock has a connection of its own), and the usage writer releases
+        # one per record billed. Statements are not bounded as the gateway's are: a batch's lines go in at length.
+        pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=6,  # + validations (batches)
+                                         reset=keep_session)
         registry = ModelRegistry(nc)
         db = Database(pool)
         # The same admission as the gateway's (batches and their lines pass the policies that judge them).
