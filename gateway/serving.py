@@ -261,10 +261,10 @@ class CompletionService:
         usage: Usage | None = None
         reply = BodyBuilder(shape, req, logprobs=False)  # choice 0, for on_finish and the affinity index
         try:
-            if shape.kind.is_chat:
-                for i in range(req.sampling.n):
-                    yield chunks.opening(i)
-            ready: list[bytes] = []  # chunks of the deltas already here, written together (one send, not one each)
+            # Chunks already here are written together, one send and so one socket write instead of one each:
+            # deltas that arrived together, and the last delta's chunks with the usage chunk and [DONE] (a
+            # one-token stream: headers, the opening, the rest, the end of the body; it was six writes).
+            ready: list[bytes] = [chunks.opening(i) for i in range(req.sampling.n)] if shape.kind.is_chat else []
             async for delta in self.deltas(relayed, first):
                 if delta.usage is not None:
                     usage = delta.usage
@@ -274,14 +274,13 @@ class CompletionService:
                 if delta.index == 0:
                     reply.add(delta)
                 ready += chunks.from_delta(delta)
-                if not relayed.has_pending:
+                if not relayed.has_pending and not relayed.is_finished:
                     yield b"".join(ready)
                     ready.clear()
-            if ready:
-                yield b"".join(ready)
             if shape.include_usage and usage is not None:
-                yield chunks.usage(usage)
-            yield sse("[DONE]")
+                ready.append(chunks.usage(usage))
+            ready.append(sse("[DONE]"))
+            yield b"".join(ready)
         finally:
             # Reached on normal end, and on client disconnect (the response task is cancelled): a worker still
             # generating for a gone client must free its slot now. A cancelled stream's tokens are unknown here

@@ -1,0 +1,178 @@
+"""What one request costs apart from its tokens, the model taken out: the gateway's CPU and socket writes and
+reads, and the statements every process sends Postgres for it, counted and named. The figures size gateways and
+Postgres for a deployment (README, Scaling): requests/s times these.
+
+    .venv/bin/python bench/request_cost.py
+    .venv/bin/python bench/request_cost.py --requests 1000 --results -
+
+A system on embedded servers with the simulated engine (workers/simulated_engine.py, a test double) serves one key
+chat completions of 1 and of 4 tokens, streamed with ``include_usage``, ``--concurrency`` at a time:
+
+* the gateway's CPU per request and its socket writes and reads per request (``/proc/<pid>/io``: ``syscw``,
+  ``syscr``; HTTP, NATS and Postgres together): each write is a system call, which on a virtual machine costs
+  more than the Python around it;
+* Postgres: with ``log_statement = all``, ``--requests`` one after another, streamed and not, each statement
+  named with how often it ran per request. Every process counts: the gateway's admission and settling, the
+  jobs' usage writer, the batch runner's poll (which runs idle too, so it counts per second, not per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.local import cpu_name, lscpu, unlimited_keys  # noqa: E402
+from bench.proc import cpu_seconds  # noqa: E402
+from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
+
+ADMIN_KEY = "bench-db-admin"
+MODEL = "sim"
+
+
+def start_system(work: Path):
+    from switchyard.deploy.system import LocalSystem
+    from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
+    from tests.support.system import free_port
+
+    config = SwitchyardConfig(data_dir=work, gateway=GatewayConfig(port=free_port(), admin_key=ADMIN_KEY),
+                              worker=WorkerConfig(engine="simulated", heartbeat_s=1.0))
+    system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
+    system.start_servers()
+    system.start_worker("worker-sim", model=MODEL, max_num_seqs=16, simulated_tokens_per_s=200.0)
+    system.start_gateway()
+    system.wait_until_ready(MODEL, timeout_s=120)
+    return system, config
+
+
+async def log_every_statement(database_url: str, on: bool) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("ALTER SYSTEM SET log_statement = 'all'" if on else "ALTER SYSTEM RESET log_statement")
+        await conn.execute("SELECT pg_reload_conf()")
+    finally:
+        await conn.close()
+
+
+async def send(base_url: str, key: str, n: int, stream: bool) -> None:
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with httpx.AsyncClient(timeout=30) as http:
+        for _ in range(n):
+            r = await http.post(f"{base_url}/v1/chat/completions", json=body,
+                                headers={"Authorization": f"Bearer {key}"})
+            r.raise_for_status()
+            if stream:
+                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
+
+
+def io_counts(pid: int) -> tuple[int, int, float]:
+    """Write and read system calls of ``pid`` so far, and its CPU seconds."""
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(fields["syscw"]), int(fields["syscr"]), cpu_seconds(pid)
+
+
+async def send_many(base_url: str, key: str, n: int, concurrency: int, max_tokens: int) -> None:
+    """``n`` streamed requests, ``concurrency`` at a time, each read to its end."""
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency)) as http:
+        async def one() -> None:
+            async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {key}"}) as r:
+                r.raise_for_status()
+                async for _ in r.aiter_raw():
+                    pass
+
+        for start in range(0, n, concurrency):
+            await asyncio.gather(*(one() for _ in range(min(concurrency, n - start))))
+
+
+def gateway_cost(system, key: str, n: int, concurrency: int, max_tokens: int) -> tuple[float, float, float]:
+    """The gateway's (write calls, read calls, CPU ms) per request over ``n`` requests of ``max_tokens``."""
+    pid = system.pids()["gateway"]
+    before = io_counts(pid)
+    asyncio.run(send_many(system.url(), key, n, concurrency, max_tokens))
+    after = io_counts(pid)
+    return (after[0] - before[0]) / n, (after[1] - before[1]) / n, (after[2] - before[2]) * 1000 / n
+
+
+def billed(config) -> None:
+    """Until the usage writer has written every request's row (so its inserts are counted, and no later count)."""
+    from tests.support.system import wait_usage_written
+
+    asyncio.run(wait_usage_written(config.nats_url, timeout_s=120))
+
+
+def named_statements(work: Path, config, system, key: str, n: int, stream: bool) -> list[tuple[str, float]]:
+    """Each statement logged while ``n`` requests ran one after another (every process's, the idle ones'
+    too), with its count per request."""
+    logs = sorted(work.rglob("*.log")) + sorted(work.rglob("postgresql-*"))
+    marks = {p: p.stat().st_size for p in logs}
+    asyncio.run(log_every_statement(config.database_url, True))
+    time.sleep(0.5)  # the reload reaches every backend at its next command; a few of the idle ones go uncounted
+    asyncio.run(send(system.url(), key, n, stream))
+    billed(config)
+    asyncio.run(log_every_statement(config.database_url, False))
+    text = "".join(p.read_text(errors="replace")[marks.get(p, 0):] for p in logs if p.exists())
+    found = re.findall(r"LOG:\s+(?:statement|execute [^:]*):\s*(.*?)(?=\n\S|\Z)", text, flags=re.S)
+    counted = collections.Counter(" ".join(s.split())[:110] for s in found)
+    ours = {"SELECT pg_reload_conf()", "ALTER SYSTEM RESET log_statement"}
+    return [(s, count / n) for s, count in counted.most_common() if s not in ours]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=50, help="for the Postgres statements, each way")
+    p.add_argument("--gateway-requests", type=int, default=600, help="for the gateway's cost, each length")
+    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--results", default=str(RESULTS), help="'-' to skip")
+    args = p.parse_args()
+    cpu = cpu_name(lscpu())
+    work = Path(tempfile.mkdtemp(prefix="switchyard-db-"))
+    work.chmod(0o755)  # Postgres runs as nobody under root and must enter it
+    system = None
+    try:
+        system, config = start_system(work)
+        key = asyncio.run(unlimited_keys(config.database_url, "pro", "db"))[0]
+        asyncio.run(send(system.url(), key, 10, True))  # warm: the key's cache, the tenant's consumer
+        billed(config)
+        gateway = [(f"{t}", *(f"{v:.2f}" for v in gateway_cost(system, key, args.gateway_requests,
+                                                              args.concurrency, t))) for t in (1, 4)]
+        billed(config)
+        named = {stream: dict(named_statements(work, config, system, key, args.requests, stream))
+                 for stream in (True, False)}
+    finally:
+        if system is not None:
+            system.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    costs = markdown_table(["tokens per request", "gateway socket writes per request", "reads", "gateway CPU ms "
+                            "per request"], gateway)
+    statements = markdown_table(["statement (every process's)", "per streamed request", "per request not streamed"],
+                                [(f"`{s}`", f"{named[True].get(s, 0):.2f}", f"{named[False].get(s, 0):.2f}")
+                                 for s in dict.fromkeys([*named[True], *named[False]])])
+    text = (f"## What a request costs apart from its tokens ({time.strftime('%Y-%m-%d')}, {cpu})\n\n"
+            f"`{command_line()}`\n\nThe gateway, {args.gateway_requests} streamed requests of each length, "
+            f"{args.concurrency} at a time:\n\n{costs}\n\nPostgres: every statement logged over {args.requests} "
+            f"requests of 4 tokens each way, one at a time:\n\n{statements}\n")
+    print(text)
+    append_section(text, args.results)
+
+
+if __name__ == "__main__":
+    main()
