@@ -6,7 +6,8 @@ Postgres for a deployment (README, Scaling): requests/s times these.
     .venv/bin/python bench/request_cost.py --requests 1000 --results -
 
 A system on embedded servers with the simulated engine (workers/simulated_engine.py, a test double) serves one key
-chat completions of 1 and of 4 tokens, streamed with ``include_usage``, ``--concurrency`` at a time:
+chat completions (with ``include_usage``) and responses (stored, as by default) of 1 and of 4 tokens, streamed,
+``--concurrency`` at a time:
 
 * the gateway's CPU per request and its socket writes and reads per request (``/proc/<pid>/io``: ``syscw``,
   ``syscr``; HTTP, NATS and Postgres together): each write is a system call, which on a virtual machine costs
@@ -85,15 +86,25 @@ def io_counts(pid: int) -> tuple[int, int, float]:
     return int(fields["syscw"]), int(fields["syscr"]), cpu_seconds(pid)
 
 
-async def send_many(base_url: str, key: str, n: int, concurrency: int, max_tokens: int) -> None:
-    """``n`` streamed requests, ``concurrency`` at a time, each read to its end."""
+# What each API is sent: its path and a streamed body of ``max_tokens`` tokens.
+APIS = {
+    "chat": ("/v1/chat/completions", lambda max_tokens: {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": True,
+        "stream_options": {"include_usage": True}}),
+    "responses": ("/v1/responses", lambda max_tokens: {
+        "model": MODEL, "input": "hi", "max_output_tokens": max_tokens, "stream": True}),
+}
+
+
+async def send_many(base_url: str, key: str, n: int, concurrency: int, api: str, max_tokens: int) -> None:
+    """``n`` streamed requests to ``api``, ``concurrency`` at a time, each read to its end."""
     import httpx
 
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+    path, body_of = APIS[api]
+    body = body_of(max_tokens)
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency)) as http:
         async def one() -> None:
-            async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body,
+            async with http.stream("POST", f"{base_url}{path}", json=body,
                                    headers={"Authorization": f"Bearer {key}"}) as r:
                 r.raise_for_status()
                 async for _ in r.aiter_raw():
@@ -103,11 +114,12 @@ async def send_many(base_url: str, key: str, n: int, concurrency: int, max_token
             await asyncio.gather(*(one() for _ in range(min(concurrency, n - start))))
 
 
-def gateway_cost(system, key: str, n: int, concurrency: int, max_tokens: int) -> tuple[float, float, float]:
+def gateway_cost(system, key: str, n: int, concurrency: int, api: str,
+                 max_tokens: int) -> tuple[float, float, float]:
     """The gateway's (write calls, read calls, CPU ms) per request over ``n`` requests of ``max_tokens``."""
     pid = system.pids()["gateway"]
     before = io_counts(pid)
-    asyncio.run(send_many(system.url(), key, n, concurrency, max_tokens))
+    asyncio.run(send_many(system.url(), key, n, concurrency, api, max_tokens))
     after = io_counts(pid)
     return (after[0] - before[0]) / n, (after[1] - before[1]) / n, (after[2] - before[2]) * 1000 / n
 
@@ -152,8 +164,9 @@ def main() -> None:
         key = asyncio.run(unlimited_keys(config.database_url, "pro", "db"))[0]
         asyncio.run(send(system.url(), key, 10, True))  # warm: the key's cache, the tenant's consumer
         billed(config)
-        gateway = [(f"{t}", *(f"{v:.2f}" for v in gateway_cost(system, key, args.gateway_requests,
-                                                              args.concurrency, t))) for t in (1, 4)]
+        gateway = [(api, f"{t}", *(f"{v:.2f}" for v in gateway_cost(system, key, args.gateway_requests,
+                                                                   args.concurrency, api, t)))
+                   for api in APIS for t in (1, 4)]
         billed(config)
         named = {stream: dict(named_statements(work, config, system, key, args.requests, stream))
                  for stream in (True, False)}
@@ -161,7 +174,7 @@ def main() -> None:
         if system is not None:
             system.stop()
         shutil.rmtree(work, ignore_errors=True)
-    costs = markdown_table(["tokens per request", "gateway socket writes per request", "reads", "gateway CPU ms "
+    costs = markdown_table(["API", "tokens per request", "gateway socket writes per request", "reads", "gateway CPU ms "
                             "per request"], gateway)
     statements = markdown_table(["statement (every process's)", "per streamed request", "per request not streamed"],
                                 [(f"`{s}`", f"{named[True].get(s, 0):.2f}", f"{named[False].get(s, 0):.2f}")

@@ -187,27 +187,32 @@ class ResponseService:
         def response_of(_: Outcome) -> dict:  # what the stream ended with; a client gone: cancelled
             return final or broken or run.json("cancelled", outcome, events.items)
 
+        # Events already here are written together, one send (one socket write) instead of one each, as chat
+        # chunks are (gateway/serving.py): the opening's, a delta's and those of deltas that arrived together, and
+        # the last delta's with the closing events and the terminal one.
+        ready: list[bytes] = []
         try:
-            for chunk in events.opening(run.json("in_progress")):
-                yield chunk
+            yield b"".join(events.opening(run.json("in_progress")))
             error = None
             async for delta in self._completions.deltas(relayed, first):
                 reply.add(delta)  # an error's too: its usage is what the worker ran before it failed
                 if delta.error is not None:
                     error = delta.error
                     break
-                for chunk in events.delta(delta):
-                    yield chunk
+                ready += events.delta(delta)
+                if ready and not relayed.has_pending and not relayed.is_finished:
+                    yield b"".join(ready)
+                    ready.clear()
             outcome.take(reply)
             status, incomplete = status_of(outcome.finish_reason) if error is None else ("failed", None)
-            for chunk in events.close("completed" if status == "completed" else "incomplete"):
-                yield chunk
+            ready += events.close("completed" if status == "completed" else "incomplete")
             final = run.json(status, outcome, events.items, error, incomplete)
-            yield events.terminal(final)
+            ready.append(events.terminal(final))
+            yield b"".join(ready)
         except Exception:  # the gateway's own fault mid-stream: an error event ends it, not a cut connection
             log.exception("response %s failed in the gateway", run.response_id)
             broken = run.json("failed", outcome, events.items, GATEWAY_ERROR)
-            yield events.error(GATEWAY_ERROR)
+            yield b"".join([*ready, events.error(GATEWAY_ERROR)])
         finally:
             outcome.take(reply)
             await self._completions.end(relayed, run.ticket, outcome,

@@ -33,6 +33,7 @@ class RelayDouble:
         for item in self.later:
             if isinstance(item, Exception):
                 raise item
+            relayed.is_finished = item.usage is not None  # the request's last delta carries its usage
             yield item
 
     async def end(self, relayed, ticket, outcome, used_tokens, on_finish=None) -> None:
@@ -48,13 +49,20 @@ class StoreDouble:
         self.saved.append(record)
 
 
-async def stream(later: list) -> tuple[list[dict], RelayDouble, StoreDouble]:
+async def stream(later: list, sends: list | None = None) -> tuple[list[dict], RelayDouble, StoreDouble]:
+    """The events a client reads; ``sends``, when given, gets each send's event types (one send: one write)."""
     relay, store = RelayDouble(later), StoreDouble()
     service = ResponseService(relay, store, conversations=None, in_flight=None, nc=None, limits=RequestLimits())
     request = GenerateRequest("r1", "tiny", "pro", SamplingParams(), 0.0, 0.0)
     ticket = SimpleNamespace(service=SimpleNamespace(label="default"), auth=SimpleNamespace(tenant_id="t1"))
     run = _Run(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request, "resp_r1")
-    chunks = [chunk async for chunk in service._stream(run, None, TokenDelta("r1"))]
+    relayed = SimpleNamespace(has_pending=False, is_finished=False)  # each delta alone, written at once
+    chunks = []
+    async for chunk in service._stream(run, relayed, TokenDelta("r1")):
+        chunks.append(chunk)
+    if sends is not None:
+        sends += [[json.loads(line[6:])["type"] for line in chunk.decode().splitlines() if line.startswith("data: ")]
+                  for chunk in chunks]
     events = [json.loads(line[6:]) for chunk in chunks for line in chunk.decode().splitlines()
               if line.startswith("data: ")]
     return events, relay, store
@@ -94,3 +102,15 @@ async def test_a_stream_that_ends_well_is_stored_as_it_ended(reason, last):
                                                     usage=Usage(prompt_tokens=3, completion_tokens=1))])
     assert events[-1]["type"] == last and events[-1]["response"]["usage"]["total_tokens"] == 4
     assert relay.used_tokens == 4 and [r.status for r in store.saved] == [events[-1]["response"]["status"]]
+
+
+async def test_a_response_is_written_in_few_sends_its_opening_each_lone_delta_and_its_end():
+    sends = []
+    events, _, _ = await stream([TokenDelta("r1", text="Hel", num_tokens=1),
+                                 TokenDelta("r1", text="lo", num_tokens=1, finish_reason="stop",
+                                            usage=Usage(prompt_tokens=3, completion_tokens=2))], sends)
+    assert said(events) == "Hello"
+    opening, hel, end = sends  # the last delta's events go with the closing ones, one write
+    assert opening[0] == "response.created" and "response.output_text.delta" not in opening
+    assert hel == ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+    assert end[0] == "response.output_text.delta" and end[-1] == "response.completed"
