@@ -38,8 +38,9 @@ class MergedRelay:
         return all(p.is_finished for p in self._parts)
 
     @property
-    def has_pending(self) -> bool:
-        return False  # its parts are read by tasks of their own: every chunk is written as it comes
+    def next_delta_waits(self) -> bool:
+        # Its parts are read by tasks of their own: until every part has finished, a chunk is written as it comes.
+        return not self.is_finished
 
     def _rebased(self, part: int, delta: TokenDelta) -> TokenDelta:
         changes = {"index": part * self._per_part + delta.index, "request_id": self.request.request_id}

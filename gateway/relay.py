@@ -162,9 +162,10 @@ class RelayedRequest:
         return self._checked(delta)
 
     @property
-    def has_pending(self) -> bool:
-        """Whether a delta has arrived and not been taken yet (a stream writes what is here at once)."""
-        return self._inbox.pending > 0
+    def next_delta_waits(self) -> bool:
+        """Whether the next delta is still to come: none has arrived untaken and the request has not finished.
+        A stream writes what it holds then, and otherwise holds it to write with what is already here."""
+        return not self.is_finished and self._inbox.pending == 0
 
     def _checked(self, delta: TokenDelta) -> TokenDelta:
         if delta.error is not None:

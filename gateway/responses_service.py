@@ -200,7 +200,7 @@ class ResponseService:
                     error = delta.error
                     break
                 ready += events.delta(delta)
-                if ready and not relayed.has_pending and not relayed.is_finished:
+                if ready and relayed.next_delta_waits:
                     yield b"".join(ready)
                     ready.clear()
             outcome.take(reply)

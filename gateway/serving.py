@@ -274,7 +274,7 @@ class CompletionService:
                 if delta.index == 0:
                     reply.add(delta)
                 ready += chunks.from_delta(delta)
-                if not relayed.has_pending and not relayed.is_finished:
+                if ready and relayed.next_delta_waits:
                     yield b"".join(ready)
                     ready.clear()
             if shape.include_usage and usage is not None:

@@ -100,3 +100,29 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
         await relayed.close()
     finally:
         await nc.close()
+
+
+async def test_the_next_delta_waits_only_when_none_is_here_and_the_request_has_not_finished(nats_url):
+    """What a stream asks before writing what it holds (gateway/serving.py): deltas that arrived together are
+    written together, the last with the stream's end, and a lone one at once."""
+    nc = await nats.connect(nats_url)
+    try:
+        request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
+                                  deadline_at=time.time() + 30, prompt="x")
+        router = TokenRouter(nc)
+        await router.start()
+        relayed = RelayedRequest(nc, request, router.open(request.request_id), stall_timeout_s=10, retry_after_s=1)
+        rid = request.request_id
+        together = [RoutedDelta(rid, msgspec.Raw(_delta(rid, seq, text))) for seq, text in enumerate(["", "a", "b"])]
+        await nc.publish(router.subject, encode(together))  # one step's message: routed to the inbox at once
+        assert (await relayed.first()).seq == 0 and not relayed.next_delta_waits  # "a" and "b" are here
+        deltas = relayed.deltas()
+        assert (await anext(deltas)).text == "a" and not relayed.next_delta_waits  # "b" is
+        assert (await anext(deltas)).text == "b" and relayed.next_delta_waits  # nothing is, and more will come
+        last = TokenDelta(rid, text="c", num_tokens=1, seq=3, finish_reason="stop", is_last=True)
+        await nc.publish(router.subject, _routed(rid, encode(last)))
+        assert (await anext(deltas)).text == "c" and not relayed.next_delta_waits  # finished: nothing more comes
+        await deltas.aclose()
+        await relayed.close()
+    finally:
+        await nc.close()

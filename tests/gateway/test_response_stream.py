@@ -33,7 +33,7 @@ class RelayDouble:
         for item in self.later:
             if isinstance(item, Exception):
                 raise item
-            relayed.is_finished = item.usage is not None  # the request's last delta carries its usage
+            relayed.next_delta_waits = item.usage is None  # the request's last delta carries its usage
             yield item
 
     async def end(self, relayed, ticket, outcome, used_tokens, on_finish=None) -> None:
@@ -56,7 +56,7 @@ async def stream(later: list, sends: list | None = None) -> tuple[list[dict], Re
     request = GenerateRequest("r1", "tiny", "pro", SamplingParams(), 0.0, 0.0)
     ticket = SimpleNamespace(service=SimpleNamespace(label="default"), auth=SimpleNamespace(tenant_id="t1"))
     run = _Run(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request, "resp_r1")
-    relayed = SimpleNamespace(has_pending=False, is_finished=False)  # each delta alone, written at once
+    relayed = SimpleNamespace(next_delta_waits=True)  # each delta alone, written at once
     chunks = []
     async for chunk in service._stream(run, relayed, TokenDelta("r1")):
         chunks.append(chunk)

@@ -23,14 +23,12 @@ class RelayedDouble:
     def __init__(self, arrivals: list[list[TokenDelta]]) -> None:
         self.request = GenerateRequest("r1", "tiny", "pro", SamplingParams(max_tokens=8), 0.0, 0.0)
         self.arrivals = arrivals
-        self.has_pending = False
-        self.is_finished = False
+        self.next_delta_waits = True
 
     async def deltas(self):
         for together in self.arrivals:
             for i, delta in enumerate(together):
-                self.has_pending = i < len(together) - 1
-                self.is_finished = delta.is_last
+                self.next_delta_waits = i == len(together) - 1 and not delta.is_last
                 yield delta
 
 
