@@ -69,12 +69,12 @@ async def billing_lag(js: JetStreamContext) -> tuple[int, float]:
         info = await js.consumer_info(subjects.USAGE_STREAM, subjects.USAGE_CONSUMER)
     except NotFoundError:
         return 0, 0.0
-    # The consumer's own num_pending is updated by nats-server after the publish is acked, so a record just stored
-    # can read as none pending; the stream's last sequence is set before the ack. The consumer reads the whole
-    # stream, so every sequence past the last delivered one waits for it.
-    stream = await js.stream_info(subjects.USAGE_STREAM)
-    delivered = info.delivered.stream_seq if info.delivered is not None else 0
-    undelivered = max(info.num_pending or 0, (stream.state.last_seq or 0) - (delivered or 0))
+    # Counted from the stream, not from the consumer's num_pending: nats-server updates that after acking the
+    # publish, so a record just stored could read as none waiting; the stream's sequences are set before the ack.
+    # The consumer reads the whole stream, so every record still in it past the last delivered one waits for it.
+    state = (await js.stream_info(subjects.USAGE_STREAM)).state
+    delivered = (info.delivered.stream_seq or 0) if info.delivered is not None else 0
+    undelivered = max(0, state.last_seq - max(delivered, state.first_seq - 1))
     pending = undelivered + (info.num_ack_pending or 0)
     if not pending:
         return 0, 0.0

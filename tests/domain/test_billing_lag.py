@@ -1,6 +1,7 @@
 """The billing writer's lag, as the gateway's gauges read it from JetStream: a record counts from the moment its
 publish is acknowledged (not once nats-server has got round to updating the consumer), while it is delivered but
-unacknowledged, and no longer once acknowledged; its age is taken from when its request ended."""
+unacknowledged, and no longer once acknowledged or gone from the stream; its age is taken from when its request
+ended."""
 
 from __future__ import annotations
 
@@ -53,5 +54,7 @@ async def test_a_record_counts_from_its_publish_until_its_ack(nats_dir):
                 await msg.ack_sync()
             pending, age_s = await billing_lag(js)
             assert pending == 15 and 20 <= age_s < 26  # the oldest left is r5, ended 25 s ago
+            await js.purge_stream(subjects.USAGE_STREAM)  # records gone from the stream (aged out) wait for nobody
+            assert await billing_lag(js) == (0, 0.0)
         finally:
             await nc.close()
