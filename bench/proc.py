@@ -1,5 +1,5 @@
-"""What a benchmark reads of other processes: CPU seconds and resident memory from /proc, and where a Python
-process spends its time (py-spy, when installed: ``pip install -e '.[bench]'``)."""
+"""What a benchmark reads of other processes: CPU seconds, resident memory and system calls from /proc, and where a
+Python process spends its time (py-spy, when installed: ``pip install -e '.[bench]'``)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ def tree_cpu_seconds(pid: int) -> float:
         total += cpu_seconds(p)
         todo += children.get(p, [])
     return total
+
+
+def io_calls(pid: int) -> tuple[int, int]:
+    """Write and read system calls ``pid`` has made so far (``/proc/<pid>/io``: ``syscw``, ``syscr``): sockets,
+    pipes and files alike."""
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(fields["syscw"]), int(fields["syscr"])
 
 
 def rss_bytes(pid: int) -> int:

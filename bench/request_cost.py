@@ -31,27 +31,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.local import cpu_name, lscpu, unlimited_keys  # noqa: E402
-from bench.proc import cpu_seconds  # noqa: E402
+from bench.local import cpu_name, lscpu  # noqa: E402
+from bench.proc import cpu_seconds, io_calls  # noqa: E402
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
+from bench.streams import model_of, start_system  # noqa: E402
 
-ADMIN_KEY = "bench-db-admin"
-MODEL = "sim"
-
-
-def start_system(work: Path):
-    from switchyard.deploy.system import LocalSystem
-    from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
-    from tests.support.system import free_port
-
-    config = SwitchyardConfig(data_dir=work, gateway=GatewayConfig(port=free_port(), admin_key=ADMIN_KEY),
-                              worker=WorkerConfig(engine="simulated", heartbeat_s=1.0))
-    system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
-    system.start_servers()
-    system.start_worker("worker-sim", model=MODEL, max_num_seqs=16, simulated_tokens_per_s=200.0)
-    system.start_gateway()
-    system.wait_until_ready(MODEL, timeout_s=120)
-    return system, config
+RATE = 200.0  # tokens/s of each simulated sequence: a 4-token request takes 20 ms
+MODEL = model_of(RATE)
 
 
 async def log_every_statement(database_url: str, on: bool) -> None:
@@ -65,35 +51,31 @@ async def log_every_statement(database_url: str, on: bool) -> None:
         await conn.close()
 
 
-async def send(base_url: str, key: str, n: int, stream: bool) -> None:
-    import httpx
-
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    async with httpx.AsyncClient(timeout=30) as http:
-        for _ in range(n):
-            r = await http.post(f"{base_url}/v1/chat/completions", json=body,
-                                headers={"Authorization": f"Bearer {key}"})
-            r.raise_for_status()
-            if stream:
-                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
-
-
-def io_counts(pid: int) -> tuple[int, int, float]:
-    """Write and read system calls of ``pid`` so far, and its CPU seconds."""
-    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    return int(fields["syscw"]), int(fields["syscr"]), cpu_seconds(pid)
+def chat_body(max_tokens: int, stream: bool = True) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": stream}
+    return body | {"stream_options": {"include_usage": True}} if stream else body
 
 
 # What each API is sent: its path and a streamed body of ``max_tokens`` tokens.
 APIS = {
-    "chat": ("/v1/chat/completions", lambda max_tokens: {
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": True,
-        "stream_options": {"include_usage": True}}),
+    "chat": ("/v1/chat/completions", chat_body),
     "responses": ("/v1/responses", lambda max_tokens: {
         "model": MODEL, "input": "hi", "max_output_tokens": max_tokens, "stream": True}),
 }
+
+
+async def send(base_url: str, key: str, n: int, stream: bool) -> None:
+    """``n`` chat completions of 4 tokens, one after another."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        for _ in range(n):
+            r = await http.post(f"{base_url}/v1/chat/completions", json=chat_body(4, stream),
+                                headers={"Authorization": f"Bearer {key}"})
+            r.raise_for_status()
+            if stream:
+                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
 
 
 async def send_many(base_url: str, key: str, n: int, concurrency: int, api: str, max_tokens: int) -> None:
@@ -118,10 +100,10 @@ def gateway_cost(system, key: str, n: int, concurrency: int, api: str,
                  max_tokens: int) -> tuple[float, float, float]:
     """The gateway's (write calls, read calls, CPU ms) per request over ``n`` requests of ``max_tokens``."""
     pid = system.pids()["gateway"]
-    before = io_counts(pid)
+    (writes, reads), cpu_s = io_calls(pid), cpu_seconds(pid)
     asyncio.run(send_many(system.url(), key, n, concurrency, api, max_tokens))
-    after = io_counts(pid)
-    return (after[0] - before[0]) / n, (after[1] - before[1]) / n, (after[2] - before[2]) * 1000 / n
+    (writes_after, reads_after), cpu_s_after = io_calls(pid), cpu_seconds(pid)
+    return (writes_after - writes) / n, (reads_after - reads) / n, (cpu_s_after - cpu_s) * 1000 / n
 
 
 def billed(config) -> None:
@@ -160,8 +142,8 @@ def main() -> None:
     work.chmod(0o755)  # Postgres runs as nobody under root and must enter it
     system = None
     try:
-        system, config = start_system(work)
-        key = asyncio.run(unlimited_keys(config.database_url, "pro", "db"))[0]
+        system, keys = start_system(work, gateways=1, rates={RATE: 16})
+        config, key = system.config, keys[0]
         asyncio.run(send(system.url(), key, 10, True))  # warm: the key's cache, the tenant's consumer
         billed(config)
         gateway = [(api, f"{t}", *(f"{v:.2f}" for v in gateway_cost(system, key, args.gateway_requests,
