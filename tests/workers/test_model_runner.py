@@ -6,7 +6,6 @@ Block size 4 with shuffled block tables, so every sequence crosses many non-cont
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 
 import pytest
@@ -15,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from switchyard.workers.executor.attention import SdpaAttention, make_attention
 from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk
+from tests.support.triton_devices import NOT_INTERPRETED, interpreted
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
@@ -134,9 +134,8 @@ def test_chunked_prefill_matches_full_prefill():
 
 
 # The runner tests run on CPU tensors: Triton takes them only interpreted (the GPU machine runs test_cuda_engine).
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="triton on CPU tensors needs TRITON_INTERPRET=1")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None or not interpreted(),
+                                  reason=NOT_INTERPRETED)
 
 
 def test_prefix_shared_through_block_table():

@@ -12,7 +12,15 @@ table, so no kernel ever gathers a sequence's blocks into a contiguous copy.
 * Prefill (a chunk of new tokens after ``start_pos`` cached ones) tiles each chunk's queries by ``BLOCK_M`` rows;
   program ``(tile, head)`` runs causal flash attention over positions ``0 .. last query of the tile``.
 
-Both run under ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI tests them.
+Both run under ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI tests them; ``bench/gpu.py --compile-only``
+compiles them for sm_80 and sm_90 without a GPU.
+
+Triton compiles a variant per specialisation of the arguments (an integer equal to 1 or divisible by 16, a
+pointer aligned to 16 bytes). The ones that change from step to step are kept out of it (``do_not_specialize``,
+``do_not_specialize_on_alignment``): the split count, a block table's width, and the metadata tensors, which sit
+at step-dependent offsets of their staging buffers. Otherwise a GPU would compile again mid-serving, 0.5-2 s with
+every stream stalled; specialising them would buy nothing, since each is read once per program or per tile. The
+strides and head counts, fixed per model, stay specialised (tests/workers/test_triton_specialization.py).
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_row, t, t_mask, visible, kv_
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_table_row"],
+            do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "split_size_ptr"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, split_size_ptr, part_out_ptr, part_lse_ptr,
     scale, num_heads, num_splits,
@@ -80,7 +89,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log(l_i), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr", "split_size_ptr"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, seq_lens_ptr, split_size_ptr, out_ptr,
     num_heads, num_splits, stride_out_tok,
@@ -104,7 +113,9 @@ def _decode_reduce_kernel(
              mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table_row"],
+            do_not_specialize_on_alignment=["tables_ptr", "tile_chunk_ptr", "tile_row_ptr", "chunk_row_ptr",
+                                            "chunk_len_ptr", "chunk_start_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr,
     tile_chunk_ptr, tile_row_ptr, chunk_row_ptr, chunk_len_ptr, chunk_start_ptr,

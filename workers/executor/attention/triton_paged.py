@@ -22,7 +22,7 @@ from switchyard.workers.executor.transfers import to_device
 PREFILL_BLOCK_M = 64  # query rows per prefill program
 PREFILL_BLOCK_N = 64  # key positions per inner-loop tile
 DECODE_BLOCK_N = 64
-MAX_SPLITS = 32
+MAX_SPLITS = 32  # also the merge kernel's fixed width, so that one compiled variant serves every split count
 MIN_SPLIT = 64  # fewer context positions than this per split are not worth a partial result
 
 
@@ -205,5 +205,5 @@ class TritonAttention(HeadLayout):
         self.kernels._decode_reduce_kernel[(batch.num_seqs, self.num_heads)](
             batch.part_out, batch.part_lse, batch.seq_lens, batch.split_size, out,
             self.num_heads, batch.num_splits, out.stride(0),
-            HEAD_DIM=d, BLOCK_D=next_power_of_2(d), SPLITS_PAD=next_power_of_2(batch.num_splits), num_warps=1,
+            HEAD_DIM=d, BLOCK_D=next_power_of_2(d), SPLITS_PAD=MAX_SPLITS, num_warps=1,
         )
