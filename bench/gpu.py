@@ -89,13 +89,20 @@ def dry_run_profile() -> Profile:
         smollm2_dtypes=(("float32", "triton"), ("bfloat16", None)), tiny_dtypes=(("float32", "triton"),))
 
 
-def heading(profile: Profile, dry_run: bool) -> str:
-    """The section's heading, naming the device (and the host CPU, which stages every step); prints lscpu."""
+def host_cpu() -> str:
+    """The host CPU's model name; prints lscpu."""
     import subprocess
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print(lscpu, flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "?")
+    return next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "?")
+
+
+def heading(profile: Profile, dry_run: bool) -> str:
+    """The section's heading, naming the device (and the host CPU, which stages every step)."""
+    import subprocess
+
+    cpu = host_cpu()
     if dry_run:
         return (f"## GPU harness dry run on CPU ({cpu}, {os.cpu_count()} cores); torch {torch.__version__}\n\n"
                 f"`{command_line()}`")
@@ -112,20 +119,21 @@ def compile_only(args) -> int:
 
     from bench.triton_aot import FAMILIES, TARGETS, compile_all
 
-    lines = [f"## Triton kernels compiled ahead of time (no GPU): Triton {triton.__version__}, torch {torch.__version__}"
-             f"\n\n`{command_line()}`"]
+    lines = [f"## Triton kernels compiled ahead of time, no GPU: Triton {triton.__version__}, torch {torch.__version__}, "
+             f"on {host_cpu()} ({os.cpu_count()} cores)\n\n`{command_line()}`"]
     rows, failed, started = [], [], time.perf_counter()
     for result in compile_all(args.families or tuple(FAMILIES), jobs=args.jobs):
         limit = TARGETS[result.target][1]
         verdict = ("ok" if result.ok else f"**FAIL** {result.error}" if result.error else
                    f"**FAIL** needs {result.shared_bytes} bytes of shared memory, {result.target} has {limit}")
         rows.append((result.family, result.dtype, result.target, result.kernel.strip("_"), f"{result.seconds:.1f}",
-                     f"{result.shared_bytes / 1024:.0f}", f"{result.cubin_bytes / 1024:.0f}", verdict))
+                     f"{result.shared_bytes / 1024:.0f}", result.registers, result.spill_bytes,
+                     f"{result.cubin_bytes / 1024:.0f}", verdict))
         print(" | ".join(map(str, rows[-1])), flush=True)
         if not result.ok:
             failed.append(rows[-1])
-    lines.append(markdown_table(("family", "dtype", "target", "kernel", "compile s", "shared KiB", "cubin KiB",
-                                 "result"), rows))
+    lines.append(markdown_table(("family", "dtype", "target", "kernel", "compile s", "shared KiB", "registers",
+                                 "spilled bytes", "cubin KiB", "result"), rows))
     lines.append(f"{len(rows)} kernels compiled in {time.perf_counter() - started:.0f} s, {len(failed)} failed")
     text = "\n\n".join(lines) + "\n"
     print(lines[-1], flush=True)

@@ -174,6 +174,8 @@ class Compiled:
     seconds: float
     shared_bytes: int
     cubin_bytes: int
+    registers: int | None  # per thread, as ptxas allotted them (None: no cuobjdump to read them)
+    spill_bytes: int | None  # local memory per thread: registers spilled
     error: str | None
 
     @property
@@ -198,12 +200,35 @@ def compile_family(family: str, dtype_name: str, targets: tuple[str, ...]) -> li
             start = time.perf_counter()
             try:
                 compiled = compile_launch(triton_kernels, launch, target)
-                shared, cubin, error = int(compiled.metadata.shared), len(compiled.asm["cubin"]), None
+                shared, cubin, error = int(compiled.metadata.shared), compiled.asm["cubin"], None
             except Exception as exc:  # noqa: BLE001 - the compiler's message is the result
-                shared, cubin, error = 0, 0, f"{type(exc).__name__}: {str(exc)[:600]}"
-            results.append(Compiled(family, dtype_name, target, launch.kernel, time.perf_counter() - start, shared,
-                                    cubin, error))
+                shared, cubin, error = 0, b"", f"{type(exc).__name__}: {str(exc)[:600]}"
+            seconds = time.perf_counter() - start
+            registers, spills = resource_usage(cubin) if cubin else (None, None)
+            results.append(Compiled(family, dtype_name, target, launch.kernel, seconds, shared, len(cubin),
+                                    registers, spills, error))
     return results
+
+
+def resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers per thread, local memory bytes per thread) of a compiled kernel, read with the cuobjdump that
+    Triton's wheel brings; (None, None) without one."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage)
+    return (int(found.group(1)), int(found.group(2))) if found else (None, None)
 
 
 def compile_all(families=tuple(FAMILIES), dtypes=DTYPES, targets=tuple(TARGETS),

@@ -205,5 +205,5 @@ class TritonAttention(HeadLayout):
         self.kernels._decode_reduce_kernel[(batch.num_seqs, self.num_heads)](
             batch.part_out, batch.part_lse, batch.seq_lens, batch.split_size, out,
             self.num_heads, batch.num_splits, out.stride(0),
-            HEAD_DIM=d, BLOCK_D=next_power_of_2(d), SPLITS_PAD=MAX_SPLITS, num_warps=1,
+            HEAD_DIM=d, BLOCK_D=next_power_of_2(d), SPLITS_PAD=MAX_SPLITS, num_warps=4,
         )
