@@ -57,9 +57,13 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 case "$call" in
   one)
     [[ -f $repo/.gpu/smollm2-1/part ]] && cp "$repo/.gpu/smollm2-1/part" "$stash/smollm2-1.part"
+    # Most of the tests' time is Triton compiling each shape's kernels: in four processes where pytest-xdist is
+    # there (the GPU image has it).
+    parallel=()
+    "$py" -c "import xdist" 2>/dev/null && parallel=(-n 4)
     step tests 150 "$py" -m pytest --rootdir "$repo" -c "$repo/pyproject.toml" --noconftest -p no:cacheprovider \
-      -q -rs "$repo/tests/workers/test_triton_attention.py" "$repo/tests/workers/test_cuda_engine.py" \
-      "$repo/tests/workers/test_sampling.py"
+      "${parallel[@]}" -q -rs "$repo/tests/workers/test_triton_attention.py" \
+      "$repo/tests/workers/test_cuda_engine.py" "$repo/tests/workers/test_sampling.py"
     step floors "$(left 5)" "$py" "$repo/bench/gpu.py" "${dry[@]}" --parts device decode prefill tiny --out "$out" \
       --results - ;;
   two)
