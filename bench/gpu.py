@@ -119,8 +119,8 @@ def compile_only(args) -> int:
 
     from bench.triton_aot import FAMILIES, TARGETS, compile_all
 
-    lines = [f"## Triton kernels compiled ahead of time, no GPU: Triton {triton.__version__}, torch {torch.__version__}, "
-             f"on {host_cpu()} ({os.cpu_count()} cores)\n\n`{command_line()}`"]
+    lines = [f"## Triton kernels compiled ahead of time, no GPU: Triton {triton.__version__}, torch "
+             f"{torch.__version__}, on {host_cpu()} ({os.cpu_count()} cores)\n\n`{command_line()}`"]
     rows, failed, started = [], [], time.perf_counter()
     for result in compile_all(args.families or tuple(FAMILIES), jobs=args.jobs):
         limit = TARGETS[result.target][1]

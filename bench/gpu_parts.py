@@ -384,6 +384,8 @@ def smollm2_part(profile: Profile, report: Report) -> None:
 
 
 def greedy(profile: Profile, report: Report, source: str, dtypes: tuple[tuple[str, str | None], ...]) -> None:
+    """The engine's greedy tokens against HF ``generate``, prompt by prompt, in each (dtype, attention backend):
+    ``source`` "tiny" (built here) or "smollm2" (from the carried wheel; the tiny model stands in on a dry run)."""
     import tempfile
 
     from switchyard.workers import model_store

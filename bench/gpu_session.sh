@@ -10,8 +10,8 @@
 # default, inside the 360 s the call is given), so a call that runs long still returns what it measured.
 #
 # GPU_REHEARSAL=1 runs the same steps on a CPU (tests/bench/test_gpu_harness.py does, in CI): the parts with
-# --dry-run, the tests as they are collected there, this interpreter's packages instead of carried wheels, the site
-# in GPU_SITE and the stash in GPU_STASH.
+# --dry-run, the tests collected (not run) as the GPU machine collects them, this interpreter's packages instead of
+# carried wheels, the site in GPU_SITE and the stash in GPU_STASH.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 call=${1:?usage: gpu_session.sh one|two}
@@ -61,6 +61,8 @@ case "$call" in
     # there (the GPU image has it).
     parallel=()
     "$py" -c "import xdist" 2>/dev/null && parallel=(-n 4)
+    # A rehearsal only collects them, as the GPU machine would (its CPU twins run in the suite itself).
+    [[ -n $rehearsal ]] && parallel=(--collect-only)
     step tests 150 "$py" -m pytest --rootdir "$repo" -c "$repo/pyproject.toml" --noconftest -p no:cacheprovider \
       "${parallel[@]}" -q -rs "$repo/tests/workers/test_triton_attention.py" \
       "$repo/tests/workers/test_cuda_engine.py" "$repo/tests/workers/test_sampling.py"

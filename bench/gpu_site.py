@@ -36,8 +36,8 @@ IMAGE = {
 # The modules a GPU call imports: the engine's path, the benchmark and the tests it runs (their helpers included).
 ENGINE_PATH = (
     "msgspec", "pydantic", "pydantic_settings", "llguidance", "gguf", "transformers", "triton",
-    "switchyard.shared.config", "switchyard.shared.messages", "switchyard.workers.engine.engine", "switchyard.workers.engine.sampling",
-    "switchyard.workers.engine.guided", "switchyard.workers.executor.cuda_graphs",
+    "switchyard.shared.config", "switchyard.shared.messages", "switchyard.workers.engine.engine",
+    "switchyard.workers.engine.sampling", "switchyard.workers.engine.guided", "switchyard.workers.executor.cuda_graphs",
     "switchyard.workers.executor.attention.triton_kernels", "switchyard.workers.model_store",
     "bench.gpu_parts", "bench.triton_aot", "tests.support.tiny_model", "tests.support.id_tokenizer",
     "tests.support.triton_devices",
