@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
+from pathlib import Path
 
 import torch
 
@@ -213,11 +217,6 @@ def compile_family(family: str, dtype_name: str, targets: tuple[str, ...]) -> li
 def resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers per thread, local memory bytes per thread) of a compiled kernel, read with the cuobjdump that
     Triton's wheel brings; (None, None) without one."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -235,17 +234,22 @@ def compile_all(families=tuple(FAMILIES), dtypes=DTYPES, targets=tuple(TARGETS),
                 jobs: int | None = None) -> Iterator[Compiled]:
     """Compile every family x dtype (each for every target) in ``jobs`` processes, into a fresh Triton cache so
     that each one really compiles; yields results as each family and dtype finishes."""
-    import tempfile
-
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: interpreted kernels cannot be compiled (unset it)")
     work = [(family, str(dtype).removeprefix("torch."), tuple(targets)) for family in families for dtype in dtypes]
+    previous = os.environ.get("TRITON_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="switchyard-triton-aot-") as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache
-        # spawn, not fork: the parent has torch (and its threads) loaded.
-        with ProcessPoolExecutor(jobs or os.cpu_count() or 1, mp_context=get_context("spawn")) as pool:
-            for results in pool.map(_compile_job, work):
-                yield from results
+        os.environ["TRITON_CACHE_DIR"] = cache  # the spawned processes take it from here
+        try:
+            # spawn, not fork: the parent has torch (and its threads) loaded.
+            with ProcessPoolExecutor(jobs or os.cpu_count() or 1, mp_context=get_context("spawn")) as pool:
+                for results in pool.map(_compile_job, work):
+                    yield from results
+        finally:
+            if previous is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = previous
 
 
 def _compile_job(job: tuple[str, str, tuple[str, ...]]) -> list[Compiled]:
