@@ -3,7 +3,7 @@ GPU time is spent on a part.
 
     python3 bench/gpu_site.py check-carry .gpu/wheels SPEC...   # here, after bench/gpu_carry.sh downloads
     python3 bench/gpu_site.py map /tmp/site                     # there: this checkout as ``switchyard``
-    python3 bench/gpu_site.py check-imports                     # there: every carried requirement met, every
+    python3 bench/gpu_site.py check-imports /tmp/site           # there: every carried requirement met, every
                                                                 #   module of the engine's path imported
 
 ``map``: pyproject.toml maps the repository's top-level folders onto ``switchyard.*`` (package-dir); an editable
@@ -97,18 +97,24 @@ def check_carry(folder: Path, specs: list[str]) -> list[str]:
     return problems + unmet(requirements, available)
 
 
-def check_imports(site: Path | None) -> list[str]:
-    """On the GPU machine: the requirements of every package installed in ``site`` (the carried wheels) are met
-    by what is importable, and every module of ``ENGINE_PATH`` imports; returns what is wrong."""
+def check_site(site: Path, path: list[str] | None = None) -> list[str]:
+    """The requirements of every package installed in ``site`` (the carried wheels), each met by the version that
+    imports from ``path`` (default ``sys.path``: the site first, then the image); returns what is not."""
     from importlib import metadata
 
     _, canonicalize_name = _packaging()
+    installed: dict[str, str] = {}
+    for dist in metadata.distributions(path=path if path is not None else sys.path):
+        # in path order: the first of a name is the one that imports
+        installed.setdefault(canonicalize_name(dist.metadata["Name"]), dist.version)
+    requirements = {f"{d.metadata['Name']} {d.version}": d.requires or []
+                    for d in metadata.distributions(path=[str(site)])}
+    return unmet(requirements, installed)
+
+
+def check_imports() -> list[str]:
+    """Every module of ``ENGINE_PATH`` imports; returns what did not, and why."""
     problems = []
-    if site is not None:
-        installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
-        requirements = {f"{d.metadata['Name']} {d.version}": d.requires or []
-                        for d in metadata.distributions(path=[str(site)])}
-        problems += unmet(requirements, installed)
     for module in ENGINE_PATH:
         try:
             importlib.import_module(module)
@@ -143,7 +149,7 @@ def main(argv: list[str]) -> int:
         # As bench/gpu.py: this folder off the path (its kernels.py would shadow the `kernels` package that
         # transformers tries), the root appended after the mapped site, for `bench` and `tests`.
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"] + [str(ROOT)]
-        problems = check_imports(Path(rest[0]) if rest else None)
+        problems = (check_site(Path(rest[0])) if rest else []) + check_imports()
     else:
         print(__doc__)
         return 2
