@@ -41,7 +41,9 @@ vllm-env: $(VLLM_STAMP)
 up: $(STAMP) $(if $(findstring vllm,$(ARGS)),$(VLLM_STAMP))
 	$(VENV)/bin/switchyard up $(ARGS)
 
+# The lint first ([tool.ruff] in pyproject.toml): it takes a second, the tests take minutes.
 test: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(ARGS)
 
 clean:

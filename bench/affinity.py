@@ -30,8 +30,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.overload import MODEL, ms, pct  # noqa: E402
 from bench.local import cpu_name, local_system, lscpu, unlimited_keys  # noqa: E402
+from bench.overload import MODEL, ms, pct  # noqa: E402
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 from tests.support.system import free_port  # noqa: E402
 

@@ -223,8 +223,9 @@ def report(args, out: dict, command: str) -> str:
         f"- pro TTFT p95 change B/A - 1 = {'n/a' if change is None else f'{change:+.0%}'} "
         f"({ms(a['p95'])} -> {ms(b['p95'])} ms; target < +20%): {verdict}",
         f"- batch during phase B: {out['batch_done']} lines completed in {out['batch_wall']:.0f} s = "
-        f"{out['batch_done'] / out['batch_wall']:.2f} lines/s ({out['batch_done'] * args.max_tokens / out['batch_wall']:.0f}"
-        f" output tok/s); batch seats running min/mean/max {bs[0]}/{bs[1]:.1f}/{bs[2]} of {args.max_num_seqs}; "
+        f"{out['batch_done'] / out['batch_wall']:.2f} lines/s "
+        f"({out['batch_done'] * args.max_tokens / out['batch_wall']:.0f} output tok/s); "
+        f"batch seats running min/mean/max {bs[0]}/{bs[1]:.1f}/{bs[2]} of {args.max_num_seqs}; "
         f"pro running max {out['pro_running_max']}; queued max {json.dumps(out['queued_max'])}; samples with "
         f"pro + batch held by the worker > {args.max_num_seqs} seats (preempted lines waiting in the engine): "
         f"{out['over_seats'][0]}/{out['over_seats'][1]}, max held {out['over_seats'][2]}",
@@ -232,7 +233,8 @@ def report(args, out: dict, command: str) -> str:
         f"{out.get('server', {}).get('by_inflight')}",
         "- CPU cores busy (machine / this benchmark's worker + gateway + client): A {:.2f}/{:.2f}, B {:.2f}/{:.2f}"
         .format(*out["cpu_A"], *out["cpu_B"]),
-        f"- batch status at the end of phase B: {out['batch_status_end_b']}; after cancel: {out['batch_final']}; `requests` rows with tier batch: {out.get('server', {}).get('batch_rows')}",
+        f"- batch status at the end of phase B: {out['batch_status_end_b']}; after cancel: {out['batch_final']}; "
+        f"`requests` rows with tier batch: {out.get('server', {}).get('batch_rows')}",
     ]
     if a["failed"] or b["failed"]:
         lines.append(f"- pro outcomes other than completed: A {a['failed']}, B {b['failed']}")
@@ -248,7 +250,8 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=75.0, help="seconds of pro arrivals per phase")
     p.add_argument("--lines", type=int, default=500)
     p.add_argument("--batch-seqs-when-busy", type=int,
-                   help="the worker's batch throttle while pro traffic is about (default: the worker's, 2 on CPU; 0: off)")
+                   help="the worker's batch throttle while pro traffic is about (default: the worker's, 2 on CPU; "
+                   "0: off)")
     p.add_argument("--settle-timeout", type=float, default=60.0, help="max wait for the batch to fill the seats")
     p.add_argument("--cancel-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)

@@ -160,7 +160,8 @@ def report(rows: list[dict], args, command: str, lscpu: str, vllm_args: str, dty
         "column is the 1-minute load average while each row ran (2.0 would be this benchmark alone).", "",
         f"Workload: prompts of {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs of {args.output_len[0]}-"
         f"{args.output_len[1]}, greedy, ignore_eos; max_num_seqs {args.max_num_seqs}, dtype {args.dtype} ({dtypes}), "
-        f"KV cache 2 GiB on every side; at each concurrency the three sides ran one after another, all three servers up. "
+        "KV cache 2 GiB on every side; at each concurrency the three sides ran one after another, all three servers "
+        "up. "
         f"vLLM's engine arguments (its worker and `vllm serve` alike): `{vllm_args}`.", "",
         markdown_table(["conc", "side", "reqs", "failed", "out tok", "wall s", "out tok/s", "TTFT p50", "TTFT p99",
                         "TPOT p50", "TPOT p99", "of vllm serve's tok/s", "load"], table), "",

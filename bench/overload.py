@@ -153,7 +153,8 @@ def summarize(results: list[Result], phase: str, tier: str) -> dict:
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tpots = [(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
     s = {"phase": phase, "tier": tier, "sent": len(rs), "accepted": sum(1 for r in rs if r.status == 200),
-         "429 queue_full": count(lambda o: o == "queue_full"), "503 queue_timeout": count(lambda o: o == "queue_timeout"),
+         "429 queue_full": count(lambda o: o == "queue_full"),
+         "503 queue_timeout": count(lambda o: o == "queue_timeout"),
          "completed": len(ok), "other err": count(lambda o: o.startswith("other:")),
          "TTFT p50": pct(ttfts, 50), "TTFT p95": pct(ttfts, 95), "TPOT p50": pct(tpots, 50)}
     s["lost"] = s["sent"] - s["completed"] - s["429 queue_full"] - s["503 queue_timeout"] - s["other err"]
@@ -191,7 +192,8 @@ async def run_load(args) -> dict:
     # Idle connections are dropped before uvicorn's 5 s keep-alive timeout does it, so a request never races a
     # server-side close (that would be a client artefact, not the system's).
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(base_url=args.base_url, limits=limits, headers={"Authorization": f"Bearer {args.api_key}"},
+    async with httpx.AsyncClient(base_url=args.base_url, limits=limits,
+                                 headers={"Authorization": f"Bearer {args.api_key}"},
                                  timeout=httpx.Timeout(args.free_max_wait + 120, connect=10)) as http:
         results: list[Result] = []
         out: dict = {"load_start": os.getloadavg()}
@@ -310,7 +312,8 @@ def main() -> int:
             os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
             args.admin_key = secrets.token_urlsafe(16)
             config = SwitchyardConfig(
-                data_dir=work, gateway=GatewayConfig(port=free_port(), allow_tier_header=True, admin_key=args.admin_key),
+                data_dir=work,
+                gateway=GatewayConfig(port=free_port(), allow_tier_header=True, admin_key=args.admin_key),
                 worker=WorkerConfig(model=str(model), served_model_name=MODEL, max_num_seqs=args.max_num_seqs))
             system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
             system.start_servers()
@@ -343,8 +346,8 @@ def main() -> int:
 def report(args, out: dict, command: str) -> None:
     idle, pro, free = out["rows"]
     ratio = pro["TTFT p95"] / idle["TTFT p95"] if pro["TTFT p95"] and idle["TTFT p95"] else None
-    checks = [f"pro TTFT p95 under flood / idle = {ratio:.2f}x (target <= 2x): {'MET' if ratio and ratio <= 2 else 'NOT MET'}"
-              if ratio else "pro TTFT ratio: n/a",
+    checks = [f"pro TTFT p95 under flood / idle = {ratio:.2f}x (target <= 2x): "
+              f"{'MET' if ratio and ratio <= 2 else 'NOT MET'}" if ratio else "pro TTFT ratio: n/a",
               f"other errors (5xx other than queue_timeout, other codes) = {sum(s['other err'] for s in out['rows'])}"
               f" (target 0)", f"lost = {sum(s['lost'] for s in out['rows'])} (target 0)"]
     whys = {f"{s['phase']}/{s['tier']}": s["why"] for s in out["rows"] if s["why"]}
@@ -360,10 +363,12 @@ def report(args, out: dict, command: str) -> None:
         f"Requests: streaming chat, short prompts, max_tokens={args.max_tokens}, ignore_eos, Poisson arrivals "
         f"(seed {args.seed}). Capacity {out['capacity']:.2f} req/s "
         f"({'given' if args.capacity else 'measured: burst of ' + str(2 * args.max_num_seqs)}). Idle: pro at "
-        f"{args.idle_rate} req/s. Overload ({args.duration:.0f} s): free {free_rate:.2f} req/s ({args.free_x:g}x capacity) "
+        f"{args.idle_rate} req/s. Overload ({args.duration:.0f} s): free {free_rate:.2f} req/s "
+        f"({args.free_x:g}x capacity) "
         f"+ pro {pro_rate:.2f} req/s ({args.pro_frac:g}x); output {out['overload_tok_s']:.0f} tok/s over "
         f"{out['overload_wall']:.0f} s including drain.",
-        f"Tier policies during overload: {json.dumps(out['policies'])}; peak queued seen: {json.dumps(out['peak_queued'])}.",
+        f"Tier policies during overload: {json.dumps(out['policies'])}; "
+        f"peak queued seen: {json.dumps(out['peak_queued'])}.",
         "", table(out["rows"]), "",
         *(f"- {c}" for c in checks),
     ]

@@ -92,7 +92,7 @@ def main() -> None:
     engine_module.fill_masks, sampling_module.apply_masks = timed_fill, timed_apply
 
     t = time.perf_counter()
-    engine.grammars  # the tokenizer's automaton for llguidance, built once per engine
+    _ = engine.grammars  # the tokenizer's automaton for llguidance, built once per engine
     tokenizer_ms = (time.perf_counter() - t) * 1000
     grammar = json_schema_grammar(SCHEMA)
     t = time.perf_counter()
@@ -146,7 +146,8 @@ def main() -> None:
     print(table)
     append_section(
         f"## Constrained decoding cost ({time.strftime('%Y-%m-%d')})\n\n"
-        f"`{command_line()}` on {model_name}, {args.threads} threads, SmolLM2-135M {str(dtype).removeprefix('torch.')}, "
+        f"`{command_line()}` on {model_name}, {args.threads} threads, "
+        f"SmolLM2-135M {str(dtype).removeprefix('torch.')}, "
         f"median of {len(results[False])} and {len(results[True])} full-batch decode steps ({args.rounds} "
         f"interleaved runs each), llguidance, a 9-property schema with a nested object and an array.\n\n{table}\n",
         args.results)

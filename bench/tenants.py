@@ -8,10 +8,10 @@ worker and NATS, and what does an idle tenant cost?
 The engine is the simulated one (workers/simulated_engine.py, a test double): ``--seats`` sequences at ``--rate``
 tokens/s (20), each request about ``--tokens`` (40: 2 s; each 0.5-1.5x that, as real lengths vary),
 ``--tokens-per-delta`` to a message after the first, the engine stepping every ``--engine-step-ms`` (20: a real
-engine at a large batch; a new request's first token goes out at once). With every seat taken that is 256 requests and 10,240 deltas a
-second through one gateway: more than a 2-core machine running clients, gateway, NATS, Postgres and worker together
-relays (bench/streams.py), so there longer requests sent in larger deltas keep the seats full at a rate the machine
-carries. Keys for ``--tenants`` tenants are made in
+engine at a large batch; a new request's first token goes out at once). With every seat taken that is 256
+requests and 10,240 deltas a second through one gateway: more than a 2-core machine running clients, gateway, NATS,
+Postgres and worker together relays (bench/streams.py), so there longer requests sent in larger deltas keep the
+seats full at a rate the machine carries. Keys for ``--tenants`` tenants are made in
 Postgres. Then, on the pro tier:
 
 1. idle: a light tenant L alone, a short request (8 tokens) every 2 s: its TTFT p95 is the reference;

@@ -39,7 +39,7 @@ class ServiceProcess:
         assert self._proc is not None, f"{self.name} is not started"
         return self._proc.pid
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         out = open(self.log_path, "ab") if self.log_path else None
         try:
             self._proc = subprocess.Popen(

@@ -32,7 +32,6 @@ from switchyard.deploy.services import ServiceProcess, wait_until_ready
 from switchyard.migrations import apply_migrations
 from switchyard.shared.config import SwitchyardConfig, settings_env
 
-
 # The NATS user each command connects as (deploy/credentials.py): the jobs publish what the gateway's role may.
 _NATS_ROLES = {"gateway": "gateway", "jobs": "gateway", "worker": "worker"}
 

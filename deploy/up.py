@@ -74,7 +74,7 @@ API key (tenant `default`, also in the data dir's {KEY_FILE}): {api_key}
 print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hi!"}}]).choices[0].message.content)'
 
 Press Ctrl-C to stop.
-"""
+"""  # noqa: E501 - the commands are printed whole, to be pasted
 
 
 def default_models(config: SwitchyardConfig) -> list[ModelEntry]:

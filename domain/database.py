@@ -156,7 +156,7 @@ class Database:
 async def _within_turn_wait(acquire: Awaitable[bool]) -> None:
     try:
         await asyncio.wait_for(acquire, TURN_WAIT_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise DatabaseBusy from None
 
 
@@ -168,7 +168,7 @@ async def bounded(coro: Awaitable[T], timeout: float) -> T:
     if not done:
         task.cancel()
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" noise
-        raise asyncio.TimeoutError
+        raise TimeoutError
     return task.result()
 
 

@@ -31,7 +31,7 @@ class OpenAIError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_info(cls, info: ErrorInfo, headers: dict[str, str] | None = None) -> "OpenAIError":
+    def from_info(cls, info: ErrorInfo, headers: dict[str, str] | None = None) -> OpenAIError:
         return cls(info.status, info.message, type=info.type, code=info.code, param=info.param, headers=headers)
 
     def info(self) -> ErrorInfo:

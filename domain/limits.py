@@ -76,7 +76,7 @@ class Reservation:
 def _window(now: float) -> tuple[dt.datetime, float]:
     """The current fixed minute's start, and the seconds until it ends."""
     start = int(now // 60) * 60
-    return dt.datetime.fromtimestamp(start, tz=dt.timezone.utc), start + 60 - now
+    return dt.datetime.fromtimestamp(start, tz=dt.UTC), start + 60 - now
 
 
 def _previous_weight(reset_s: float) -> float:

@@ -23,18 +23,18 @@ def parse_time(value: str | None, default: dt.datetime, param: str) -> dt.dateti
         parsed = dt.datetime.fromisoformat(value)
     except ValueError:
         try:
-            parsed = dt.datetime.fromtimestamp(float(value), tz=dt.timezone.utc)
+            parsed = dt.datetime.fromtimestamp(float(value), tz=dt.UTC)
         except (ValueError, OverflowError, OSError):  # not a number, inf/nan, or past year 9999
-            raise OpenAIError(400, f"Invalid {param}: use an ISO date/time or unix seconds (a time between the years 1 and "
-                              "9999).", param=param, code="invalid_value") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+            raise OpenAIError(400, f"Invalid {param}: use an ISO date/time or unix seconds (a time between the "
+                              "years 1 and 9999).", param=param, code="invalid_value") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
 async def usage_rows(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str, start: str | None,
                      end: str | None, group_by: str) -> list[dict]:
     if group_by not in _GROUPS:
         raise OpenAIError(400, "group_by must be 'model' or 'day'.", param="group_by", code="invalid_value")
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     month_start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     start_at = parse_time(start, month_start, "start")
     end_at = parse_time(end, now + dt.timedelta(seconds=1), "end")

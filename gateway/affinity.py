@@ -93,7 +93,7 @@ class AffinityIndex:
             kv = await self._bucket()
             entry = await asyncio.wait_for(kv.get(key), _LOOKUP_TIMEOUT_S)
             return entry.value.decode() if entry.value else None
-        except (KeyNotFoundError, asyncio.TimeoutError):
+        except (TimeoutError, KeyNotFoundError):
             return None
         except Exception as exc:  # NATS away: placement is a hint, the request goes to the shared queue
             log.debug("affinity lookup failed: %r", exc)

@@ -19,9 +19,9 @@ from fastapi import FastAPI
 from switchyard.gateway.body_limit import BodySizeLimit
 from switchyard.gateway.client_watch import passing_stream_starts
 from switchyard.gateway.drain import CountInFlight
-from switchyard.gateway.rate_headers import RateLimitHeaders
 from switchyard.gateway.errors import install_error_handlers
 from switchyard.gateway.gatekeeper import Gatekeeper
+from switchyard.gateway.rate_headers import RateLimitHeaders
 from switchyard.gateway.request_ids import RequestIds
 from switchyard.gateway.routes import all_routers
 from switchyard.gateway.services import GatewayServices

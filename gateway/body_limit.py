@@ -53,7 +53,7 @@ class BodySizeLimit:
             deadline = deadline or time.monotonic() + timeout_s
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 refused = "time"
                 return end
             if message["type"] == "http.request":

@@ -36,7 +36,7 @@ class InFlightCounter:
         try:
             await asyncio.wait_for(idle(), timeout_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def add(self, n: int) -> None:

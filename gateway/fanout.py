@@ -19,7 +19,6 @@ import msgspec
 from switchyard.gateway.relay import RelayedRequest
 from switchyard.shared.messages import GenerateRequest, TokenDelta, Usage
 
-
 MERGE_QUEUE = 64  # deltas merged ahead of the reader
 
 class MergedRelay:

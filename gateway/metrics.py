@@ -14,8 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from switchyard.shared.gc_pauses import pause_histogram
 from switchyard.shared.messages import GenerateRequest, TokenDelta
-from switchyard.shared.metrics import (LATENCY_BUCKETS, LOOP_LAG_BUCKETS, REQUEST_BUCKETS,
-                                      TOKEN_INTERVAL_BUCKETS, name)
+from switchyard.shared.metrics import LATENCY_BUCKETS, LOOP_LAG_BUCKETS, REQUEST_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
 
 _LABELS = ("model", "tier")
 

@@ -11,7 +11,6 @@ Opening the inbox before publishing means no delta can be missed, however fast t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,8 +22,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from switchyard.domain.errors import OpenAIError, service_unavailable
 from switchyard.domain.publish import QueueFull, RequestPublisher
 from switchyard.gateway.failover import Failover
-from switchyard.gateway.token_router import DeltaInbox, TokenRouter
 from switchyard.gateway.liveness import WorkerLiveness
+from switchyard.gateway.token_router import DeltaInbox, TokenRouter
 from switchyard.shared import subjects
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode
 
@@ -147,12 +146,12 @@ class RelayedRequest:
             self._fallback = None
             try:
                 return self._checked(await self._next(max(0.01, at - time.time())))
-            except (NatsTimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, NatsTimeoutError):
                 await publish()  # the preferred worker did not take it soon: any worker may
         timeout = max(0.1, self.request.deadline_at + DEADLINE_GRACE_S - time.time())
         try:
             delta = await self._next(timeout)
-        except (NatsTimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, NatsTimeoutError):
             await self.cancel()
             raise service_unavailable(
                 "No worker took the request before its queue deadline; please retry.",
@@ -185,7 +184,7 @@ class RelayedRequest:
                 # Woken at least every idle tick (a second), so a dead worker is noticed without a message from it.
                 delta = await self._next(None)
                 heard_at = time.monotonic()
-            except (NatsTimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, NatsTimeoutError):
                 error = self._silence_error(time.monotonic() - heard_at)
                 if error is None:
                     continue

@@ -13,8 +13,15 @@ import msgspec
 
 from switchyard.domain.api.shapes import Kind, choice_json, usage_json
 from switchyard.gateway.logprobs import LogprobsFormatter
-from switchyard.shared.messages import (GenerateRequest, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, Usage,
-                                       add_tool_call_parts)
+from switchyard.shared.messages import (
+    GenerateRequest,
+    TokenDelta,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+    add_tool_call_parts,
+)
 
 
 @dataclass(slots=True)

@@ -39,10 +39,9 @@ from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.drain import InFlightCounter
 from switchyard.gateway.embeddings import EmbeddingService
 from switchyard.gateway.failover import Failover
-from switchyard.shared.gc_pauses import GcPauses
 from switchyard.gateway.liveness import WorkerLiveness
-from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.loop_lag import LoopLagProbe
+from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.responses_service import ResponseService
@@ -50,6 +49,7 @@ from switchyard.gateway.serving import CompletionService
 from switchyard.gateway.token_router import TokenRouter
 from switchyard.shared import nats_client
 from switchyard.shared.config import SwitchyardConfig
+from switchyard.shared.gc_pauses import GcPauses
 from switchyard.shared.jetstream import ensure_streams
 from switchyard.shared.tier_store import PolicyCache
 

@@ -180,7 +180,9 @@ class CompletionService:
                 await self._admission.settle(ticket, 0)  # never ran: whatever it holds goes back
                 raise
         except OpenAIError as exc:  # a request that could not start: flex says so its own way
-            raise flex_refusal(exc, self._config.retry_after_s) if ticket.service.is_flex else exc
+            if not ticket.service.is_flex:
+                raise
+            raise flex_refusal(exc, self._config.retry_after_s) from exc
         return relayed, first
 
     async def end(self, relayed, ticket: Ticket, outcome: Outcome, used_tokens: int | None,

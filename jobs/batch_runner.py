@@ -48,8 +48,8 @@ from switchyard.jobs.batch_lines import LineQueue
 from switchyard.jobs.batch_store import BatchStore
 from switchyard.jobs.consumer import consume_once
 from switchyard.shared import subjects
-from switchyard.shared.jetstream import ensure_batch_results_consumer
 from switchyard.shared.config import RequestLimits
+from switchyard.shared.jetstream import ensure_batch_results_consumer
 from switchyard.shared.messages import BatchResult, ErrorInfo
 
 log = logging.getLogger("switchyard.batch")
@@ -129,7 +129,7 @@ class BatchRunner:
                 if now >= next_check:
                     try:
                         await self._check_lost()
-                    except (OSError, asyncpg.PostgresError, APIError, NatsTimeoutError, asyncio.TimeoutError) as exc:
+                    except (TimeoutError, OSError, asyncpg.PostgresError, APIError, NatsTimeoutError) as exc:
                         log.warning("looking for lost batch lines failed: %s", exc)
                     next_check = now + CHECK_EVERY_S
         finally:
@@ -181,8 +181,7 @@ class BatchRunner:
                     await self._cancel(batch)
                 else:
                     await self._finalize(batch, "completed", "finalizing")
-            except (OSError, asyncpg.PostgresError, APIError, NatsTimeoutError, asyncio.TimeoutError,
-                    QueueUnavailable) as exc:
+            except (TimeoutError, OSError, asyncpg.PostgresError, APIError, NatsTimeoutError, QueueUnavailable) as exc:
                 log.warning("batch %s (%s): %s; retrying next tick", batch["id"], status, exc)
             except Exception:  # a bug must not stop the other batches (nor this process's leadership)
                 log.exception("batch %s (%s) failed a step; retrying next tick", batch["id"], status)
@@ -209,7 +208,7 @@ class BatchRunner:
             return
         except asyncio.CancelledError:
             raise
-        except (OSError, asyncio.TimeoutError, APIError, NatsTimeoutError, *OUTAGE_ERRORS) as exc:
+        except (TimeoutError, OSError, APIError, NatsTimeoutError, *OUTAGE_ERRORS) as exc:
             log.warning("batch %s (validating): %r; retrying next tick", batch_id, exc)
             return
         except Exception as exc:  # Postgres refused what the file holds, or a bug: the batch fails with why

@@ -11,7 +11,6 @@ served request is billed however odd its other fields) and keeps the original am
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -40,7 +39,7 @@ async def consume_once(js, sub, struct: type[T], write: Callable[[list[T]], Awai
     record the write refuses on its own can still be written."""
     try:
         msgs = await sub.fetch(batch=batch, timeout=timeout_s)
-    except (NatsTimeoutError, asyncio.TimeoutError):
+    except (TimeoutError, NatsTimeoutError):
         return
     records, good = [], []
     for msg in msgs:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-
 from collections.abc import AsyncIterator
 
 import asyncpg

@@ -16,9 +16,8 @@ import logging
 import math
 import time
 
-import msgspec
-
 import asyncpg
+import msgspec
 from nats.js import JetStreamContext
 
 from switchyard.domain.api.text import storable
@@ -46,7 +45,7 @@ ON CONFLICT (request_id) DO NOTHING
 
 
 def _row(r: UsageRecord) -> tuple:
-    created = dt.datetime.fromtimestamp(r.created_at, tz=dt.timezone.utc)
+    created = dt.datetime.fromtimestamp(r.created_at, tz=dt.UTC)
     return (
         r.request_id, r.model, r.tier, r.tenant_id, r.api_key_id, r.prompt_tokens, r.completion_tokens,
         r.cached_tokens, r.finish_reason, r.queue_ms, r.first_token_ms, r.total_ms, r.worker_id, created,

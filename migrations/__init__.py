@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import resources
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import asyncpg
 

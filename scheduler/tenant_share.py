@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-
 # Counters kept for tenants not queued now, at most: a returning tenant is lifted to the others anyway, so an
 # idle tenant's counter only matters while it is recent, and a worker sees tenants come and go for days.
 MAX_IDLE_COUNTERS = 1024

@@ -2,9 +2,9 @@
 
 | name                       | kind                         | carries                                   |
 |----------------------------|------------------------------|-------------------------------------------|
-| llm.req.<model>.<tier>.<tenant> | JetStream REQUESTS_<TIER> | GenerateRequest (work queue, capped per tier and per tenant) |
-| llm.aff.<worker>.<tier>    | JetStream AFFINITY, 5 min    | GenerateRequest for the worker holding its prefix (affinity.py) |
-| llm.tok.gw.<gateway_id>    | core NATS                    | RoutedDelta list: a step's deltas of one gateway's requests |
+| llm.req.<model>.<tier>.<tenant> | JetStream REQUESTS_<TIER> | GenerateRequest (work queue, capped per tier, tenant) |
+| llm.aff.<worker>.<tier>    | JetStream AFFINITY, 5 min    | GenerateRequest for the worker holding its prefix |
+| llm.tok.gw.<gateway_id>    | core NATS                    | RoutedDelta list: a step's deltas of one gateway |
 | llm.tok.<request_id>       | core NATS                    | TokenDelta, for a request that names no reply subject |
 | llm.cancel.<request_id>    | core NATS                    | empty body: stop this request             |
 | llm.usage                  | JetStream USAGE, limits      | UsageRecord (one per finished request)    |

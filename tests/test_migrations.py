@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import asyncpg
 import pytest
@@ -92,12 +92,12 @@ async def test_requests_defaults_and_key(database_url):
     tx = conn.transaction()
     await tx.start()
     try:  # rolled back at the end: the database is shared by the session
-        await conn.execute(insert, "req-1", datetime.now(timezone.utc))
+        await conn.execute(insert, "req-1", datetime.now(UTC))
         row = await conn.fetchrow("SELECT cached_tokens, recorded_at FROM requests WHERE request_id = 'req-1'")
         assert row["cached_tokens"] == 0
         assert row["recorded_at"] is not None
         with pytest.raises(asyncpg.UniqueViolationError):
-            await conn.execute(insert, "req-1", datetime.now(timezone.utc))
+            await conn.execute(insert, "req-1", datetime.now(UTC))
     finally:
         await tx.rollback()
         await conn.close()

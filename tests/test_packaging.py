@@ -63,8 +63,8 @@ def test_every_module_imports_from_the_install_alone(wheel, tmp_path):
             "    if m.name != 'switchyard.__main__' and not m.name.rsplit('.', 1)[1].startswith('_c_'):\n"
             "        __import__(m.name)\n"
             "outside = [n for n, m in sys.modules.items() if n.split('.')[0] == 'switchyard'\n"
-            "           and not (m.__file__ or '').startswith(%r)]\n"
-            "assert not outside, outside\n" % str(target))
+            f"           and not (m.__file__ or '').startswith({str(target)!r})]\n"
+            "assert not outside, outside\n")
     env = {**os.environ, "PYTHONPATH": str(target)}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env=env)
     help_text = subprocess.run([sys.executable, "-m", "switchyard", "--help"], check=True, cwd=tmp_path, env=env,

@@ -22,7 +22,8 @@ from switchyard.domain.database import Database, DatabaseUnavailable
 from switchyard.domain.errors import OpenAIError
 
 RESERVE_SQL = """
-INSERT INTO budget_months AS b (tenant_id, month, reserved) SELECT $1, $4::date, $2::bigint WHERE $2::bigint <= $3::bigint
+INSERT INTO budget_months AS b (tenant_id, month, reserved)
+    SELECT $1, $4::date, $2::bigint WHERE $2::bigint <= $3::bigint
 ON CONFLICT (tenant_id, month) DO UPDATE SET reserved = b.reserved + EXCLUDED.reserved
     WHERE b.billed + b.reserved + EXCLUDED.reserved <= $3::bigint
 RETURNING billed + reserved
@@ -33,7 +34,7 @@ RELEASE_SQL = ("UPDATE budget_months SET reserved = greatest(reserved - $3, 0) W
 
 
 def _month_start() -> dt.date:
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     return dt.date(now.year, now.month, 1)
 
 

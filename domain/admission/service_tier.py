@@ -1,11 +1,11 @@
 """Admission policy: OpenAI's ``service_tier`` on this platform's tiers, which tier runs a request and what the
 response says.
 
-| asked                 | runs on                          | response says | limits                                        |
-|-----------------------|----------------------------------|---------------|-----------------------------------------------|
-| (none), auto, default | the key's tenant's tier          | default       | the tier's queue and wait                     |
-| flex                  | the low (batch) tier             | flex          | up to ``flex_wait_s``; can't run soon: 429    |
-| priority              | the top (enterprise) tier        | priority      | only where the tenant's plan allows it (403)  |
+| asked                 | runs on                   | response says | limits                                       |
+|-----------------------|---------------------------|---------------|----------------------------------------------|
+| (none), auto, default | the key's tenant's tier   | default       | the tier's queue and wait                    |
+| flex                  | the low (batch) tier      | flex          | up to ``flex_wait_s``; can't run soon: 429   |
+| priority              | the top (enterprise) tier | priority      | only where the tenant's plan allows it (403) |
 
 Flex is billed at the batch tier's price (jobs/usage_writer.py discounts the ``batch`` tier), shares the batch
 tier's seats (it yields to interactive work, as batch lines do), and answers 429 ``resource_unavailable`` when it

@@ -11,8 +11,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from switchyard.domain.api.fields import (MAX_TOOLS, INT32_MAX, Name, SamplingFields, Strict, check_metadata,
-                                          refuse_given, unsupported)
+from switchyard.domain.api.fields import (
+    INT32_MAX,
+    MAX_TOOLS,
+    Name,
+    SamplingFields,
+    Strict,
+    check_metadata,
+    refuse_given,
+    unsupported,
+)
 from switchyard.domain.api.text import StoredText
 from switchyard.shared.messages import ChatMessage, ResponseFormat, SamplingParams, ToolCall, ToolSpec, ToolUse
 
@@ -52,7 +60,7 @@ class ResponseFormatIn(Strict):
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self) -> "ResponseFormatIn":
+    def _schema_with_its_type(self) -> ResponseFormatIn:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is required with type json_schema, and only with it")
         return self
@@ -95,7 +103,7 @@ class ChatMessageIn(BaseModel):
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _tool_fields_where_they_belong(self) -> "ChatMessageIn":
+    def _tool_fields_where_they_belong(self) -> ChatMessageIn:
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.tool_calls and self.role != "assistant":
@@ -144,7 +152,7 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_retention: str | None = None
 
     @model_validator(mode="after")
-    def _checks(self) -> "ChatCompletionRequest":
+    def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         check_metadata(self.metadata)

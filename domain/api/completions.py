@@ -10,7 +10,6 @@ from pydantic import Field, field_validator, model_validator
 from switchyard.domain.api.fields import INT32_MAX, MAX_N, MAX_PROMPTS, SamplingFields, unsupported
 from switchyard.shared.messages import SamplingParams
 
-
 Prompt = str | list[int]
 
 
@@ -36,7 +35,7 @@ class CompletionRequest(SamplingFields):
         return v
 
     @model_validator(mode="after")
-    def _checks(self) -> "CompletionRequest":
+    def _checks(self) -> CompletionRequest:
         if self.suffix:  # an empty suffix asks for nothing
             raise unsupported("suffix", "suffix is not supported: the models served here have no fill-in-the-"
                                         "middle mode.")

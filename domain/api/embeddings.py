@@ -26,7 +26,7 @@ class EmbeddingRequest(Strict):
     user: str | None = Field(None, max_length=256)
 
     @model_validator(mode="after")
-    def _checks(self) -> "EmbeddingRequest":
+    def _checks(self) -> EmbeddingRequest:
         inputs = self._inputs()
         if not inputs:
             raise unsupported("input", "input must not be empty.")

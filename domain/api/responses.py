@@ -12,8 +12,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from switchyard.domain.api.chat import FunctionDefinition, FunctionName
-from switchyard.domain.api.fields import (INT32_MAX, MAX_TOOLS, Name, Strict, check_metadata, refuse_given,
-                                          unsupported, validated)
+from switchyard.domain.api.fields import (
+    INT32_MAX,
+    MAX_TOOLS,
+    Name,
+    Strict,
+    check_metadata,
+    refuse_given,
+    unsupported,
+    validated,
+)
 from switchyard.domain.api.response_items import item_text, parse_input
 from switchyard.domain.api.text import StoredText
 from switchyard.shared.messages import ResponseFormat, SamplingParams, ToolSpec, ToolUse
@@ -37,7 +45,7 @@ class TextFormat(Strict):
     strict: bool | None = None
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self) -> "TextFormat":
+    def _schema_with_its_type(self) -> TextFormat:
         if (self.type == "json_schema") != (self.schema_ is not None and self.name is not None):
             raise ValueError("name and schema are required with type json_schema, and only with it")
         return self
@@ -99,7 +107,7 @@ class ResponseCreate(Strict):
     _choice: tuple[str, str | None] = PrivateAttr(("auto", None))
 
     @model_validator(mode="after")
-    def _checks(self) -> "ResponseCreate":
+    def _checks(self) -> ResponseCreate:
         self._items = parse_input(self.input)
         self._tools = [self._function_tool(i, t) for i, t in enumerate(self.tools or ())]
         names = [t.name for t in self._tools]

@@ -29,8 +29,8 @@ from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
 from switchyard.gateway.admission import admit, admit_call, authenticated, counted, request_ticket
 from switchyard.gateway.client_watch import until_gone
-from switchyard.gateway.serving import Outcome
 from switchyard.gateway.services import GatewayServices
+from switchyard.gateway.serving import Outcome
 from switchyard.shared.messages import ChatMessage, ConversationTurn
 
 
@@ -55,7 +55,7 @@ class TurnRequest(ChatCompletionRequest):
     messages: list = Field(default_factory=list, exclude=True)  # not accepted here: the server has the history
 
     @model_validator(mode="after")
-    def _tool_result_names_its_call(self) -> "TurnRequest":
+    def _tool_result_names_its_call(self) -> TurnRequest:
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
         if self.messages:

@@ -62,7 +62,7 @@ def _api_key(args: argparse.Namespace) -> str:
     try:
         return path.read_text().strip()
     except OSError:
-        raise SystemExit(f"no API key: pass --api-key, set OPENAI_API_KEY, or start `switchyard up` ({path})")
+        raise SystemExit(f"no API key: pass --api-key, set OPENAI_API_KEY, or start `switchyard up` ({path})") from None
 
 
 def cmd_batch(args: argparse.Namespace) -> int:

@@ -10,8 +10,7 @@ import sys
 from switchyard.cli.batch import add_batch_parser
 from switchyard.cli.models import cmd_models
 from switchyard.cli.ops import cmd_keys, cmd_tenants, cmd_tiers, cmd_usage
-from switchyard.cli.options import (add_common_flags, add_embedding_flags, add_http_flags, add_model_flags,
-                                    load_config)
+from switchyard.cli.options import add_common_flags, add_embedding_flags, add_http_flags, add_model_flags, load_config
 from switchyard.cli.serve import cmd_gateway, cmd_jobs, cmd_migrate, cmd_up, cmd_worker
 from switchyard.cli.top import cmd_top
 from switchyard.shared.logs import configure_logging

@@ -34,11 +34,11 @@ from switchyard.deploy.launcher import NatsServer
 from switchyard.deploy.processes import pid_alive
 from switchyard.deploy.system import LocalSystem
 from switchyard.deploy.up import RUN_FILE, write_run_file
-from switchyard.shared import nats_client, subjects
 from switchyard.domain.queues import billing_lag, queue_state
+from switchyard.shared import nats_client, subjects
+from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
 from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams, ensure_usage_consumer
 from switchyard.shared.messages import GenerateRequest, SamplingParams, UsageRecord, encode
-from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
 from tests.support.system import free_port, make_key, poll
 from tests.support.tiny_model import save_tiny_model
 
@@ -57,7 +57,7 @@ async def _received(sub, timeout: float = 0.5) -> bool:
     try:
         await sub.next_msg(timeout=timeout)
         return True
-    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+    except (TimeoutError, nats.errors.TimeoutError):
         return False
 
 

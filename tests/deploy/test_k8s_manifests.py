@@ -20,8 +20,18 @@ import yaml
 
 from switchyard.shared.config import GatewayConfig, VllmSettings, WorkerConfig
 from tests.deploy.manifest_checks import (
-    K8S, by_kind, container_port, containers, env_value, image_has_tag, is_setting, kubectl, kustomize,
-    load_yaml_documents, pod_spec, validate_object,
+    K8S,
+    by_kind,
+    container_port,
+    containers,
+    env_value,
+    image_has_tag,
+    is_setting,
+    kubectl,
+    kustomize,
+    load_yaml_documents,
+    pod_spec,
+    validate_object,
 )
 
 OVERLAYS = ("cpu", "gpu")

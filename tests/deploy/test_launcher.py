@@ -127,7 +127,7 @@ def test_nats_start_failure_reports_log(server_dir):
         with pytest.raises(ServerStartError, match="(?i)address already in use"):
             server.start()
     with pytest.raises(RuntimeError, match="not started"):
-        server.pid
+        _ = server.pid
 
 
 async def test_nats_restart_keeps_streams(server_dir):

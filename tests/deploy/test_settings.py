@@ -9,8 +9,18 @@ import pytest
 
 from switchyard.cli.main import build_parser
 from switchyard.cli.options import load_config
-from switchyard.shared.config import (ENV_PREFIX, GatewayConfig, ModelEntry, RequestLimits, RouteRule, SafetyConfig,
-                                     SwitchyardConfig, VllmSettings, WorkerConfig, settings_env)
+from switchyard.shared.config import (
+    ENV_PREFIX,
+    GatewayConfig,
+    ModelEntry,
+    RequestLimits,
+    RouteRule,
+    SafetyConfig,
+    SwitchyardConfig,
+    VllmSettings,
+    WorkerConfig,
+    settings_env,
+)
 
 # A value for every field of the gateway and worker sections, each different from its default.
 WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l3"], dtype="float32", device="cpu",
@@ -19,7 +29,8 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               enable_prefix_caching=False, cuda_graphs=False, heartbeat_s=1.5, torch_threads=3, omp_spin_count=20_000,
               batch_seqs_when_busy=4, interactive_busy_s=2.5, drain_timeout_s=12.0, metrics_host="0.0.0.0",
               metrics_port=9400, engine="vllm", simulated_tokens_per_s=40.0,
-              simulated_prefill_us_per_token=5.0, simulated_output_tokens=64, simulated_tokens_per_delta=4, simulated_step_ms=20.0,
+              simulated_prefill_us_per_token=5.0, simulated_output_tokens=64, simulated_tokens_per_delta=4,
+              simulated_step_ms=20.0,
               vllm=VllmSettings(tensor_parallel_size=2, quantization="fp8", speculative_config={"method": "ngram"},
                                 engine_args={"seed": 3}, python=Path(sys.executable)),
               prepare_threads=3, grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536, status_token="scrape-token")

@@ -89,7 +89,7 @@ async def test_a_connection_left_inside_a_transaction_or_after_a_failed_one_goes
         with pytest.raises(ZeroDivisionError):
             async with pool.acquire() as conn, conn.transaction():
                 await conn.execute("INSERT INTO t_kept VALUES (2)")
-                1 / 0
+                raise ZeroDivisionError("inside the transaction")
         async with pool.acquire() as conn:
             assert not conn.is_in_transaction()
             assert await conn.fetchval("SELECT count(*) FROM t_kept") == 0  # both transactions were undone

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from switchyard.domain.errors import OpenAIError
 from switchyard.domain.admission.routing import Router, difficulty
+from switchyard.domain.errors import OpenAIError
 from switchyard.shared.config import GatewayConfig, RouteRule
 
 EASY = ["hi there", "thanks!", "What's your name?", "tell me a joke"]

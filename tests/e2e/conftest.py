@@ -22,7 +22,7 @@ from tests.support.tiny_model import save_tiny_model
 TINY = "tiny"
 TINY_CONTEXT = 4096
 ADMIN_KEY = "test-admin-key"
-_running_system: "System | None" = None  # for failure reports of tests that use only `system` or `client`
+_running_system: System | None = None  # for failure reports of tests that use only `system` or `client`
 
 
 

@@ -74,7 +74,7 @@ def _wait_ready(proc, data: Path, base: str, models: list[str], timeout_s: float
 
 
 def _agent(base: str, key: str, calls: list[str], stream: bool = False):
-    from agents import (Agent, ModelSettings, function_tool, set_default_openai_client, set_tracing_disabled)
+    from agents import Agent, ModelSettings, function_tool, set_default_openai_client, set_tracing_disabled
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # traces would go to OpenAI's servers

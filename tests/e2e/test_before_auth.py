@@ -86,7 +86,7 @@ async def test_a_body_trickled_in_is_cut_at_its_deadline(gate, new_key):
             sock.sendall(bytes([byte]))
             try:
                 answered = sock.recv(65536, socket.MSG_PEEK)
-            except (socket.timeout, BlockingIOError):
+            except (TimeoutError, BlockingIOError):
                 continue
             if answered:
                 break

@@ -82,7 +82,8 @@ async def test_a_worker_error_mid_stream_ends_it_with_response_failed_carrying_t
     assert failed["status"] == "failed" and failed["error"]["code"] == "worker_lost"
     assert failed["output"][0]["content"][0]["text"] == "Hel"  # what was streamed, closed as incomplete
     (record,) = store.saved
-    assert record.status == "failed" and record.conversation_messages == []  # a failed reply adds nothing to a conversation
+    # a failed reply adds nothing to a conversation
+    assert record.status == "failed" and record.conversation_messages == []
     assert relay.used_tokens == 4  # what the worker's last word says it ran
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
@@ -23,7 +23,7 @@ async def make_batch(pool, custom_ids: list[str], content: str = "hi") -> tuple[
         await conn.execute(
             "INSERT INTO batches (id, tenant_id, input_file_id, endpoint, completion_window, status, in_progress_at, "
             "expires_at) VALUES ($1, $2, 'file-x', '/v1/chat/completions', '24h', 'in_progress', now(), $3)",
-            batch_id, tenant_id, datetime.now(timezone.utc) + timedelta(hours=24))
+            batch_id, tenant_id, datetime.now(UTC) + timedelta(hours=24))
         for i, custom_id in enumerate(custom_ids, 1):
             request_ids[custom_id] = f"req-{secrets.token_hex(8)}"
             body = {"model": "m", "messages": [{"role": "user", "content": content}]}

@@ -6,11 +6,15 @@ from __future__ import annotations
 import gc
 
 import pytest
-
 from prometheus_client import CollectorRegistry, Histogram
 
-from switchyard.shared.gc_pauses import (GATEWAY_THRESHOLDS, GcPauses, freeze_startup_objects, pause_histogram,
-                                         startup_frozen)
+from switchyard.shared.gc_pauses import (
+    GATEWAY_THRESHOLDS,
+    GcPauses,
+    freeze_startup_objects,
+    pause_histogram,
+    startup_frozen,
+)
 
 
 def _full_collections(histogram: Histogram) -> tuple[float, float]:

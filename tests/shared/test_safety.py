@@ -10,8 +10,15 @@ import pytest
 
 from switchyard.shared.config import SafetyConfig
 from switchyard.shared.profanity import WINDOW_WORDS, load_classifier
-from switchyard.shared.safety import (PROFANITY, DefaultFilter, RuleSet, default_filter, filter_for, rule_patterns,
-                                      wire_policy)
+from switchyard.shared.safety import (
+    PROFANITY,
+    DefaultFilter,
+    RuleSet,
+    default_filter,
+    filter_for,
+    rule_patterns,
+    wire_policy,
+)
 
 TEXTS = ["Hello there, how are you?", "you are a fucking idiot", "what the hell", "I love my cat", "shit",
          "assassin classes", "Scunthorpe", "The bomb squad arrived", "sex education in schools",

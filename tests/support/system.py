@@ -6,8 +6,8 @@ import asyncio
 import json
 import os
 import time
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import asyncpg
@@ -15,8 +15,8 @@ import httpx
 import nats
 
 from switchyard.deploy.processes import free_port
-from switchyard.domain.tenancy import create_key, create_tenant
 from switchyard.domain.queues import billing_lag
+from switchyard.domain.tenancy import create_key, create_tenant
 from switchyard.shared import subjects
 from switchyard.shared.messages import TokenDelta, decode, decode_routed
 

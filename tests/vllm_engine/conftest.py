@@ -72,7 +72,8 @@ def request_of():
              tier: str = "pro", tenant: str = "t1", request_id: str | None = None, **fields) -> GenerateRequest:
         wire = {k: fields.pop(k) for k in list(fields) if k in GenerateRequest.__struct_fields__}
         return GenerateRequest(request_id or f"v-{uuid.uuid4().hex[:8]}", "smollm2", tier, SamplingParams(**fields),
-                               0.0, 0.0, prompt=prompt, messages=None if prompt is not None else [ChatMessage("user", content)],
+                               0.0, 0.0, prompt=prompt,
+                               messages=None if prompt is not None else [ChatMessage("user", content)],
                                tenant_id=tenant, **wire)
 
     return make

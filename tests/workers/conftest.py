@@ -6,7 +6,6 @@ SmolLM2 is pulled once into ``$SWITCHYARD_DATA_DIR/models`` when that is set, el
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from itertools import count

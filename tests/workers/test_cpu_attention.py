@@ -182,7 +182,7 @@ def test_infinite_scores_get_no_weight_as_in_sdpa(kernel):
     heads, kv_heads = shape[0], shape[1]
     group = heads // kv_heads
     row = chunks[0][1]  # decodes follow the prefill's rows
-    for start, n, table in chunks[1:]:
+    for _start, _n, table in chunks[1:]:
         for h in range(kv_heads):
             q[row, h * group : (h + 1) * group] = q[row, h * group]  # the group's heads ask the same question
             k_cache[table[0], 0, h] = -3e38 * torch.sign(q[row, h * group])

@@ -11,8 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from switchyard.shared.messages import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams, ToolSpec, \
-    ToolUse
+from switchyard.shared.messages import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams, ToolSpec, ToolUse
 from switchyard.workers.engine.engine import Engine, EngineConfig
 from switchyard.workers.engine.prompts import RequestRejected
 from switchyard.workers.model_store import load

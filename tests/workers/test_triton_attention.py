@@ -19,7 +19,6 @@ from switchyard.workers.executor.attention.triton_paged import (  # noqa: E402
     num_decode_splits,
     split_size,
 )
-
 from tests.support.triton_devices import NOT_INTERPRETED, interpreted  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,8 +1,8 @@
 """The engine's settings, and what they come to for its scheduler.
 
-    WorkerConfig (shared/config.py, an EngineSettings) ──from_settings──▶ EngineConfig ──scheduler_config──▶ SchedulerConfig
-         every EngineSettings field, by name                 + what the model and the device decide:
-         (the KV cache given in GiB, taken in bytes)           the context, the number of KV blocks
+    WorkerConfig (shared/config.py) ──from_settings──▶ EngineConfig ──scheduler_config──▶ SchedulerConfig
+      every EngineSettings field, by name        + what the model and the device decide:
+      (the KV cache given in GiB, taken in bytes)  the context, the number of KV blocks
 
 Settings travel whole: a field goes from one to the next by its name, so a new setting is declared where it is
 set and where it is used, and nothing in between copies it by hand.

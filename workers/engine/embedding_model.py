@@ -118,7 +118,7 @@ class EmbeddingModel(EmbeddingInputs):
         self.pad_id = tokenizer.pad_token_id or 0
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu") -> "EmbeddingModel":
+    def load(cls, path: str | Path, device: str = "cpu") -> EmbeddingModel:
         """The model in ``path`` (never the network), in float32: the vectors must match the reference's."""
         from transformers import AutoModel, AutoTokenizer
 

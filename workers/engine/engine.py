@@ -189,9 +189,9 @@ class Engine:
         self._pending.extend(self._end_request(state, status, error))
         return True
 
-    def _end_request(self, state: RequestState, status: RequestStatus, error: ErrorInfo | None = None) -> list[TokenDelta]:
-        """End every choice of a request that has not finished yet (held ones too) with ``status``; returns their
-        finals."""
+    def _end_request(self, state: RequestState, status: RequestStatus,
+                     error: ErrorInfo | None = None) -> list[TokenDelta]:
+        """End every unfinished choice of a request (held ones too) with ``status``; returns their finals."""
         held, state.held = state.held, []
         live = held + [seq for seq_id in state.seq_ids
                        if (seq := self.scheduler.abort_request(seq_id, status)) is not None]

@@ -1,8 +1,8 @@
 """Turn a batch of next-token logits into token ids, each row under its own request's sampling parameters.
 
-Order, as in vLLM and HF: logit bias → penalties → grammar mask → temperature → top-k → top-p → min-p → draw. Filtering is vectorised over
-the batch; only the uniforms are per row, because each seeded request owns a ``random.Random`` and must get the
-same tokens whatever else shares its batch.
+Order, as in vLLM and HF: logit bias → penalties → grammar mask → temperature → top-k → top-p → min-p → draw.
+Filtering is vectorised over the batch; only the uniforms are per row, because each seeded request owns a
+``random.Random`` and must get the same tokens whatever else shares its batch.
 
 The draw is the inverse CDF: the first token whose cumulative probability exceeds the row's uniform. The uniforms
 are made on the host, so nothing here waits for the device.

@@ -10,10 +10,11 @@ its step loop (how many batch sequences the next step runs) both ask for.
 
 A request being prepared (tokenized, its grammar compiled) takes a seat already, and its tenant is not pulled for
 until it is ready: one tenant's slow prompts hold one prepare thread and that tenant's own backlog, which stays
-in JetStream, never the other tenants' turns. With free seats every tier may be pulled. With every seat taken, only what the engine would give a running
-request's seat to (the same seat rule its scheduler follows): a tier more important than the least important one
-running, and in that tier the tenants two seats behind the one holding the most, so a pro request never waits in
-JetStream for a free one to finish and one tenant's flood cannot keep the others out of the batch; at most
+in JetStream, never the other tenants' turns. With free seats every tier may be pulled. With every seat taken,
+only what the engine would give a running request's seat to (the same seat rule its scheduler follows): a tier
+more important than the least important one running, and in that tier the tenants two seats behind the one
+holding the most, so a pro request never waits in JetStream for a free one to finish and one tenant's flood cannot
+keep the others out of the batch; at most
 ``max_num_seqs // 8`` of them wait in the engine at once. Batch requests are pulled only while the background
 policy lets batch hold another seat.
 """

@@ -74,7 +74,7 @@ class ConsumerPulls:
             await self._nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", NEXT_ONE,
                                    reply=f"{self._prefix}.{token}")
             msg = await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         finally:
             if self._waiting.get(key) is future:

@@ -36,9 +36,9 @@ from switchyard.shared import nats_client, subjects
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
 from switchyard.shared.messages import WorkerInfo
-from switchyard.workers.service.engines import is_test_double
 from switchyard.workers.engine.interface import ServingEngine
 from switchyard.workers.service.capacity import Capacity, background_policy
+from switchyard.workers.service.engines import is_test_double
 from switchyard.workers.service.held import HeldRequests
 from switchyard.workers.service.intake import Intake
 from switchyard.workers.service.liveness import Liveness

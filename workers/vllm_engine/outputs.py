@@ -100,5 +100,5 @@ class ChoiceRun:
 def _logprob(entry, token_id: int, num_top: int, texts: TokenLogprobs) -> TokenLogprob:
     """vLLM's logprobs of one position (token id -> Logprob with its rank) as ours: the sampled token's, and the
     ``num_top`` most likely, most likely first."""
-    top = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= num_top))
+    top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= num_top)
     return TokenLogprob(texts.text(token_id), entry[token_id].logprob, [(texts.text(tid), v) for _, tid, v in top])

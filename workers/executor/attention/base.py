@@ -17,8 +17,9 @@ Everything that depends only on the step's shape (slots, positions, block tables
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

@@ -11,8 +11,8 @@ where the decode kernel cannot be, ``make_attention`` keeps the SDPA backend.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

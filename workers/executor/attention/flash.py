@@ -9,8 +9,8 @@ when a sequence has fewer queries than keys, which is exactly "query i sees posi
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

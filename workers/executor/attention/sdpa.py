@@ -11,8 +11,8 @@ chunks get one call each, with a causal mask offset by the chunk's start positio
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -10,8 +10,8 @@ CUDA graph captured (``DecodeBuffers``, see ``executor.cuda_graphs``); the kerne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
