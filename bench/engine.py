@@ -223,8 +223,14 @@ def run_scenario(name, args, dtype, rate):
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tok = model_store.load(model_store.pull("smollm2", args.cache_dir or SwitchyardConfig().model_cache_dir),
-                                  dtype=dtype, device="cpu")
+    model_dir = model_store.pull("smollm2", args.cache_dir or SwitchyardConfig().model_cache_dir)
+    t0 = time.perf_counter()
+    model, tok = model_store.load(model_dir, dtype=dtype, device="cpu")
+    load_s = time.perf_counter() - t0
+    return [{**r, "load_s": load_s} for r in run_loaded(name, model, tok, args, rate)]
+
+
+def run_loaded(name, model, tok, args, rate):
     reqs = workload(tok, args)
     if name == "engine_t0":
         return [run_engine(name, model, tok, reqs, [0.0] * len(reqs), args)]
@@ -294,6 +300,8 @@ def report(results):
         if r.get("split"):
             parts = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["split"].items(), key=lambda kv: -kv[1]))
             lines.append(f"- {r['scenario']}: {r['steps']} steps; {parts}")
+    loads = ", ".join(f"{r['scenario']} {r['load_s']:.1f} s" for r in results if "load_s" in r)
+    lines.append(f"\nModel load (the converted directory to a model, in each scenario's process): {loads}.")
     checks = []
     if "engine_t0" in by and "hf_static" in by:
         e, h = by["engine_t0"], by["hf_static"]

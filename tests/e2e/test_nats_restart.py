@@ -4,8 +4,6 @@ process restarted by hand."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from switchyard.deploy.launcher import NatsServer
@@ -43,7 +41,6 @@ async def test_gateway_and_worker_recover_by_themselves_when_nats_restarts(datab
             assert away.status_code == 503 and away.json()["error"]["code"], away.text
 
             server = NatsServer(store, port=port).start()
-            back_at = time.monotonic()
             statuses = []
 
             async def attempt():
@@ -53,12 +50,10 @@ async def test_gateway_and_worker_recover_by_themselves_when_nats_restarts(datab
 
             ok = await poll(attempt, lambda r: r.status_code == 200, timeout_s=30, interval_s=0.25,
                             what="a request served after NATS came back")
-            # Meanwhile: "retry" (503), never "no such model" (404) nor a 500.
+            # Meanwhile: "retry" (503), never "no such model" (404) nor a 500. How soon it serves again is
+            # bench/chaos.py's to measure (nats-restart); the poll's deadline only ends a test that never recovers.
             assert all(status in (200, 503) for status, _ in statuses), statuses
-            recovered_s = time.monotonic() - back_at
-            print(f"serving again {recovered_s:.2f} s after NATS returned")
             assert ok.json()["usage"]["completion_tokens"] == 3
-            assert recovered_s < 10, f"serving again {recovered_s:.1f} s after NATS returned"
             assert (await http.get("/readyz")).status_code == 200
     finally:
         system.stop()

@@ -129,12 +129,15 @@ async def test_a_client_that_stops_reading_is_ended_within_its_bounds(bound):
 
 
 async def test_the_server_stopping_still_cancels_the_request():
+    streaming = asyncio.Event()
+
     async def send(message):
-        pass
+        if message["type"] == "http.response.body":
+            streaming.set()
 
     body = Body()
     task = asyncio.ensure_future(stream(body)({"type": "http"}, never_leaves, send))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(streaming.wait(), 10)  # cancelled mid-stream, as a stopping server cancels it
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -48,10 +46,8 @@ def test_smollm2_pull_load_and_answer(smollm2_dir, make_request):
     assert is_pulled("smollm2", smollm2_dir.parent)
     assert resolve("smollm2", smollm2_dir.parent, pull_missing=False) == smollm2_dir
 
-    t0 = time.perf_counter()
+    # How long the load takes is bench/engine.py's to report ("Model load"), not a test's on a shared machine.
     model, tokenizer = load(smollm2_dir, dtype="bfloat16", device="cpu")
-    load_s = time.perf_counter() - t0
-    assert load_s < 10, f"loading the converted directory took {load_s:.1f} s"
 
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
     assert model.config.max_position_embeddings == 8192
