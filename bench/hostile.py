@@ -1,7 +1,7 @@
 """A tenant whose prompts are slow to prepare, and what it costs another tenant on the same worker: the victim's
 time to first token idle and under attack, in pairs close in time (tests/support/slow_prompts.py).
 
-    .venv/bin/python bench/hostile.py                          # both attacks, 24 pairs each, about 3 minutes
+    .venv/bin/python bench/hostile.py                          # both attacks, 24 pairs each, ~6 min on 2 cores
     .venv/bin/python bench/hostile.py --attack "2048 messages" --pairs 48
 
 It starts its own system in a temp dir: embedded NATS and Postgres, one worker of the tiny random test model
