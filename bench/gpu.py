@@ -53,6 +53,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "bench":
     sys.path.pop(0)
 sys.path.append(str(ROOT))
 from bench.gpu_parts import Profile, Report, run_part  # noqa: E402
+from bench.local import cpu_name, lscpu  # noqa: E402
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 
 PARTS = ("device", "decode", "prefill", "tiny", "serving", "smollm2")
@@ -89,20 +90,11 @@ def dry_run_profile() -> Profile:
         smollm2_dtypes=(("float32", "triton"), ("bfloat16", None)), tiny_dtypes=(("float32", "triton"),))
 
 
-def host_cpu() -> str:
-    """The host CPU's model name; prints lscpu."""
-    import subprocess
-
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    print(lscpu, flush=True)
-    return next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "?")
-
-
 def heading(profile: Profile, dry_run: bool) -> str:
-    """The section's heading, naming the device (and the host CPU, which stages every step)."""
+    """The section's heading, naming the device (and the host CPU, which stages every step); prints lscpu."""
     import subprocess
 
-    cpu = host_cpu()
+    cpu = cpu_name(lscpu())
     if dry_run:
         return (f"## GPU harness dry run on CPU ({cpu}, {os.cpu_count()} cores); torch {torch.__version__}\n\n"
                 f"`{command_line()}`")
@@ -117,20 +109,17 @@ def compile_only(args) -> int:
     """Compile every Triton kernel the engine launches for real GPUs, here, without one (bench/triton_aot.py)."""
     import triton
 
-    from bench.triton_aot import FAMILIES, TARGETS, compile_all
+    from bench.triton_aot import FAMILIES, compile_all
 
     lines = [f"## Triton kernels compiled ahead of time, no GPU: Triton {triton.__version__}, torch "
-             f"{torch.__version__}, on {host_cpu()} ({os.cpu_count()} cores)\n\n`{command_line()}`"]
+             f"{torch.__version__}, on {cpu_name(lscpu())} ({os.cpu_count()} cores)\n\n`{command_line()}`"]
     rows, failed, started = [], [], time.perf_counter()
     for result in compile_all(args.families or tuple(FAMILIES), jobs=args.jobs):
-        limit = TARGETS[result.target][1]
-        verdict = ("ok" if result.ok else f"**FAIL** {result.error}" if result.error else
-                   f"**FAIL** needs {result.shared_bytes} bytes of shared memory, {result.target} has {limit}")
         rows.append((result.family, result.dtype, result.target, result.kernel.strip("_"), f"{result.seconds:.1f}",
                      f"{result.shared_bytes / 1024:.0f}", result.registers, result.spill_bytes,
-                     f"{result.cubin_bytes / 1024:.0f}", verdict))
+                     f"{result.cubin_bytes / 1024:.0f}", f"**FAIL** {result.problem}" if result.problem else "ok"))
         print(" | ".join(map(str, rows[-1])), flush=True)
-        if not result.ok:
+        if result.problem:
             failed.append(rows[-1])
     lines.append(markdown_table(("family", "dtype", "target", "kernel", "compile s", "shared KiB", "registers",
                                  "spilled bytes", "cubin KiB", "result"), rows))

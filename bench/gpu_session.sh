@@ -59,12 +59,12 @@ case "$call" in
     [[ -f $repo/.gpu/smollm2-1/part ]] && cp "$repo/.gpu/smollm2-1/part" "$stash/smollm2-1.part"
     # Most of the tests' time is Triton compiling each shape's kernels: in four processes where pytest-xdist is
     # there (the GPU image has it).
-    parallel=()
-    "$py" -c "import xdist" 2>/dev/null && parallel=(-n 4)
+    how=()
+    "$py" -c "import xdist" 2>/dev/null && how=(-n 4)
     # A rehearsal only collects them, as the GPU machine would (its CPU twins run in the suite itself).
-    [[ -n $rehearsal ]] && parallel=(--collect-only)
+    [[ -n $rehearsal ]] && how=(--collect-only)
     step tests 150 "$py" -m pytest --rootdir "$repo" -c "$repo/pyproject.toml" --noconftest -p no:cacheprovider \
-      "${parallel[@]}" -q -rs "$repo/tests/workers/test_triton_attention.py" \
+      "${how[@]}" -q -rs "$repo/tests/workers/test_triton_attention.py" \
       "$repo/tests/workers/test_cuda_engine.py" "$repo/tests/workers/test_sampling.py"
     step floors "$(left 5)" "$py" "$repo/bench/gpu.py" "${dry[@]}" --parts device decode prefill tiny --out "$out" \
       --results - ;;

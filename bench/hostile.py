@@ -22,31 +22,28 @@ import asyncio
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.local import cpu_name, local_system, lscpu, unlimited_keys  # noqa: E402
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 from tests.support.slow_prompts import ATTACKS, bearer, measure_pairs  # noqa: E402
-from tests.support.system import free_port, make_key  # noqa: E402
+from tests.support.system import free_port  # noqa: E402
 
 MODEL = "tiny-fair"
 TARGET = 1.5  # attacked median TTFT over idle
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+def p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10, method="inclusive")[-1]
 
 
 async def run(base_url: str, attacker_url: str, database_url: str, attacks: list[str], pairs: int) -> list[tuple]:
-    victim_key = await make_key(database_url, "bench-victim", "pro", rpm_limit=10**6, tpm_limit=10**9)
-    attacker_key = await make_key(database_url, "bench-attacker", "pro", rpm_limit=10**6, tpm_limit=10**9)
+    victim_key, attacker_key = await unlimited_keys(database_url, "pro", "victim", "attacker")
     rows = []
     async with httpx.AsyncClient(base_url=base_url, headers=bearer(victim_key), timeout=120) as victim, \
             httpx.AsyncClient(base_url=attacker_url, headers=bearer(attacker_key), timeout=120) as attacker:
@@ -56,8 +53,8 @@ async def run(base_url: str, attacker_url: str, database_url: str, attacks: list
             attacked = [t for _, t, _ in measured.attacked]
             ratio = statistics.median(attacked) / statistics.median(idle)
             spans = [b - a for a, b in measured.attacks]
-            rows.append((attack, pairs, f"{statistics.median(idle) * 1e3:.0f}", f"{percentile(idle, 90) * 1e3:.0f}",
-                         f"{statistics.median(attacked) * 1e3:.0f}", f"{percentile(attacked, 90) * 1e3:.0f}",
+            rows.append((attack, pairs, f"{statistics.median(idle) * 1e3:.0f}", f"{p90(idle) * 1e3:.0f}",
+                         f"{statistics.median(attacked) * 1e3:.0f}", f"{p90(attacked) * 1e3:.0f}",
                          f"{ratio:.2f}x", "met" if ratio <= TARGET else "**not met**",
                          f"{measured.inside()}/{pairs}", f"{statistics.median(spans):.2f}"))
             print(" | ".join(map(str, rows[-1])), flush=True)
@@ -73,22 +70,14 @@ def main() -> int:
     args = parser.parse_args()
 
     from switchyard.deploy.services import wait_until_ready
-    from switchyard.deploy.system import LocalSystem
-    from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
+    from switchyard.shared.config import GatewayConfig
     from tests.support.tiny_model import save_tiny_model
 
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    print(lscpu, flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "?")
-    work = Path(tempfile.mkdtemp(prefix="switchyard-hostile-"))
-    os.chmod(work, 0o755)  # Postgres runs as nobody under root and must enter it
-    system = None
+    cpu = cpu_name(lscpu())
+    system, config, work = local_system("hostile", GatewayConfig(port=free_port()),
+                                        {"dtype": "float32", "max_num_seqs": args.max_num_seqs},
+                                        model=lambda work: save_tiny_model(work / "tiny-model"), served_name=MODEL)
     try:
-        config = SwitchyardConfig(
-            data_dir=work, gateway=GatewayConfig(port=free_port()),
-            worker=WorkerConfig(model=str(save_tiny_model(work / "tiny-model")), dtype="float32",
-                                served_model_name=MODEL, max_num_seqs=args.max_num_seqs))
-        system = LocalSystem(config, log_dir=work, log_level="WARNING", ephemeral=True)
         system.start_servers()
         worker = system.start_worker()
         system.start_gateway()
@@ -103,8 +92,7 @@ def main() -> int:
         rows = asyncio.run(run(system.url(), attacker_url, config.database_url, args.attack or list(ATTACKS),
                                args.pairs))
     finally:
-        if system:
-            system.stop()
+        system.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     text = (f"## A tenant's slow prompts beside a victim's ({cpu}, {os.cpu_count()} cores)\n\n`{command_line()}`\n\n"

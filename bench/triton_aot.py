@@ -63,24 +63,23 @@ class LaunchRecorder:
         self._run = run
         self.launches: list[Launch] = []
 
-    def __getattr__(self, name: str):
-        kernel = getattr(self._kernels, name)
-
-        def at(grid):
-            def launch(*args, **kwargs):
-                self.launches.append(Launch(name, args, kwargs))
-                return kernel[grid](*args, **kwargs) if self._run else None
-            return launch
-
-        return _Indexable(at)
+    def __getattr__(self, name: str) -> _RecordedKernel:
+        return _RecordedKernel(self, name)
 
 
-class _Indexable:
-    def __init__(self, at) -> None:
-        self._at = at
+@dataclass(slots=True)
+class _RecordedKernel:
+    recorder: LaunchRecorder
+    name: str
 
     def __getitem__(self, grid):
-        return self._at(grid)
+        def launch(*args, **kwargs):
+            self.recorder.launches.append(Launch(self.name, args, kwargs))
+            if self.recorder._run:
+                return getattr(self.recorder._kernels, self.name)[grid](*args, **kwargs)
+            return None
+
+        return launch
 
 
 @functools.cache
@@ -107,12 +106,13 @@ _binders: dict[tuple[int, str], tuple] = {}  # by (id of the kernel, target); a 
 
 def _binder(kernel, target: str):
     """Triton's own argument binder of ``kernel`` for ``target``, and the target's backend."""
+    import triton
     from triton.compiler import make_backend
     from triton.runtime import jit
 
     if (id(kernel), target) not in _binders:
         if not hasattr(jit, "create_function_from_signature") or not hasattr(kernel, "_pack_args"):
-            raise RuntimeError(f"Triton {_triton_version()} lacks the binder this uses (see bench/triton_aot.py)")
+            raise RuntimeError(f"Triton {triton.__version__} lacks the binder this uses (see bench/triton_aot.py)")
         backend = make_backend(_gpu_target(target))
         binder = jit.create_function_from_signature(kernel.signature, kernel.params, backend)
         _binders[id(kernel), target] = (kernel, backend, binder)
@@ -183,8 +183,15 @@ class Compiled:
     error: str | None
 
     @property
-    def ok(self) -> bool:
-        return self.error is None and self.shared_bytes <= TARGETS[self.target][1]
+    def problem(self) -> str | None:
+        """Why this kernel cannot run on its target (a compile error, or more shared memory than a block may
+        take there); None when it can."""
+        if self.error is not None:
+            return self.error
+        limit = TARGETS[self.target][1]
+        if self.shared_bytes > limit:
+            return f"needs {self.shared_bytes} bytes of shared memory, {self.target} has {limit}"
+        return None
 
 
 def compile_family(family: str, dtype_name: str, targets: tuple[str, ...]) -> list[Compiled]:
@@ -254,9 +261,3 @@ def compile_all(families=tuple(FAMILIES), dtypes=DTYPES, targets=tuple(TARGETS),
 
 def _compile_job(job: tuple[str, str, tuple[str, ...]]) -> list[Compiled]:
     return compile_family(*job)
-
-
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
