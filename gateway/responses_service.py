@@ -28,9 +28,9 @@ from switchyard.domain.api.shapes import CHAT
 from switchyard.domain.conversations import Conversations
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.responses import ALIVE_EVERY_S, Responses
+from switchyard.gateway.completion_shapes import BodyBuilder, Shape
 from switchyard.gateway.drain import InFlightCounter
 from switchyard.gateway.response_events import ResponseEvents
-from switchyard.gateway.responses import BodyBuilder, Shape
 from switchyard.gateway.serving import CompletionService, Outcome
 from switchyard.shared import subjects
 from switchyard.shared.config import RequestLimits

@@ -3,7 +3,7 @@ stream.
 
 The request path reads top to bottom: (admitted: domain/admission) → build the wire request (one per prompt) →
 publish → await the worker's first message (so errors such as context_length_exceeded still get their HTTP status)
-→ answer → settle the ticket with the tokens used. The response shapes live in gateway/responses.py.
+→ answer → settle the ticket with the tokens used. The response shapes live in gateway/completion_shapes.py.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from switchyard.domain.errors import OpenAIError
 from switchyard.domain.registry import ModelRegistry
 from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.client_watch import BoundedStream, ClientGone, unless_gone
+from switchyard.gateway.completion_shapes import BodyBuilder, ChunkBuilder, Shape, sse
 from switchyard.gateway.fanout import MergedRelay
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.relay import Relay, RelayedRequest
-from switchyard.gateway.responses import BodyBuilder, ChunkBuilder, Shape, sse
 from switchyard.shared.config import GatewayConfig
 from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, ToolCall, Usage
 from switchyard.shared.tier_store import PolicyCache

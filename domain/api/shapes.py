@@ -1,6 +1,6 @@
 """The pieces of OpenAI responses that every answer is built from, whoever builds it: the gateway's bodies and
-stream chunks (gateway/responses.py), batch output lines (domain/batch_format.py) and stored conversation messages
-(domain/conversations.py)."""
+stream chunks (gateway/completion_shapes.py), batch output lines (domain/batch_format.py) and stored conversation
+messages (domain/conversations.py)."""
 
 from __future__ import annotations
 

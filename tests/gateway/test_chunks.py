@@ -9,7 +9,7 @@ import time
 import pytest
 
 from switchyard.domain.api.shapes import CHAT, TEXT
-from switchyard.gateway.responses import ChunkBuilder, Shape
+from switchyard.gateway.completion_shapes import ChunkBuilder, Shape
 from switchyard.shared.messages import GenerateRequest, SamplingParams, TokenDelta
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from switchyard.domain.api.shapes import CHAT
-from switchyard.gateway.responses import Shape
+from switchyard.gateway.completion_shapes import Shape
 from switchyard.gateway.serving import CompletionService
 from switchyard.shared.messages import GenerateRequest, SamplingParams, TokenDelta, Usage
 

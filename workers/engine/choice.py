@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from switchyard.scheduler import Sequence
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenLogprob, ToolCallDelta
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenLogprob, ToolCallDelta, Usage
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
 from switchyard.workers.engine.output_filter import OutputSafety, StreamGuard
 from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected
@@ -38,6 +38,11 @@ class RequestState:
     num_finished: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+
+    def usage(self) -> Usage:
+        """The request's usage so far, over every choice."""
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.completion_tokens,
+                     cached_tokens=self.cached_tokens)
 
 
 @dataclass(slots=True)

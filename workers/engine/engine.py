@@ -381,16 +381,11 @@ class Engine:
         state.cached_tokens = max(state.cached_tokens, seq.num_cached_tokens)
         # Usage so far on every choice's final; the request's last (the one place its choices are counted) has
         # the request's total.
-        delta = self._delta(seq, text, reason, self._usage(state), error, tool_calls=calls or None)
+        delta = self._delta(seq, text, reason, state.usage(), error, tool_calls=calls or None)
         if state.num_finished == len(state.seq_ids):
             self._requests.pop(state.request_id, None)
             delta.is_last = True
         return delta
-
-    @staticmethod
-    def _usage(state: RequestState) -> Usage:
-        return Usage(prompt_tokens=state.num_prompt_tokens, completion_tokens=state.completion_tokens,
-                     cached_tokens=state.cached_tokens)
 
     # -- metrics ------------------------------------------------------------------------------------------
     @property

@@ -14,7 +14,8 @@
 The worker touches an engine from one thread only (its step thread: torch's OpenMP pool belongs to the calling
 thread), except ``prepare``, which its intake thread calls so that tokenizing never delays a step. Nothing in the
 worker reads an engine's internals: a second engine (vLLM for GPU fleets, a simulated one for load tests) is a
-class with these methods, built in ``workers/service/main.py``'s ``build_engine``.
+class with these methods and one entry in ``workers/service/engines.py``, which builds it by the name
+``worker.engine`` gives.
 
 What a request's deltas must look like (``TokenDelta``, shared/messages.py): at most one per choice per step; each
 choice's last has ``finish_reason`` and the request's usage so far; the request's very last has ``is_last`` and
