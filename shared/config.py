@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -150,7 +150,7 @@ class VllmSettings(BaseModel):
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8, fp8_e4m3, fp8_e5m2
     # Speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     # or {"model": "path/to/draft", "num_speculative_tokens": 3}.
-    speculative_config: dict | None = None
+    speculative_config: dict[str, Any] | None = None
     kv_offloading_size: float | None = Field(None, gt=0)  # GiB of host memory that KV blocks are offloaded to
     kv_offloading_backend: str = "native"
     max_model_len: int | None = Field(None, ge=16)  # None: the model's own context
@@ -162,7 +162,7 @@ class VllmSettings(BaseModel):
     # while the worker publishes. Off by default: a worker killed outright (SIGKILL, the OOM killer) leaves that
     # process behind holding its memory, and its stats arrive a step late (admission then counts on older ones).
     engine_core_process: bool = False
-    engine_args: dict = Field(default_factory=dict)  # any other EngineArgs field, passed as given (wins)
+    engine_args: dict[str, Any] = Field(default_factory=dict)  # any other EngineArgs field, passed as given (wins)
     # The interpreter of the environment vLLM is installed in (`make vllm-env`: .venv-vllm), for the launcher's
     # vLLM workers. None: this one when it imports vllm, else the checkout's .venv-vllm.
     python: Path | None = None
@@ -314,7 +314,7 @@ def settings_env(config: SwitchyardConfig) -> dict[str, str]:
     """
     env: dict[str, str] = {}
 
-    def put(name: str, value) -> None:
+    def put(name: str, value: Any) -> None:
         if value is not None:
             env[ENV_PREFIX + name.upper()] = value if isinstance(value, str) else json.dumps(value)
 

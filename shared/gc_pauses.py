@@ -26,6 +26,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -59,7 +60,7 @@ class GcPauses:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
-    def _on_gc(self, phase: str, info: dict) -> None:
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         # Runs inside the collector, in whichever thread triggered it: nothing here may allocate much.
         if phase == "start":
             self._began_at = time.perf_counter()
