@@ -10,8 +10,8 @@ files, usage reports) answers 503 with Retry-After, never a 500 or a hang (gatew
 
 A call waits for its turn first (at most the pool's connections run at once): that wait is load, not an outage,
 so it is not part of the call's bound and never trips the breaker. A thousand tenants arriving at once queue for
-the pool; before, their waits past the bound opened the breaker, and every request whose key was not cached yet
-got 503 for ``RETRY_AFTER_S``. A wait past ``TURN_WAIT_S`` gives up with ``DatabaseBusy`` (the callers' fallbacks
+the pool; counted in the bound, their waits would open the breaker, and every request whose key is not cached yet
+would get 503 for ``RETRY_AFTER_S``. A wait past ``TURN_WAIT_S`` gives up with ``DatabaseBusy`` (the callers' fallbacks
 apply, the breaker stays closed). Calls about one tenant's rows (its rate window, budget, open requests) carry its
 ``key`` and run one at a time here: a tenant with hundreds of requests at once then waits for its own calls without
 holding a connection, instead of queueing on its row locks inside Postgres with every connection held by it, and

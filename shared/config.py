@@ -58,8 +58,8 @@ class SafetyConfig(BaseModel):
     # An input filter of your own, "package.module:factory" (called with this config; returns a ContentFilter),
     # e.g. a guard model where a GPU is at hand. The output filter always uses the rule set and classifier.
     input_filter: str | None = None
-    # Prompts longer than this are judged on a thread, not on the event loop. Up to 64 kB judging takes under
-    # 5 ms (bench/safety.py), less than the GIL's switch interval: a thread would hold the loop as long, plus a hop.
+    # Prompts longer than this are judged on a thread, not on the event loop. Judging up to 64 kB takes less than
+    # the GIL's switch interval (5 ms), so a thread would hold the loop as long, plus a hop.
     inline_max_chars: int = Field(65_536, ge=0)
 
 
@@ -70,7 +70,8 @@ class RequestLimits(BaseModel):
     max_messages: int = Field(2048, ge=1)  # a chat request's messages (OpenAI's limit)
     max_stop_chars: int = Field(1024, ge=1)  # each stop string (OpenAI documents none)
     # The JSON schemas of response_format and every tool's parameters together, serialized: compiling a grammar
-    # costs about 1.5 ms per KiB on a CPU core, and a 680 KB schema held a worker's intake for seconds.
+    # costs about 1.5 ms per KiB on a CPU core, so a schema of hundreds of KiB would hold a worker's intake for
+    # seconds.
     max_schema_bytes: int = Field(131_072, ge=1)
     # A conversation's history sent with a new turn: its newest messages, up to both bounds (the system prompt
     # always); the worker then drops the oldest of them that do not fit the model's context.

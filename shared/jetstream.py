@@ -247,7 +247,7 @@ def oversize_error(nc: NATS, payload: bytes) -> ErrorInfo | None:
 
 async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
     """Every worker heartbeat in the ``workers`` bucket: its keys from the bucket stream's subjects (one server-side
-    query; nats-py's ``kv.keys()`` builds a consumer for it and was seen to answer "no keys" while workers were
+    query; nats-py's ``kv.keys()`` builds a consumer for it, which can answer "no keys" while workers are
     beating), then each key's last value. A restarted NATS has lost the in-memory bucket: it is made again, empty,
     and the workers' next heartbeats fill it."""
     stream, prefix = f"KV_{subjects.WORKERS_BUCKET}", f"$KV.{subjects.WORKERS_BUCKET}."

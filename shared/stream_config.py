@@ -24,8 +24,8 @@ REQUEST_MAX_AGE_S = 3600.0
 
 # Consumers a request stream may hold: one per tenant and model queued in its tier within the last hour
 # (REQUEST_CONSUMER_IDLE_S), and one per worker for offers. Set on the stream because nats-server 2.15 gives a
-# stream that sets none a default of 1,000 (``default_max_consumers``): the 1,001st tenant active in a tier then got
-# no consumer, and its requests waited in the stream until their deadline.
+# stream that sets none a default of 1,000 (``default_max_consumers``): the 1,001st tenant active in a tier would get
+# no consumer, and its requests would wait in the stream until their deadline.
 MAX_QUEUE_CONSUMERS = 1_000_000
 USAGE_MAX_AGE_S = 30 * 24 * 3600.0
 EVENTS_MAX_AGE_S = 300.0

@@ -4,7 +4,7 @@ Two rules, each with the place it comes from:
 
     code points             where they fail                                 refused in
     U+D800-U+DFFF (lone     UTF-8 cannot encode them: msgpack (NATS) and     every string of a body
-      surrogates; JSON's      Postgres both raise, which was a 500
+      surrogates; JSON's      Postgres both raise (a 500, unrefused)
       "\\ud800" escapes)
     U+0000 (NUL)            Postgres ``text`` and ``jsonb`` refuse it        every field stored in a text or jsonb
                                                                              column (``StoredText``): user,
