@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import asyncpg
+
 from switchyard.domain.database import Database, DatabaseUnavailable, database_unavailable
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.tenancy import hash_key
@@ -81,7 +83,7 @@ class Authenticator:
         return auth
 
     @staticmethod
-    async def _lookup(pool, digest: bytes) -> AuthContext | None:
+    async def _lookup(pool: asyncpg.Pool, digest: bytes) -> AuthContext | None:
         row = await pool.fetchrow(
             f"SELECT k.id AS key_id, {_TENANT_COLUMNS} FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
             "WHERE k.key_hash = $1 AND k.revoked_at IS NULL", digest)
@@ -92,13 +94,13 @@ _TENANT_COLUMNS = ("t.id AS tenant_id, t.name, t.tier, t.rpm_limit, t.tpm_limit,
                    "t.priority_allowed, t.safety_policy, t.max_streams, t.max_sequences")
 
 
-def _context(row) -> AuthContext:
+def _context(row: asyncpg.Record) -> AuthContext:
     return AuthContext(row["tenant_id"], row["name"], row["key_id"], row["tier"], row["rpm_limit"], row["tpm_limit"],
                        row["monthly_token_budget"], row["priority_allowed"], row["safety_policy"], row["max_streams"],
                        row["max_sequences"])
 
 
-async def tenant_context(pool, tenant_id: str, key_id: str | None) -> AuthContext | None:
+async def tenant_context(pool: asyncpg.Pool, tenant_id: str, key_id: str | None) -> AuthContext | None:
     """The context of a tenant's own work that no request carries (its batch lines), read now: its tier, limits
     and policies as they are, under ``key_id`` (the key that created the batch). None: no such tenant."""
     row = await pool.fetchrow(f"SELECT $2::text AS key_id, {_TENANT_COLUMNS} FROM tenants t WHERE t.id = $1",

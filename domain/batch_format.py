@@ -15,15 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-
-from pydantic import BaseModel
+from typing import Any
 
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.api.shapes import CHAT, TEXT, choice_json, usage_json
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
 
-ENDPOINTS: dict[str, type[BaseModel]] = {
+ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
 }
@@ -38,12 +37,12 @@ def request_id_for(batch_id: str, custom_id: str) -> str:
     return f"batch_req_{digest}"
 
 
-def parse_body(endpoint: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
+def parse_body(endpoint: str, body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
     """A line's body as its endpoint validates it (raises pydantic's ValidationError)."""
     return ENDPOINTS[endpoint].model_validate(body)
 
 
-def wire_request(endpoint: str, body: dict | ChatCompletionRequest | CompletionRequest, request_id: str, *,
+def wire_request(endpoint: str, body: dict[str, Any] | ChatCompletionRequest | CompletionRequest, request_id: str, *,
                  tenant_id: str, api_key_id: str | None, created_at: float, deadline_at: float, result_subject: str,
                  tier: str) -> GenerateRequest:
     """The request a line becomes: exactly what the endpoint would publish, on the batch tier. ``body``: as
@@ -57,7 +56,7 @@ def wire_request(endpoint: str, body: dict | ChatCompletionRequest | CompletionR
                            metadata=getattr(parsed, "metadata", None), **fields)
 
 
-def response_body(endpoint: str, request_id: str, model: str, created_at: float, result: BatchResult) -> dict:
+def response_body(endpoint: str, request_id: str, model: str, created_at: float, result: BatchResult) -> dict[str, Any]:
     """The JSON a non-streaming chat/completions (or completions) response has, from a worker's result."""
     kind = CHAT if endpoint == "/v1/chat/completions" else TEXT
     choices = [choice_json(kind, c.index, c.text, c.tool_calls, c.finish_reason) for c in result.choices]
@@ -66,7 +65,7 @@ def response_body(endpoint: str, request_id: str, model: str, created_at: float,
             "model": model, "choices": choices, "usage": usage}
 
 
-def error_response(request_id: str, error: ErrorInfo) -> dict:
+def error_response(request_id: str, error: ErrorInfo) -> dict[str, Any]:
     """A line the worker answered with an error: the HTTP status and body the endpoint would have returned."""
     return {"status_code": error.status, "request_id": request_id,
             "body": {"error": {"message": error.message, "type": error.type, "param": error.param,
@@ -74,7 +73,7 @@ def error_response(request_id: str, error: ErrorInfo) -> dict:
 
 
 def line_outcome(endpoint: str, request_id: str, model: str, created_at: float, batch_status: str,
-                 result: BatchResult) -> tuple[str, dict | None, dict | None]:
+                 result: BatchResult) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
     """A line's (status, response, error) from its worker's final result."""
     if result.error is not None:
         if result.error.code == "cancelled":
@@ -87,7 +86,8 @@ def line_outcome(endpoint: str, request_id: str, model: str, created_at: float, 
     return "completed", {"status_code": 200, "request_id": request_id, "body": body}, None
 
 
-def output_line(custom_id: str, request_id: str, response: dict | None, error: dict | None) -> bytes:
+def output_line(custom_id: str, request_id: str, response: dict[str, Any] | None,
+                error: dict[str, Any] | None) -> bytes:
     return json.dumps({"id": request_id, "custom_id": custom_id, "response": response, "error": error},
                       separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
@@ -98,12 +98,13 @@ class ResultFiles:
 
     output: bytearray = field(default_factory=bytearray)
     errors: bytearray = field(default_factory=bytearray)
-    counts: dict = field(default_factory=lambda: {"total": 0, "completed": 0, "failed": 0})
-    usage: dict = field(default_factory=lambda: {
+    counts: dict[str, int] = field(default_factory=lambda: {"total": 0, "completed": 0, "failed": 0})
+    usage: dict[str, Any] = field(default_factory=lambda: {
         "input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0})
 
-    def add(self, custom_id: str, request_id: str, status: str, response: dict | None, error: dict | None) -> None:
+    def add(self, custom_id: str, request_id: str, status: str, response: dict[str, Any] | None,
+            error: dict[str, Any] | None) -> None:
         line = output_line(custom_id, request_id, response, error)
         self.counts["total"] += 1
         if status != "completed":  # failed, or cancelled/expired (counted in neither, like OpenAI)
@@ -112,6 +113,7 @@ class ResultFiles:
             return
         self.counts["completed"] += 1
         self.output += line
+        assert response is not None  # a completed line has its response
         tokens = response["body"].get("usage") or {}
         self.usage["input_tokens"] += tokens.get("prompt_tokens", 0)
         self.usage["input_tokens_details"]["cached_tokens"] += \

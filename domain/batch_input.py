@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from switchyard.domain.api.bounds import check_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
@@ -40,8 +41,9 @@ class InputLine:
     estimated_tokens: int = 0  # what it may use, as an interactive request reserves (limits.estimate_tokens)
 
     @property
-    def body(self) -> dict:
-        return json.loads(self.body_json)
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = json.loads(self.body_json)  # a line's body is stored only once it is an object
+        return body
 
 
 class LineError(Exception):
@@ -52,7 +54,7 @@ class LineError(Exception):
         self.code, self.message, self.param = code, message, param
 
 
-def error_entry(line: int | None, code: str, message: str, param: str | None = None) -> dict:
+def error_entry(line: int | None, code: str, message: str, param: str | None = None) -> dict[str, Any]:
     return {"code": code, "message": message, "param": param, "line": line}
 
 
@@ -64,7 +66,7 @@ def _describe(exc: ValidationError) -> tuple[str, str]:
     return f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.", param
 
 
-def _not_in_a_batch(parsed: BaseModel) -> tuple[str, str] | None:
+def _not_in_a_batch(parsed: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
     """What a line may not ask for in a batch: (message, param), or None."""
     if parsed.stream:
         return "Streaming is not supported in a batch.", "body.stream"
@@ -86,7 +88,7 @@ class LineParser:
 
     endpoint: str
     limits: RequestLimits = field(default_factory=RequestLimits)
-    errors: list[dict] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
     num_lines: int = 0  # requests seen
     estimated_tokens: int = 0  # of the valid lines
     models: dict[str, int] = field(default_factory=dict)  # model -> its first line
@@ -169,7 +171,7 @@ class LineParser:
         self.models.setdefault(parsed.model, self._line_no)
         return InputLine(self._line_no, custom_id, json.dumps(body), parsed.model, estimated)
 
-    def _body(self, body: dict) -> ChatCompletionRequest | CompletionRequest:
+    def _body(self, body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
         try:
             parsed = ENDPOINTS[self.endpoint].model_validate(body)
         except ValidationError as exc:
@@ -187,7 +189,7 @@ class LineParser:
 
 
 def parse_input(content: bytes, endpoint: str,
-                limits: RequestLimits | None = None) -> tuple[list[InputLine], list[dict]]:
+                limits: RequestLimits | None = None) -> tuple[list[InputLine], list[dict[str, Any]]]:
     """Validate a whole input file held in memory; returns the lines, or the errors with their line numbers."""
     parser = LineParser(endpoint, limits or RequestLimits())
     lines = parser.feed(content)

@@ -11,14 +11,19 @@ validates, runs, cancels and finalizes.
 
 from __future__ import annotations
 
+import builtins
 import json
 import secrets
 import time
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
 
 import asyncpg
 
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.batch_format import COMPLETION_WINDOWS, ENDPOINTS
+from switchyard.domain.database import inserted_row
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.files import Files
 
@@ -32,11 +37,11 @@ _TIMESTAMPS = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "c
                "expired_at", "cancelling_at", "cancelled_at")
 
 
-def _ts(value) -> int | None:
+def _ts(value: datetime | None) -> int | None:
     return None if value is None else int(value.timestamp())
 
 
-def batch_json(row, counts: dict | None) -> dict:
+def batch_json(row: asyncpg.Record, counts: dict[str, int] | None) -> dict[str, Any]:
     """The OpenAI Batch object. ``counts``: live counts for a running batch (None: the row's frozen ones)."""
     stored = json.loads(row["request_counts"]) if row["request_counts"] else None
     return {
@@ -51,7 +56,7 @@ def batch_json(row, counts: dict | None) -> dict:
     }
 
 
-async def live_counts(pool, batch_ids: list[str]) -> dict[str, dict]:
+async def live_counts(pool: asyncpg.Pool, batch_ids: list[str]) -> dict[str, dict[str, int]]:
     rows = await pool.fetch(
         "SELECT batch_id, count(*) AS total, count(*) FILTER (WHERE status = 'completed') AS completed, "
         "count(*) FILTER (WHERE status = 'failed') AS failed FROM batch_lines WHERE batch_id = ANY($1) "
@@ -71,7 +76,7 @@ class Batches:
         self._files = files
 
     async def create(self, auth: AuthContext, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict | None) -> dict:
+                     metadata: dict[str, Any] | None) -> dict[str, Any]:
         """A batch in ``validating``, for the runner to take up; refused at once for what needs no file read."""
         if endpoint not in ENDPOINTS:
             raise OpenAIError(400, f"Unsupported endpoint {endpoint!r}; supported: {', '.join(ENDPOINTS)}.",
@@ -91,12 +96,12 @@ class Batches:
             "expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, to_timestamp($8)) RETURNING *",
             f"batch_{secrets.token_hex(12)}", auth.tenant_id, auth.key_id, input_file_id, endpoint,
             completion_window, json.dumps(metadata) if metadata is not None else None, time.time() + window)
-        return batch_json(row, None)
+        return batch_json(inserted_row(row), None)
 
-    async def list(self, tenant_id: str, limit: int, after: str | None) -> dict:
+    async def list(self, tenant_id: str, limit: int, after: str | None) -> dict[str, Any]:
         if not 1 <= limit <= 100:
             raise OpenAIError(400, "limit must be between 1 and 100.", param="limit", code="invalid_value")
-        args: list = [tenant_id, limit + 1]
+        args: list[object] = [tenant_id, limit + 1]
         cursor = ""
         if after is not None:
             args.append(after)
@@ -107,10 +112,10 @@ class Batches:
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
-    async def get(self, batch_id: str, tenant_id: str) -> dict:
+    async def get(self, batch_id: str, tenant_id: str) -> dict[str, Any]:
         return (await self._render([await self._owned(batch_id, tenant_id)]))[0]
 
-    async def cancel(self, batch_id: str, tenant_id: str) -> dict:
+    async def cancel(self, batch_id: str, tenant_id: str) -> dict[str, Any]:
         """Ask the runner to cancel: ``cancelling`` (once nothing runs, it is ``cancelled``)."""
         row = await self._pool.fetchrow(
             "UPDATE batches SET status = 'cancelling', cancelling_at = now() WHERE id = $1 AND tenant_id = $2 "
@@ -134,7 +139,7 @@ class Batches:
             raise batch_not_found(batch_id)
         return row
 
-    async def _render(self, rows) -> list[dict]:
+    async def _render(self, rows: Sequence[asyncpg.Record]) -> builtins.list[dict[str, Any]]:
         running = [r["id"] for r in rows if r["status"] not in TERMINAL]
         counts = await live_counts(self._pool, running) if running else {}
         return [batch_json(r, counts.get(r["id"])) for r in rows]

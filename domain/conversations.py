@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from typing import Any
 
 import asyncpg
 from nats.js import JetStreamContext
 
 from switchyard.domain.api.shapes import tool_call_from_json, tool_call_json
-from switchyard.domain.database import CALL_TIMEOUT_S, OUTAGE_ERRORS, bounded
+from switchyard.domain.database import CALL_TIMEOUT_S, OUTAGE_ERRORS, Connection, bounded, inserted_row
 from switchyard.domain.errors import OpenAIError
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import publish_once
@@ -27,13 +28,13 @@ from switchyard.shared.messages import ChatMessage, ConversationTurn, encode
 log = logging.getLogger("switchyard.conversations")
 
 
-def conversation_json(row) -> dict:
+def conversation_json(row: asyncpg.Record) -> dict[str, Any]:
     return {"id": row["id"], "object": "conversation", "created_at": int(row["created_at"].timestamp()),
             "model": row["model"], "system": row["system_prompt"], "metadata": json.loads(row["metadata"])}
 
 
-def message_json(row) -> dict:
-    out = {"id": row["id"], "object": "conversation.message", "role": row["role"],
+def message_json(row: asyncpg.Record) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": row["id"], "object": "conversation.message", "role": row["role"],
            "content": json.loads(row["content"]), "status": row["status"],
            "created_at": int(row["created_at"].timestamp())}
     if row["tool_calls"] is not None:
@@ -43,12 +44,12 @@ def message_json(row) -> dict:
     return out
 
 
-def _history_message(row) -> ChatMessage:
+def _history_message(row: asyncpg.Record) -> ChatMessage:
     calls = [tool_call_from_json(c) for c in json.loads(row["tool_calls"])] if row["tool_calls"] is not None else None
     return ChatMessage(row["role"], json.loads(row["content"]), tool_calls=calls, tool_call_id=row["tool_call_id"])
 
 
-async def write_turn(pool, turn: ConversationTurn) -> None:
+async def write_turn(pool: asyncpg.Pool, turn: ConversationTurn) -> None:
     """Store a turn's two messages in one transaction. Their ids come from the request id, so writing a turn
     again (a held one redelivered) stores nothing twice."""
     async with pool.acquire() as conn, conn.transaction():
@@ -58,7 +59,7 @@ async def write_turn(pool, turn: ConversationTurn) -> None:
              turn.status)])
 
 
-async def insert_messages(conn, conversation_id: str, request_id: str,
+async def insert_messages(conn: Connection, conversation_id: str, request_id: str,
                           messages: list[tuple[str, ChatMessage, str]]) -> None:
     """Append ``(id suffix, message, status)`` rows to a conversation, in order. Each id is the request id and its
     suffix: written again, nothing is stored twice."""
@@ -98,11 +99,12 @@ class Conversations:
         self._pool = pool
         self._js = js
 
-    async def create(self, tenant_id: str, model: str | None, system: str | None, metadata: dict) -> dict:
+    async def create(self, tenant_id: str, model: str | None, system: str | None,
+                     metadata: dict[str, Any]) -> dict[str, Any]:
         row = await self._pool.fetchrow(
             "INSERT INTO conversations (id, tenant_id, model, system_prompt, metadata) VALUES ($1, $2, $3, $4, $5) "
             "RETURNING *", f"conv_{secrets.token_hex(12)}", tenant_id, model, system, json.dumps(metadata))
-        return conversation_json(row)
+        return conversation_json(inserted_row(row))
 
     async def owned(self, conversation_id: str, tenant_id: str) -> asyncpg.Record:
         """The conversation's row; raises 404 for one that does not exist or is another tenant's."""
@@ -113,7 +115,7 @@ class Conversations:
             raise not_found(conversation_id)
         return row
 
-    async def get(self, conversation_id: str, tenant_id: str) -> dict:
+    async def get(self, conversation_id: str, tenant_id: str) -> dict[str, Any]:
         return conversation_json(await self.owned(conversation_id, tenant_id))
 
     async def delete(self, conversation_id: str, tenant_id: str) -> None:
@@ -121,7 +123,7 @@ class Conversations:
         await self._pool.execute("UPDATE conversations SET deleted_at = now() WHERE id = $1", conversation_id)
 
     async def messages(self, conversation_id: str, tenant_id: str, limit: int, after: str | None,
-                       order: str) -> dict:
+                       order: str) -> dict[str, Any]:
         """A page of the conversation's messages, as OpenAI lists things (``first_id``, ``last_id``, ``has_more``)."""
         await self.owned(conversation_id, tenant_id)
         if not 1 <= limit <= 100:

@@ -10,8 +10,8 @@ files, usage reports) answers 503 with Retry-After, never a 500 or a hang (gatew
 
 A call waits for its turn first (at most the pool's connections run at once): that wait is load, not an outage,
 so it is not part of the call's bound and never trips the breaker. A thousand tenants arriving at once queue for
-the pool; before, their waits past the bound opened the breaker, and every request whose key was not cached yet
-got 503 for ``RETRY_AFTER_S``. A wait past ``TURN_WAIT_S`` gives up with ``DatabaseBusy`` (the callers' fallbacks
+the pool; counted in the bound, their waits would open the breaker, and every request whose key is not cached yet
+would get 503 for ``RETRY_AFTER_S``. A wait past ``TURN_WAIT_S`` gives up with ``DatabaseBusy`` (the callers' fallbacks
 apply, the breaker stays closed). Calls about one tenant's rows (its rate window, budget, open requests) carry its
 ``key`` and run one at a time here: a tenant with hundreds of requests at once then waits for its own calls without
 holding a connection, instead of queueing on its row locks inside Postgres with every connection held by it, and
@@ -26,21 +26,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
-from switchyard.domain.errors import service_unavailable
+from switchyard.domain.errors import OpenAIError, service_unavailable
 
 log = logging.getLogger("switchyard.database")
 
 T = TypeVar("T")
 
+# A connection of its own (the jobs') or one a pool lends for a transaction: both run the same statements.
+Connection = asyncpg.Connection | PoolConnectionProxy
+
 CALL_TIMEOUT_S = 2.0  # a request path query takes milliseconds; two seconds without an answer is an outage
 RETRY_AFTER_S = 5  # after a failure, how long callers go straight to their fallbacks before one probes again
 TURN_WAIT_S = 10.0  # the longest a call waits for a free connection before its caller falls back (load shedding)
-POOL_OPTIONS = dict(timeout=CALL_TIMEOUT_S, command_timeout=10.0)  # connect; any statement of the gateway's
+STATEMENT_TIMEOUT_S = 10.0  # any statement of the gateway's (a connect is bounded by CALL_TIMEOUT_S)
 
 # A database that is down, hung, restarting or out of connections: not a bug, an outage.
 # OperatorInterventionError covers a server shutting down (AdminShutdown, CrashShutdown), not accepting
@@ -57,7 +61,7 @@ class DatabaseBusy(DatabaseUnavailable):
     """Every connection stayed busy for ``TURN_WAIT_S``: load, not an outage (the breaker stays closed)."""
 
 
-def database_unavailable():
+def database_unavailable() -> OpenAIError:
     """The 503 for a request that needs Postgres while it is away."""
     return service_unavailable("The database is unavailable right now; please retry.", RETRY_AFTER_S,
                                code="database_unavailable")
@@ -65,14 +69,20 @@ def database_unavailable():
 
 async def connect(database_url: str, max_size: int) -> asyncpg.Pool:
     """A pool of at most ``max_size`` connections (GatewayConfig.database_pool_size) whose connects and statements
-    are bounded (``POOL_OPTIONS``).
+    are bounded (``CALL_TIMEOUT_S``, ``STATEMENT_TIMEOUT_S``).
 
     A connection goes back to the pool as it is, not reset: nothing here leaves session state behind (no LISTEN,
     no SET, no session advisory lock, no cursor outside a transaction), and asyncpg's default reset is a round trip
     of its own on every release, four or more per request, each holding the connection from the next caller a
     little longer. An open transaction is still rolled back (asyncpg does that whatever the reset)."""
     return await asyncpg.create_pool(database_url, min_size=1, max_size=max_size, reset=keep_session,
-                                     **POOL_OPTIONS)
+                                     timeout=CALL_TIMEOUT_S, command_timeout=STATEMENT_TIMEOUT_S)
+
+
+def inserted_row(row: asyncpg.Record | None) -> asyncpg.Record:
+    """The row an ``INSERT ... RETURNING`` answered: it always answers the row it inserted."""
+    assert row is not None
+    return row
 
 
 async def keep_session(conn: asyncpg.Connection) -> None:
@@ -133,7 +143,7 @@ class Database:
         return result
 
     @contextlib.asynccontextmanager
-    async def _one_per_key(self, key: str | None):
+    async def _one_per_key(self, key: str | None) -> AsyncIterator[None]:
         if key is None:
             yield
             return

@@ -6,6 +6,8 @@ Raised anywhere below the HTTP edge (admission policies, stores, publishing) and
 
 from __future__ import annotations
 
+from typing import Any
+
 from switchyard.shared.messages import ErrorInfo
 
 
@@ -38,7 +40,7 @@ class OpenAIError(Exception):
         """The error as the wire and the batch results carry it."""
         return ErrorInfo(self.message, code=self.code or "", type=self.type, param=self.param, status=self.status)
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

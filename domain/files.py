@@ -10,10 +10,11 @@ Another tenant's file answers 404, exactly like one that does not exist.
 from __future__ import annotations
 
 import secrets
-from typing import Literal
+from typing import Any, Literal
 
 import asyncpg
 
+from switchyard.domain.database import Connection, inserted_row
 from switchyard.domain.errors import OpenAIError
 
 MAX_FILE_BYTES = 50 * 1024 * 1024
@@ -25,18 +26,19 @@ def new_file_id() -> str:
     return f"file-{secrets.token_hex(12)}"
 
 
-def file_json(row) -> dict:
+def file_json(row: asyncpg.Record) -> dict[str, Any]:
     return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": int(row["created_at"].timestamp()),
             "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
             "status_details": None}
 
 
-async def insert_file(conn: asyncpg.Connection, tenant_id: str, purpose: str, filename: str, content: bytes):
+async def insert_file(conn: Connection, tenant_id: str, purpose: str, filename: str,
+                      content: bytes) -> asyncpg.Record:
     """Store a file; returns its row (without the content)."""
-    return await conn.fetchrow(
+    return inserted_row(await conn.fetchrow(
         "INSERT INTO files (id, tenant_id, purpose, filename, bytes, content) VALUES ($1, $2, $3, $4, $5, $6) "
         "RETURNING id, purpose, filename, bytes, created_at", new_file_id(), tenant_id, purpose, filename,
-        len(content), content)
+        len(content), content))
 
 
 def file_not_found(file_id: str) -> OpenAIError:
@@ -57,11 +59,11 @@ class Files:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
 
-    async def create(self, tenant_id: str, purpose: str, filename: str, content: bytes) -> dict:
+    async def create(self, tenant_id: str, purpose: str, filename: str, content: bytes) -> dict[str, Any]:
         async with self._pool.acquire() as conn:
             return file_json(await insert_file(conn, tenant_id, purpose, filename, content))
 
-    async def get(self, file_id: str, tenant_id: str) -> dict:
+    async def get(self, file_id: str, tenant_id: str) -> dict[str, Any]:
         row = await self._pool.fetchrow(
             f"SELECT {_COLUMNS} FROM files WHERE id = $1 AND tenant_id = $2 AND deleted_at IS NULL",
             file_id, tenant_id)
@@ -70,11 +72,11 @@ class Files:
         return file_json(row)
 
     async def list(self, tenant_id: str, purpose: str | None, limit: int, after: str | None,
-                   order: Literal["asc", "desc"]) -> dict:
+                   order: Literal["asc", "desc"]) -> dict[str, Any]:
         if not 1 <= limit <= 10_000:
             raise OpenAIError(400, "limit must be between 1 and 10000.", param="limit", code="invalid_value")
         cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        args: list = [tenant_id, purpose, limit + 1]
+        args: list[object] = [tenant_id, purpose, limit + 1]
         cursor = ""
         if after is not None:
             args.append(after)
@@ -105,5 +107,6 @@ class Files:
 
     async def purpose(self, file_id: str, tenant_id: str) -> str | None:
         """A live file's purpose (None: no such file of the tenant's)."""
-        return await self._pool.fetchval("SELECT purpose FROM files WHERE id = $1 AND tenant_id = $2 "
-                                         "AND deleted_at IS NULL", file_id, tenant_id)
+        purpose: str | None = await self._pool.fetchval("SELECT purpose FROM files WHERE id = $1 AND tenant_id = $2 "
+                                                        "AND deleted_at IS NULL", file_id, tenant_id)
+        return purpose

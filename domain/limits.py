@@ -85,7 +85,7 @@ def _previous_weight(reset_s: float) -> float:
 
 
 def _headers(rpm: int, tpm: int, used_requests: int, used_tokens: int, reset_s: float) -> dict[str, str]:
-    headers = {}
+    headers: dict[str, str] = {}
     reset = f"{max(reset_s, 0):.0f}s"
     if rpm < UNLIMITED:
         headers |= {"x-ratelimit-limit-requests": str(rpm),
@@ -123,6 +123,7 @@ class Limiter:
         except DatabaseUnavailable:
             return self._admit_locally(auth, rpm, tpm, tokens, window_start)
         if row is None:
+            assert used is not None  # an aggregate without GROUP BY answers one row, even over no rows
             which = "requests" if used["requests"] + 1 > rpm else "tokens"
             limit = rpm if which == "requests" else tpm
             headers = _headers(rpm, tpm, used["requests"], used["tokens"], reset_s)

@@ -19,7 +19,7 @@ class LocalLimiter:
 
     def __init__(self, share: float = 1.0) -> None:
         self._share = share
-        self._windows: dict[str, deque[list]] = {}
+        self._windows: dict[str, deque[list[float]]] = {}  # entries [admitted at, tokens]; settle() edits tokens
 
     def admit(self, key_id: str, rpm: int, tpm: int, tokens: int, now: float | None = None) -> float | None:
         """Count the request and its ``tokens`` if this gateway's share of ``rpm`` and ``tpm`` allows; else

@@ -81,7 +81,7 @@ async def billing_lag(js: JetStreamContext) -> tuple[int, float]:
     floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
     try:
         msg = await js.get_msg(subjects.USAGE_STREAM, seq=(floor or 0) + 1, next=True)
-        record = decode(msg.data, UsageRecord)
+        record = decode(msg.data or b"", UsageRecord)  # an empty message is as undecodable as a corrupt one
         ended_at = record.created_at + record.total_ms / 1000
         return pending, max(0.0, time.time() - ended_at)
     except (NotFoundError, msgspec.MsgspecError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from typing import Any
 
 import asyncpg
 from nats.js import JetStreamContext
@@ -50,7 +51,7 @@ def _nul_free(text: str) -> str:
     return _ESCAPED_NUL.sub(r"\1\\ufffd", text)
 
 
-async def write_response(pool, record: StoredResponse) -> None:
+async def write_response(pool: asyncpg.Pool, record: StoredResponse) -> None:
     """Store ``record`` (a new response, or a later state of one) and, once it has ended, append what it adds to
     its conversation, in one transaction. Written again (a held one redelivered), nothing changes twice."""
     async with pool.acquire() as conn, conn.transaction():
@@ -95,8 +96,9 @@ class Responses:
             raise not_found(response_id)
         return row
 
-    async def get(self, response_id: str, tenant_id: str) -> dict:
-        return json.loads((await self._row(response_id, tenant_id, "body"))["body"])
+    async def get(self, response_id: str, tenant_id: str) -> dict[str, Any]:
+        body: dict[str, Any] = json.loads((await self._row(response_id, tenant_id, "body"))["body"])
+        return body
 
     async def delete(self, response_id: str, tenant_id: str) -> None:
         row = await self._pool.fetchrow(
@@ -106,7 +108,7 @@ class Responses:
             raise not_found(response_id)
 
     async def input_items(self, response_id: str, tenant_id: str, limit: int, after: str | None,
-                          order: str) -> dict:
+                          order: str) -> dict[str, Any]:
         """A page of the response's input items, as OpenAI lists them (``desc`` by default: newest first)."""
         if not 1 <= limit <= 100:
             raise OpenAIError(400, "limit must be between 1 and 100.", param="limit", code="invalid_value")
@@ -139,12 +141,12 @@ class Responses:
         if rows[-1]["status"] in _OPEN:
             raise OpenAIError(400, f"Previous response with id '{response_id}' has not finished yet.",
                               code="invalid_request", param="previous_response_id")
-        items: list[dict] = []
+        items: list[dict[str, Any]] = []
         for row in rows:
             items += json.loads(row["input_items"]) + json.loads(row["output"] or "[]")
         return to_messages(items), rows[-1]["model"]
 
-    async def cancel(self, response_id: str, tenant_id: str) -> tuple[dict, str | None]:
+    async def cancel(self, response_id: str, tenant_id: str) -> tuple[dict[str, Any], str | None]:
         """Mark a background response cancelled; returns its body and, if it was still running, its request id
         (for ``llm.cancel.<request_id>``). Cancelling a finished one changes nothing; a foreground one is a 400."""
         row = await self._row(response_id, tenant_id, "background, status, request_id, body")
@@ -173,7 +175,7 @@ ALIVE_EVERY_S = 30.0  # a running background response's gateway touches its row 
 ABANDONED_AFTER_S = 4 * ALIVE_EVERY_S
 
 
-async def fail_abandoned(pool, older_than_s: float = ABANDONED_AFTER_S) -> int:
+async def fail_abandoned(pool: asyncpg.Pool, older_than_s: float = ABANDONED_AFTER_S) -> int:
     """Background responses whose gateway stopped running them (it crashed: a draining one finishes them) are
     failed, so a client polling one is told instead of waiting forever; returns how many (housekeeping)."""
     error = json.dumps({"code": "server_error", "message": "The gateway running this response stopped; please "

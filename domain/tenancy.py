@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 
@@ -63,7 +64,7 @@ _UPDATABLE = ("tier", "rpm_limit", "tpm_limit", "monthly_token_budget", "priorit
 SAFETY_POLICIES = ("off", "log", "block")  # domain/admission/safety.py; None: the deployment's default
 
 
-async def update_tenant(conn: asyncpg.Connection, name: str, **changes) -> None:
+async def update_tenant(conn: asyncpg.Connection, name: str, **changes: Any) -> None:
     """Set the given fields (a value of None clears a limit back to the tier default / unlimited)."""
     if "tier" in changes:
         _check_tier(changes["tier"])
@@ -83,7 +84,7 @@ async def list_tenants(conn: asyncpg.Connection) -> list[asyncpg.Record]:
 
 
 async def tenant_id_by_name(conn: asyncpg.Connection, name: str) -> str:
-    tenant_id = await conn.fetchval("SELECT id FROM tenants WHERE name = $1", name)
+    tenant_id: str | None = await conn.fetchval("SELECT id FROM tenants WHERE name = $1", name)
     if tenant_id is None:
         raise TenancyError(f"no tenant named {name!r}")
     return tenant_id

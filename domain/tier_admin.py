@@ -7,6 +7,7 @@ gateway and worker caches expire) and then recorded in Postgres with who made it
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import asyncpg
 import msgspec
@@ -55,7 +56,7 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
     return old, new
 
 
-async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]]) -> list[dict]:
+async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]]) -> list[dict[str, Any]]:
     """Per model and tier: queued, oldest wait, token backlog (the gateway's queue gauges, gateway/queue_metrics.py),
     running, limits, workers, 429s in the last 5 minutes."""
     policies = await read_policies(js)

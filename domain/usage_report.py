@@ -6,6 +6,7 @@ Shared by ``GET /v1/usage`` and ``switchyard usage`` (which reads it on a connec
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import asyncpg
 
@@ -31,7 +32,7 @@ def parse_time(value: str | None, default: dt.datetime, param: str) -> dt.dateti
 
 
 async def usage_rows(conn: asyncpg.Connection | asyncpg.Pool, tenant_id: str, start: str | None,
-                     end: str | None, group_by: str) -> list[dict]:
+                     end: str | None, group_by: str) -> list[dict[str, Any]]:
     if group_by not in _GROUPS:
         raise OpenAIError(400, "group_by must be 'model' or 'day'.", param="group_by", code="invalid_value")
     now = dt.datetime.now(dt.UTC)
@@ -55,5 +56,5 @@ class UsageReport:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
 
-    async def rows(self, tenant_id: str, start: str | None, end: str | None, group_by: str) -> list[dict]:
+    async def rows(self, tenant_id: str, start: str | None, end: str | None, group_by: str) -> list[dict[str, Any]]:
         return await usage_rows(self._pool, tenant_id, start, end, group_by)

@@ -126,7 +126,7 @@ class BlockPool:
         return True
 
     def _evict(self, block: Block) -> None:
-        if self._cached.get(block.block_hash) == block.block_id:
+        if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
         block.block_hash = None
         block.token_ids = None

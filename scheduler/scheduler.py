@@ -251,6 +251,7 @@ class Scheduler:
         """Admit waiting sequences in order while budget, seats and blocks last."""
         while budget > 0 and self._waiting:
             seq = self._waiting.peek()
+            assert seq is not None  # the loop runs only while the queue has a member
             if seq in preempted:
                 break  # just preempted for memory; everything behind it is less important anyway
             if self.is_background(seq):
@@ -270,6 +271,8 @@ class Scheduler:
                     if seq is None:
                         break
                     refund = self._yield_to(seq, scheduled, preempted)
+                    # _under_share picked seq because its tenant may take a seat: _victim_for finds it one.
+                    assert refund is not None
                 budget += refund  # seq takes the seat now (the one preempted for it waits, perhaps ahead of it)
             if self.kv_cache.is_prefix_in_flight(seq, self._running):
                 break  # one step later its next blocks are cache hits instead of computed twice

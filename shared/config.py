@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -58,8 +58,8 @@ class SafetyConfig(BaseModel):
     # An input filter of your own, "package.module:factory" (called with this config; returns a ContentFilter),
     # e.g. a guard model where a GPU is at hand. The output filter always uses the rule set and classifier.
     input_filter: str | None = None
-    # Prompts longer than this are judged on a thread, not on the event loop. Up to 64 kB judging takes under
-    # 5 ms (bench/safety.py), less than the GIL's switch interval: a thread would hold the loop as long, plus a hop.
+    # Prompts longer than this are judged on a thread, not on the event loop. Judging up to 64 kB takes less than
+    # the GIL's switch interval (5 ms), so a thread would hold the loop as long, plus a hop.
     inline_max_chars: int = Field(65_536, ge=0)
 
 
@@ -70,7 +70,8 @@ class RequestLimits(BaseModel):
     max_messages: int = Field(2048, ge=1)  # a chat request's messages (OpenAI's limit)
     max_stop_chars: int = Field(1024, ge=1)  # each stop string (OpenAI documents none)
     # The JSON schemas of response_format and every tool's parameters together, serialized: compiling a grammar
-    # costs about 1.5 ms per KiB on a CPU core, and a 680 KB schema held a worker's intake for seconds.
+    # costs about 1.5 ms per KiB on a CPU core, so a schema of hundreds of KiB would hold a worker's intake for
+    # seconds.
     max_schema_bytes: int = Field(131_072, ge=1)
     # A conversation's history sent with a new turn: its newest messages, up to both bounds (the system prompt
     # always); the worker then drops the oldest of them that do not fit the model's context.
@@ -150,7 +151,7 @@ class VllmSettings(BaseModel):
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8, fp8_e4m3, fp8_e5m2
     # Speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     # or {"model": "path/to/draft", "num_speculative_tokens": 3}.
-    speculative_config: dict | None = None
+    speculative_config: dict[str, Any] | None = None
     kv_offloading_size: float | None = Field(None, gt=0)  # GiB of host memory that KV blocks are offloaded to
     kv_offloading_backend: str = "native"
     max_model_len: int | None = Field(None, ge=16)  # None: the model's own context
@@ -162,7 +163,7 @@ class VllmSettings(BaseModel):
     # while the worker publishes. Off by default: a worker killed outright (SIGKILL, the OOM killer) leaves that
     # process behind holding its memory, and its stats arrive a step late (admission then counts on older ones).
     engine_core_process: bool = False
-    engine_args: dict = Field(default_factory=dict)  # any other EngineArgs field, passed as given (wins)
+    engine_args: dict[str, Any] = Field(default_factory=dict)  # any other EngineArgs field, passed as given (wins)
     # The interpreter of the environment vLLM is installed in (`make vllm-env`: .venv-vllm), for the launcher's
     # vLLM workers. None: this one when it imports vllm, else the checkout's .venv-vllm.
     python: Path | None = None
@@ -314,7 +315,7 @@ def settings_env(config: SwitchyardConfig) -> dict[str, str]:
     """
     env: dict[str, str] = {}
 
-    def put(name: str, value) -> None:
+    def put(name: str, value: Any) -> None:
         if value is not None:
             env[ENV_PREFIX + name.upper()] = value if isinstance(value, str) else json.dumps(value)
 

@@ -10,12 +10,10 @@ modules) out of the collector's walk, so the walk is over what the requests hold
 
 A gateway also collects less often than Python's default (``GATEWAY_THRESHOLDS``). What a stream makes per token
 dies at once, by reference count, and costs the collector nothing; what starts a collection is what lives on: the
-few hundred objects of each request for as long as it runs. At Python's 700 net allocations a young collection ran
-every couple of requests and walked every request still starting, older ones followed, and a full one walked them
-all every few seconds (bench/streams.py, 1,000 streams at 20 tokens/s: 347 young, 31 middle and 2 full
-collections, 0.9 s of CPU in 20 s, the full ones about 0.1 s each). At the gateway's thresholds the same run
-collected 22 times (21 young of about 10 ms, one middle of 80 ms: 0.3 s) for about 10% more memory. A full
-collection still comes every million net allocations or so, so cyclic garbage that reached the oldest generation
+few hundred objects of each request for as long as it runs. At Python's 700 net allocations a young collection runs
+every couple of requests and walks every request still starting, older ones follow, and a full one walks them all
+every few seconds; the gateway's thresholds make collections a small fraction as many, for a little more memory.
+A full collection still comes every million net allocations or so, so cyclic garbage that reached the oldest generation
 does not pile up for long.
 """
 
@@ -26,6 +24,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -59,7 +58,7 @@ class GcPauses:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
-    def _on_gc(self, phase: str, info: dict) -> None:
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         # Runs inside the collector, in whichever thread triggered it: nothing here may allocate much.
         if phase == "start":
             self._began_at = time.perf_counter()

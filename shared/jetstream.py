@@ -9,11 +9,13 @@ import dataclasses
 import logging
 import time
 
+from nats.aio.client import Client as NATS
 from nats.errors import ConnectionReconnectingError, NoRespondersError, StaleConnectionError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, PubAck, StorageType, StreamConfig
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NoStreamResponseError, NotFoundError
+from nats.js.kv import KeyValue
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import ErrorInfo, WorkerInfo, decode
@@ -38,23 +40,30 @@ log = logging.getLogger("switchyard.jetstream")
 
 WORKER_TTL_S = 10.0  # a worker whose heartbeat is this old is gone
 
+
+def _stream_name(config: StreamConfig) -> str:
+    """The stream's name (optional in nats-py's config; every config from ``stream_config`` has one)."""
+    assert config.name is not None
+    return config.name
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig, replicas: int) -> None:
     config.num_replicas = replicas
     try:
-        await js.stream_info(config.name)
+        await js.stream_info(_stream_name(config))
     except NotFoundError:
         try:
             await js.add_stream(config)
         except BadRequestError:
             # Lost a creation race with another process: the stream exists now, which is all we need.
-            await js.stream_info(config.name)
+            await js.stream_info(_stream_name(config))
 
 
 async def _widen_subjects(js: JetStreamContext, config: StreamConfig) -> None:
     """Give a stream made by an earlier version today's subjects (HELD_WRITES held only ``llm.held.turn``), its
     messages kept."""
-    info = await js.stream_info(config.name)
-    if sorted(info.config.subjects or ()) != sorted(config.subjects):
+    info = await js.stream_info(_stream_name(config))
+    if sorted(info.config.subjects or ()) != sorted(config.subjects or ()):
         info.config.subjects = config.subjects
         await js.update_stream(info.config)
 
@@ -82,7 +91,7 @@ async def _drop_legacy_streams(js: JetStreamContext) -> None:
 async def _upgrade_request_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """A tier stream of the earlier layout (a subject per model, no tenant token) takes today's subjects when it
     holds nothing; one still holding requests is refused clearly (nothing would consume them)."""
-    info = await js.stream_info(config.name)
+    info = await js.stream_info(_stream_name(config))
     if info.config.subjects == config.subjects:
         return
     if info.state.messages:
@@ -99,7 +108,7 @@ async def _upgrade_request_stream(js: JetStreamContext, config: StreamConfig) ->
 async def _lift_consumer_limit(js: JetStreamContext, config: StreamConfig) -> None:
     """Give a queue stream made by an earlier version, which set no consumer limit, today's (stream_config.py says
     why: nats-server 2.15's default of 1,000 starves the 1,001st tenant); a limit an operator set is kept."""
-    info = await js.stream_info(config.name)
+    info = await js.stream_info(_stream_name(config))
     if (info.config.max_consumers or -1) <= 0 and config.max_consumers:
         log.info("stream %s: consumer limit -> %d", config.name, config.max_consumers)
         await js.update_stream(dataclasses.replace(info.config, max_consumers=config.max_consumers))
@@ -212,7 +221,7 @@ async def ensure_batch_results_consumer(js: JetStreamContext) -> str:
     return subjects.BATCH_RESULTS_CONSUMER
 
 
-async def workers_bucket(js: JetStreamContext, replicas: int = 1):
+async def workers_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     """Open (creating if needed) the KV bucket of worker heartbeats: entries expire after ``WORKER_TTL_S``.
     ``ensure_streams`` creates it with the configured replicas; one re-created after a lone server's restart (it is
     in memory) has one."""
@@ -226,7 +235,7 @@ async def workers_bucket(js: JetStreamContext, replicas: int = 1):
 HEADER_ROOM = 1024  # bytes of a message kept for its headers (the dedup id, trace context)
 
 
-def oversize_error(nc, payload: bytes) -> ErrorInfo | None:
+def oversize_error(nc: NATS, payload: bytes) -> ErrorInfo | None:
     """The 413 for a request ``payload`` that (with its headers) does not fit the server's max_payload, else
     None: the gateway answers it, a batch fails that line with it; never a 500."""
     room = nc.max_payload - HEADER_ROOM
@@ -238,7 +247,7 @@ def oversize_error(nc, payload: bytes) -> ErrorInfo | None:
 
 async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
     """Every worker heartbeat in the ``workers`` bucket: its keys from the bucket stream's subjects (one server-side
-    query; nats-py's ``kv.keys()`` builds a consumer for it and was seen to answer "no keys" while workers were
+    query; nats-py's ``kv.keys()`` builds a consumer for it, which can answer "no keys" while workers are
     beating), then each key's last value. A restarted NATS has lost the in-memory bucket: it is made again, empty,
     and the workers' next heartbeats fill it."""
     stream, prefix = f"KV_{subjects.WORKERS_BUCKET}", f"$KV.{subjects.WORKERS_BUCKET}."
@@ -271,7 +280,7 @@ def is_transient(exc: Exception) -> bool:
 
 
 async def publish_once(js: JetStreamContext, subject: str, payload: bytes, msg_id: str, within_s: float = 10.0,
-                       headers: dict[str, str] | None = None):
+                       headers: dict[str, str] | None = None) -> PubAck:
     """Publish to a stream, retrying transient failures for up to ``within_s`` seconds; returns the ack.
 
     Every try carries ``msg_id`` (``Nats-Msg-Id``), so a try that was stored although its ack was lost is not

@@ -6,6 +6,8 @@ older reader tolerates a newer writer (msgspec ignores unknown fields).
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import msgspec
 
 
@@ -30,7 +32,7 @@ class ToolSpec(msgspec.Struct, frozen=True):
 
     name: str
     description: str = ""
-    parameters: dict = msgspec.field(default_factory=dict)  # JSON schema of the arguments object
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)  # JSON schema of the arguments object
     strict: bool = False
 
 
@@ -38,7 +40,7 @@ class ResponseFormat(msgspec.Struct, frozen=True):
     """What the output must be (``response_format``): decoding is constrained to it on the worker."""
 
     type: str  # json_object | json_schema
-    schema: dict | None = None  # json_schema only
+    schema: dict[str, Any] | None = None  # json_schema only
     name: str = ""
     strict: bool = False
 
@@ -347,12 +349,14 @@ class WorkerInfo(msgspec.Struct):
 
 _encoder = msgspec.msgpack.Encoder()
 
+StructT = TypeVar("StructT", bound=msgspec.Struct)
+
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes, type_: type[msgspec.Struct]):
+def decode(data: bytes, type_: type[StructT]) -> StructT:
     """Decode ``data`` as ``type_``; raises ``msgspec.ValidationError``/``DecodeError`` on bad input."""
     return msgspec.msgpack.decode(data, type=type_)
 

@@ -9,6 +9,7 @@ certificate is checked against the system's CAs, or against ``tls_ca`` (a privat
 from __future__ import annotations
 
 import ssl
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats
@@ -21,7 +22,7 @@ def server_urls(url: str) -> list[str]:
 
 
 async def connect(url: str, name: str, *, reconnect_forever: bool = True, tls_ca: Path | None = None,
-                  reconnected_cb=None) -> NATS:
+                  reconnected_cb: Callable[[], Awaitable[None]] | None = None) -> NATS:
     """Connect as ``name`` (shown by the server's monitoring); by default keep reconnecting while servers are
     away, as a long-running service must. ``reconnected_cb``: a coroutine function awaited after each reconnect."""
     tls = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca is not None else None

@@ -1,7 +1,7 @@
 """The offline profanity classifier of the safety filters: alt-profanity-check's model (TF-IDF over words, five
 linear SVMs with sigmoid calibration, averaged), scored in plain Python from its fitted weights.
 
-The wheel's own ``predict_prob`` goes through scikit-learn's input validation and sparse matrices: about 2.6 ms a
+The wheel's own ``predict_prob`` goes through scikit-learn's input validation and sparse matrices: milliseconds a
 call whatever the text's length, too slow for every request on the event loop and far too slow for every word a
 worker generates. The model is linear, so a window of words scores with one dictionary look-up per word and a
 few multiplications (microseconds); ``tests/shared/test_safety.py`` checks the scores against the wheel's.
@@ -42,7 +42,7 @@ class ProfanityClassifier:
         # offensive by it, so the streaming check scores the window only when one arrives.
         self.raising_words = frozenset(w for w, (_, cs) in self._weights.items() if max(cs) > 0)
         # The vectorizer's default pattern finds what a plain run of two or more word characters does (a greedy run
-        # ends at a boundary anyway), and that is a third faster without the boundary checks.
+        # ends at a boundary anyway), and is quicker without the boundary checks.
         self._tokens = re.compile(r"\w\w+" if token_pattern == r"(?u)\b\w\w+\b" else token_pattern)
         self.empty_probability = self.probability(())
         # The same weights as arrays, for judging many windows at once (``max_probability``); the last row is a

@@ -18,6 +18,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,7 +70,7 @@ class RuleSet:
     def __init__(self, patterns: dict[str, list[str]]) -> None:
         """Raises ValueError naming the category whose pattern does not compile."""
         self.patterns = {c: list(p) for c, p in patterns.items() if p}
-        self._compiled: list[tuple[str, re.Pattern]] = []
+        self._compiled: list[tuple[str, re.Pattern[str]]] = []
         for category, regexes in self.patterns.items():
             try:
                 self._compiled.append((category, re.compile("|".join(f"(?:{r})" for r in regexes), re.IGNORECASE)))
@@ -103,10 +104,12 @@ class DefaultFilter:
             return self.judge_words(self.classifier.words(text), windows=True)
         return ALLOWED
 
-    def judge_words(self, words, windows: bool = False) -> Verdict:
+    def judge_words(self, words: Sequence[str], windows: bool = False) -> Verdict:
         """The classifier's verdict on vocabulary words (``classifier.words``): as one window, or (``windows``) as
         its most offensive window."""
-        p = self.classifier.max_probability(words) if windows else self.classifier.probability(words)
+        classifier = self.classifier
+        assert classifier is not None  # the words come from the classifier, so there is one
+        p = classifier.max_probability(words) if windows else classifier.probability(words)
         if p >= self.threshold:
             return Verdict(PROFANITY, f"profanity classifier {p:.2f} >= {self.threshold:g}")
         return ALLOWED
@@ -117,7 +120,7 @@ def rule_patterns(config: SafetyConfig) -> dict[str, list[str]]:
     regexes) and ``rules_file``. Raises ValueError, saying what to fix, for a file that cannot be read."""
     out: dict[str, list[str]] = {}
 
-    def add(rules: dict, keywords: dict) -> None:
+    def add(rules: dict[str, list[str]], keywords: dict[str, list[str]]) -> None:
         for category, regexes in rules.items():
             out.setdefault(category, []).extend(regexes)
         for category, words in keywords.items():
@@ -154,7 +157,8 @@ def default_filter(config: SafetyConfig) -> ContentFilter:
     if config.input_filter:
         module, _, factory = config.input_filter.partition(":")
         try:
-            return getattr(importlib.import_module(module), factory)(config)
+            make: Callable[[SafetyConfig], ContentFilter] = getattr(importlib.import_module(module), factory)
+            return make(config)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"safety input_filter {config.input_filter!r}: {exc} (expected 'package.module:"
                              "factory', a callable taking the SafetyConfig)") from None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError
 
 from switchyard.shared import subjects
 
@@ -13,7 +16,7 @@ ERR_MAX_MSGS_PER_SUBJECT = 10078
 QUEUE_FULL_CODES = {ERR_MAX_MSGS, ERR_MAX_MSGS_PER_SUBJECT}
 
 
-def is_subject_cap(error) -> bool:
+def is_subject_cap(error: APIError) -> bool:
     """Whether a queue-full refusal is a subject's cap (one tenant's queue), not the whole stream's (the tier)."""
     return error.err_code == ERR_MAX_MSGS_PER_SUBJECT or "per subject" in (error.description or "")
 
@@ -21,8 +24,8 @@ REQUEST_MAX_AGE_S = 3600.0
 
 # Consumers a request stream may hold: one per tenant and model queued in its tier within the last hour
 # (REQUEST_CONSUMER_IDLE_S), and one per worker for offers. Set on the stream because nats-server 2.15 gives a
-# stream that sets none a default of 1,000 (``default_max_consumers``): the 1,001st tenant active in a tier then got
-# no consumer, and its requests waited in the stream until their deadline.
+# stream that sets none a default of 1,000 (``default_max_consumers``): the 1,001st tenant active in a tier would get
+# no consumer, and its requests would wait in the stream until their deadline.
 MAX_QUEUE_CONSUMERS = 1_000_000
 USAGE_MAX_AGE_S = 30 * 24 * 3600.0
 EVENTS_MAX_AGE_S = 300.0
@@ -39,7 +42,7 @@ def tier_stream_config(tier: str, max_queued: int, tenant_cap: int) -> StreamCon
                        discard_new_per_subject=True, max_consumers=MAX_QUEUE_CONSUMERS)
 
 
-def _work_queue(name: str, subject: str, max_age_s: float, **limits) -> StreamConfig:
+def _work_queue(name: str, subject: str, max_age_s: float, **limits: Any) -> StreamConfig:
     """A file-backed queue of requests (each taken once, by one worker); a publish retried with its message id
     within two minutes is stored once."""
     return StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.WORK_QUEUE,

@@ -19,6 +19,7 @@ import time
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode, encode
@@ -30,7 +31,7 @@ CACHE_S = 1.0
 log = logging.getLogger("switchyard.tiers")
 
 
-async def tiers_bucket(js: JetStreamContext, replicas: int = 1):
+async def tiers_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     try:
         return await js.key_value(TIERS_BUCKET)
     except BucketNotFoundError:
@@ -83,8 +84,9 @@ async def apply_queue_cap(js: JetStreamContext, tier: str, policy: TierPolicy) -
         caps = target
     else:
         total, deepest = await _queue_depths(js, tier)
-        caps = (max(target[0], min(current[0], total)) if target[0] < current[0] else target[0],
-                max(target[1], min(current[1], deepest)) if target[1] < current[1] else target[1])
+        # int() is exact: a cap of inf (no limit) is never below a depth, so min() picks a whole number.
+        caps = (max(target[0], int(min(current[0], total))) if target[0] < current[0] else target[0],
+                max(target[1], int(min(current[1], deepest))) if target[1] < current[1] else target[1])
     if caps != current:
         # From the stream's own config: replicas and anything else set at creation stay as they are.
         await js.update_stream(dataclasses.replace(info.config, max_msgs=caps[0], max_msgs_per_subject=caps[1]))

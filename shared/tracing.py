@@ -9,12 +9,13 @@ the OpenTelemetry API hands out non-recording spans, which cost next to nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -22,6 +23,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
+from opentelemetry.trace import Span
+from opentelemetry.util.types import AttributeValue
 
 tracer = trace.get_tracer("switchyard")
 
@@ -33,7 +36,7 @@ class JsonLinesExporter(SpanExporter):
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def export(self, spans) -> SpanExportResult:
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         for span in spans:
             os.write(self._fd, (span.to_json(indent=None) + "\n").encode())
         return SpanExportResult.SUCCESS
@@ -52,7 +55,7 @@ def setup_tracing(service: str, exporter: str, traces_file: Path | None = None) 
         except ImportError as exc:
             raise SystemExit("traces_exporter=otlp needs the tracing extra: pip install 'switchyard[tracing]'") \
                 from exc
-        processor = BatchSpanProcessor(OTLPSpanExporter())  # endpoint etc. from OTEL_EXPORTER_OTLP_*
+        processor: SpanProcessor = BatchSpanProcessor(OTLPSpanExporter())  # endpoint etc. from OTEL_EXPORTER_OTLP_*
     elif exporter == "file":
         if traces_file is None:
             raise SystemExit("traces_exporter=file needs traces_file")
@@ -79,7 +82,7 @@ def extract_context(headers: dict[str, str] | None) -> otel_context.Context | No
 
 
 def record_span(name: str, parent: otel_context.Context | None, start_s: float, end_s: float,
-                **attributes) -> ReadableSpan | None:
+                **attributes: AttributeValue) -> Span | None:
     """A finished span of ``parent``'s trace from unix time ``start_s`` to ``end_s`` (for work timed while it
     ran and reported when it ended, as the worker does for a request's queue, prefill and decode)."""
     if parent is None:
@@ -89,5 +92,7 @@ def record_span(name: str, parent: otel_context.Context | None, start_s: float, 
     return span
 
 
-def child_context(span) -> otel_context.Context:
-    return trace.set_span_in_context(span)
+def child_context(span: Span | None) -> otel_context.Context:
+    """A context whose current span is ``span``, to start its children in (None: a context with no span, whose
+    children are not recorded)."""
+    return trace.set_span_in_context(span if span is not None else trace.INVALID_SPAN)

@@ -42,7 +42,7 @@ class Concurrency(Policy):
         self._tier_policies = tier_policies
         self._local_share = local_share
         self._held: dict[str, str] = {}  # request id -> tenant id: this gateway's open requests
-        self._local: dict[str, Counter] = {}  # tenant id -> streams and sequences admitted while Postgres was away
+        self._local: dict[str, Counter[str]] = {}  # tenant id -> streams and sequences admitted while Postgres was away
         self._local_ids: set[str] = set()
 
     async def check(self, ticket: Ticket) -> None:
@@ -86,7 +86,7 @@ class Concurrency(Policy):
         ticket.holds_seat = False
         if ticket.request_id in self._local_ids:
             self._local_ids.discard(ticket.request_id)
-            self._local[ticket.auth.tenant_id].subtract(streams=1, sequences=ticket.n)
+            self._local[ticket.auth.tenant_id].subtract({"streams": 1, "sequences": ticket.n})
             return
         self._held.pop(ticket.request_id, None)
         try:

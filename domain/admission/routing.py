@@ -96,5 +96,7 @@ class ModelRouting(Policy):
         self._router = router
 
     async def check(self, ticket: Ticket) -> None:
-        ticket.model = await self._router.resolve(ticket.model, ticket.tier, ticket.num_chars, ticket.max_tokens,
+        tier = ticket.tier
+        assert tier is not None  # ServiceTierChoice, the first policy, has chosen it
+        ticket.model = await self._router.resolve(ticket.model, tier, ticket.num_chars, ticket.max_tokens,
                                                   ticket.routing_text)

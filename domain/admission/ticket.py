@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.limits import Reservation, estimate_tokens
@@ -91,11 +91,11 @@ class Ticket:
         return None if self.service is None else self.service.tier
 
     @classmethod
-    def for_body(cls, origin: Origin, auth: AuthContext, request_id: str, body: RequestBody, **fields) -> Ticket:
+    def for_body(cls, origin: Origin, auth: AuthContext, request_id: str, body: RequestBody, **fields: Any) -> Ticket:
         """The ticket of a request ``body``; ``fields`` override what the body says (a conversation turn's
         history is the server's, not the body's)."""
         texts, param = body.screened_texts()
-        asked = dict(model=body.model, num_chars=body.num_chars(), max_tokens=body.max_output_tokens,
+        asked: dict[str, Any] = dict(model=body.model, num_chars=body.num_chars(), max_tokens=body.max_output_tokens,
                      n=body.num_choices, service_tier=body.service_tier, routing_text=body.routing_text(),
                      texts=texts, texts_param=param)
         asked.update(fields)

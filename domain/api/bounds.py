@@ -15,6 +15,7 @@ compiler runs on a fuel budget (``worker.grammar_lexer_fuel``) and refuses with 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
@@ -26,7 +27,7 @@ def _too_long(param: str, message: str, code: str = "invalid_value") -> OpenAIEr
     return OpenAIError(400, message, code=code, param=param)
 
 
-def _size(schema: dict | None) -> int:
+def _size(schema: dict[str, Any] | None) -> int:
     return len(json.dumps(schema, separators=(",", ":")).encode()) if schema else 0
 
 

@@ -141,12 +141,12 @@ class ChatCompletionRequest(SamplingFields):
     # Refused by name: what this platform cannot do (see _refuse_unsupported).
     store: bool | None = None
     modalities: list[str] | None = None
-    audio: dict | None = None
-    prediction: dict | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
-    web_search_options: dict | None = None
-    functions: list | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[Any] | None = None
     function_call: Any = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
@@ -199,9 +199,11 @@ class ChatCompletionRequest(SamplingFields):
     def tool_use(self) -> ToolUse | None:
         if not self.tools:
             return None
-        choice, function = self.tool_choice or "auto", None
-        if isinstance(choice, NamedToolChoice):
-            choice, function = "function", choice.function.name
+        requested = self.tool_choice or "auto"
+        if isinstance(requested, NamedToolChoice):
+            choice, function = "function", requested.function.name
+        else:
+            choice, function = requested, None
         specs = [ToolSpec(t.function.name, t.function.description or "", t.function.parameters or {},
                           bool(t.function.strict)) for t in self.tools]
         return ToolUse(specs, choice, function, parallel=self.parallel_tool_calls is not False)
@@ -218,7 +220,7 @@ class ChatCompletionRequest(SamplingFields):
     def sampling(self) -> SamplingParams:
         return self._sampling(self.max_output_tokens, self.logprobs, self.top_logprobs or 0)
 
-    def wire_fields(self) -> dict:
+    def wire_fields(self) -> dict[str, Any]:
         """Everything of a wire ``GenerateRequest`` that comes from the body."""
         return {"messages": self.wire_messages(), "sampling": self.sampling(),
                 "response_format": self.response_format.wire() if self.response_format else None,

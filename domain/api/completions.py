@@ -3,19 +3,20 @@ text or token ids, with ``echo`` and ``best_of``."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from switchyard.domain.api.fields import INT32_MAX, MAX_N, MAX_PROMPTS, SamplingFields, unsupported
+from switchyard.domain.api.fields import INT32_MAX, MAX_N, MAX_PROMPTS, SamplingFields, first_is, unsupported
 from switchyard.shared.messages import SamplingParams
 
 Prompt = str | list[int]
+PromptField = str | list[str] | list[int] | list[list[int]]  # one prompt, or several; each text or token ids
 
 
 class CompletionRequest(SamplingFields):
     service_tier: ClassVar[None] = None  # the legacy API has none: the tenant's tier runs it
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptField
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -23,7 +24,7 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _prompts(cls, v):
+    def _prompts(cls, v: PromptField) -> PromptField:
         prompts = [v] if isinstance(v, str) or (isinstance(v, list) and v and isinstance(v[0], int)) else v
         if not prompts:
             raise ValueError("at least one prompt is required")
@@ -50,7 +51,7 @@ class CompletionRequest(SamplingFields):
     @property
     def prompts(self) -> list[Prompt]:
         v = self.prompt
-        return [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else list(v)
+        return [v] if isinstance(v, str) or first_is(v, int) else list(v)
 
     @property
     def num_generated(self) -> int:
@@ -73,7 +74,7 @@ class CompletionRequest(SamplingFields):
         return self._sampling(self.max_output_tokens, self.logprobs is not None or ranked, self.logprobs or 0,
                               n=self.num_generated, echo=self.echo)
 
-    def wire_fields(self, prompt: Prompt) -> dict:
+    def wire_fields(self, prompt: Prompt) -> dict[str, Any]:
         """The wire fields of the request for one of the prompts."""
         text = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
         return {**text, "sampling": self.sampling()}

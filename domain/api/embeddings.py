@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from switchyard.domain.api.fields import INT32_MAX, Strict, unsupported
+from switchyard.domain.api.fields import INT32_MAX, Strict, first_is, unsupported
 from switchyard.shared.messages import EmbedInput
 
 MAX_INPUTS = 2048
@@ -43,13 +43,13 @@ class EmbeddingRequest(Strict):
         value = self.input
         if isinstance(value, str):
             return [value]
-        if value and isinstance(value[0], int):
+        if first_is(value, int):
             return [value]  # one input of token ids
         return value
 
     def wire(self) -> EmbedInput:
         inputs = self._inputs()
-        if inputs and isinstance(inputs[0], str):
+        if first_is(inputs, str):
             return EmbedInput(texts=list(inputs), dimensions=self.dimensions)
         return EmbedInput(token_ids=[list(i) for i in inputs], dimensions=self.dimensions)
 

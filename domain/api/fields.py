@@ -12,13 +12,16 @@ A body also tells admission what it asks for (domain/admission/ticket.py): ``num
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Self, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from switchyard.domain.api.text import StoredText, check_encodable
 from switchyard.shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # in typing from Python 3.13
 
 MAX_STOP_SEQUENCES = 4
 MAX_N = 16  # choices per prompt (best_of included), as the worker allows
@@ -28,6 +31,15 @@ MAX_LOGIT_BIAS = 300
 INT32_MAX = 2**31 - 1  # counts (tokens, top_k): beyond any context, and within what every layer below carries
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is a signed 64-bit integer
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+ItemT = TypeVar("ItemT")
+
+
+def first_is(value: list[Any], kind: type[ItemT]) -> TypeIs[list[ItemT]]:
+    """Whether a list a body gives in one of several shapes (texts, token ids, lists of token ids) is the one of
+    ``kind``: pydantic has validated that its items are all alike, so the first one says."""
+    return bool(value) and isinstance(value[0], kind)
 
 
 def _check_name(name: str) -> str:
@@ -52,7 +64,7 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
                                       "at most 512.")
 
 
-def validated(model: type[BaseModel], value: object, where: str) -> BaseModel:
+def validated(model: type[ModelT], value: object, where: str) -> ModelT:
     """``value`` as ``model``, validated inside another body's validator: a mistake is refused naming ``where``
     (``tools[2].name``), not the nested model's own field alone."""
     try:
@@ -106,7 +118,7 @@ class SamplingFields(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _encodable(cls, data):
+    def _encodable(cls, data: Any) -> Any:
         # Before any field: a lone surrogate anywhere would fail msgpack (NATS) and Postgres alike (api/text.py).
         return check_encodable(data)
 
@@ -135,7 +147,7 @@ class SamplingFields(Strict):
         return v
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self):
+    def _stream_options_need_stream(self) -> Self:
         if self.stream_options is not None and not self.stream:
             raise unsupported("stream_options", "stream_options is only allowed when stream is true.")
         return self

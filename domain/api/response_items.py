@@ -68,7 +68,7 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     return "".join(texts)
 
 
-def parse_input(value: str | list) -> list[dict]:
+def parse_input(value: str | list[Any]) -> list[dict[str, Any]]:
     """``input`` as stored items, each with an id; raises a refusal naming the item that cannot be honoured."""
     if isinstance(value, str):
         return [message_item("user", value)]
@@ -96,20 +96,20 @@ def parse_input(value: str | list) -> list[dict]:
 
 
 def message_item(role: str, text: str, part_type: str = "input_text", item_id: str | None = None,
-                 status: str = "completed") -> dict:
-    part: dict = {"type": part_type, "text": text}
+                 status: str = "completed") -> dict[str, Any]:
+    part: dict[str, Any] = {"type": part_type, "text": text}
     if part_type == "output_text":
         part.update(annotations=[], logprobs=[])
     return {"id": item_id or new_id("msg"), "type": "message", "role": role, "status": status, "content": [part]}
 
 
 def function_call_item(call_id: str, name: str, arguments: str, item_id: str | None = None,
-                       status: str = "completed") -> dict:
+                       status: str = "completed") -> dict[str, Any]:
     return {"id": item_id or f"fc_{call_id}", "type": "function_call", "status": status, "call_id": call_id,
             "name": name, "arguments": arguments}
 
 
-def output_items(request_id: str, text: str, calls: list[ToolCall], status: str = "completed") -> list[dict]:
+def output_items(request_id: str, text: str, calls: list[ToolCall], status: str = "completed") -> list[dict[str, Any]]:
     """A reply as the response's ``output``: its message (when it said something, or nothing at all), then one
     ``function_call`` item per call. Ids come from the request id, so a stream's items and the stored ones agree."""
     items = []
@@ -123,16 +123,15 @@ def output_message_id(request_id: str) -> str:
     return f"msg_{request_id}"
 
 
-def item_text(item: dict) -> str:
+def item_text(item: dict[str, Any]) -> str:
     """The text an item carries (what the input filter judges and the token estimate counts)."""
     if item["type"] == "message":
         return "".join(p.get("text", "") for p in item["content"])
-    if item["type"] == "function_call":
-        return item["arguments"]
-    return item.get("output", "")
+    text: str = item["arguments"] if item["type"] == "function_call" else item.get("output", "")
+    return text
 
 
-def to_messages(items: list[dict]) -> list[ChatMessage]:
+def to_messages(items: list[dict[str, Any]]) -> list[ChatMessage]:
     """Chat messages from items, in order: a function call joins the assistant message just before it (as a chat
     reply holds its text and its calls), and a tool's output answers its call by ``call_id``."""
     messages: list[ChatMessage] = []

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from switchyard.shared.messages import ErrorInfo, Usage
 
@@ -27,26 +28,27 @@ _STATUS = {
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
 
-def status_of(finish_reason: str | None) -> tuple[str, dict | None]:
+def status_of(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
     """A reply's finish reason as a response's ``status`` and ``incomplete_details``."""
     status, reason = _STATUS.get(finish_reason or "", ("failed", None))
     return status, None if reason is None else {"reason": reason}
 
 
-def usage_json(usage: Usage) -> dict:
+def usage_json(usage: Usage) -> dict[str, Any]:
     """The Responses API's ``usage``: input/output tokens, with the input's cached part."""
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens}
 
 
-def error_json(error: ErrorInfo) -> dict:
+def error_json(error: ErrorInfo) -> dict[str, Any]:
     return {"code": error.code or "server_error", "message": error.message}
 
 
-def response_json(response_id: str, created_at: float, model: str, echo: dict, status: str,
-                  output: list[dict] | None = None, usage: Usage | None = None, error: ErrorInfo | None = None,
-                  incomplete_details: dict | None = None, service_tier: str | None = None) -> dict:
+def response_json(response_id: str, created_at: float, model: str, echo: dict[str, Any], status: str,
+                  output: list[dict[str, Any]] | None = None, usage: Usage | None = None,
+                  error: ErrorInfo | None = None, incomplete_details: dict[str, Any] | None = None,
+                  service_tier: str | None = None) -> dict[str, Any]:
     """The response object. ``echo``: the request's settings as the response repeats them
     (``ResponseCreate.echo``)."""
     return {
@@ -60,6 +62,6 @@ def response_json(response_id: str, created_at: float, model: str, echo: dict, s
     }
 
 
-def output_text(output: list[dict]) -> str:
+def output_text(output: list[dict[str, Any]]) -> str:
     """The text of a response's message items (what a conversation keeps as the assistant's reply)."""
     return "".join(p.get("text", "") for item in output if item["type"] == "message" for p in item["content"])

@@ -73,7 +73,7 @@ class Reasoning(Strict):
 
 class ResponseCreate(Strict):
     model: str | None = Field(None, min_length=1)  # None: the previous response's or the conversation's
-    input: str | list = Field(min_length=1)
+    input: str | list[Any] = Field(min_length=1)
     instructions: StoredText | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -97,12 +97,12 @@ class ResponseCreate(Strict):
     # Refused by name (see _refuse_unsupported).
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
-    prompt: dict | None = None
+    prompt: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
-    stream_options: dict | None = None
+    stream_options: dict[str, Any] | None = None
     # Parsed once, by the validator below.
-    _items: list[dict] = PrivateAttr(default_factory=list)
+    _items: list[dict[str, Any]] = PrivateAttr(default_factory=list)
     _tools: list[FunctionTool] = PrivateAttr(default_factory=list)
     _choice: tuple[str, str | None] = PrivateAttr(("auto", None))
 
@@ -127,7 +127,7 @@ class ResponseCreate(Strict):
         return self
 
     @staticmethod
-    def _function_tool(i: int, tool: dict) -> FunctionTool:
+    def _function_tool(i: int, tool: dict[str, Any]) -> FunctionTool:
         kind = tool.get("type")
         if kind != "function":
             raise unsupported(f"tools[{i}].type", f"Tools of type {kind!r} are not supported: only function tools.")
@@ -169,7 +169,7 @@ class ResponseCreate(Strict):
 
     # -- what the request asks for ---------------------------------------------------------------------------
     @property
-    def items(self) -> list[dict]:
+    def items(self) -> list[dict[str, Any]]:
         """``input`` as stored items, each with an id."""
         return self._items
 
@@ -212,7 +212,7 @@ class ResponseCreate(Strict):
     def response_format(self) -> ResponseFormat | None:
         return self.text.format.wire() if self.text is not None and self.text.format is not None else None
 
-    def echo(self) -> dict:
+    def echo(self) -> dict[str, Any]:
         """The request's settings as a response object repeats them."""
         fmt = self.text.format.model_dump(by_alias=True, exclude_none=True) if self.text and self.text.format \
             else {"type": "text"}

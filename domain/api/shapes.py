@@ -5,6 +5,7 @@ messages (domain/conversations.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from switchyard.shared.messages import ToolCall, Usage
 
@@ -23,7 +24,7 @@ CHAT = Kind("chatcmpl-", "chat.completion", "chat.completion.chunk", True)
 TEXT = Kind("cmpl-", "text_completion", "text_completion", False)
 
 
-def usage_json(usage: Usage) -> dict:
+def usage_json(usage: Usage) -> dict[str, Any]:
     """OpenAI's ``usage`` object (with cached prompt tokens), as every response and batch result line has it."""
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -33,21 +34,21 @@ def usage_json(usage: Usage) -> dict:
     }
 
 
-def tool_call_json(call: ToolCall) -> dict:
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
     """A whole call as OpenAI writes it in a message (responses, batch output lines, stored conversations)."""
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def tool_call_from_json(item: dict) -> ToolCall:
+def tool_call_from_json(item: dict[str, Any]) -> ToolCall:
     return ToolCall(item["id"], item["function"]["name"], item["function"]["arguments"])
 
 
 def choice_json(kind: Kind, index: int, text: str, calls: list[ToolCall], finish_reason: str | None,
-                logprobs: dict | None = None) -> dict:
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One choice of a whole (non-streamed) response: a chat message (its content null when it only calls tools)
     or a completion's text."""
     if kind.is_chat:
-        message = {"role": "assistant", "content": text if text or not calls else None}
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = [tool_call_json(call) for call in calls]
         choice = {"index": index, "message": message}

@@ -4,7 +4,7 @@ Two rules, each with the place it comes from:
 
     code points             where they fail                                 refused in
     U+D800-U+DFFF (lone     UTF-8 cannot encode them: msgpack (NATS) and     every string of a body
-      surrogates; JSON's      Postgres both raise, which was a 500
+      surrogates; JSON's      Postgres both raise (a 500, unrefused)
       "\\ud800" escapes)
     U+0000 (NUL)            Postgres ``text`` and ``jsonb`` refuse it        every field stored in a text or jsonb
                                                                              column (``StoredText``): user,
@@ -22,6 +22,7 @@ what it knows of a record Postgres still refuses).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import AfterValidator
@@ -38,7 +39,9 @@ def invalid_text(why: str, param: str | None = None) -> PydanticCustomError:
 
 def describe(text: str) -> str:
     """Why ``text`` cannot be kept (call only when ``UNSTORABLE`` matched it)."""
-    found = UNSTORABLE.search(text).group()
+    match = UNSTORABLE.search(text)
+    assert match is not None, "describe() is for text UNSTORABLE matched"
+    found = match.group()
     if found == "\x00":
         return "it contains U+0000 (NUL), which cannot be stored"
     return f"it contains U+{ord(found):04X}, a lone surrogate, which is not valid Unicode text"
@@ -66,7 +69,7 @@ def storable(value: Any) -> Any:
     return value
 
 
-def unencodable_path(value: Any, path: tuple = ()) -> tuple | None:
+def unencodable_path(value: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
     """Where the first string holding a lone surrogate is in a parsed JSON ``value``, or None; a key is named by
     its mapping (the key itself cannot be written back)."""
     if isinstance(value, str):
@@ -94,7 +97,7 @@ def check_encodable(data: Any) -> Any:
     return data
 
 
-def field_path(error: dict) -> list[str]:
+def field_path(error: Mapping[str, Any]) -> list[str]:
     """The field a pydantic error (one of ``ValidationError.errors()``) points at, as path parts; a refused mapping
     key is named by its mapping (never by the key's own text), a refusal of a whole body by the ``param`` it
     carries."""
