@@ -13,6 +13,7 @@ import secrets
 from typing import Literal
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 from switchyard.domain.errors import OpenAIError
 
@@ -31,7 +32,8 @@ def file_json(row) -> dict:
             "status_details": None}
 
 
-async def insert_file(conn: asyncpg.Connection, tenant_id: str, purpose: str, filename: str, content: bytes):
+async def insert_file(conn: asyncpg.Connection | PoolConnectionProxy, tenant_id: str, purpose: str, filename: str,
+                      content: bytes):
     """Store a file; returns its row (without the content)."""
     return await conn.fetchrow(
         "INSERT INTO files (id, tenant_id, purpose, filename, bytes, content) VALUES ($1, $2, $3, $4, $5, $6) "

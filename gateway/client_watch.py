@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -99,7 +99,7 @@ class BoundedStream(StreamingResponse):
         self._buffered = buffered
         self._task: asyncio.Task | None = None  # the one sending the body
         self._scope: dict = {}
-        self._loop: asyncio.AbstractEventLoop | None = None  # its loop (read once, not per chunk)
+        self._loop: asyncio.AbstractEventLoop  # its loop, set by __call__ (read once, not per chunk)
         self._streaming = False  # the body is being sent: only then may the stream be ended from outside it
         self._ended_by: str | None = None  # why it was ended from outside: the client left, or is too slow
         self._sending_since: float | None = None  # when the send now out began (the loop's clock)
@@ -118,7 +118,8 @@ class BoundedStream(StreamingResponse):
         try:
             await self._task
         except asyncio.CancelledError:
-            if self._ended_by is None or asyncio.current_task().cancelling():
+            current = asyncio.current_task()  # the request's: this coroutine always runs in a task
+            if self._ended_by is None or (current is not None and current.cancelling()):
                 raise  # cancelled by someone else: the server stopping
         except OSError:  # a server on ASGI 2.4 says so when the client left
             self._ended_by = _CLIENT_LEFT
@@ -133,10 +134,11 @@ class BoundedStream(StreamingResponse):
                 log.warning("ending a stream whose client stopped reading (%s)", self._ended_by)
             # Its way out now (the worker told to stop); the response is left unfinished, so the server closes
             # the connection.
-            await self.body_iterator.aclose()
+            # Starlette makes every body an async generator (a plain iterator runs through iterate_in_threadpool).
+            await cast(AsyncGenerator, self.body_iterator).aclose()
 
     def _end(self, why: str) -> None:
-        if self._streaming and self._ended_by is None:
+        if self._streaming and self._ended_by is None and self._task is not None:
             self._ended_by = why
             self._task.cancel()
 

@@ -48,7 +48,7 @@ def sse(payload: dict | str) -> bytes:
 
 def tool_call_chunk(part: ToolCallDelta) -> dict:
     """One streamed ``tool_calls`` item: the call's first part has its id, type and name."""
-    function = {"arguments": part.arguments}
+    function: dict[str, str | None] = {"arguments": part.arguments}
     item: dict = {"index": part.index}
     if part.id is not None:
         item.update(id=part.id, type="function")

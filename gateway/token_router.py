@@ -29,6 +29,7 @@ import uuid
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode_routed
@@ -71,6 +72,7 @@ class DeltaInbox:
         router's next idle tick, at most ``IDLE_TICK_S`` away)."""
         if not self._items:
             loop = self._router.loop
+            assert loop is not None, "an inbox waits on a started router"
             self._waiter = waiter = loop.create_future()
             expiry = None if timeout is None else loop.call_later(timeout, _expire, waiter)
             self._idle = expiry is None
@@ -107,7 +109,7 @@ class TokenRouter:
         self._nc = nc
         self.subject = subjects.gateway_token_subject(uuid.uuid4().hex)  # this process's alone
         self._inboxes: dict[str, DeltaInbox] = {}
-        self._sub = None
+        self._sub: Subscription | None = None
         self._ticking: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the inboxes' (read once here, not per wait)
 
