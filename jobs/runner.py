@@ -85,7 +85,7 @@ class Jobs:
 async def running_jobs(config: SwitchyardConfig) -> AsyncIterator[Jobs]:
     """The jobs, on connections of their own (NATS as ``switchyard-jobs``, a Postgres pool), until the block ends;
     then each finishes its record and the connections close."""
-    # Their commands refuse to start without both servers (cli/serve.py: `switchyard jobs`, `switchyard gateway`).
+    # Both are checked before: by `switchyard jobs` (cli/serve.py), or by the gateway's services beside them.
     nats_url, database_url = config.nats_url, config.database_url
     assert nats_url and database_url, "the jobs need nats_url and database_url"
     nc = await nats_client.connect(nats_url, "switchyard-jobs", tls_ca=config.nats_tls_ca)
