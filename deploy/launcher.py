@@ -316,7 +316,8 @@ class PostgresServer(_Server):
         return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=10, env=env)
 
     def _ensure_password(self, port: int) -> None:
-        """A cluster made with ``trust`` (before passwords): set the password, then require it over TCP."""
+        """A cluster made with ``trust`` (by a start without a password): set the password, then require it over
+        TCP."""
         if self.password is None:
             return
         hba = self.data_dir / "pg_hba.conf"

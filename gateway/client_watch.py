@@ -10,12 +10,11 @@ stopped, and nothing is buffered for a reader without bound.
 
 A stream's chunks between its start line and its end go to the server's own ``send``, not down the app's chain of
 middleware wrappers (Starlette's error handlers, the rate-limit headers, the body limit, ...): each wrapper is a
-coroutine per chunk, and at thousands of streams the chain cost a gateway more than the server's own write
-(bench/streams.py's profile). Its start line and its end still pass the whole chain, so everything that watches
-a response (started or not, its headers, its end) sees it; no middleware here rewrites a body, and one that did
-would not see a stream's chunks. ``passing_stream_starts``, the app's outermost layer, hands the server's ``send``
-over once the stream's own start line has reached it, so a stream whose start was replaced on the way (an error
-answered instead) never writes past it.
+coroutine per chunk, and the whole chain costs more than the server's own write. Its start line and its end still
+pass the whole chain, so everything that watches a response (started or not, its headers, its end) sees it; no
+middleware here rewrites a body, and one that did would not see a stream's chunks. ``passing_stream_starts``, the
+app's outermost layer, hands the server's ``send`` over once the stream's own start line has reached it, so a stream
+whose start was replaced on the way (an error answered instead) never writes past it.
 """
 
 from __future__ import annotations
@@ -83,13 +82,12 @@ class BoundedStream(StreamingResponse):
     runs at once.
 
     Starlette's ``StreamingResponse`` runs each stream in a task group of two tasks (the body, and a listener for
-    the disconnect), and a task per chunk made the send timeout: at thousands of open streams those were a
-    hundred objects each for the garbage collector to walk (shared/gc_pauses.py) and a task per token. Here one
-    task sends the body: not the request's own, whose stack holds the thirty-odd coroutines of the app's
-    middlewares and routing, every one of which each wake-up for a token would resume (a tenth of the gateway's
-    CPU, bench/streams.py), but one of its own a few frames deep, which the request's task awaits. One task
-    listens for the disconnect, and a timer, armed while a send is out, checks the bounds every ``_POLL_S``.
-    Either ends the stream by cancelling the body's task."""
+    the disconnect), and a send timeout made of a task per chunk adds a task per token: at thousands of open
+    streams, a hundred objects each for the garbage collector to walk (shared/gc_pauses.py). Here one task sends
+    the body: not the request's own, whose stack holds the thirty-odd coroutines of the app's middlewares and
+    routing, every one of which each wake-up for a token would resume, but one of its own a few frames deep,
+    which the request's task awaits. One task listens for the disconnect, and a timer, armed while a send is out,
+    checks the bounds every ``_POLL_S``. Either ends the stream by cancelling the body's task."""
 
     def __init__(self, content, *, send_timeout_s: float, max_buffered_bytes: int, buffered: Callable[[], int],
                  **kwargs) -> None:

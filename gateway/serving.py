@@ -272,7 +272,7 @@ class CompletionService:
         try:
             # Chunks already here are written together, one send and so one socket write instead of one each:
             # deltas that arrived together, and the last delta's chunks with the usage chunk and [DONE] (a
-            # one-token stream: headers, the opening, the rest, the end of the body; it was six writes).
+            # one-token stream: headers, the opening, the rest, the end of the body).
             ready: list[bytes] = [chunks.opening(i) for i in range(req.sampling.n)] if shape.kind.is_chat else []
             async for delta in self.deltas(relayed, first):
                 if delta.usage is not None:
