@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import quote
 
 from switchyard.deploy.postgres_install import NotInstalled, postgres_bin_dir
@@ -61,9 +62,13 @@ class _Server:
     @property
     def pid(self) -> int:
         """PID of the running server process."""
+        return self._running().pid
+
+    def _running(self) -> subprocess.Popen:
+        """The server's process; RuntimeError before ``start()`` (or ``spawn()``) and after ``stop()``."""
         if self._proc is None:
             raise RuntimeError(f"{type(self).__name__} is not started")
-        return self._proc.pid
+        return self._proc
 
     def _spawn(self, args: list[str], log_path: Path, **kwargs) -> subprocess.Popen:
         with open(log_path, "ab") as log:
@@ -142,11 +147,12 @@ class NatsServer(_Server):
 
     def wait_ready(self) -> None:
         """Block until the server reports JetStream healthy; raises ServerStartError with its log if not."""
-        ports_file = self.store_dir / f"nats-server_{self._proc.pid}.ports"
+        proc = self._running()
+        ports_file = self.store_dir / f"nats-server_{proc.pid}.ports"
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            if self._proc.poll() is not None:
-                self._fail(f"exited with code {self._proc.returncode}")
+            if proc.poll() is not None:
+                self._fail(f"exited with code {proc.returncode}")
             if self.monitor_url is None and ports_file.exists():
                 try:
                     ports = json.loads(ports_file.read_text())
@@ -166,7 +172,7 @@ class NatsServer(_Server):
         except OSError:
             return False
 
-    def _fail(self, why: str):
+    def _fail(self, why: str) -> NoReturn:
         raise ServerStartError(f"nats-server {why}; log {self.log_path}:\n{tail_of(self.log_path)}")
 
 
@@ -310,7 +316,8 @@ class PostgresServer(_Server):
         return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=10, env=env)
 
     def _ensure_password(self, port: int) -> None:
-        """A cluster made with ``trust`` (before passwords): set the password, then require it over TCP."""
+        """A cluster made with ``trust`` (by a start without a password): set the password, then require it over
+        TCP."""
         if self.password is None:
             return
         hba = self.data_dir / "pg_hba.conf"
@@ -332,10 +339,11 @@ class PostgresServer(_Server):
     def _wait_ready(self, port: int, deadline: float) -> None:
         # pg_isready rather than asyncpg: start() must work inside a running event loop too.
         # Back off: each refused probe adds a FATAL line to the log (e.g. during crash recovery).
+        proc = self._running()
         pause = 0.01
         while True:
-            if self._proc.poll() is not None:
-                self._fail(f"exited with code {self._proc.returncode}")
+            if proc.poll() is not None:
+                self._fail(f"exited with code {proc.returncode}")
             if self._client("pg_isready", port, "-d", "postgres", "-t", "1").returncode == 0:
                 return
             if time.monotonic() > deadline:
@@ -351,5 +359,5 @@ class PostgresServer(_Server):
         if result.returncode != 0:
             raise ServerStartError(f"creating database {_DATABASE} failed:\n{result.stderr}")
 
-    def _fail(self, why: str):
+    def _fail(self, why: str) -> NoReturn:
         raise ServerStartError(f"postgres {why}; log {self.log_path}:\n{tail_of(self.log_path)}")

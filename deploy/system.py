@@ -69,6 +69,7 @@ class LocalSystem:
         data.mkdir(parents=True, exist_ok=True)
         creds = load_or_create(data) if not (config.nats_url and config.database_url) else None
         if not config.nats_url:
+            assert creds is not None  # loaded above for every embedded server
             auth = write_nats_config(data / NATS_CONFIG_FILE, creds, config.nats_tls_cert, config.nats_tls_key)
             nats = self.nats = self._started(NatsServer(data / "nats", extra_args=["-c", str(auth)]))
             scheme = "tls" if config.nats_tls_cert else None
@@ -78,14 +79,17 @@ class LocalSystem:
             said.append(f"nats      {nats.url} (pid {nats.pid}; a user per role, see {NATS_CONFIG_FILE})")
         embedded_pg = not config.database_url
         if embedded_pg:
+            assert creds is not None  # loaded above for every embedded server
             pg = self.postgres = self._started(PostgresServer(data / "postgres", ephemeral=self.ephemeral,
                                               password=creds.postgres_password))
             config.database_url = pg.url
             said.append(f"postgres  {redacted(pg.url)} (pid {pg.pid})")
-        applied = asyncio.run(apply_migrations(config.database_url))
+        database_url = config.database_url
+        assert database_url  # the settings named a server, or the embedded one just started
+        applied = asyncio.run(apply_migrations(database_url))
         said.append(f"migrate   {', '.join(applied) if applied else 'up to date'}")
         if creds is not None and embedded_pg:  # the services connect as a role that can touch rows only
-            self._app_database_url = asyncio.run(ensure_app_role(config.database_url, creds.app_password))
+            self._app_database_url = asyncio.run(ensure_app_role(database_url, creds.app_password))
             said.append(f"postgres  services as {APP_ROLE}; migrations as the superuser")
         return said
 

@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from switchyard.deploy.credentials import write_private
@@ -61,7 +62,7 @@ async def _default_key(database_url: str, data_dir: Path) -> str:
     return path.read_text().strip() if path.exists() else "<your key: switchyard keys create --tenant default>"
 
 
-def _banner(base_url: str, model: str, api_key: str, more: list[str] = ()) -> str:
+def _banner(base_url: str, model: str, api_key: str, more: Sequence[str] = ()) -> str:
     models = ", ".join([model, *more])
     return f"""
 Switchyard is up: {base_url}  (model{"s" if more else ""}: {models})
@@ -112,9 +113,11 @@ def run_up(config: SwitchyardConfig) -> int:
     try:
         for line in system.start_servers():
             print(line, file=sys.stderr)
-        write_run_file(data, config.nats_url, config.database_url, system.url())
-        api_key = asyncio.run(_default_key(config.database_url, data))
-        for line in asyncio.run(apply_prices(config.database_url, config.models)):
+        nats_url, database_url = config.nats_url, config.database_url
+        assert nats_url and database_url  # start_servers fills in the servers the settings left out
+        write_run_file(data, nats_url, database_url, system.url())
+        api_key = asyncio.run(_default_key(database_url, data))
+        for line in asyncio.run(apply_prices(database_url, config.models)):
             print(f"price     {line}", file=sys.stderr)
         models = config.models or default_models(config)
         for entry in models:  # a worker each

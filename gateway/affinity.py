@@ -23,6 +23,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.kv import KeyValue
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import ChatMessage, GenerateRequest, ToolCall
@@ -48,8 +49,10 @@ def prefix_key(request: GenerateRequest, messages: list[ChatMessage]) -> str:
 
 
 def system_key(request: GenerateRequest) -> str | None:
-    first = (request.messages or [None])[0]
-    if first is None or first.role != "system" or len(first.content) < LONG_SYSTEM_PROMPT:
+    if not request.messages:
+        return None
+    first = request.messages[0]
+    if first.role != "system" or len(first.content) < LONG_SYSTEM_PROMPT:
         return None
     return prefix_key(request, [first])
 
@@ -60,10 +63,10 @@ class AffinityIndex:
     def __init__(self, js: JetStreamContext, replicas: int = 1) -> None:
         self._js = js
         self._replicas = replicas
-        self._kv = None
+        self._kv: KeyValue | None = None
         self._local: OrderedDict[str, str] = OrderedDict()
 
-    async def _bucket(self):
+    async def _bucket(self) -> KeyValue:
         if self._kv is None:
             try:
                 self._kv = await self._js.key_value(subjects.AFFINITY_BUCKET)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 
 from fastapi import FastAPI
+from fastapi.telemetry import TelemetryConfig
 
 from switchyard.gateway.body_limit import BodySizeLimit
 from switchyard.gateway.client_watch import passing_stream_starts
@@ -62,8 +63,8 @@ def create_app(config: SwitchyardConfig, services: GatewayServices | None = None
     # FastAPI's own OpenTelemetry server span is each API request's root span (a stream's until its last chunk);
     # it records nothing until shared/tracing.py installs a provider. Only /v1 is traced (not probes or scrapes),
     # its metrics are Prometheus's here, and its logs are off: they would carry request bodies.
-    telemetry = {"exclude": lambda scope: not scope.get("path", "").startswith("/v1/"), "operation_spans": False,
-                 "metrics": False, "logs": False}
+    telemetry: TelemetryConfig = {"exclude": lambda scope: not scope.get("path", "").startswith("/v1/"),
+                                  "operation_spans": False, "metrics": False, "logs": False}
     app = GatewayApp(title="Switchyard", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
     install_error_handlers(app, services.metrics)
     gateway = config.gateway

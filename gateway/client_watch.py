@@ -10,12 +10,11 @@ stopped, and nothing is buffered for a reader without bound.
 
 A stream's chunks between its start line and its end go to the server's own ``send``, not down the app's chain of
 middleware wrappers (Starlette's error handlers, the rate-limit headers, the body limit, ...): each wrapper is a
-coroutine per chunk, and at thousands of streams the chain cost a gateway more than the server's own write
-(bench/streams.py's profile). Its start line and its end still pass the whole chain, so everything that watches
-a response (started or not, its headers, its end) sees it; no middleware here rewrites a body, and one that did
-would not see a stream's chunks. ``passing_stream_starts``, the app's outermost layer, hands the server's ``send``
-over once the stream's own start line has reached it, so a stream whose start was replaced on the way (an error
-answered instead) never writes past it.
+coroutine per chunk, and the whole chain costs more than the server's own write. Its start line and its end still
+pass the whole chain, so everything that watches a response (started or not, its headers, its end) sees it; no
+middleware here rewrites a body, and one that did would not see a stream's chunks. ``passing_stream_starts``, the
+app's outermost layer, hands the server's ``send`` over once the stream's own start line has reached it, so a stream
+whose start was replaced on the way (an error answered instead) never writes past it.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -83,13 +82,12 @@ class BoundedStream(StreamingResponse):
     runs at once.
 
     Starlette's ``StreamingResponse`` runs each stream in a task group of two tasks (the body, and a listener for
-    the disconnect), and a task per chunk made the send timeout: at thousands of open streams those were a
-    hundred objects each for the garbage collector to walk (shared/gc_pauses.py) and a task per token. Here one
-    task sends the body: not the request's own, whose stack holds the thirty-odd coroutines of the app's
-    middlewares and routing, every one of which each wake-up for a token would resume (a tenth of the gateway's
-    CPU, bench/streams.py), but one of its own a few frames deep, which the request's task awaits. One task
-    listens for the disconnect, and a timer, armed while a send is out, checks the bounds every ``_POLL_S``.
-    Either ends the stream by cancelling the body's task."""
+    the disconnect), and a send timeout made of a task per chunk adds a task per token: at thousands of open
+    streams, a hundred objects each for the garbage collector to walk (shared/gc_pauses.py). Here one task sends
+    the body: not the request's own, whose stack holds the thirty-odd coroutines of the app's middlewares and
+    routing, every one of which each wake-up for a token would resume, but one of its own a few frames deep,
+    which the request's task awaits. One task listens for the disconnect, and a timer, armed while a send is out,
+    checks the bounds every ``_POLL_S``. Either ends the stream by cancelling the body's task."""
 
     def __init__(self, content, *, send_timeout_s: float, max_buffered_bytes: int, buffered: Callable[[], int],
                  **kwargs) -> None:
@@ -99,7 +97,7 @@ class BoundedStream(StreamingResponse):
         self._buffered = buffered
         self._task: asyncio.Task | None = None  # the one sending the body
         self._scope: dict = {}
-        self._loop: asyncio.AbstractEventLoop | None = None  # its loop (read once, not per chunk)
+        self._loop: asyncio.AbstractEventLoop  # its loop, set by __call__ (read once, not per chunk)
         self._streaming = False  # the body is being sent: only then may the stream be ended from outside it
         self._ended_by: str | None = None  # why it was ended from outside: the client left, or is too slow
         self._sending_since: float | None = None  # when the send now out began (the loop's clock)
@@ -118,7 +116,8 @@ class BoundedStream(StreamingResponse):
         try:
             await self._task
         except asyncio.CancelledError:
-            if self._ended_by is None or asyncio.current_task().cancelling():
+            current = asyncio.current_task()  # the request's: this coroutine always runs in a task
+            if self._ended_by is None or (current is not None and current.cancelling()):
                 raise  # cancelled by someone else: the server stopping
         except OSError:  # a server on ASGI 2.4 says so when the client left
             self._ended_by = _CLIENT_LEFT
@@ -133,10 +132,11 @@ class BoundedStream(StreamingResponse):
                 log.warning("ending a stream whose client stopped reading (%s)", self._ended_by)
             # Its way out now (the worker told to stop); the response is left unfinished, so the server closes
             # the connection.
-            await self.body_iterator.aclose()
+            # Starlette makes every body an async generator (a plain iterator runs through iterate_in_threadpool).
+            await cast(AsyncGenerator, self.body_iterator).aclose()
 
     def _end(self, why: str) -> None:
-        if self._streaming and self._ended_by is None:
+        if self._streaming and self._ended_by is None and self._task is not None:
             self._ended_by = why
             self._task.cancel()
 

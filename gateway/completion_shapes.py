@@ -40,7 +40,7 @@ class Shape:
 
 
 def sse(payload: dict | str) -> bytes:
-    """One server-sent event. msgspec writes the JSON: about 4x json.dumps's speed, once per streamed chunk."""
+    """One server-sent event. msgspec writes the JSON, faster than json.dumps: this runs once per streamed chunk."""
     if isinstance(payload, str):
         return f"data: {payload}\n\n".encode()
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
@@ -48,7 +48,7 @@ def sse(payload: dict | str) -> bytes:
 
 def tool_call_chunk(part: ToolCallDelta) -> dict:
     """One streamed ``tool_calls`` item: the call's first part has its id, type and name."""
-    function = {"arguments": part.arguments}
+    function: dict[str, str | None] = {"arguments": part.arguments}
     item: dict = {"index": part.index}
     if part.id is not None:
         item.update(id=part.id, type="function")
@@ -182,6 +182,6 @@ class ChunkBuilder:
                       "finish_reason": finish_reason}
         after = self._after_choice
         if self._shape.include_obfuscation:
-            # Random padding of random length: the size of an encrypted chunk no longer tells its token's length.
+            # Random padding of random length: the size of an encrypted chunk does not tell its token's length.
             after += b',"obfuscation":' + msgspec.json.encode(secrets.token_urlsafe(secrets.randbelow(24) + 1))
         return self._before_choice + msgspec.json.encode(choice) + after + b"}\n\n"

@@ -84,7 +84,7 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
-        self._drain_task = self._loop.create_task(self._drain())
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())  # called on the serving loop
 
     async def _drain(self) -> None:
         log.info("draining: /readyz answers 503; waiting up to %.0f s for %d open requests",

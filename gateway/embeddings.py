@@ -39,7 +39,8 @@ class EmbeddingService:
         self._completions = completions
 
     async def embed(self, body: EmbeddingRequest, ticket: Ticket) -> JSONResponse:
-        request = await self._completions.wire_request(body, ticket, embed=body.wire(), sampling=SamplingParams())
+        embed = body.wire()
+        request = await self._completions.wire_request(body, ticket, embed=embed, sampling=SamplingParams())
         relayed, first = await self._completions.start(request, ticket)
         vectors: list[bytes] = []
         outcome = Outcome(request_id=request.request_id)  # no finish_reason: nothing for the affinity index
@@ -52,8 +53,8 @@ class EmbeddingService:
                     outcome.usage = delta.usage
         finally:
             await self._completions.end(relayed, ticket, outcome, outcome.usage.total_tokens)
-        if len(vectors) != request.embed.num_inputs:  # a worker's bug, never a client's: say so, do not guess
-            raise OpenAIError(502, f"The worker sent {len(vectors)} embeddings for {request.embed.num_inputs} "
+        if len(vectors) != embed.num_inputs:  # a worker's bug, never a client's: say so, do not guess
+            raise OpenAIError(502, f"The worker sent {len(vectors)} embeddings for {embed.num_inputs} "
                                    "inputs.", type="server_error", code="bad_worker_message")
         usage = outcome.usage.prompt_tokens
         return JSONResponse({"object": "list", "model": request.model,

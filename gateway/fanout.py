@@ -57,7 +57,7 @@ class MergedRelay:
         if failed:  # one prompt refused (too long, ...): the whole request is, and the others stop
             await self.cancel()
             raise failed[0]
-        rebased = [self._rebased(i, d) for i, d in enumerate(firsts)]
+        rebased = [self._rebased(i, d) for i, d in enumerate(firsts) if not isinstance(d, BaseException)]
         self._queued = rebased[1:]
         return rebased[0]
 

@@ -67,5 +67,5 @@ class QueuePoller:
         m.billing_lag_seconds.set(lag_s)
         with contextlib.suppress(DatabaseUnavailable):
             counts = await self._db.run(lambda _: self._batches.active_line_counts())  # bounded, behind the breaker
-            for state in LINE_STATES:
-                m.batch_lines.labels(state).set(counts.get(state, 0))
+            for line_state in LINE_STATES:
+                m.batch_lines.labels(line_state).set(counts.get(line_state, 0))

@@ -2,8 +2,8 @@
 state) on every response of the request: its body or stream, and its error too.
 
 Pure ASGI, not ``@app.middleware("http")``: Starlette runs such a middleware's app in a task of its own and passes
-every streamed chunk through a memory channel to it, which at thousands of streams cost more than the rest of the
-relay (bench/streams.py's profile); here the only work per response is at its start line.
+every streamed chunk through a memory channel to it, a hop per token of every stream; here the only work per
+response is at its start line.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -69,7 +69,7 @@ class RelayedRequest:
         self._taken_at: float | None = None
         self._first_token_at: float | None = None
         self._reconnects_at_last_delta = liveness.num_reconnects if liveness is not None else 0
-        self._fallback: tuple[float, object] | None = None  # see fall_back
+        self._fallback: tuple[float, Callable[[], Awaitable[object]]] | None = None  # see fall_back
 
     async def _next(self, timeout: float | None) -> TokenDelta:
         """The next delta to stream; raises TimeoutError when none came within ``timeout`` (None: by the token
@@ -134,7 +134,7 @@ class RelayedRequest:
         self.is_finished = True
         return TokenDelta(self.request.request_id, error=error)
 
-    def fall_back(self, at: float, publish) -> None:
+    def fall_back(self, at: float, publish: Callable[[], Awaitable[object]]) -> None:
         """The request was offered to one worker: unless a first message comes by unix time ``at``, ``publish()``
         puts it in the shared queue (see Relay.submit)."""
         self._fallback = (at, publish)

@@ -31,7 +31,7 @@ class ResponseEvents:
         self._seq = 0
         self._message_id = output_message_id(request_id)
         self._text: list[str] | None = None  # the message's text, once its item is open
-        self._message_index: int | None = None
+        self._message_index = 0  # the message's output index, while its item is open
         self._calls: dict[int, int] = {}  # the call's index among the reply's calls → its output index
         self.items: list[dict] = []
 
@@ -45,11 +45,10 @@ class ResponseEvents:
                 self._event("response.in_progress", response=response)]
 
     def delta(self, delta: TokenDelta) -> list[bytes]:
-        out = []
+        out: list[bytes] = []
         if delta.text:
-            if self._text is None:
-                out += self._open_message()
-            self._text.append(delta.text)
+            text = self._text if self._text is not None else self._open_message(out)
+            text.append(delta.text)
             out.append(self._event("response.output_text.delta", item_id=self._message_id,
                                    output_index=self._message_index, content_index=0, delta=delta.text, logprobs=[]))
         for part in delta.tool_calls or ():
@@ -68,22 +67,25 @@ class ResponseEvents:
                                    output_index=index, delta=part.arguments))
         return out
 
-    def _open_message(self) -> list[bytes]:
-        self._text, self._message_index = [], len(self.items)
+    def _open_message(self, out: list[bytes]) -> list[str]:
+        """Open the message's item, its events added to ``out``; returns its text so far (none)."""
+        text: list[str] = []
+        self._text, self._message_index = text, len(self.items)
         item = message_item("assistant", "", "output_text", self._message_id, "in_progress")
         item["content"] = []
         self.items.append(item)
-        return [self._event("response.output_item.added", output_index=self._message_index, item=dict(item)),
+        out += [self._event("response.output_item.added", output_index=self._message_index, item=dict(item)),
                 self._event("response.content_part.added", item_id=self._message_id,
                             output_index=self._message_index, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+        return text
 
     def close(self, status: str) -> list[bytes]:
         """Close every open item with ``status`` (completed, incomplete); a reply with no item at all gets its
         (empty) message, as a whole response has."""
-        out = []
+        out: list[bytes] = []
         if self._text is None and not self.items:
-            out += self._open_message()
+            self._open_message(out)
         if self._text is not None:
             text = "".join(self._text)
             item = message_item("assistant", text, "output_text", self._message_id, status)

@@ -31,7 +31,7 @@ from switchyard.domain.responses import ALIVE_EVERY_S, Responses
 from switchyard.gateway.completion_shapes import BodyBuilder, Shape
 from switchyard.gateway.drain import InFlightCounter
 from switchyard.gateway.response_events import ResponseEvents
-from switchyard.gateway.serving import CompletionService, Outcome
+from switchyard.gateway.serving import CompletionService, Outcome, admitted_service
 from switchyard.shared import subjects
 from switchyard.shared.config import RequestLimits
 from switchyard.shared.messages import ChatMessage, ErrorInfo, GenerateRequest, StoredResponse
@@ -67,7 +67,7 @@ class _Run:
              error: ErrorInfo | None = None, incomplete: dict | None = None) -> dict:
         return response_json(self.response_id, self.request.created_at, self.request.model, self.body.echo(), status,
                              output, None if outcome is None else outcome.usage, error, incomplete,
-                             self.ticket.service.label)
+                             admitted_service(self.ticket).label)
 
     def record(self, response: dict, outcome: Outcome | None = None) -> StoredResponse:
         """``response`` as stored; once it ended well, with what its conversation gets."""
@@ -136,7 +136,8 @@ class ResponseService:
 
     async def _collect(self, run: _Run, relayed, first) -> tuple[Outcome, ErrorInfo | None]:
         """Every delta of a response not streamed, gathered; it ends (settled, stored) however it went."""
-        outcome, error = Outcome(request_id=run.request.request_id), CLIENT_GONE
+        outcome = Outcome(request_id=run.request.request_id)
+        error: ErrorInfo | None = CLIENT_GONE
         builder = BodyBuilder(Shape(CHAT), run.request, logprobs=False)
         try:
             async for delta in self._completions.deltas(relayed, first):

@@ -95,6 +95,7 @@ class GatewayServices:
         config, gateway = self.config, self.config.gateway
         # First: a safety configuration that cannot work stops the start; the classifier is loaded once, here.
         safety = InputSafety(gateway.safety, self.metrics.safety_input)
+        assert config.nats_url and config.database_url  # __init__ refuses a config without them
         self.nc = await nats_client.connect(config.nats_url, "switchyard-gateway", tls_ca=config.nats_tls_ca)
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, config.nats_replicas)

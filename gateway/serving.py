@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from switchyard.domain.admission.pipeline import Pipeline
 from switchyard.domain.admission.service_tier import flex_refusal
-from switchyard.domain.admission.ticket import Ticket
+from switchyard.domain.admission.ticket import ServiceTier, Ticket
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.api.shapes import CHAT, TEXT
@@ -57,6 +57,12 @@ class Outcome:
         self.finish_reason, self.usage = reply.finish_reason(0), reply.usage
 
 
+def admitted_service(ticket: Ticket) -> ServiceTier:
+    """The tier admission chose for ``ticket``: every request served here passed admission, which always sets it."""
+    assert ticket.service is not None, f"request {ticket.request_id} served before admission chose its tier"
+    return ticket.service
+
+
 OnFinish = Callable[[Outcome], Awaitable[None]]
 Gone = Callable[[], Awaitable[None]]  # returns once the client has left
 CLIENT_GONE = 499  # the status of an answer nobody reads (nginx's "client closed request")
@@ -87,7 +93,7 @@ class CompletionService:
         if messages is not None:
             fields["messages"] = messages
         request = await self.wire_request(body, ticket, truncate_history=messages is not None, **fields)
-        shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, ticket.service.label,
+        shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, admitted_service(ticket).label,
                       extra=extra or {})
         return await self._serve(request, [request], shape, ticket, on_finish, left_out=left_out, gone=gone)
 
@@ -108,15 +114,16 @@ class CompletionService:
     async def wire_request(self, body, ticket: Ticket, **fields) -> GenerateRequest:
         """The wire request of an admitted ``ticket``: its ids, tier, deadline and tenant, ``body``'s end user and
         metadata, and ``fields`` (what the body asks the worker for)."""
-        policy = (await self._tier_policies.get())[ticket.tier]
+        service = admitted_service(ticket)
+        policy = (await self._tier_policies.get())[service.tier]
         now = time.time()
         # The tier's wait limit, live from ops; an interactive gateway caps it (queue_timeout_s), a flex request
         # waits longer (flex_wait_s).
-        wait_s = self._config.flex_wait_s if ticket.service.is_flex else self._config.queue_timeout_s
+        wait_s = self._config.flex_wait_s if service.is_flex else self._config.queue_timeout_s
         return GenerateRequest(
             request_id=ticket.request_id,
             model=ticket.model,
-            tier=ticket.tier,
+            tier=service.tier,
             created_at=now,
             deadline_at=now + min(policy.max_wait_s, wait_s),
             tenant_id=ticket.auth.tenant_id,
@@ -180,7 +187,7 @@ class CompletionService:
                 await self._admission.settle(ticket, 0)  # never ran: whatever it holds goes back
                 raise
         except OpenAIError as exc:  # a request that could not start: flex says so its own way
-            if not ticket.service.is_flex:
+            if not admitted_service(ticket).is_flex:
                 raise
             raise flex_refusal(exc, self._config.retry_after_s) from exc
         return relayed, first
@@ -265,7 +272,7 @@ class CompletionService:
         try:
             # Chunks already here are written together, one send and so one socket write instead of one each:
             # deltas that arrived together, and the last delta's chunks with the usage chunk and [DONE] (a
-            # one-token stream: headers, the opening, the rest, the end of the body; it was six writes).
+            # one-token stream: headers, the opening, the rest, the end of the body).
             ready: list[bytes] = [chunks.opening(i) for i in range(req.sampling.n)] if shape.kind.is_chat else []
             async for delta in self.deltas(relayed, first):
                 if delta.usage is not None:

@@ -3,20 +3,19 @@
     worker ── llm.tok.gw.<gateway_id>: one message per step, [(request_id, delta), ...] ──▶ TokenRouter
                                                                                            ├─▶ inbox of request a
                                                                                            └─▶ inbox of request b
-A subscription per request (``llm.tok.<request_id>``) made the worker, NATS and this process handle a message per
-token: at thousands of streams nats-py's per-message parsing and a queue wake-up per message were a fifth of the
-gateway's time (bench/streams.py). Now a worker sends one message per step to each gateway it serves, and the
-router hands each delta, still encoded, to its request's inbox: a dict lookup and, when the reader waits, one
-wake-up. The reader decodes it on its own turn, and what waits for a slow reader is counted in bytes
-(gateway/client_watch.py bounds it).
+One subscription per gateway, not one per request (``llm.tok.<request_id>``), which would make the worker, NATS and
+this process handle a message per token, each parsed by nats-py and waking a queue of its own. A worker sends one
+message per step to each gateway it serves, and the router hands each delta, still encoded, to its request's
+inbox: a dict lookup and, when the reader waits, one wake-up. The reader decodes it on its own turn, and what
+waits for a slow reader is counted in bytes (gateway/client_watch.py bounds it).
 
 An inbox is registered before its request is published, and the subscription exists from the gateway's start, so
 no delta can come before there is somewhere for it to go. A delta for a request no longer relayed (its client left,
 a superseded worker's late one) is dropped here.
 
 A stream waits for each delta with no timer of its own: it only needs waking now and then when none comes (to ask
-whether its worker still lives), and one tick of the router every ``IDLE_TICK_S`` wakes every such reader. A timer
-per wait, made and cancelled for every token, was a twentieth of the gateway's CPU at thousands of streams.
+whether its worker still lives), and one tick of the router every ``IDLE_TICK_S`` wakes every such reader, where a
+timer per wait would be made and cancelled for every token.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import uuid
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode_routed
@@ -71,6 +71,7 @@ class DeltaInbox:
         router's next idle tick, at most ``IDLE_TICK_S`` away)."""
         if not self._items:
             loop = self._router.loop
+            assert loop is not None, "an inbox waits on a started router"
             self._waiter = waiter = loop.create_future()
             expiry = None if timeout is None else loop.call_later(timeout, _expire, waiter)
             self._idle = expiry is None
@@ -107,7 +108,7 @@ class TokenRouter:
         self._nc = nc
         self.subject = subjects.gateway_token_subject(uuid.uuid4().hex)  # this process's alone
         self._inboxes: dict[str, DeltaInbox] = {}
-        self._sub = None
+        self._sub: Subscription | None = None
         self._ticking: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the inboxes' (read once here, not per wait)
 

@@ -81,6 +81,7 @@ class LineQueue:
             api_key_id=batch["api_key_id"], created_at=time.time(), deadline_at=batch["expires_at"].timestamp(),
             result_subject=subjects.result_subject(batch["id"]), tier=BATCH_TIER)
         if self._admission is not None:  # judged as an interactive request is, when it would be queued
+            assert auth is not None  # the caller reads the tenant whenever there is admission
             ticket = await self._admission.check(Ticket.for_body(Origin.BATCH_LINE, auth, request.request_id, parsed))
             request.safety = ticket.safety
         # The first publish is deduplicated by the request id itself (a leader that died before recording it

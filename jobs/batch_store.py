@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 from switchyard.domain.api.text import storable
 from switchyard.domain.auth import AuthContext, tenant_context
@@ -54,7 +55,7 @@ class BatchStore:
         self._pool = pool
 
     # -- results ------------------------------------------------------------------------------------------------
-    async def record_results(self, started: list[tuple[str, str]], finals: dict[str, BatchResult],
+    async def record_results(self, started: list[tuple[str, str | None]], finals: dict[str, BatchResult],
                              outcome: Outcome) -> None:
         """In one transaction: ``started`` (request id, worker id) marks queued lines taken; each final result
         whose line still waits for one gets ``outcome``. A line of a cancelling batch marked cancelled while a
@@ -103,7 +104,7 @@ class BatchStore:
         return chunks()
 
     @contextlib.asynccontextmanager
-    async def starting(self) -> AsyncIterator[asyncpg.Connection]:
+    async def starting(self) -> AsyncIterator[PoolConnectionProxy]:
         """A transaction for a batch about to start: its lines go in as they are validated (``add_lines``) and
         ``begin`` moves it to in_progress; an exception leaves nothing behind."""
         async with self._pool.acquire() as conn, conn.transaction():
@@ -115,7 +116,7 @@ class BatchStore:
             "AND status = 'validating'", batch_id, json.dumps({"object": "list", "data": storable(errors)}))
 
     @staticmethod
-    async def add_lines(conn: asyncpg.Connection, batch_id: str, lines: Sequence[tuple]) -> None:
+    async def add_lines(conn: asyncpg.Connection | PoolConnectionProxy, batch_id: str, lines: Sequence[tuple]) -> None:
         """Store ``lines`` (line_no, custom_id, body json, request_id, estimated tokens) of a batch starting."""
         if lines:
             await conn.copy_records_to_table(
@@ -123,7 +124,7 @@ class BatchStore:
                 records=[(batch_id, *line) for line in lines])
 
     @staticmethod
-    async def begin(conn: asyncpg.Connection, batch_id: str, model: str | None) -> bool:
+    async def begin(conn: asyncpg.Connection | PoolConnectionProxy, batch_id: str, model: str | None) -> bool:
         """validating → in_progress; False when the batch left validating meanwhile (cancelled while it was read)."""
         status = await conn.execute(
             "UPDATE batches SET status = 'in_progress', in_progress_at = now(), model = $2 WHERE id = $1 "

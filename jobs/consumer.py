@@ -24,7 +24,7 @@ from switchyard.shared.messages import decode
 
 log = logging.getLogger("switchyard.jobs")
 
-T = TypeVar("T")
+T = TypeVar("T", bound=msgspec.Struct)
 
 REDELIVER_DELAY_S = 2.0
 # Failures of the database, not of a record (a server shutting down mid-write included): the records wait for it

@@ -24,12 +24,15 @@ async def apply_prices(database_url: str, models: list[ModelEntry]) -> list[str]
         return []
     conn = await asyncpg.connect(database_url)
     try:
-        default = await conn.fetchrow("SELECT input_per_mtok, output_per_mtok FROM model_prices WHERE model = '*'")
+        row = await conn.fetchrow("SELECT input_per_mtok, output_per_mtok FROM model_prices WHERE model = '*'")
+        # Without the '*' row the usage writer bills an unpriced model nothing: so does a missing direction here.
+        default_input, default_output = (0.0, 0.0) if row is None else (float(row["input_per_mtok"]),
+                                                                        float(row["output_per_mtok"]))
         lines = []
         for m in priced:
             # A price given for one direction only keeps the default for the other.
-            input_price = m.input_per_mtok if m.input_per_mtok is not None else float(default["input_per_mtok"])
-            output_price = m.output_per_mtok if m.output_per_mtok is not None else float(default["output_per_mtok"])
+            input_price = m.input_per_mtok if m.input_per_mtok is not None else default_input
+            output_price = m.output_per_mtok if m.output_per_mtok is not None else default_output
             await conn.execute(UPSERT_SQL, m.served_name, input_price, output_price)
             lines.append(f"{m.served_name}: ${input_price:g} in, ${output_price:g} out per million tokens")
         return lines

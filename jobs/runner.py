@@ -85,7 +85,10 @@ class Jobs:
 async def running_jobs(config: SwitchyardConfig) -> AsyncIterator[Jobs]:
     """The jobs, on connections of their own (NATS as ``switchyard-jobs``, a Postgres pool), until the block ends;
     then each finishes its record and the connections close."""
-    nc = await nats_client.connect(config.nats_url, "switchyard-jobs", tls_ca=config.nats_tls_ca)
+    # Both are checked before: by `switchyard jobs` (cli/serve.py), or by the gateway's services beside them.
+    nats_url, database_url = config.nats_url, config.database_url
+    assert nats_url and database_url, "the jobs need nats_url and database_url"
+    nc = await nats_client.connect(nats_url, "switchyard-jobs", tls_ca=config.nats_tls_ca)
     js = nc.jetstream()
     pool = None
     try:
@@ -93,14 +96,14 @@ async def running_jobs(config: SwitchyardConfig) -> AsyncIterator[Jobs]:
         # No reset on release, as the gateway's pool (domain/database.connect): the jobs keep no session state on
         # pooled connections (the batch leader's lock has a connection of its own), and the usage writer releases
         # one per record billed. Statements are not bounded as the gateway's are: a batch's lines go in at length.
-        pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=6,  # + validations (batches)
+        pool = await asyncpg.create_pool(database_url, min_size=1, max_size=6,  # + validations (batches)
                                          reset=keep_session)
         registry = ModelRegistry(nc)
         db = Database(pool)
         # The same admission as the gateway's (batches and their lines pass the policies that judge them).
         admission = admission_pipeline(db=db, registry=registry, router=Router(registry, config.gateway),
                                        tier_policies=PolicyCache(js), safety=InputSafety(config.gateway.safety))
-        jobs = Jobs(nc, js, pool, registry, config.database_url, admission, config.gateway.limits)
+        jobs = Jobs(nc, js, pool, registry, database_url, admission, config.gateway.limits)
         try:
             yield jobs
         finally:  # Ctrl-C / SIGTERM cancel the wait: let each job finish its record

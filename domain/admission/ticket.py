@@ -33,8 +33,12 @@ class Origin(enum.Enum):
 class RequestBody(Protocol):
     """What a request body tells admission about itself (ChatCompletionRequest, CompletionRequest, ...)."""
 
-    model: str
-    service_tier: str | None
+    # Read-only: each body narrows them its own way (a Literal tier, none at all, a model the route fills in).
+    @property
+    def model(self) -> str | None: ...
+
+    @property
+    def service_tier(self) -> str | None: ...
 
     @property
     def max_output_tokens(self) -> int | None: ...

@@ -48,7 +48,7 @@ class TurnRequest(ChatCompletionRequest):
     """A chat completion whose history is the conversation's: ``content`` is the new message, the user's, or a
     tool's result (``role`` tool with the ``tool_call_id`` it answers)."""
 
-    model: StoredText | None = None  # defaults to the conversation's model
+    model: StoredText | None = None  # type: ignore[assignment]  # optional here: the conversation's model
     content: StoredText = Field(min_length=1)  # stored with the conversation: no U+0000
     role: Literal["user", "tool"] = "user"
     tool_call_id: StoredText | None = None

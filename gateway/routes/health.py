@@ -28,7 +28,7 @@ def router(services: GatewayServices) -> APIRouter:
 
     @router.get("/readyz")
     async def readyz():
-        checks = {"nats": services.nc.is_connected, "postgres": await ping(services.db)}
+        checks: dict[str, bool | list[str]] = {"nats": services.nc.is_connected, "postgres": await ping(services.db)}
         try:
             checks["models"] = sorted(await services.registry.models())
         except OpenAIError:  # NATS unreachable: already not ready

@@ -35,19 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("up", help="start everything: NATS, Postgres, migrations, a worker per model and the gateway")
-    add_common_flags(p), add_model_flags(p, several=True), add_http_flags(p), add_embedding_flags(p)
+    add_common_flags(p)
+    add_model_flags(p, several=True)
+    add_http_flags(p)
+    add_embedding_flags(p)
     p.add_argument("--gateways", dest="processes", type=int,
                    help="gateway processes on the one port (default 1; SO_REUSEPORT spreads connections)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway")
-    add_common_flags(p), add_http_flags(p)
+    add_common_flags(p)
+    add_http_flags(p)
     p.add_argument("--no-jobs", dest="run_jobs", action="store_false", default=None,
                    help="leave the durable consumers to `switchyard jobs`")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("worker", help="run a worker for one model")
-    add_common_flags(p), add_model_flags(p)
+    add_common_flags(p)
+    add_model_flags(p)
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("jobs", help="run the durable consumers alone: billing writer, batch runner, housekeeping")

@@ -35,9 +35,11 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     from switchyard.shared import nats_client
 
     config = _ops_config(args)
+    nats_url = config.nats_url
+    assert nats_url is not None  # _ops_config exits without one
 
     async def run() -> int:
-        nc = await nats_client.connect(config.nats_url, "switchyard-cli", reconnect_forever=False,
+        nc = await nats_client.connect(nats_url, "switchyard-cli", reconnect_forever=False,
                                        tls_ca=config.nats_tls_ca)
         js = nc.jetstream()
         try:

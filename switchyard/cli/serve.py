@@ -14,7 +14,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     knows nothing of them: they are handed to the app as a companion)."""
     import uvicorn
 
-    from switchyard.gateway.app import create_app
+    from switchyard.gateway.app import Companion, create_app
     from switchyard.gateway.drain import DrainingServer
     from switchyard.gateway.services import GatewayServices
     from switchyard.jobs.runner import running_jobs
@@ -24,7 +24,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     config = load_config(args)
     setup_tracing("switchyard-gateway", config.traces_exporter, config.traces_file)
     services = GatewayServices(config)
-    companions = [lambda: running_jobs(config)] if config.gateway.run_jobs else []
+    companions: list[Companion] = [lambda: running_jobs(config)] if config.gateway.run_jobs else []
     companions.append(startup_frozen)  # last: what the services and jobs made at start is there to freeze
     app = create_app(config, services, companions)
     # After the drain nothing is open: uvicorn's own grace period only closes idle keep-alive connections.

@@ -67,11 +67,13 @@ def cmd_top(args: argparse.Namespace) -> int:
     from switchyard.shared import nats_client
 
     config = _ops_config(args)
+    nats_url = config.nats_url
+    assert nats_url is not None  # _ops_config exits without one
     gateway_urls = args.gateway or [read_run_file(config.data_dir).get("gateway_url") or "http://127.0.0.1:8000"]
     console = Console(width=None if sys.stdout.isatty() else 1000)  # piped: whole rows, as print_table
 
     async def run() -> int:
-        nc = await nats_client.connect(config.nats_url, "switchyard-top", reconnect_forever=False,
+        nc = await nats_client.connect(nats_url, "switchyard-top", reconnect_forever=False,
                                        tls_ca=config.nats_tls_ca)
         try:
             async with httpx.AsyncClient() as http:
