@@ -40,7 +40,7 @@ class GatewayMetrics:
                              _LABELS, buckets=REQUEST_BUCKETS, registry=r)
         self.errors = Counter(name("request_errors"),
                               "Requests answered with an error (HTTP status, or an error event in a stream), by "
-                              "status and error code: 429 queue_full, rate_limit_exceeded, quota_exceeded, 503 "
+                              "status and error code: 429 queue_full, rate_limit_exceeded, insufficient_quota, 503 "
                               "queue_timeout, worker_lost, database_unavailable, ...", (*_LABELS, "status", "reason"),
                               registry=r)
         self.queue_depth = Gauge(name("queue_depth"), "Requests waiting in the tier's JetStream queue.", _LABELS,
