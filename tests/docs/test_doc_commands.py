@@ -1,8 +1,9 @@
 """Every block of README.md and docs/ marked ``<!-- runs-here -->`` runs against a live system, so a page cannot
 drift from the code: one test per block, named by its file and line.
 
-The system is the end-to-end tests' (``LocalSystem`` on the session's NATS and a Postgres database of its own):
-a gateway, its jobs and a worker serving the real SmolLM2 as ``smollm2``. A bash block runs under
+The system is the end-to-end tests' (``LocalSystem`` on the session's NATS and a Postgres database of its own)
+serving what ``make up`` serves: a gateway, its jobs, a worker of the real SmolLM2 as ``smollm2`` and one of the
+embedding model ``all-minilm-l6-v2``. A bash block runs under
 ``set -euo pipefail`` with ``$KEY`` (a pro-tier tenant's key) and ``$ADMIN_KEY``; ``switchyard ...`` reaches this
 system's NATS and Postgres through ``SWITCHYARD_*`` variables and its run file, as it reaches a running
 ``switchyard up``. A python block runs with ``KEY`` and ``BASE_URL`` defined. ``http://127.0.0.1:8000`` in a block
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from switchyard.deploy.system import LocalSystem
-from switchyard.deploy.up import write_run_file
+from switchyard.deploy.up import EMBEDDING_INPUTS_PER_STEP, write_run_file
 from switchyard.migrations import apply_migrations
 from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
 from switchyard.workers.model_store import pull
@@ -55,8 +56,9 @@ async def docs_database_url(_postgres_url: str):
 
 @pytest.fixture(scope="module")
 def live(nats_url: str, docs_database_url: str):
-    """The running system: a worker serving SmolLM2 as ``smollm2``, a gateway and its jobs."""
-    model_dir = pull("smollm2", model_cache_dir())
+    """The running system: a worker serving SmolLM2 as ``smollm2``, one serving the embedding model, a gateway and
+    its jobs."""
+    model_dir, embedding_dir = pull("smollm2", model_cache_dir()), pull("all-minilm-l6-v2", model_cache_dir())
     work = Path(tempfile.mkdtemp(prefix="switchyard-docs-"))
     config = SwitchyardConfig(
         data_dir=work, nats_url=nats_url, database_url=docs_database_url,
@@ -65,8 +67,11 @@ def live(nats_url: str, docs_database_url: str):
     system = LocalSystem(config, log_dir=work, log_level="WARNING")
     try:
         system.start_worker()
+        system.start_worker("worker-embeddings", model=str(embedding_dir), served_model_name="all-minilm-l6-v2",
+                            engine="embeddings", max_num_seqs=EMBEDDING_INPUTS_PER_STEP)
         system.start_gateway()
-        system.wait_until_ready("smollm2", timeout_s=300)
+        for model in ("smollm2", "all-minilm-l6-v2"):
+            system.wait_until_ready(model, timeout_s=300)
         # What `switchyard up` leaves for the ops commands (`switchyard top` finds the gateway in it).
         write_run_file(work, nats_url, docs_database_url, system.url())
         yield system
@@ -96,8 +101,8 @@ def _environment(system: LocalSystem, key: str) -> dict[str, str]:
 
 
 def _printed_text(stdout: str) -> str:
-    """The generated text in what a chat block printed: the deltas of an SSE stream, a JSON completion's message,
-    else whatever it printed (the `openai` client's text)."""
+    """The text a chat block printed: a printed completion counts by its generated text (the deltas of an SSE
+    stream, a JSON body's messages), anything else as it is (the reply the `openai` client printed)."""
     events = [line[len("data: "):] for line in stdout.splitlines() if line.startswith("data: {")]
     if events:
         return "".join(choice.get("delta", {}).get("content") or choice.get("text") or ""
@@ -106,8 +111,10 @@ def _printed_text(stdout: str) -> str:
         body = json.loads(stdout)
     except ValueError:
         return stdout
+    if not (isinstance(body, dict) and isinstance(body.get("choices"), list)):
+        return stdout
     return "".join((choice.get("message") or {}).get("content") or choice.get("text") or ""
-                   for choice in body.get("choices", [])) if isinstance(body, dict) else stdout
+                   for choice in body["choices"])
 
 
 @pytest.mark.model
