@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,7 +59,8 @@ def plan_forwards(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS,
     return forwards[::-1]
 
 
-def _read_json(path: Path) -> dict | list | None:
+def _read_json(path: Path) -> Any:
+    """The JSON in ``path`` as parsed (a config object, or a list of modules), None when it cannot be read."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -79,8 +81,8 @@ def max_input_tokens(path: str | Path) -> int | None:
     path = Path(path)
     limits = [(_read_json(path / "sentence_bert_config.json") or {}).get("max_seq_length"),
               (_read_json(path / "config.json") or {}).get("max_position_embeddings")]
-    limits = [n for n in limits if isinstance(n, int) and n > 0]
-    return min(limits) if limits else None
+    sizes = [n for n in limits if isinstance(n, int) and n > 0]
+    return min(sizes) if sizes else None
 
 
 class EmbeddingInputs:

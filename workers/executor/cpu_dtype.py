@@ -64,7 +64,7 @@ def fastest_cpu_dtype(hidden: int, intermediate: int, cache: Path | None = None)
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     times = {name: _time_projections(getattr(torch, name), hidden, intermediate) for name in ("float32", "bfloat16")}
-    best = min(times, key=times.get)
+    best = min(times, key=times.__getitem__)
     log.info("dtype auto on %s: fp32 %.2f ms, bf16 %.2f ms per layer's projections -> %s (cached in %s)", model,
              times["float32"] * 1e3, times["bfloat16"] * 1e3, best, path)
     try:

@@ -92,11 +92,13 @@ class Linear:
         view of one.
         """
         if self._gemm is not None:
+            assert self.packed is not None  # packed along with the kernel chosen (__init__)
             if x.stride(1) != 1:
                 x = x.contiguous()
             rows, in_features = x.shape
             accumulate = residual is not None and residual.is_contiguous()
-            out = residual if accumulate else torch.empty(rows, self.out_features, dtype=torch.float32)
+            out = (residual if accumulate and residual is not None
+                   else torch.empty(rows, self.out_features, dtype=torch.float32))
             self._gemm(x.data_ptr(), x.stride(0), rows, in_features, self.packed.data_ptr(), self.out_features,
                        out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads())
             if self.bias is not None:

@@ -47,6 +47,7 @@ def allowance(engine: EngineCapacity, held: HeldRequests, background: Background
     interactive_running = _interactive_running(held)
     # Requests handed to the running step are in the engine's count only once that step is done: count them here.
     num_free = engine.num_free_seats - len(held.pending) - held.num_admitting - len(held.preparing)
+    pull: dict[str, frozenset[str]]
     if num_free > 0:
         pull = {t.name: frozenset() for t in tiers_by_priority()}
     else:
@@ -78,7 +79,7 @@ def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozen
     if beyond >= max(1, engine.max_num_seqs // 8) or not held.active:
         return {}
     least = max(get_tier(t.request.tier).priority for t in held.active.values())
-    pull = {t.name: frozenset() for t in tiers_by_priority() if outranks(t.priority, least)}
+    pull: dict[str, frozenset[str]] = {t.name: frozenset() for t in tiers_by_priority() if outranks(t.priority, least)}
     least_tier = next(t.name for t in tiers_by_priority() if t.priority == least)
     seats = TenantSeats(subjects.tenant_token(t.request.tenant_id) for t in held.active.values()
                         if t.request.tier == least_tier)

@@ -27,8 +27,10 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
+from nats.aio.msg import Msg
 
 from switchyard.scheduler.tier_share import TierShare
 from switchyard.shared.jetstream import is_transient
@@ -82,7 +84,7 @@ class Intake:
     """See the module docstring. ``idle`` is set while it has nothing it may take (the step loop waits for it
     after freeing seats, so that they are refilled before the next step starts)."""
 
-    def __init__(self, engine: ServingEngine, nc, js, model_name: str, worker_id: str, held: HeldRequests,
+    def __init__(self, engine: ServingEngine[Any], nc, js, model_name: str, worker_id: str, held: HeldRequests,
                  capacity: Capacity, out: Publisher, prepare_threads: int = 2) -> None:
         self._engine = engine
         self._worker_id = worker_id
@@ -96,7 +98,7 @@ class Intake:
         # Pulled requests not yet acked (not running yet): marked in progress each second, so JetStream hands them
         # to another worker within its short ack wait only if this one dies. Keyed by id(msg): a redelivered copy
         # of one request is a message of its own.
-        self._unacked: dict[int, object] = {}
+        self._unacked: dict[int, Msg] = {}
         # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
         # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
         self._early_cancels: dict[str, float] = {}
@@ -105,7 +107,7 @@ class Intake:
         # lower CPU priority, for DEMOTED_S: its expensive prompts take what serving leaves.
         self._slow_lane = ThreadPoolExecutor(1, thread_name_prefix="switchyard-prepare-slow",
                                              initializer=lower_priority)
-        self._demoted: dict[str, float] = {}  # tenant id -> until when its prompts go to the slow lane
+        self._demoted: dict[str | None, float] = {}  # tenant id -> until when its prompts go to the slow lane
         self._slow_lane_turn = asyncio.Lock()
         self._slow_lane_rested_at = 0.0  # (monotonic) when the slow lane may start its next prepare
         self._preparing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)

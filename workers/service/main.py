@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def with_model_engine(config: SwitchyardConfig) -> SwitchyardConfig:
     return config.model_copy(update={"worker": config.worker.model_copy(update={"engine": engine})})
 
 
-def build_engine(config: SwitchyardConfig) -> ServingEngine:
+def build_engine(config: SwitchyardConfig) -> ServingEngine[Any]:
     """The engine ``worker.engine`` names (workers/service/engines.py), loaded and warmed up: kernels and allocator
     before the first request, not in it."""
     if config.worker.torch_threads:
@@ -42,7 +43,7 @@ def build_engine(config: SwitchyardConfig) -> ServingEngine:
     return engine_builder(config.worker.engine)(config)
 
 
-async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: ThreadPoolExecutor) -> None:
+async def _serve(engine: ServingEngine[Any], config: SwitchyardConfig, step_thread: ThreadPoolExecutor) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -92,11 +92,12 @@ class ConsumerPulls:
 
     async def _on_answer(self, msg) -> None:
         is_message = msg.reply.startswith("$JS.ACK.")
+        key: tuple[str, str] | None
         if is_message:
             key = (msg.metadata.stream, msg.metadata.consumer)
         else:
             key = self._inboxes.get(msg.subject.rsplit(".", 1)[-1])
-        future = self._waiting.pop(key, None)
+        future = self._waiting.pop(key, None) if key is not None else None
         if future is not None and not future.done():
             future.set_result(msg)
             return

@@ -20,6 +20,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from nats.js import JetStreamContext
 
@@ -97,7 +98,7 @@ class TenantQueues:
     def pending_tiers(self) -> set[str]:
         return {tier for tier, tenants in self._pending.items() if tenants} | self._offered
 
-    def has_work(self, tier: str, excluded: set[str], offers: bool = True) -> bool:
+    def has_work(self, tier: str, excluded: AbstractSet[str], offers: bool = True) -> bool:
         """Whether ``tier`` may have a request for a tenant not in ``excluded``, or an offer when ``offers`` (not
         when a seat is taken for fairness: that is a tenant's turn, not an offer's)."""
         return bool(self._pending[tier] - excluded) or (tier in self._offered and offers)
@@ -111,14 +112,14 @@ class TenantQueues:
                 if tenants or tier in self._offered}
 
     # -- taking ---------------------------------------------------------------------------------------------
-    async def take(self, tier: str, timeout_s: float, excluded: set[str] = frozenset(), offers: bool = True):
+    async def take(self, tier: str, timeout_s: float, excluded: AbstractSet[str] = frozenset(), offers: bool = True):
         """One request message of ``tier``: an offer first when ``offers``, else from the least served of its
         tenants that has one (``excluded`` tenants aside); None when none had (each tenant that came up empty is
         forgotten until it rings again, or the next sweep finds it)."""
         msgs = await self.take_many(tier, 1, timeout_s, excluded, offers)
         return msgs[0] if msgs else None
 
-    async def take_many(self, tier: str, count: int, timeout_s: float, excluded: set[str] = frozenset(),
+    async def take_many(self, tier: str, count: int, timeout_s: float, excluded: AbstractSet[str] = frozenset(),
                         offers: bool = True) -> list:
         """Up to ``count`` request messages of ``tier``, one each from the least served tenants that have one, in
         that order (pulled side by side: a worker with many free seats fills them at the pace of NATS, not of one

@@ -148,6 +148,7 @@ class SdpaAttention(HeadLayout):
         chunk's own k/v ``[n, kv_heads, d]`` (already in the cache) -> ``[n, heads * d]``."""
         kvh, d = self.num_kv_heads, self.head_dim
         if span.start_pos > 0:  # a later chunk: its keys start at position 0, in the cache
+            assert span.mask is not None  # built with_masks: a chunk after a cached prefix has its causal mask
             ks, vs = self._gather(k_cache, v_cache, span.table)
             ks = ks.view(-1, kvh, d)[: span.mask.shape[1]]
             vs = vs.view(-1, kvh, d)[: span.mask.shape[1]]
