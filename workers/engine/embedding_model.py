@@ -26,10 +26,9 @@ import torch
 log = logging.getLogger("switchyard.worker")
 
 # How a step's inputs are cut into forwards (``plan_forwards``). A forward pads its inputs to its longest, and
-# costs about a fixed part plus its padded tokens: all-MiniLM-L6-v2 in fp32 on a 2-core EPYC took 150-165 us a
-# padded token from 512 to 4,096 of them (no cache cliff), and about 5 ms more per forward (1 input of 8 tokens: 7.5
-# ms): the fixed part is worth about FORWARD_COST_TOKENS padded tokens. So length-sorted inputs are cut where the
-# padding saved is worth more than another forward; 16 inputs of 4-60 words pad about half their tokens in one
+# costs about a fixed part plus its padded tokens (the same per padded token however many there are: no cache
+# cliff); the fixed part is worth about FORWARD_COST_TOKENS padded tokens. So length-sorted inputs are cut where
+# the padding saved is worth more than another forward; 16 inputs of 4-60 words pad about half their tokens in one
 # forward. FORWARD_TOKENS bounds a forward's memory (activations and attention grow with it), not its speed.
 FORWARD_COST_TOKENS = 32
 FORWARD_TOKENS = 4096

@@ -85,8 +85,8 @@ def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozen
                         if t.request.tier == least_tier)
     excluded = seats.may_not_take()
     # Only as many of the tier's own as there are seats its holders would give up: one more waits in the engine
-    # for a seat to free, ahead of whoever comes next, however much less that tenant was served (a light tenant
-    # waited seconds behind 60 such, one tenant's second seat having opened the tier to every tenant holding none).
+    # for a seat to free, ahead of whoever comes next, however much less that tenant was served (more would let one
+    # tenant's second seat open the tier to every tenant holding none, and a light tenant wait behind all of them).
     if excluded is not None and beyond < seats.num_to_give():
         pull[least_tier] = frozenset(excluded)
     return pull
@@ -120,7 +120,7 @@ class Capacity:
         """After a step (or failing one): the engine's new capacity (None: unknown, keep the last). ``moved``: the
         step admitted, aborted, refused or finished a request, so who holds a seat changed. The intake is woken
         only then or when the engine's seats changed: a step that only generated tokens changes nothing it
-        decides on, and waking it for each (hundreds a second with every seat taken) cost the worker more CPU
+        decides on, and waking it for each (hundreds a second with every seat taken) would cost the worker more CPU
         than its pulls (bench/tenants.py)."""
         if engine is not None:
             moved = moved or _seats(engine) != _seats(self.engine)

@@ -58,10 +58,10 @@ def _vllm(config: SwitchyardConfig) -> ServingEngine[Any]:
 
 
 def _load_safety_classifier(config: SwitchyardConfig) -> None:
-    """The safety classifier, read now when the gateways' settings use it: on first use it took a tenant's first
-    request a second of CPU, holding the GIL (scikit-learn's import) while every other tenant's steps waited, and
-    had that tenant taken for one with expensive prompts (workers/service/intake.py). A worker without the wheel
-    serves on; the requests that need it are refused as before, saying what to install."""
+    """The safety classifier, read now when the gateways' settings use it: read on first use, it would take a
+    tenant's first request a second of CPU, holding the GIL (scikit-learn's import) while every other tenant's steps
+    wait, and mark that tenant as one with expensive prompts (workers/service/intake.py). A worker without the wheel
+    serves on; the requests that need it are refused, saying what to install."""
     if not config.gateway.safety.classifier:
         return
     from switchyard.shared.profanity import load_classifier

@@ -161,8 +161,8 @@ class Intake:
             if time.monotonic() - swept_at > SWEEP_EVERY_S:
                 # Redeliveries and work queued before we subscribed ring no doorbell, and a tenant whose fetch came
                 # back empty (a slow server) is forgotten until it rings again: look everywhere, every second, busy
-                # or not (a busy intake that only swept when idle once left a tenant unserved while others' work
-                # kept it awake).
+                # or not (sweeping only when idle would leave a tenant unserved while others' work keeps the intake
+                # awake).
                 await self.sweep()
                 swept_at = time.monotonic()
             allowed = self._capacity.allowance()
@@ -273,10 +273,10 @@ class Intake:
     async def _on_slow_lane(self, request: GenerateRequest):
         """``_timed(prepare, request)`` on the slow lane, one at a time, each after the lane has rested
         ``SLOW_LANE_REST`` times the CPU its last prepare took. A chat template renders in Python, holding the GIL
-        in slices that every serving thread waits out at each hand-off, whatever the thread's CPU priority: six
-        loops of 2048-message prompts kept the lane busy without pause, and another tenant's first token took 2x
-        its idle time (tests/e2e/test_hostile_work.py). Resting, such prompts take at most a third of the
-        interpreter, and the rest of the worker has it the other two thirds."""
+        in slices that every serving thread waits out at each hand-off, whatever the thread's CPU priority: a
+        tenant sending huge prompts back to back would keep the lane busy without pause, and every other tenant's
+        first token would wait on it (tests/e2e/test_hostile_work.py). Resting, such prompts take at most a third
+        of the interpreter, and the rest of the worker has it the other two thirds."""
         async with self._slow_lane_turn:
             rest = self._slow_lane_rested_at - time.monotonic()
             if rest > 0:

@@ -6,9 +6,9 @@
     error(request, e)  instead of any of these, or of the rest: the request ends with ``e``
 
 A step's deltas go out together (``StepDeltas``, then ``send``): one message per gateway, holding the deltas of
-every request that gateway relays (``GenerateRequest.reply_subject``). A message per delta cost the worker, NATS
-and the gateway each a round of per-message work per token: at 1,000 streams of 20 tokens/s, 20,000 messages a
-second, now one per step and gateway (bench/streams.py; bench/RESULTS.md, "Issue 28, seventh session").
+every request that gateway relays (``GenerateRequest.reply_subject``). A message per delta would cost the worker,
+NATS and the gateway each a round of per-message work per token (at 1,000 streams of 20 tokens/s, 20,000 messages a
+second); this way it is one per step and gateway (bench/streams.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Which tenants have requests queued is learnt from the doorbell (every publish on
 the worker's core subscription too) and, for what rings no bell (redeliveries, requests queued before the worker
 started, bells lost on the way), from a sweep of the stream's per-subject counts. Within a tier the backlogged
 tenant that was served least goes first (scheduler/tenant_share.py); between tiers the worker's weighted tier
-share decides, as before. A consumer is made when a tenant first has work here, and again when a pull finds it gone
+share decides. A consumer is made when a tenant first has work here, and again when a pull finds it gone
 (JetStream deletes a consumer nobody pulled from for an hour); every pull goes through one subscription
 (pulls.py), so a thousand active tenants cost the worker no subscription each.
 """
@@ -77,8 +77,8 @@ class TenantQueues:
     async def sweep(self, taken_subjects: Iterable[str] = ()) -> None:
         """Every tenant with requests in the stream, whatever rang. ``taken_subjects``: the subjects of requests
         this worker took and has not acknowledged yet; the stream still counts them, but they are not there to be
-        pulled (a tenant whose last request was being prepared came back into the order with every sweep, and its
-        empty answer held the next tenant to ring)."""
+        pulled (counting them, a tenant whose last request is being prepared would come back into the order with
+        every sweep, and its empty answer would hold up the next tenant to ring)."""
         taken = Counter(filter(None, map(self._queue_of, taken_subjects)))
         for tier in self._tiers:
             try:
@@ -157,11 +157,11 @@ class TenantQueues:
     def _took_last(self, tier: str, tenant: str, msg) -> bool:
         """Whether ``msg`` was ``tenant``'s last request in ``tier``, so that asking again would only wait out an
         empty answer (``PULL_EXPIRES_S``, during which the intake pulls for nobody else: the next tenant to ring
-        waited for it). JetStream says how many it left in the consumer; but a doorbell can come before the stream
+        would wait for it). JetStream says how many it left in the consumer; but a doorbell can come before the stream
         hands its request to the consumer (sooner still in a cluster, where the stream commits first), so a tenant
         with more doorbells than requests taken here stays in the order and is asked again, at a pull's usual wait.
         Where other workers take some of a tenant's requests, its doorbells outnumber what this one took, and an
-        empty answer ends its turn as before."""
+        empty answer ends its turn."""
         key = (tier, tenant)
         unmatched = self._unmatched.get(key, 0)
         if unmatched:

@@ -1,8 +1,8 @@
 """CPU attention read straight from the paged KV cache, by small C kernels compiled at first use.
 
 On CPU the SDPA backend spends most of a decode step's attention time copying: every layer gathers each sequence's
-KV blocks into a padded buffer (``index_select``), then SDPA reads the copy again. For 32 sequences of 50-528
-tokens (SmolLM2, fp32, 2 threads) that was 91 ms of a 277 ms step. ``csrc/paged_decode.c`` reads each K/V row once,
+KV blocks into a padded buffer (``index_select``), then SDPA reads the copy again, a large part of a step with
+many sequences. ``csrc/paged_decode.c`` reads each K/V row once,
 in place, through the block table, for all query heads that share it; ``csrc/prefill_attention.c`` does the same
 for prefill chunks (SDPA takes them where it cannot be had). Both are built and loaded by ``executor.kernels``;
 where the decode kernel cannot be, ``make_attention`` keeps the SDPA backend.
