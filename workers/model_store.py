@@ -193,7 +193,7 @@ def _convert_gguf(entry: RegistryEntry, out_dir: Path, say: Progress, wheel: Pat
         if quantizer is not None:
             # The GGUF loader dequantizes but leaves a quantization config behind; save_pretrained refuses it.
             quantizer.remove_quantization_config(model)
-        model = model.to(torch.bfloat16)
+        model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' wraps() loses to()'s signature
         model.config.dtype = torch.bfloat16
         _check_tokenizer(tokenizer)
         model.save_pretrained(out_dir)
@@ -269,6 +269,6 @@ def load(path: str | os.PathLike, dtype: str = "auto", device: str = "auto"):
     torch_dtype = resolve_dtype(dtype, device, config)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=torch_dtype)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' wraps() loses to()'s signature
     model.eval()
     return model, tokenizer

@@ -135,12 +135,14 @@ class SimulatedEngine:
         # Resumed tokens are the continuation's outputs (and bill with them), as on the real engine.
         state.completion_tokens = len(request.resume.token_ids) if request.resume is not None else 0
         start = time.monotonic() + prepared.num_prompt_tokens * self.prefill_s_per_token
-        resumed = list(request.resume.token_ids) if request.resume is not None else []
+        resume = request.resume
+        resumed = list(resume.token_ids) if resume is not None else []
+        text_len = resume.text_len if resume is not None else 0
         for index in range(request.sampling.n):
             choice = _Choice(state, index, len(resumed), start)
             if resumed:  # the client has text_len characters of what these tokens spell
                 sent = "".join(self._word(state, index, p) for p in range(len(resumed)))
-                choice.owed = sent[request.resume.text_len:]
+                choice.owed = sent[text_len:]
                 choice.text = sent
             state.choices.append(choice)
             self._push(choice)

@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from switchyard.scheduler import Sequence
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenLogprob, ToolCallDelta, Usage
@@ -24,6 +25,12 @@ from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected
 from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator
 from switchyard.workers.engine.tool_calls import call_id
 from switchyard.workers.engine.tool_parser import ToolCallParser
+
+if TYPE_CHECKING:
+    import llguidance
+
+# A prompt prepared by our engine: its grammar, if any, as an llguidance matcher (guided.Grammars).
+MatcherPrompt: TypeAlias = "PreparedPrompt[llguidance.LLMatcher]"
 
 log = logging.getLogger("switchyard.engine")
 
@@ -59,7 +66,7 @@ class Choice:
     # detokenizer will emit again (to drop), or text it emitted while primed that the client never got (to send).
     skip_chars: int = 0
     unsent_text: str = ""
-    matcher: object | None = None  # the grammar its tokens must follow (llguidance), None for free text
+    matcher: llguidance.LLMatcher | None = None  # the grammar its tokens must follow, None for free text
     tools: ToolCallParser | None = None  # reads tool calls out of its text, when the request has tools
     guard: StreamGuard | None = None  # the output safety filter, when the tenant's policy is not off
 
@@ -129,10 +136,16 @@ class Choice:
         return text + more_text, (calls + more_calls) or None, reason
 
 
+def choice_of(seq: Sequence) -> Choice:
+    """The engine's state of ``seq``: the scheduler keeps it untyped (``Sequence.data``), and every sequence this
+    engine makes carries a ``Choice`` (``new_request``)."""
+    return cast(Choice, seq.data)
+
+
 def resume(seq: Sequence, token_ids: list[int], text_len: int) -> None:
     """Make a new sequence go on from ``token_ids`` generated elsewhere, of whose text the client has
     ``text_len`` characters."""
-    choice: Choice = seq.data
+    choice = choice_of(seq)
     try:
         seq.resume(token_ids)
     except ValueError as exc:
@@ -151,7 +164,7 @@ def cache_salt(req: GenerateRequest) -> str:
 
 
 def make_choice(req: GenerateRequest, state: RequestState, index: int, prompt_ids: list[int], tokenizer,
-                safety: OutputSafety, matcher: object | None = None) -> Choice:
+                safety: OutputSafety, matcher: llguidance.LLMatcher | None = None) -> Choice:
     """Choice ``index`` of ``req``: its detokenizer (stop strings), seeded uniforms, logprobs, output filter, tool-call
     parser and echoed prompt; ``matcher``: the grammar its tokens follow, when the engine applies it itself."""
     params = req.sampling
@@ -174,7 +187,7 @@ def check_resumable(req: GenerateRequest) -> None:
                                         code="invalid_value", param=param))
 
 
-def new_request(req: GenerateRequest, prepared: PreparedPrompt, tokenizer, safety: OutputSafety, priority: int,
+def new_request(req: GenerateRequest, prepared: MatcherPrompt, tokenizer, safety: OutputSafety, priority: int,
                 ) -> tuple[RequestState, list[Sequence]]:
     """``req``'s state and a sequence per choice, all built before the scheduler sees any of it: a request that
     fails here (``RequestRejected``) leaves nothing behind. A continuation's one choice goes on from its tokens."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,10 +26,9 @@ import torch
 log = logging.getLogger("switchyard.worker")
 
 # How a step's inputs are cut into forwards (``plan_forwards``). A forward pads its inputs to its longest, and
-# costs about a fixed part plus its padded tokens: all-MiniLM-L6-v2 in fp32 on a 2-core EPYC took 150-165 us a
-# padded token from 512 to 4,096 of them (no cache cliff), and about 5 ms more per forward (1 input of 8 tokens: 7.5
-# ms): the fixed part is worth about FORWARD_COST_TOKENS padded tokens. So length-sorted inputs are cut where the
-# padding saved is worth more than another forward; 16 inputs of 4-60 words pad about half their tokens in one
+# costs about a fixed part plus its padded tokens (the same per padded token however many there are: no cache
+# cliff); the fixed part is worth about FORWARD_COST_TOKENS padded tokens. So length-sorted inputs are cut where
+# the padding saved is worth more than another forward; 16 inputs of 4-60 words pad about half their tokens in one
 # forward. FORWARD_TOKENS bounds a forward's memory (activations and attention grow with it), not its speed.
 FORWARD_COST_TOKENS = 32
 FORWARD_TOKENS = 4096
@@ -58,7 +58,8 @@ def plan_forwards(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS,
     return forwards[::-1]
 
 
-def _read_json(path: Path) -> dict | list | None:
+def _read_json(path: Path) -> Any:
+    """The JSON in ``path`` as parsed (a config object, or a list of modules), None when it cannot be read."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -79,8 +80,8 @@ def max_input_tokens(path: str | Path) -> int | None:
     path = Path(path)
     limits = [(_read_json(path / "sentence_bert_config.json") or {}).get("max_seq_length"),
               (_read_json(path / "config.json") or {}).get("max_position_embeddings")]
-    limits = [n for n in limits if isinstance(n, int) and n > 0]
-    return min(limits) if limits else None
+    sizes = [n for n in limits if isinstance(n, int) and n > 0]
+    return min(sizes) if sizes else None
 
 
 class EmbeddingInputs:

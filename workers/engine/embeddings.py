@@ -37,10 +37,17 @@ _INTERNAL = ErrorInfo("The worker had an error processing your request.", code="
                       type="server_error", status=500)
 
 
+class Vocabulary(Protocol):
+    """What the engine reads of a tokenizer itself: how many token ids there are (a client's ids are checked)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
 class Embedder(Protocol):
     """What the engine needs of a model: its inputs as token ids (``EmbeddingInputs``), and their vectors."""
 
-    tokenizer: object
+    tokenizer: Vocabulary
     max_tokens: int  # the longest input, in tokens (special tokens included)
     dimensions: int
 

@@ -26,14 +26,15 @@ import torch
 from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, Sequence, finish_reason
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob, Usage
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
-from switchyard.workers.engine.choice import Choice, RequestState, new_request
+from switchyard.workers.engine.choice import MatcherPrompt, RequestState, choice_of, new_request
 from switchyard.workers.engine.config import EngineConfig
 from switchyard.workers.engine.guided import Grammars, fill_masks
 from switchyard.workers.engine.logprobs import TokenLogprobs
 from switchyard.workers.engine.output_filter import OutputSafety, SafetyEvent
-from switchyard.workers.engine.prompts import PreparedPrompt, eos_token_ids, prepare_prompt
+from switchyard.workers.engine.prompts import eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import sample
 from switchyard.workers.engine.stats import EngineCapacity, EngineStats, capacity_of, stats_of
+from switchyard.workers.executor.cuda_graphs import GraphPass
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
 
@@ -81,7 +82,7 @@ class Engine:
         self.num_failed_steps = 0  # steps that raised and were run sequence by sequence (_compute_each_alone)
         self._last_batch = (0, 0)  # sequences and tokens of the last step that ran, for stats()
         # A background-only step part-way through its layers, and whether it must be dropped at the next call.
-        self._in_flight: tuple[SchedulerOutput, ForwardPass] | None = None
+        self._in_flight: tuple[SchedulerOutput, ForwardPass | GraphPass] | None = None
         self._drop_in_flight = False
         bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
         log.info(
@@ -126,7 +127,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._in_flight is not None
 
-    def prepare(self, req: GenerateRequest) -> PreparedPrompt:
+    def prepare(self, req: GenerateRequest) -> MatcherPrompt:
         """``req``'s prompt, tokenized and checked, and its grammar compiled (``prepare_prompt``): safe to call
         off the step thread while steps run, so that none of it delays a step."""
         tokenizer = getattr(self._prepare_local, "tokenizer", None)
@@ -151,7 +152,7 @@ class Engine:
     def take_safety_events(self) -> list[SafetyEvent]:
         return self.safety.take_events()
 
-    def add_request(self, req: GenerateRequest, prepared: PreparedPrompt | None = None) -> int:
+    def add_request(self, req: GenerateRequest, prepared: MatcherPrompt | None = None) -> int:
         """Queue ``req``; returns its prompt token count. ``prepared``: its prompt as ``prepare`` made it off the
         step thread; without it the prompt is tokenized here. Raises ``RequestRejected`` before compute for what
         can never run here (over the context, bad n)."""
@@ -195,7 +196,9 @@ class Engine:
         held, state.held = state.held, []
         live = held + [seq for seq_id in state.seq_ids
                        if (seq := self.scheduler.abort_request(seq_id, status)) is not None]
-        return [self._finish(seq, finish_reason(status), "", error) for seq in sorted(live, key=lambda s: s.data.index)]
+        reason = finish_reason(status)
+        assert reason is not None, status  # an ending status: aborted or error
+        return [self._finish(seq, reason, "", error) for seq in sorted(live, key=lambda s: choice_of(s).index)]
 
     # -- the step -----------------------------------------------------------------------------------------
     def step(self, background_limit: int | None = None) -> list[TokenDelta]:
@@ -238,8 +241,8 @@ class Engine:
         self._last_batch = (len(plan.scheduled), sum(e.num_new_tokens for e in plan.scheduled))
         sampled, logprobs = computed
         for seq in self.scheduler.update_from_output(plan, sampled):
-            if seq.seq_id in logprobs:
-                seq.data.unreported_logprobs.append(logprobs[seq.seq_id])
+            if seq.seq_id in logprobs and (unreported := choice_of(seq).unreported_logprobs) is not None:
+                unreported.append(logprobs[seq.seq_id])
             delta = self._on_token(seq)
             if delta is not None:
                 outputs.append(delta)
@@ -262,21 +265,16 @@ class Engine:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         if to_sample:
-            choices = [seq.data for seq in to_sample]
-            guided = [i for i, c in enumerate(choices) if c.matcher is not None]
+            choices = [choice_of(seq) for seq in to_sample]
+            matchers = {i: c.matcher for i, c in enumerate(choices) if c.matcher is not None}
             # The masks are computed while the device still runs the forward (its kernels are only queued).
             masks = None
-            if guided:
-                masks = (guided, fill_masks([choices[i].matcher for i in guided], logits.shape[1], logits.is_cuda))
-            token_ids = sample(
-                logits,
-                [c.request.params for c in choices],
-                [c.generator for c in choices],
-                prompt_token_ids=[seq.prompt_token_ids for seq in to_sample],
-                output_token_ids=[seq.output_token_ids for seq in to_sample],
-                masks=masks,
-            )
-            token_ids = to_host_list(token_ids)  # the step's one wait for the device
+            if matchers:
+                masks = (list(matchers), fill_masks(list(matchers.values()), logits.shape[1], logits.is_cuda))
+            sampled_ids = sample(logits, [c.request.params for c in choices], [c.generator for c in choices],
+                                 prompt_token_ids=[seq.prompt_token_ids for seq in to_sample],
+                                 output_token_ids=[seq.output_token_ids for seq in to_sample], masks=masks)
+            token_ids: list[int] = to_host_list(sampled_ids)  # the step's one wait for the device
             sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
             logprobs = self._logprobs(logits, to_sample, token_ids)  # the model's: before any mask or penalty
         return sampled, logprobs
@@ -292,7 +290,7 @@ class Engine:
         error = ErrorInfo("The worker had an error processing your request.", code="internal_error",
                           type="server_error", status=500)
         for entry in plan.scheduled:
-            state = entry.seq.data.request
+            state = choice_of(entry.seq).request
             if state.request_id not in self._requests:
                 continue  # a sibling choice failed before it
             try:
@@ -319,14 +317,14 @@ class Engine:
             return []
         if not plan.scheduled:
             return []
-        state = plan.scheduled[0].seq.data.request
+        state = choice_of(plan.scheduled[0].seq).request
         log.error("device out of memory with %s alone running: failing it", state.request_id)
         error = ErrorInfo("The request does not fit in the accelerator's memory.", code="out_of_memory",
                           type="server_error", status=503)
         return self._end_request(state, RequestStatus.FINISHED_ERROR, error)
 
     def _on_token(self, seq: Sequence) -> TokenDelta | None:
-        choice: Choice = seq.data
+        choice = choice_of(seq)
         choice.num_unreported_tokens += 1
         if choice.request.held:  # choice 0's prompt is in the cache now: the other choices can share it
             for held in choice.request.held:
@@ -354,14 +352,14 @@ class Engine:
         text, calls, halted = choice.outgoing(choice.emittable(text))
         if halted:  # flagged by the output filter under a block policy: nothing more goes out, its seat freed now
             self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_FILTERED)
-            return self._finish(seq, finish_reason(RequestStatus.FINISHED_FILTERED), "")
+            return self._finish(seq, "content_filter", "")
         if not text and not calls:
             return None  # held back (split character, possible stop string or tool tag): nothing worth a message
         return self._delta(seq, text, tool_calls=calls or None)
 
     def _delta(self, seq: Sequence, text: str, reason: str | None = None, usage: Usage | None = None,
                error: ErrorInfo | None = None, tool_calls: list | None = None) -> TokenDelta:
-        choice: Choice = seq.data
+        choice = choice_of(seq)
         num_tokens = choice.num_unreported_tokens
         delta = TokenDelta(choice.request.request_id, text=text, num_tokens=num_tokens,
                            index=choice.index, finish_reason=reason, usage=usage,
@@ -373,7 +371,7 @@ class Engine:
         return delta
 
     def _finish(self, seq: Sequence, reason: str, text: str, error: ErrorInfo | None = None) -> TokenDelta:
-        choice: Choice = seq.data
+        choice = choice_of(seq)
         text, calls, reason = choice.final(text, reason)
         state = choice.request
         state.num_finished += 1

@@ -62,9 +62,9 @@ def _llguidance():
 
 def json_schema_grammar(schema: dict) -> str:
     """The grammar of JSON text valid against ``schema``: llguidance's grammar document, written here rather than
-    by ``LLMatcher.grammar_from_json_schema``, which holds the GIL while it reads the schema (75 ms for 700 KB,
-    every other thread of the worker stopped); msgspec writes it in a few. The schema is read (and checked) when
-    the matcher is built, outside the GIL."""
+    by ``LLMatcher.grammar_from_json_schema``, which holds the GIL while it reads the schema (every other thread of
+    the worker stopped for as long as a large schema takes); msgspec writes it in a fraction of that. The schema is
+    read (and checked) when the matcher is built, outside the GIL."""
     try:
         return msgspec.json.encode({"grammars": [{"name": "json_schema", "json_schema": with_json_style(schema)}]}
                                    ).decode()
@@ -179,8 +179,8 @@ def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) ->
     """Set the disallowed tokens of ``logits[rows]`` to -inf, in place (on the logits' device).
 
     The words are read as little-endian bytes (byte ``t // 8``, bit ``t % 8``: the same bit as in the word) and
-    unpacked 8 to a byte: half the work of unpacking 32-bit words, which mattered on a CPU step (2 -> 1 ms at
-    batch 32 with a 49k vocabulary)."""
+    unpacked 8 to a byte: half the work of unpacking 32-bit words, a visible part of a CPU step with a large
+    vocabulary."""
     vocab, device = logits.shape[1], logits.device
     shifts = _SHIFTS.get(device)
     if shifts is None:

@@ -24,7 +24,7 @@ the whole request's usage (the engine counts the choices that ended; the worker 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
 from switchyard.workers.engine.output_filter import SafetyEvent
@@ -48,8 +48,13 @@ class Prepared(Protocol):
         ...
 
 
-class ServingEngine(Protocol):
-    """An engine the worker can serve from; see the module docstring for which thread calls what."""
+PreparedT = TypeVar("PreparedT", bound=Prepared)
+
+
+class ServingEngine(Protocol[PreparedT]):
+    """An engine the worker can serve from; see the module docstring for which thread calls what. ``PreparedT``:
+    the engine's own prepared request, which the worker holds without reading and hands back to ``add_request``
+    (the worker serves any engine: ``ServingEngine[Any]``)."""
 
     @property
     def max_context(self) -> int:
@@ -61,13 +66,13 @@ class ServingEngine(Protocol):
         """``cpu`` or ``cuda``: where a step's cost grows with its batch, and where it hardly does."""
         ...
 
-    def prepare(self, request: GenerateRequest, /) -> Prepared:
+    def prepare(self, request: GenerateRequest, /) -> PreparedT:
         """Tokenize ``request`` (chat template, history fitted to the context), compile the grammar its output
         must follow, and check it can run here; raises ``RequestRejected`` with what the client gets otherwise.
         Safe to call from a thread other than the step thread, while steps run."""
         ...
 
-    def add_request(self, request: GenerateRequest, prepared: Prepared, /) -> int:
+    def add_request(self, request: GenerateRequest, prepared: PreparedT, /) -> int:
         """Queue a prepared request; returns its prompt's token count. Raises ``RequestRejected`` for what can
         never run (and leaves nothing behind); any other exception fails this request alone."""
         ...

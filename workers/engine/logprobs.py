@@ -7,6 +7,7 @@ import torch
 
 from switchyard.scheduler import Sequence
 from switchyard.shared.messages import TokenLogprob
+from switchyard.workers.engine.choice import choice_of
 
 
 class TokenLogprobs:
@@ -19,17 +20,18 @@ class TokenLogprobs:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> dict[str, TokenLogprob]:
         """``logits[i]`` gave ``token_ids[i]`` for ``seqs[i]``; returns seq id -> its entry, for the rows whose
         request asked for logprobs."""
-        rows = [i for i, seq in enumerate(seqs) if seq.data.request.params.logprobs]
+        rows = [i for i, seq in enumerate(seqs) if choice_of(seq).request.params.logprobs]
         if not rows:
             return {}
         logp = torch.log_softmax(logits[rows].float(), dim=-1)
         chosen = logp.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=logp.device)).view(-1).tolist()
-        num_top = max(seqs[i].data.request.params.top_logprobs for i in rows)
-        top_values, top_ids = (logp.topk(num_top, dim=-1) if num_top else (logp[:, :0], logp[:, :0].long()))
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        num_top = max(choice_of(seqs[i]).request.params.top_logprobs for i in rows)
+        top_value_rows, top_id_rows = (logp.topk(num_top, dim=-1) if num_top else (logp[:, :0], logp[:, :0].long()))
+        top_values: list[list[float]] = top_value_rows.tolist()
+        top_ids: list[list[int]] = top_id_rows.tolist()
         out = {}
         for j, i in enumerate(rows):
-            k = seqs[i].data.request.params.top_logprobs
+            k = choice_of(seqs[i]).request.params.top_logprobs
             top = [(self.text(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k])]
             out[seqs[i].seq_id] = TokenLogprob(self.text(token_ids[i]), chosen[j], top)
         return out

@@ -75,7 +75,7 @@ class StreamGuard:
             text, self._held = self._held + text, ""
             return text
         text = self._held + text
-        held = "" if final else _TRAILING_WORD.search(text)
+        held = None if final else _TRAILING_WORD.search(text)
         cut = len(text) - (len(held.group()) if held and len(held.group()) <= MAX_HELD_CHARS else 0)
         ready, self._held = text[:cut], text[cut:]
         if not ready:

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from jinja2 import TemplateError
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest
 from switchyard.shared.safety import filter_for
-from switchyard.workers.engine.guided import GrammarError, Grammars, response_format_grammar
+from switchyard.workers.engine.guided import GrammarError, response_format_grammar
 from switchyard.workers.engine.tool_calls import call_grammar, chat_messages
 
 MAX_N = 16
+
+MatcherT = TypeVar("MatcherT")
+MatcherT_co = TypeVar("MatcherT_co", covariant=True)
 
 
 class RequestRejected(Exception):
@@ -79,15 +83,25 @@ def fit_history(tokenizer, req: GenerateRequest, max_context: int) -> tuple[list
     return fitting, high
 
 
+class GrammarCompiler(Protocol[MatcherT_co]):
+    """What compiles the grammar a request's output must follow: ours hands out an llguidance matcher
+    (guided.Grammars); the vLLM engine hands out the grammar's text once it compiles here (vLLM compiles its own)."""
+
+    def matcher(self, grammar: str) -> MatcherT_co:
+        """The compiled ``grammar``, at its start; raises ``GrammarError`` (or ``ValueError``) when it cannot be."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
-class PreparedPrompt:
+class PreparedPrompt(Generic[MatcherT]):
     """A request's prompt, tokenized and checked against the context: what ``Engine.add_request`` needs from the
-    tokenizer, made before the step thread sees the request (``prepare_prompt``)."""
+    tokenizer, made before the step thread sees the request (``prepare_prompt``). ``MatcherT``: what the engine's
+    ``GrammarCompiler`` makes of a grammar."""
 
     token_ids: list[int]
     max_tokens: int  # new tokens the request may produce
     num_dropped_messages: int = 0  # conversation turns dropped to fit the context
-    matcher: object | None = None  # the grammar its output must follow, at its start (workers/engine/guided.py)
+    matcher: MatcherT | None = None  # the grammar its output must follow, at its start (workers/engine/guided.py)
 
 
 def request_grammar(req: GenerateRequest) -> str | None:
@@ -100,8 +114,9 @@ def request_grammar(req: GenerateRequest) -> str | None:
     return content
 
 
-def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int, grammars: Grammars | None = None,
-                   vocab_size: int | None = None) -> PreparedPrompt:
+def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int,
+                   grammars: GrammarCompiler[MatcherT] | None = None,
+                   vocab_size: int | None = None) -> PreparedPrompt[MatcherT]:
     """Tokenize ``req`` (chat template included), compile the grammar its output must follow (with
     ``grammars``), and check it can run; raises ``RequestRejected`` for what never can. Touches nothing but
     ``tokenizer`` and ``grammars``: the worker runs it on its intake thread with a tokenizer of its own, so chat
@@ -129,7 +144,7 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int, grammars: 
             raise RequestRejected(ErrorInfo(f"Token id {bad} in {name} is not in the model's vocabulary (0 to "
                                             f"{vocab - 1}).", code="invalid_value", param=name))
     max_tokens = resolve_max_tokens(req, len(prompt_ids), max_context, param)
-    matcher = None
+    matcher: MatcherT | None = None
     try:
         grammar = request_grammar(req)
         if grammar is not None:

@@ -147,17 +147,16 @@ def sample(
         return logits.argmax(dim=-1)
     unseeded = iter(torch.rand(sum(generators[i] is None for i in sampled_rows), dtype=torch.float64).tolist())
     # Capped below 1 so that in float32 u * total stays under the total (else the clamp could pick a filtered tail).
-    uniforms = [min(next(unseeded) if generators[i] is None else generators[i].random(), 1 - 2**-20)
+    uniforms = [min(next(unseeded) if (g := generators[i]) is None else g.random(), 1 - 2**-20)
                 for i in sampled_rows]
-    everyone = len(sampled_rows) == batch
-    rows = None if everyone else to_device(sampled_rows, torch.long, logits.device)
-    chosen = logits if everyone else logits.index_select(0, rows)
+    rows = None if len(sampled_rows) == batch else to_device(sampled_rows, torch.long, logits.device)
+    chosen = logits if rows is None else logits.index_select(0, rows)
     cdf = filter_logits(chosen, [params[i] for i in sampled_rows]).softmax(dim=-1).cumsum_(dim=-1)
     # u scaled by the row's total mass (1 up to rounding): the first token whose cumulative mass exceeds it. A
     # filtered-out token adds no mass, so it is never the first to exceed anything.
     targets = to_device(uniforms, torch.float32, logits.device)[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).view(-1).clamp_max_(cdf.shape[1] - 1)
-    return picked if everyone else logits.argmax(dim=-1).index_copy_(0, rows, picked)
+    return picked if rows is None else logits.argmax(dim=-1).index_copy_(0, rows, picked)
 
 
 def make_generator(seed: int | None) -> random.Random | None:

@@ -1,10 +1,10 @@
 """Which dtype runs a model fastest on this CPU: float32 through the compiled kernels, or bfloat16 through torch
 (oneDNN, with AMX where the chip has it).
 
-Neither wins everywhere. Without avx512_bf16/AMX, torch emulates bf16 and it loses badly (a SmolLM2 decode step at
-batch 32: 890 ms bf16 vs 184 ms fp32 on an AVX2 EPYC), so fp32 is taken without measuring. With them it depends on
-the chip: on an AMX Xeon bf16 ran the engine 1.6x faster than fp32 with the C kernels; on an avx512_bf16 EPYC (Zen
-5) without AMX the two were within 20%. So there ``--dtype auto`` measures the model's own projection shapes in both
+Neither wins everywhere. Without avx512_bf16/AMX, torch emulates bf16 and it loses badly (several times slower
+than fp32), so fp32 is taken without measuring. With them it depends on the chip: with AMX bf16 runs the engine
+well ahead of fp32 with the C kernels; with avx512_bf16 but no AMX the two are close. So there ``--dtype auto``
+measures the model's own projection shapes in both
 dtypes (a fraction of a second), and remembers the answer per CPU model, torch version, thread count and shape in
 ``<cache>/switchyard/dtype/``.
 """
@@ -64,7 +64,7 @@ def fastest_cpu_dtype(hidden: int, intermediate: int, cache: Path | None = None)
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     times = {name: _time_projections(getattr(torch, name), hidden, intermediate) for name in ("float32", "bfloat16")}
-    best = min(times, key=times.get)
+    best = min(times, key=times.__getitem__)
     log.info("dtype auto on %s: fp32 %.2f ms, bf16 %.2f ms per layer's projections -> %s (cached in %s)", model,
              times["float32"] * 1e3, times["bfloat16"] * 1e3, best, path)
     try:

@@ -71,6 +71,7 @@ class EagerReplay:
 
     def replay(self) -> None:
         graphs = self._graphs()
+        assert graphs is not None  # the graphs hold this replay: it cannot outlive them
         graphs.logits[self._size].copy_(graphs.forward(self._size))
 
 
@@ -114,7 +115,9 @@ class DecodeGraphs:
 
     def forward(self, size: int) -> torch.Tensor:
         """The decode forward of ``size`` rows over the buffers: what a graph of that size records."""
-        return self._runner().forward_logits(self.ids[:size], self._metadata[size])
+        runner = self._runner()
+        assert runner is not None  # the runner holds these graphs: they cannot outlive it
+        return runner.forward_logits(self.ids[:size], self._metadata[size])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -2,14 +2,9 @@
 
 A decode step multiplies a few rows by every weight of the model, a skinny product that MKL does far below both
 the memory and the compute limit of the machine. On CPU, for fp32 weights, ``csrc/packed_gemm.c`` packs each
-weight once, at load, into the panels its register tiles stream through. All of SmolLM2's weights once, on the
-2-core AVX2 EPYC (2 threads, median of 7; ``bench/kernels.py``), against MKL's best form at each size:
-
-    rows        1     2     4     8    16    32   128   512
-    MKL ms     45    44    44    86    67   113   281  1102
-    packed ms  23    25    27    37    48    98   263  1054     (reading every weight once: 17 ms at 31 GB/s)
-
-so the packed kernel serves every size. It costs a second copy of the weights in memory (the HF model keeps its
+weight once, at load, into the panels its register tiles stream through: it beats MKL's best form at every row
+count from 1 to 512, by the most at the few rows of a decode step (``bench/kernels.py`` compares them), so the
+packed kernel serves every size. It costs a second copy of the weights in memory (the HF model keeps its
 own). Where the kernel cannot be built, or for other dtypes and devices, ``F.linear`` runs, on CPU as
 ``(W @ x.T).T`` where MKL is faster that way.
 """
@@ -46,9 +41,9 @@ def uses_packed_kernel(device: torch.device, dtype: torch.dtype) -> bool:
 def _transposed_product_is_faster(rows: int, out_features: int) -> bool:
     """Whether MKL computes ``x @ W.T`` faster as ``(W @ x.T).T`` for ``rows`` rows of x (CPU, fp32).
 
-    Measured with SmolLM2's shapes on a 2-core AVX2 EPYC (MKL 2024.2, 2 threads, best of 3): per layer the
-    transposed product took 10-45% less at 2-4 rows and from 13 rows up (8% less at 512), the plain one won at 5-12
-    rows; for the 49152-row LM head the transposed one won from 2 rows (21 vs 37 ms at 32 rows, 7 vs 20 ms at 2).
+    MKL picks its kernel by shape, and the transposed product gets the better one at 2-4 rows and from 13 rows up
+    for a layer's projections, the plain one at 5-12 rows; for an LM head of tens of thousands of rows the
+    transposed one wins from 2 rows (``bench/kernels.py`` measures both).
     """
     if out_features > 16384:
         return rows >= 2
@@ -92,11 +87,13 @@ class Linear:
         view of one.
         """
         if self._gemm is not None:
+            assert self.packed is not None  # packed along with the kernel chosen (__init__)
             if x.stride(1) != 1:
                 x = x.contiguous()
             rows, in_features = x.shape
             accumulate = residual is not None and residual.is_contiguous()
-            out = residual if accumulate else torch.empty(rows, self.out_features, dtype=torch.float32)
+            out = (residual if accumulate and residual is not None
+                   else torch.empty(rows, self.out_features, dtype=torch.float32))
             self._gemm(x.data_ptr(), x.stride(0), rows, in_features, self.packed.data_ptr(), self.out_features,
                        out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads())
             if self.bias is not None:

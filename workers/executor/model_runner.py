@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -120,8 +121,12 @@ def _stack_linears(linears, device, dtype) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
-def _param(t: torch.Tensor | None, device, dtype) -> torch.Tensor | None:
-    return None if t is None else t.detach().to(device=device, dtype=dtype)
+def _param(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    return t.detach().to(device=device, dtype=dtype)
+
+
+def _bias(t: torch.Tensor | None, device, dtype) -> torch.Tensor | None:
+    return None if t is None else _param(t, device, dtype)
 
 
 class ModelRunner:
@@ -179,10 +184,10 @@ class ModelRunner:
                 _Layer(
                     input_norm=_param(layer.input_layernorm.weight, dev, dt),
                     qkv=Linear(qkv_w, qkv_b, pack),
-                    o=Linear(_param(attn.o_proj.weight, dev, dt), _param(attn.o_proj.bias, dev, dt), pack),
+                    o=Linear(_param(attn.o_proj.weight, dev, dt), _bias(attn.o_proj.bias, dev, dt), pack),
                     post_norm=_param(layer.post_attention_layernorm.weight, dev, dt),
                     gate_up=Linear(gate_up_w, gate_up_b, pack),
-                    down=Linear(_param(mlp.down_proj.weight, dev, dt), _param(mlp.down_proj.bias, dev, dt), pack),
+                    down=Linear(_param(mlp.down_proj.weight, dev, dt), _bias(mlp.down_proj.bias, dev, dt), pack),
                 )
             )
         linears = [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
@@ -193,7 +198,7 @@ class ModelRunner:
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (SwiGLU uses silu)")
         self.ops = make_ops(dev, dt)
 
-        self.attention: PagedAttention = make_attention(
+        self.attention: PagedAttention[Any] = make_attention(
             self.num_heads, self.num_kv_heads, self.head_dim, block_size, dev, attention_backend, dt
         )
         # With the triton backend one spare block past the pool takes the K/V writes of a decode graph's padding
@@ -224,7 +229,9 @@ class ModelRunner:
         """
         if not chunks:
             return torch.empty(0, self.vocab_size)
-        return self.advance(self.begin(chunks))
+        logits = self.advance(self.begin(chunks))
+        assert logits is not None  # with no layer count, advance runs every layer
+        return logits
 
     @torch.inference_mode()
     def begin(self, chunks: list[SeqChunk]) -> ForwardPass | GraphPass:
@@ -266,6 +273,7 @@ class ModelRunner:
         """Run the pass's next ``num_layers`` decoder layers (None: all that are left); returns the logits (as
         ``execute``) once the last layer has run, else None. A step replayed from a CUDA graph runs whole."""
         if isinstance(fwd, GraphPass):
+            assert self.graphs is not None  # only the graphs stage a GraphPass
             return self.graphs.replay(fwd)
         end = len(self.layers) if num_layers is None else min(len(self.layers), fwd.next_layer + num_layers)
         for index in range(fwd.next_layer, end):

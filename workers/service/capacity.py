@@ -47,6 +47,7 @@ def allowance(engine: EngineCapacity, held: HeldRequests, background: Background
     interactive_running = _interactive_running(held)
     # Requests handed to the running step are in the engine's count only once that step is done: count them here.
     num_free = engine.num_free_seats - len(held.pending) - held.num_admitting - len(held.preparing)
+    pull: dict[str, frozenset[str]]
     if num_free > 0:
         pull = {t.name: frozenset() for t in tiers_by_priority()}
     else:
@@ -78,14 +79,14 @@ def _seat_takers(engine: EngineCapacity, held: HeldRequests) -> dict[str, frozen
     if beyond >= max(1, engine.max_num_seqs // 8) or not held.active:
         return {}
     least = max(get_tier(t.request.tier).priority for t in held.active.values())
-    pull = {t.name: frozenset() for t in tiers_by_priority() if outranks(t.priority, least)}
+    pull: dict[str, frozenset[str]] = {t.name: frozenset() for t in tiers_by_priority() if outranks(t.priority, least)}
     least_tier = next(t.name for t in tiers_by_priority() if t.priority == least)
     seats = TenantSeats(subjects.tenant_token(t.request.tenant_id) for t in held.active.values()
                         if t.request.tier == least_tier)
     excluded = seats.may_not_take()
     # Only as many of the tier's own as there are seats its holders would give up: one more waits in the engine
-    # for a seat to free, ahead of whoever comes next, however much less that tenant was served (a light tenant
-    # waited seconds behind 60 such, one tenant's second seat having opened the tier to every tenant holding none).
+    # for a seat to free, ahead of whoever comes next, however much less that tenant was served (more would let one
+    # tenant's second seat open the tier to every tenant holding none, and a light tenant wait behind all of them).
     if excluded is not None and beyond < seats.num_to_give():
         pull[least_tier] = frozenset(excluded)
     return pull
@@ -119,7 +120,7 @@ class Capacity:
         """After a step (or failing one): the engine's new capacity (None: unknown, keep the last). ``moved``: the
         step admitted, aborted, refused or finished a request, so who holds a seat changed. The intake is woken
         only then or when the engine's seats changed: a step that only generated tokens changes nothing it
-        decides on, and waking it for each (hundreds a second with every seat taken) cost the worker more CPU
+        decides on, and waking it for each (hundreds a second with every seat taken) would cost the worker more CPU
         than its pulls (bench/tenants.py)."""
         if engine is not None:
             moved = moved or _seats(engine) != _seats(self.engine)

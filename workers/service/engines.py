@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import get_args
+from typing import Any, get_args
 
 from switchyard.shared.config import EngineName, SwitchyardConfig
 from switchyard.workers.engine.interface import ServingEngine
@@ -18,7 +18,7 @@ from switchyard.workers.engine.interface import ServingEngine
 log = logging.getLogger("switchyard.worker")
 
 
-def _switchyard(config: SwitchyardConfig) -> ServingEngine:
+def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
     """Ours: continuous batching over a paged KV cache, Llama-family models (workers/engine/engine.py)."""
     from switchyard.workers import model_store
     from switchyard.workers.engine.engine import Engine, EngineConfig
@@ -33,7 +33,7 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine:
     return engine
 
 
-def _vllm(config: SwitchyardConfig) -> ServingEngine:
+def _vllm(config: SwitchyardConfig) -> ServingEngine[Any]:
     """vLLM (V1, its engine core in this process), for what ours lacks: tensor parallelism, quantization,
     speculative decoding, KV offload, any architecture vLLM knows (workers/vllm_engine/). A sentence-embedding model
     (its ``modules.json`` names a pooling) runs on vLLM's pooling runner under the embeddings engine, serving
@@ -58,10 +58,10 @@ def _vllm(config: SwitchyardConfig) -> ServingEngine:
 
 
 def _load_safety_classifier(config: SwitchyardConfig) -> None:
-    """The safety classifier, read now when the gateways' settings use it: on first use it took a tenant's first
-    request a second of CPU, holding the GIL (scikit-learn's import) while every other tenant's steps waited, and
-    had that tenant taken for one with expensive prompts (workers/service/intake.py). A worker without the wheel
-    serves on; the requests that need it are refused as before, saying what to install."""
+    """The safety classifier, read now when the gateways' settings use it: read on first use, it would take a
+    tenant's first request a second of CPU, holding the GIL (scikit-learn's import) while every other tenant's steps
+    wait, and mark that tenant as one with expensive prompts (workers/service/intake.py). A worker without the wheel
+    serves on; the requests that need it are refused, saying what to install."""
     if not config.gateway.safety.classifier:
         return
     from switchyard.shared.profanity import load_classifier
@@ -75,7 +75,7 @@ def _load_safety_classifier(config: SwitchyardConfig) -> None:
     log.info("safety classifier loaded in %.2f s", time.monotonic() - t0)
 
 
-def _simulated(config: SwitchyardConfig) -> ServingEngine:
+def _simulated(config: SwitchyardConfig) -> ServingEngine[Any]:
     """A test double that makes up tokens at a set rate, no model (workers/simulated_engine.py)."""
     from switchyard.workers.simulated_engine import SimulatedEngine
 
@@ -86,7 +86,7 @@ def _simulated(config: SwitchyardConfig) -> ServingEngine:
                            w.simulated_output_tokens, w.simulated_tokens_per_delta, w.simulated_step_ms / 1000)
 
 
-def _embeddings(config: SwitchyardConfig) -> ServingEngine:
+def _embeddings(config: SwitchyardConfig) -> ServingEngine[Any]:
     """A sentence-embedding model (BERT and kin) for /v1/embeddings (workers/engine/embeddings.py)."""
     from switchyard.workers import model_store
     from switchyard.workers.engine.embedding_model import EmbeddingModel
@@ -99,7 +99,7 @@ def _embeddings(config: SwitchyardConfig) -> ServingEngine:
     return EmbeddingEngine(model, config.worker, config.worker.served_name)
 
 
-ENGINES: dict[str, Callable[[SwitchyardConfig], ServingEngine]] = {
+ENGINES: dict[str, Callable[[SwitchyardConfig], ServingEngine[Any]]] = {
     "switchyard": _switchyard,
     "simulated": _simulated,
     "vllm": _vllm,
@@ -120,6 +120,6 @@ def needs_weights(name: str) -> bool:
     return name not in WITHOUT_WEIGHTS
 
 
-def engine_builder(name: str) -> Callable[[SwitchyardConfig], ServingEngine]:
+def engine_builder(name: str) -> Callable[[SwitchyardConfig], ServingEngine[Any]]:
     """The builder of the engine called ``name`` (the settings allow only the names in ``ENGINES``)."""
     return ENGINES[name]

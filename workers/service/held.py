@@ -14,8 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nats.aio.msg import Msg
+from opentelemetry.context import Context
 
 from switchyard.shared.messages import BatchChoice, ErrorInfo, GenerateRequest, TokenDelta, add_tool_call_parts
+
+if TYPE_CHECKING:
+    from switchyard.workers.engine.interface import Prepared
 
 log = logging.getLogger("switchyard.worker")
 
@@ -33,9 +40,9 @@ class Tracked:
     completion_tokens: int = 0
     cached_tokens: int = 0
     choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
-    prepared: object | None = None  # its prompt, as the engine prepared it at intake (interface.Prepared)
+    prepared: Prepared | None = None  # its prompt, as the engine prepared it at intake
     superseded: bool = False  # a gateway took this worker for dead and continued it elsewhere: not billed here
-    trace_context: object | None = None  # the gateway's trace, from the message headers (shared/tracing.py)
+    trace_context: Context | None = None  # the gateway's trace, from the message headers (shared/tracing.py)
 
     def collect(self, delta: TokenDelta) -> None:
         choice = self.choices.setdefault(delta.index, BatchChoice(delta.index))
@@ -51,7 +58,7 @@ class HeldRequests:
     def __init__(self) -> None:
         self.active: dict[str, Tracked] = {}
         self.preparing: dict[str, Tracked] = {}  # taken from a queue, being prepared (intake.py)
-        self.pending: list[tuple[Tracked, object]] = []
+        self.pending: list[tuple[Tracked, Msg]] = []
         self.aborts: dict[str, ErrorInfo | None] = {}  # None: the client cancelled
         self.num_admitting = 0
         self.work = asyncio.Event()  # an add or an abort waits for the step loop
@@ -68,7 +75,7 @@ class HeldRequests:
         """Whether the next step has adds or aborts to hand to the engine."""
         return bool(self.pending) or bool(self.aborts)
 
-    def add(self, tracked: Tracked, msg) -> None:
+    def add(self, tracked: Tracked, msg: Msg) -> None:
         self.pending.append((tracked, msg))
         self.work.set()
 
@@ -82,7 +89,7 @@ class HeldRequests:
         log.warning("ending %d running requests: %s", len(self.active), error.code)
         self.aborts.update(dict.fromkeys(self.active, error))
 
-    def hand_over(self) -> tuple[list[tuple[Tracked, object]], dict[str, ErrorInfo | None]]:
+    def hand_over(self) -> tuple[list[tuple[Tracked, Msg]], dict[str, ErrorInfo | None]]:
         """The adds and aborts for the step starting now; the adds count as running from here on."""
         adds, self.pending = self.pending, []
         aborts, self.aborts = self.aborts, {}

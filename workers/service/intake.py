@@ -27,8 +27,10 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
+from nats.aio.msg import Msg
 
 from switchyard.scheduler.tier_share import TierShare
 from switchyard.shared.jetstream import is_transient
@@ -82,7 +84,7 @@ class Intake:
     """See the module docstring. ``idle`` is set while it has nothing it may take (the step loop waits for it
     after freeing seats, so that they are refilled before the next step starts)."""
 
-    def __init__(self, engine: ServingEngine, nc, js, model_name: str, worker_id: str, held: HeldRequests,
+    def __init__(self, engine: ServingEngine[Any], nc, js, model_name: str, worker_id: str, held: HeldRequests,
                  capacity: Capacity, out: Publisher, prepare_threads: int = 2) -> None:
         self._engine = engine
         self._worker_id = worker_id
@@ -96,7 +98,7 @@ class Intake:
         # Pulled requests not yet acked (not running yet): marked in progress each second, so JetStream hands them
         # to another worker within its short ack wait only if this one dies. Keyed by id(msg): a redelivered copy
         # of one request is a message of its own.
-        self._unacked: dict[int, object] = {}
+        self._unacked: dict[int, Msg] = {}
         # Cancels that arrived before their request: one fetched just as it was cancelled (a batch cancel deletes
         # queued messages, but one may already be on its way here) must not run. Insertion (= time) ordered.
         self._early_cancels: dict[str, float] = {}
@@ -105,7 +107,7 @@ class Intake:
         # lower CPU priority, for DEMOTED_S: its expensive prompts take what serving leaves.
         self._slow_lane = ThreadPoolExecutor(1, thread_name_prefix="switchyard-prepare-slow",
                                              initializer=lower_priority)
-        self._demoted: dict[str, float] = {}  # tenant id -> until when its prompts go to the slow lane
+        self._demoted: dict[str | None, float] = {}  # tenant id -> until when its prompts go to the slow lane
         self._slow_lane_turn = asyncio.Lock()
         self._slow_lane_rested_at = 0.0  # (monotonic) when the slow lane may start its next prepare
         self._preparing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
@@ -159,8 +161,8 @@ class Intake:
             if time.monotonic() - swept_at > SWEEP_EVERY_S:
                 # Redeliveries and work queued before we subscribed ring no doorbell, and a tenant whose fetch came
                 # back empty (a slow server) is forgotten until it rings again: look everywhere, every second, busy
-                # or not (a busy intake that only swept when idle once left a tenant unserved while others' work
-                # kept it awake).
+                # or not (sweeping only when idle would leave a tenant unserved while others' work keeps the intake
+                # awake).
                 await self.sweep()
                 swept_at = time.monotonic()
             allowed = self._capacity.allowance()
@@ -271,10 +273,10 @@ class Intake:
     async def _on_slow_lane(self, request: GenerateRequest):
         """``_timed(prepare, request)`` on the slow lane, one at a time, each after the lane has rested
         ``SLOW_LANE_REST`` times the CPU its last prepare took. A chat template renders in Python, holding the GIL
-        in slices that every serving thread waits out at each hand-off, whatever the thread's CPU priority: six
-        loops of 2048-message prompts kept the lane busy without pause, and another tenant's first token took 2x
-        its idle time (tests/e2e/test_hostile_work.py). Resting, such prompts take at most a third of the
-        interpreter, and the rest of the worker has it the other two thirds."""
+        in slices that every serving thread waits out at each hand-off, whatever the thread's CPU priority: a
+        tenant sending huge prompts back to back would keep the lane busy without pause, and every other tenant's
+        first token would wait on it (tests/e2e/test_hostile_work.py). Resting, such prompts take at most a third
+        of the interpreter, and the rest of the worker has it the other two thirds."""
         async with self._slow_lane_turn:
             rest = self._slow_lane_rested_at - time.monotonic()
             if rest > 0:

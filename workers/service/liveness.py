@@ -18,6 +18,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from nats.js.kv import KeyValue
+
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import workers_bucket
 from switchyard.shared.messages import WorkerInfo, encode
@@ -44,7 +46,7 @@ class Liveness:
         self._mark_in_progress = mark_in_progress
         self.reconnected = asyncio.Event()  # set by the NATS client's reconnect callback
         self._done = asyncio.Event()
-        self._kv = None
+        self._kv: KeyValue | None = None  # the heartbeat bucket, opened by start
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -60,10 +62,12 @@ class Liveness:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        with contextlib.suppress(Exception):
-            await self._kv.delete(self._key)
+        if self._kv is not None:
+            with contextlib.suppress(Exception):
+                await self._kv.delete(self._key)
 
     async def _beat(self) -> None:
+        assert self._kv is not None  # opened by start before the first beat
         await self._kv.put(self._key, encode(self._info()))
 
     async def _alive_loop(self) -> None:

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def with_model_engine(config: SwitchyardConfig) -> SwitchyardConfig:
     return config.model_copy(update={"worker": config.worker.model_copy(update={"engine": engine})})
 
 
-def build_engine(config: SwitchyardConfig) -> ServingEngine:
+def build_engine(config: SwitchyardConfig) -> ServingEngine[Any]:
     """The engine ``worker.engine`` names (workers/service/engines.py), loaded and warmed up: kernels and allocator
     before the first request, not in it."""
     if config.worker.torch_threads:
@@ -42,7 +43,7 @@ def build_engine(config: SwitchyardConfig) -> ServingEngine:
     return engine_builder(config.worker.engine)(config)
 
 
-async def _serve(engine: ServingEngine, config: SwitchyardConfig, step_thread: ThreadPoolExecutor) -> None:
+async def _serve(engine: ServingEngine[Any], config: SwitchyardConfig, step_thread: ThreadPoolExecutor) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -81,9 +82,9 @@ async def _report_status(status: WorkerStatus, ready: asyncio.Event, stop: async
 
 # How long a thread holding the GIL runs before one waiting for it gets a turn (Python's default: 5 ms). A prepare
 # thread rendering a long chat template holds it in such slices; the event loop and the step thread hand a request
-# on several times, and each hand-off could wait a whole slice (a victim's first token took 2.5x longer while
-# another tenant sent 2048-message prompts). The other threads mostly run outside the GIL (torch, tokenizers,
-# llguidance), so shorter slices cost little.
+# on several times, and each hand-off could wait a whole slice (a tenant's first token then waits on another
+# tenant's huge prompts). The other threads mostly run outside the GIL (torch, tokenizers, llguidance), so
+# shorter slices cost little.
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
@@ -91,7 +92,7 @@ def serve_worker(config: SwitchyardConfig) -> int:
     setup_tracing("switchyard-worker", config.traces_exporter, config.traces_file)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # Every torch call of the process on one OS thread, loading included: OpenMP gives each calling thread a pool of
-    # its own, and once two pools exist every matmul on 2 cores ran about 1.5x slower (bench/serve.py).
+    # its own, and two pools contend for the same cores, slowing every matmul down (bench/serve.py).
     config = with_model_engine(config)
     step_thread = ThreadPoolExecutor(1, thread_name_prefix="switchyard-step")
     try:

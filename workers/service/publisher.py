@@ -6,9 +6,9 @@
     error(request, e)  instead of any of these, or of the rest: the request ends with ``e``
 
 A step's deltas go out together (``StepDeltas``, then ``send``): one message per gateway, holding the deltas of
-every request that gateway relays (``GenerateRequest.reply_subject``). A message per delta cost the worker, NATS
-and the gateway each a round of per-message work per token: at 1,000 streams of 20 tokens/s, 20,000 messages a
-second, now one per step and gateway (bench/streams.py; bench/RESULTS.md, "Issue 28, seventh session").
+every request that gateway relays (``GenerateRequest.reply_subject``). A message per delta would cost the worker,
+NATS and the gateway each a round of per-message work per token (at 1,000 streams of 20 tokens/s, 20,000 messages a
+second); this way it is one per step and gateway (bench/streams.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from switchyard.shared.messages import (
 from switchyard.workers.service.held import Tracked
 
 log = logging.getLogger("switchyard.worker")
+
+_routed_encoder = msgspec.msgpack.Encoder()  # a message of ``RoutedDelta``s (``encode`` takes one struct)
 
 # How long a usage record or batch result is retried through a NATS outage (a cluster electing a leader takes
 # seconds, a restarted server about as long) before it is logged as lost. Deltas wait behind it meanwhile.
@@ -67,11 +69,11 @@ def messages_of(deltas: list[RoutedDelta], max_bytes: int) -> list[bytes]:
     for i, routed in enumerate(deltas):
         item = len(routed.delta) + len(routed.request_id) + 16  # its framing: the pair's and the strings' headers
         if size + item > max_bytes and i > start:
-            out.append(encode(deltas[start:i]))
+            out.append(_routed_encoder.encode(deltas[start:i]))
             start, size = i, 0
         size += item
     if start < len(deltas):
-        out.append(encode(deltas[start:] if start else deltas))
+        out.append(_routed_encoder.encode(deltas[start:] if start else deltas))
     return out
 
 
@@ -131,11 +133,14 @@ class Publisher:
             await self.batch_result(request, BatchResult(request.request_id, self.worker_id, error=error))
 
     async def batch_result(self, request: GenerateRequest, result: BatchResult) -> None:
+        """A batch line's result (or its ``started`` hint) on the subject its request names."""
+        subject = request.result_subject
+        assert subject is not None  # called only for a batch line's request, which names where its results go
         try:
             if result.started:  # a hint for the batch runner, sent once per run: no retries, no dedup
-                await self._js.publish(request.result_subject, encode(result))
+                await self._js.publish(subject, encode(result))
             else:  # durable, and deduplicated by request id: a final result published twice is stored once
-                await publish_once(self._js, request.result_subject, encode(result), request.request_id,
+                await publish_once(self._js, subject, encode(result), request.request_id,
                                    within_s=RECORD_RETRY_S)
         except Exception:  # the batch runner re-publishes a line whose result never comes
             log.exception("could not publish the batch result of %s", request.request_id)

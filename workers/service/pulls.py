@@ -2,13 +2,13 @@
 
 A worker reads a queue per tier and tenant (tenant_queues.py). nats-py's pull subscription costs a subscription of
 its own per consumer, and its ``fetch`` waits out its whole timeout when the queue turns out empty; with more
-active tenants than subscriptions kept, every pull also made a consumer and a subscription again. Here every pull
+active tenants than subscriptions kept, every pull would also make a consumer and a subscription again. Here every pull
 is one request on JetStream's own pull API, ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`` with
 ``{"batch": 1, "expires": 50 ms}``, answered on one wildcard inbox: the consumer's next message, or a status saying
 it has none (408 when the pull expired, 404), or that nobody serves that consumer (503: JetStream deleted it after
 its idle hour, or the server restarted without it). Not ``no_wait``: a doorbell can reach the worker before the
-stream hands its message to the consumer, and a pull that answered "none" at once then forgot that tenant until
-the next sweep, a second later (tests/e2e/test_hostile_work.py's victim waited for it).
+stream hands its message to the consumer, and a pull that answered "none" at once would forget that tenant until
+the next sweep, a second later, while its request waits.
 
 The messages are ordinary JetStream messages: ack, nak, in-progress and term answer their reply subject as with
 nats-py's own pulls. One that arrives after its pull gave up (a lost answer's timeout) is handed back at once (nak)
@@ -92,11 +92,12 @@ class ConsumerPulls:
 
     async def _on_answer(self, msg) -> None:
         is_message = msg.reply.startswith("$JS.ACK.")
+        key: tuple[str, str] | None
         if is_message:
             key = (msg.metadata.stream, msg.metadata.consumer)
         else:
             key = self._inboxes.get(msg.subject.rsplit(".", 1)[-1])
-        future = self._waiting.pop(key, None)
+        future = self._waiting.pop(key, None) if key is not None else None
         if future is not None and not future.done():
             future.set_result(msg)
             return

@@ -38,7 +38,7 @@ class WorkerStatus:
         self.draining = threading.Event()  # stop asked for: no new requests
         self.drained = threading.Event()  # nothing runs any more (or the drain timed out)
         self.drain_timeout_s = drain_timeout_s
-        self.request_drain: Callable[[], None] = lambda: None  # set by the worker's process: sets its stop event
+        self.request_drain: Callable[[], object] = lambda: None  # set by the worker's process: sets its stop event
 
     @property
     def is_ready(self) -> bool:

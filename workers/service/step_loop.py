@@ -21,6 +21,9 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.msg import Msg
 
 from switchyard.shared.messages import ErrorInfo, TokenDelta
 from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected, ServingEngine
@@ -41,8 +44,8 @@ REFILL_WAIT_S = 0.02  # how long a step waits for the intake to refill freed sea
 class StepResult:
     """What one step on the step thread hands back to the event loop."""
 
-    admitted: list[tuple[Tracked, object]] = field(default_factory=list)  # (tracked, jetstream msg)
-    rejected: list[tuple[Tracked, object, ErrorInfo]] = field(default_factory=list)
+    admitted: list[tuple[Tracked, Msg]] = field(default_factory=list)  # (tracked, its JetStream message)
+    rejected: list[tuple[Tracked, Msg, ErrorInfo]] = field(default_factory=list)
     deltas: list[TokenDelta] = field(default_factory=list)
     capacity: EngineCapacity | None = None  # the engine after the step: what may be pulled now
     has_unfinished: bool = False  # whether the engine has more to do without new work
@@ -53,7 +56,7 @@ class StepResult:
 class StepLoop:
     """See the module docstring; ``num_steps``, ``step_s`` and ``gap_s`` go into the worker's heartbeat."""
 
-    def __init__(self, engine: ServingEngine, step_thread: ThreadPoolExecutor, held: HeldRequests,
+    def __init__(self, engine: ServingEngine[Any], step_thread: ThreadPoolExecutor, held: HeldRequests,
                  capacity: Capacity, intake: Intake, out: Publisher, metrics: WorkerMetrics,
                  drain_timeout_s: float) -> None:
         self._engine = engine
@@ -128,18 +131,20 @@ class StepLoop:
                 self._intake.idle.clear()
                 await first_of(self._intake.idle, timeout=REFILL_WAIT_S)
 
-    def _step_sync(self, adds, aborts: dict[str, ErrorInfo | None], background_limit: int | None) -> StepResult:
+    def _step_sync(self, adds: list[tuple[Tracked, Msg]], aborts: dict[str, ErrorInfo | None],
+                   background_limit: int | None) -> StepResult:
         """Runs on the step thread: the only place the engine is touched (but ``prepare``)."""
         engine = self._engine
         result = StepResult()
         for tracked, msg in adds:
             if tracked.request.request_id in aborts:
-                error = aborts[tracked.request.request_id] or CANCELLED
-                result.rejected.append((tracked, msg, error))
+                result.rejected.append((tracked, msg, aborts[tracked.request.request_id] or CANCELLED))
                 continue
+            prepared = tracked.prepared
+            assert prepared is not None  # the intake holds a request only once it is prepared
             try:
-                tracked.prompt_tokens = engine.add_request(tracked.request, tracked.prepared)
-                tracked.dropped_messages = tracked.prepared.num_dropped_messages
+                tracked.prompt_tokens = engine.add_request(tracked.request, prepared)
+                tracked.dropped_messages = prepared.num_dropped_messages
             except RequestRejected as exc:
                 result.rejected.append((tracked, msg, exc.error))
                 continue
@@ -180,26 +185,28 @@ class StepLoop:
             await out.started(tracked, step)
         now = time.time()
         generated: dict[str, int] = {}
-        ended: list[tuple[Tracked, str | None]] = []
+        ended: list[tuple[Tracked, str]] = []
         for delta in result.deltas:
-            tracked = held.active.get(delta.request_id)
-            if tracked is None:
+            running = held.active.get(delta.request_id)
+            if running is None:
                 continue
-            req = tracked.request
+            req = running.request
             if delta.num_tokens:
                 generated[req.tier] = generated.get(req.tier, 0) + delta.num_tokens
                 self._intake.queues.charge(req.tier, req.tenant_id, generated_tokens=delta.num_tokens)
-                if tracked.first_token_at is None:
-                    tracked.first_token_at = now
-            await out.relay(tracked, delta, step)
+                if running.first_token_at is None:
+                    running.first_token_at = now
+            await out.relay(running, delta, step)
             if delta.is_last:  # every choice has ended (the engine counts them)
+                # A choice's last delta has its finish reason (workers/engine/interface.py), the request's too.
+                assert delta.finish_reason is not None, delta.request_id
                 if delta.usage is not None:
-                    tracked.completion_tokens = delta.usage.completion_tokens
-                    tracked.cached_tokens = delta.usage.cached_tokens
+                    running.completion_tokens = delta.usage.completion_tokens
+                    running.cached_tokens = delta.usage.cached_tokens
                 held.active.pop(req.request_id, None)
-                self._intake.queues.finished(req.tier, req.tenant_id, tracked.prompt_tokens, tracked.completion_tokens)
+                self._intake.queues.finished(req.tier, req.tenant_id, running.prompt_tokens, running.completion_tokens)
                 metrics.finished(req.tier, delta.finish_reason)
-                ended.append((tracked, delta.finish_reason))
+                ended.append((running, delta.finish_reason))
         await out.send(step)  # before the records: a usage record retried through an outage holds no token back
         for tracked, finish_reason in ended:
             record_request_trace(tracked, out.worker_id, finish_reason, now)

@@ -8,7 +8,7 @@ Which tenants have requests queued is learnt from the doorbell (every publish on
 the worker's core subscription too) and, for what rings no bell (redeliveries, requests queued before the worker
 started, bells lost on the way), from a sweep of the stream's per-subject counts. Within a tier the backlogged
 tenant that was served least goes first (scheduler/tenant_share.py); between tiers the worker's weighted tier
-share decides, as before. A consumer is made when a tenant first has work here, and again when a pull finds it gone
+share decides. A consumer is made when a tenant first has work here, and again when a pull finds it gone
 (JetStream deletes a consumer nobody pulled from for an hour); every pull goes through one subscription
 (pulls.py), so a thousand active tenants cost the worker no subscription each.
 """
@@ -20,6 +20,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from nats.js import JetStreamContext
 
@@ -76,8 +77,8 @@ class TenantQueues:
     async def sweep(self, taken_subjects: Iterable[str] = ()) -> None:
         """Every tenant with requests in the stream, whatever rang. ``taken_subjects``: the subjects of requests
         this worker took and has not acknowledged yet; the stream still counts them, but they are not there to be
-        pulled (a tenant whose last request was being prepared came back into the order with every sweep, and its
-        empty answer held the next tenant to ring)."""
+        pulled (counting them, a tenant whose last request is being prepared would come back into the order with
+        every sweep, and its empty answer would hold up the next tenant to ring)."""
         taken = Counter(filter(None, map(self._queue_of, taken_subjects)))
         for tier in self._tiers:
             try:
@@ -97,7 +98,7 @@ class TenantQueues:
     def pending_tiers(self) -> set[str]:
         return {tier for tier, tenants in self._pending.items() if tenants} | self._offered
 
-    def has_work(self, tier: str, excluded: set[str], offers: bool = True) -> bool:
+    def has_work(self, tier: str, excluded: AbstractSet[str], offers: bool = True) -> bool:
         """Whether ``tier`` may have a request for a tenant not in ``excluded``, or an offer when ``offers`` (not
         when a seat is taken for fairness: that is a tenant's turn, not an offer's)."""
         return bool(self._pending[tier] - excluded) or (tier in self._offered and offers)
@@ -111,14 +112,14 @@ class TenantQueues:
                 if tenants or tier in self._offered}
 
     # -- taking ---------------------------------------------------------------------------------------------
-    async def take(self, tier: str, timeout_s: float, excluded: set[str] = frozenset(), offers: bool = True):
+    async def take(self, tier: str, timeout_s: float, excluded: AbstractSet[str] = frozenset(), offers: bool = True):
         """One request message of ``tier``: an offer first when ``offers``, else from the least served of its
         tenants that has one (``excluded`` tenants aside); None when none had (each tenant that came up empty is
         forgotten until it rings again, or the next sweep finds it)."""
         msgs = await self.take_many(tier, 1, timeout_s, excluded, offers)
         return msgs[0] if msgs else None
 
-    async def take_many(self, tier: str, count: int, timeout_s: float, excluded: set[str] = frozenset(),
+    async def take_many(self, tier: str, count: int, timeout_s: float, excluded: AbstractSet[str] = frozenset(),
                         offers: bool = True) -> list:
         """Up to ``count`` request messages of ``tier``, one each from the least served tenants that have one, in
         that order (pulled side by side: a worker with many free seats fills them at the pace of NATS, not of one
@@ -156,11 +157,11 @@ class TenantQueues:
     def _took_last(self, tier: str, tenant: str, msg) -> bool:
         """Whether ``msg`` was ``tenant``'s last request in ``tier``, so that asking again would only wait out an
         empty answer (``PULL_EXPIRES_S``, during which the intake pulls for nobody else: the next tenant to ring
-        waited for it). JetStream says how many it left in the consumer; but a doorbell can come before the stream
+        would wait for it). JetStream says how many it left in the consumer; but a doorbell can come before the stream
         hands its request to the consumer (sooner still in a cluster, where the stream commits first), so a tenant
         with more doorbells than requests taken here stays in the order and is asked again, at a pull's usual wait.
         Where other workers take some of a tenant's requests, its doorbells outnumber what this one took, and an
-        empty answer ends its turn as before."""
+        empty answer ends its turn."""
         key = (tier, tenant)
         unmatched = self._unmatched.get(key, 0)
         if unmatched:

@@ -31,6 +31,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from switchyard.shared import nats_client, subjects
 from switchyard.shared.config import SwitchyardConfig
@@ -52,7 +53,7 @@ log = logging.getLogger("switchyard.worker")
 class Worker:
     """Serves one model from the REQUESTS streams until ``stop`` is set, then drains running requests."""
 
-    def __init__(self, engine: ServingEngine, config: SwitchyardConfig, step_thread: ThreadPoolExecutor,
+    def __init__(self, engine: ServingEngine[Any], config: SwitchyardConfig, step_thread: ThreadPoolExecutor,
                  metrics: WorkerMetrics | None = None, metrics_url: str = "") -> None:
         """``config``: the settings, whole (the worker's section and how to reach NATS). ``step_thread``: a
         one-thread executor, the thread that built ``engine``; every step runs there (torch's OpenMP pool belongs
@@ -81,6 +82,7 @@ class Worker:
                 liveness.reconnected.set()
 
         config = self.config
+        assert config.nats_url is not None  # a worker is started only with one (switchyard/cli/serve.py)
         nc = await nats_client.connect(config.nats_url, f"switchyard-worker-{self.worker_id}",
                                        tls_ca=config.nats_tls_ca, reconnected_cb=on_reconnect)
         js = nc.jetstream()
@@ -125,6 +127,7 @@ class Worker:
     def _info(self) -> WorkerInfo:
         """What the heartbeat says: the model, what runs per tier, and the step loop's counters."""
         steps = self._steps
+        assert steps is not None  # heartbeats begin after the step loop is made (run)
         return WorkerInfo(self.worker_id, self.model_name, self.engine.max_context, self._started_at,
                           self._held.running_by_tier(), steps.num_steps, steps.step_s, steps.gap_s,
                           host=socket.gethostname(), pid=os.getpid(), metrics_url=self._metrics_url,
@@ -132,5 +135,6 @@ class Worker:
                           test_double=is_test_double(self.config.worker.engine))
 
     def _state_summary(self) -> str:
+        assert self._intake is not None  # made by run before the liveness that asks for this line
         return (f"{self._capacity.summary()} {self._intake.summary()} "
                 f"background_limit={self._capacity.allowance().background_limit}")

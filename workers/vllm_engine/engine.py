@@ -129,14 +129,14 @@ class VllmEngine:
     def device_type(self) -> str:
         return self._device_type
 
-    def prepare(self, req: GenerateRequest) -> PreparedPrompt:
+    def prepare(self, req: GenerateRequest) -> PreparedPrompt[str]:
         """As our engine's (prompts.prepare_prompt), and what vLLM cannot honour refused (requests.check_supported);
         the grammar comes back as its text."""
         check_supported(req)
         with self._prepare_lock:
             return prepare_prompt(self._prepare_tokenizer, req, self.max_context, self._grammars, self.vocab_size)
 
-    def add_request(self, req: GenerateRequest, prepared: PreparedPrompt | None = None) -> int:
+    def add_request(self, req: GenerateRequest, prepared: PreparedPrompt[str] | None = None) -> int:
         if req.request_id in self._requests:
             raise ValueError(f"request {req.request_id!r} is already running")
         if prepared is None:
@@ -157,7 +157,7 @@ class VllmEngine:
             runs.append(ChoiceRun(choice, vllm_id, prompt_input(req, prompt_ids, salt),
                                   sampling_kwargs(req, index, max_tokens)))
             state.seq_ids.append(vllm_id)
-        if resumed:
+        if req.resume is not None and resumed:
             runs[0].choice.take_up(resumed, req.resume.text_len)
             runs[0].num_output_tokens = len(resumed)
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)

@@ -54,7 +54,8 @@ class ChoiceRun:
         it goes on). ``finish_reason``: vLLM's, when this output is the request's last."""
         choice = self.choice
         self.is_started = self.is_started or bool(new_ids)
-        out_text, out_calls = "", []
+        out_text = ""
+        out_calls: list[ToolCallDelta] = []
         for i, token_id in enumerate(new_ids):
             last = i == len(new_ids) - 1 and finish_reason is not None
             choice.num_unreported_tokens += 1

@@ -12,6 +12,7 @@ Each backend's ``prepare()`` returns its own metadata type; the model runner onl
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ def make_attention(
     device: torch.device,
     backend: str | None = None,
     dtype: torch.dtype = torch.float32,
-) -> PagedAttention:
+) -> PagedAttention[Any]:
     """``backend`` None picks, on CUDA, flash-attn when it is importable and the block size allows, else the Triton
     kernels; on CPU the compiled kernels for fp32 and bf16 caches when they build; else SDPA. The choice and its
     reason are logged."""
@@ -70,7 +71,8 @@ def make_attention(
     raise ValueError(f"unknown attention backend {backend!r} (expected 'sdpa', 'cpu_paged', 'triton' or 'flash')")
 
 
-def _working_triton(num_heads, num_kv_heads, head_dim, block_size, device, dtype) -> tuple[PagedAttention | None, str]:
+def _working_triton(num_heads, num_kv_heads, head_dim, block_size, device,
+                    dtype) -> tuple[PagedAttention[Any] | None, str]:
     """The Triton backend when its kernels run here (``triton_paged.probe``), else None; and the reason."""
     from switchyard.workers.executor.attention.triton_paged import TritonAttention, probe, triton_available
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -38,19 +38,24 @@ class AttentionMetadata:
     num_prefill_tokens: int  # rows before the first decode
 
 
-class PagedAttention(Protocol):
+MetadataT = TypeVar("MetadataT", bound=AttentionMetadata)
+
+
+class PagedAttention(Protocol[MetadataT]):
     """``prepare`` once per step (chunks ordered: multi-token ones first), then ``forward`` once per layer.
 
     ``forward`` writes the new tokens' K/V into the layer's cache, then returns attention output ``[T, heads * d]``
-    for q ``[T, heads, d]`` and k/v ``[T, kv_heads, d]`` (rotary already applied).
+    for q ``[T, heads, d]`` and k/v ``[T, kv_heads, d]`` (rotary already applied). ``MetadataT``: the backend's
+    own metadata type, which ``prepare`` makes and ``forward`` reads (a caller of any backend holds
+    ``PagedAttention[Any]``).
     """
 
     name: str
 
-    def prepare(self, chunks: Sequence[ChunkShape]) -> AttentionMetadata: ...
+    def prepare(self, chunks: Sequence[ChunkShape]) -> MetadataT: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+                v_cache: torch.Tensor, meta: MetadataT) -> torch.Tensor: ...
 
 
 class HeadLayout:
@@ -87,7 +92,9 @@ def plan_slots(chunks: Sequence[ChunkShape], block_size: int, device: torch.devi
     """
     num_blocks = [(start + n + block_size - 1) // block_size for start, n, _ in chunks]
     max_blocks = max(num_blocks)
-    rows, positions, slots = [], [], []
+    rows: list[list[int]] = []
+    positions: list[int] = []
+    slots: list[int] = []
     for (start, n, table), nb in zip(chunks, num_blocks):
         if len(table) < nb:
             raise ValueError(f"block table has {len(table)} blocks, positions up to {start + n - 1} need {nb}")

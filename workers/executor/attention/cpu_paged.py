@@ -1,8 +1,8 @@
 """CPU attention read straight from the paged KV cache, by small C kernels compiled at first use.
 
 On CPU the SDPA backend spends most of a decode step's attention time copying: every layer gathers each sequence's
-KV blocks into a padded buffer (``index_select``), then SDPA reads the copy again. For 32 sequences of 50-528
-tokens (SmolLM2, fp32, 2 threads) that was 91 ms of a 277 ms step. ``csrc/paged_decode.c`` reads each K/V row once,
+KV blocks into a padded buffer (``index_select``), then SDPA reads the copy again, a large part of a step with
+many sequences. ``csrc/paged_decode.c`` reads each K/V row once,
 in place, through the block table, for all query heads that share it; ``csrc/prefill_attention.c`` does the same
 for prefill chunks (SDPA takes them where it cannot be had). Both are built and loaded by ``executor.kernels``;
 where the decode kernel cannot be, ``make_attention`` keeps the SDPA backend.
@@ -110,6 +110,7 @@ class CpuPagedAttention(HeadLayout):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _attend_prefill(self, span: PrefillSpan, qs, k_cache, v_cache) -> torch.Tensor:
+        assert self._prefill_lib is not None  # forward comes here only where SDPA is not needed: the kernel loaded
         if qs.stride(2) != 1 or qs.stride(1) != self.head_dim:
             qs = qs.contiguous()
         out = qs.new_empty(span.num_tokens, self.num_heads * self.head_dim)
@@ -123,13 +124,15 @@ class CpuPagedAttention(HeadLayout):
         return out
 
     def _attend_decodes(self, q_dec, k_cache, v_cache, meta: CpuPagedMetadata) -> torch.Tensor:
+        tables, context_lens = meta.decode_tables, meta.decode_context_lens
+        assert tables is not None and context_lens is not None  # forward comes here only for a step with decodes
         if q_dec.stride(2) != 1 or q_dec.stride(1) != self.head_dim:
             q_dec = q_dec.contiguous()
         batch = q_dec.shape[0]
         out = q_dec.new_empty(batch, self.num_heads * self.head_dim)
         status = self._decode_kernel(
             q_dec.data_ptr(), q_dec.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            meta.decode_tables.data_ptr(), meta.decode_tables.stride(0), meta.decode_context_lens.data_ptr(),
+            tables.data_ptr(), tables.stride(0), context_lens.data_ptr(),
             out.data_ptr(), batch, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale,
             torch.get_num_threads(),
         )

@@ -3,7 +3,7 @@
 All decodes share one call per layer (or a few, by context length): their KV blocks are gathered whole (one
 ``index_select`` of ``block_size``-token rows) into a padded ``[B, L, kv_heads, head_dim]`` tensor, and the query
 heads that share a KV head are folded into the query-length axis (``[B, kv_heads, group, head_dim]``), which is
-plain multi-query attention with no KV repetition and about 4x faster on CPU than ``enable_gqa=True``. Prefill
+plain multi-query attention with no KV repetition and several times faster on CPU than ``enable_gqa=True``. Prefill
 chunks get one call each, with a causal mask offset by the chunk's start position (query ``i`` sees positions
 ``<= start_pos + i``).
 """
@@ -78,8 +78,8 @@ class SdpaAttention(HeadLayout):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, device)
         self.max_decode_groups = 4
-        # Gather buffers reused by every layer and step (grown on demand). A fresh multi-MB tensor per layer
-        # costs more in page faults than the copy itself: 4.5 ms vs 0.9 ms for 6.5 MB on this CPU.
+        # Gather buffers reused by every layer and step (grown on demand): a fresh multi-MB tensor per layer
+        # costs more in page faults than the copy itself.
         self._k_buf = torch.empty(0, device=device)
         self._v_buf = torch.empty(0, device=device)
 
@@ -115,9 +115,8 @@ class SdpaAttention(HeadLayout):
     def _decode_groups(self, num_blocks: list[int], blocks: torch.Tensor, mask: torch.Tensor) -> list[DecodeGroup]:
         """Split decodes into up to ``max_decode_groups`` runs of similar length (sorted, equal counts).
 
-        Padding every decode to the longest context wastes gather and attention work on mixed lengths (8.5 vs
-        ~4 ms per layer for 32 sequences of 50-528 tokens on this CPU); a few groups recover most of it while
-        keeping the number of SDPA calls small.
+        Padding every decode to the longest context wastes gather and attention work on mixed lengths; a few groups
+        recover most of it while keeping the number of SDPA calls small.
         """
         num_groups = max(1, min(self.max_decode_groups, len(num_blocks) // 4))
         if num_groups == 1:  # in step order, so forward() may skip the gather/scatter of rows
@@ -148,6 +147,7 @@ class SdpaAttention(HeadLayout):
         chunk's own k/v ``[n, kv_heads, d]`` (already in the cache) -> ``[n, heads * d]``."""
         kvh, d = self.num_kv_heads, self.head_dim
         if span.start_pos > 0:  # a later chunk: its keys start at position 0, in the cache
+            assert span.mask is not None  # built with_masks: a chunk after a cached prefix has its causal mask
             ks, vs = self._gather(k_cache, v_cache, span.table)
             ks = ks.view(-1, kvh, d)[: span.mask.shape[1]]
             vs = vs.view(-1, kvh, d)[: span.mask.shape[1]]
