@@ -41,9 +41,13 @@ vllm-env: $(VLLM_STAMP)
 up: $(STAMP) $(if $(findstring vllm,$(ARGS)),$(VLLM_STAMP))
 	$(VENV)/bin/switchyard up $(ARGS)
 
-# The lint first ([tool.ruff] in pyproject.toml): it takes a second, the tests take minutes.
+# The checks first, cheapest first: the lint ([tool.ruff] in pyproject.toml), the types ([tool.mypy], through
+# tests/typecheck.py), the documentation site (mkdocs.yml; --strict fails on a broken link or a page not in the
+# nav), then the tests.
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) tests/typecheck.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m pytest $(ARGS)
 
 clean:
