@@ -23,6 +23,9 @@ class SchedulerConfig:
     # Sequences of this priority or less important are background work (batch jobs): they can be limited to a few
     # per step (set_background_limit) and a step of nothing else may be abandoned. None: no background work.
     background_priority: int | None = None
+    # Keep a list of the blocks registered in the prefix cache (KVCacheManager.take_newly_cached), for an engine
+    # that writes them to a tier below the pool.
+    record_cached_blocks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):

@@ -17,6 +17,7 @@ import hashlib
 from array import array
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 from switchyard.scheduler.block_pool import Block, BlockPool
 from switchyard.scheduler.request import Sequence
@@ -44,10 +45,22 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str = 
     return int.from_bytes(h.digest(), "little")
 
 
+class CachedBlock(NamedTuple):
+    """A block just registered in the prefix cache: where it is, what it holds, and whose it is."""
+
+    block_id: int
+    block_hash: int
+    token_ids: tuple[int, ...]
+    cache_salt: str
+
+
 class KVCacheManager:
     """Owns the ``BlockPool`` and each sequence's block table; knows blocks, not scheduling."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_cached: bool = False) -> None:
+        """``record_cached``: keep a list of the blocks registered in the prefix cache (``take_newly_cached``), for
+        an engine that copies them to a tier below the pool."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -60,6 +73,7 @@ class KVCacheManager:
         # Metrics: prefix-cache hit rate = hit / query, counted once per admission.
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
+        self._newly_cached: list[CachedBlock] | None = [] if record_cached else None
 
     @property
     def num_blocks(self) -> int:
@@ -180,8 +194,58 @@ class KVCacheManager:
             token_ids = self._block_tokens(seq, i)
             if i == len(hashes):
                 hashes.append(hash_block(hashes[i - 1] if i else None, token_ids, seq.cache_salt))
-            self.pool.cache_full_block(table[i], hashes[i], token_ids)
+            if self.pool.cache_full_block(table[i], hashes[i], token_ids) and self._newly_cached is not None:
+                self._newly_cached.append(CachedBlock(table[i].block_id, hashes[i], token_ids, seq.cache_salt))
         self._num_registered[seq.seq_id] = num_full
+
+    def take_newly_cached(self) -> list[CachedBlock]:
+        """The blocks registered since the last call (with ``record_cached``), in registration order. Their KV
+        stays put until the sequences holding them are freed, so a caller copies it before the next step."""
+        taken = self._newly_cached or []
+        if self._newly_cached:
+            self._newly_cached = []
+        return taken
+
+    def chain(self, seq: Sequence) -> list[tuple[int, tuple[int, ...]]]:
+        """``(hash, token ids)`` of each full block a prefix lookup for ``seq`` may hit (as ``get_computed_blocks``:
+        all but the last token). Kept nowhere: ``seq`` need not be in the cache's care yet."""
+        chain: list[tuple[int, tuple[int, ...]]] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            token_ids = self._block_tokens(seq, i)
+            chain.append((hash_block(chain[-1][0] if chain else None, token_ids, seq.cache_salt), token_ids))
+        return chain
+
+    def num_cached_prefix_blocks(self, chain: Seq[tuple[int, tuple[int, ...]]]) -> int:
+        """How many leading blocks of ``chain`` the pool holds now."""
+        for i, (block_hash, token_ids) in enumerate(chain):
+            if self.pool.get_cached_block(block_hash, token_ids) is None:
+                return i
+        return len(chain)
+
+    def import_blocks(self, chain: Seq[tuple[int, tuple[int, ...]]], start: int) -> list[int]:
+        """Register ``chain[start:]``, blocks whose KV the caller copies in from below the pool, after the pool's own
+        ``chain[:start]``: each takes a free block (evicting the least recently used cached one) and is cached
+        unreferenced near the most recently used end, so the next prefix lookup hits the whole chain. Returns the
+        block ids to copy into, one per block imported, in order.
+
+        The chain's head stays referenced meanwhile, so no import evicts it; at most as many blocks are imported as
+        are free, so none evicts another; a block whose hash the pool already holds ends the import."""
+        head = [self.pool.get_cached_block(h, t) for h, t in chain[:start]]
+        if any(b is None for b in head):
+            return []  # the head was evicted since it was looked up: the import would be unreachable
+        held = [b for b in head if b is not None]
+        self.pool.touch(held)
+        imported: list[Block] = []
+        try:
+            for block_hash, token_ids in chain[start : start + self.pool.num_free_blocks]:
+                block = self.pool.get_new_blocks(1)[0]
+                if not self.pool.cache_full_block(block, block_hash, token_ids):
+                    self.pool.free_blocks([block])
+                    break
+                imported.append(block)
+        finally:
+            self.pool.free_blocks(reversed(held + imported))  # tail first, as a sequence's blocks are freed
+        return [b.block_id for b in imported]
 
     def free(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks, tail first so its tail is evicted before its shared head."""

@@ -32,7 +32,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                       config.record_cached_blocks)
         self._requests: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self._waiting = WaitingQueue()
         self._running: list[Sequence] = []  # kept sorted by sort_key: the tail is the first to preempt

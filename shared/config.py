@@ -188,6 +188,18 @@ class EngineSettings(BaseModel):
     # millisecond; a grammar that runs out is refused, 400) and the largest grammar text compiled at all.
     grammar_lexer_fuel: int = Field(1_000_000, ge=1)
     max_grammar_bytes: int = Field(1_048_576, ge=1)
+    # KV tiers below the pool (workers/kv_tiers/): a block registered in the prefix cache is written through to a
+    # host-memory tier (files on tmpfs, shared by the host's workers of the model), which demotes what it evicts
+    # to a disk tier; a new request's prefix is loaded back from them instead of computed. kv_offload_gib: the host
+    # tier's GiB (None: a tenth of the host's available memory on a GPU worker, off on a CPU one, 0: off);
+    # kv_offload_host_dir: where it lives (None: /dev/shm/switchyard-kv). kv_offload_dir: the disk tier's
+    # directory (None: no disk tier), kv_offload_disk_gib its size. A tenant's blocks take at most
+    # kv_offload_tenant_share of a tier.
+    kv_offload_gib: float | None = Field(None, ge=0)
+    kv_offload_host_dir: Path | None = None
+    kv_offload_dir: Path | None = None
+    kv_offload_disk_gib: float = Field(16.0, gt=0)
+    kv_offload_tenant_share: float = Field(0.5, gt=0, le=1)
 
 
 class WorkerConfig(EngineSettings):

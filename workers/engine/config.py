@@ -10,12 +10,27 @@ set and where it is used, and nothing in between copies it by hand.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
 from switchyard.scheduler import SchedulerConfig
 from switchyard.shared.config import EngineSettings
+from switchyard.workers.kv_tiers import TierSettings
+
+
+def _available_memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**30
 
 
 @dataclass(slots=True)
@@ -36,6 +51,11 @@ class EngineConfig:
     prepare_threads: int = 2  # threads that call prepare() at once: each gets a tokenizer of its own
     grammar_lexer_fuel: int = 1_000_000  # a grammar's compile budget (guided.Grammars)
     max_grammar_bytes: int = 1_048_576
+    kv_offload_gib: float | None = None  # the host tier (workers/kv_tiers/); None: auto (see tier_settings)
+    kv_offload_host_dir: Path | None = None
+    kv_offload_dir: Path | None = None  # the disk tier; None: none
+    kv_offload_disk_gib: float = 16.0
+    kv_offload_tenant_share: float = 0.5
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> EngineConfig:
@@ -53,6 +73,19 @@ class EngineConfig:
             free, _total = torch.cuda.mem_get_info(device)
             return int(free * self.gpu_memory_fraction)
         return 2 * 2**30
+
+    def tier_settings(self, device: torch.device) -> TierSettings:
+        """The KV tiers below the pool: the host tier as set, else a tenth of the available memory on a GPU worker
+        (its pool is on the device, so host memory is a second, larger tier) and none on a CPU one (whose pool is
+        host memory already); the disk tier where a directory is given."""
+        host_gib = self.kv_offload_gib
+        if host_gib is None:
+            host_gib = _available_memory_gib() / 10 if device.type == "cuda" else 0.0
+        host_dir = self.kv_offload_host_dir or Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir(),
+                                                    "switchyard-kv")
+        return TierSettings(host_dir=host_dir, host_bytes=int(host_gib * 2**30), disk_dir=self.kv_offload_dir,
+                            disk_bytes=int(self.kv_offload_disk_gib * 2**30) if self.kv_offload_dir else 0,
+                            scope_share=self.kv_offload_tenant_share)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, background_priority: int | None,
                          ) -> SchedulerConfig:

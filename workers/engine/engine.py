@@ -18,6 +18,7 @@ instead of computing them n times.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 
@@ -34,11 +35,14 @@ from switchyard.workers.engine.output_filter import OutputSafety, SafetyEvent
 from switchyard.workers.engine.prompts import eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import sample
 from switchyard.workers.engine.stats import EngineCapacity, EngineStats, capacity_of, stats_of
+from switchyard.workers.engine.tiered_prefixes import TieredPrefixes
 from switchyard.workers.executor.cuda_graphs import GraphPass
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
 
 log = logging.getLogger("switchyard.engine")
+
+_LOAD_WAIT_S = 0.01  # a step with nothing to run but prefixes loading waits this long for one
 
 
 class Engine:
@@ -63,8 +67,13 @@ class Engine:
                                   attention_backend=config.attention_backend)
         if config.cuda_graphs and device.type == "cuda" and self.runner.attention.name == "triton":
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_context)
-        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_context,
-                                                           background_priority=get_tier(BATCH_TIER).priority))
+        tiers = config.tier_settings(device)
+        tiers_on = tiers.enabled and config.enable_prefix_caching
+        self.scheduler = Scheduler(dataclasses.replace(
+            config.scheduler_config(num_blocks, self.max_context, background_priority=get_tier(BATCH_TIER).priority),
+            record_cached_blocks=tiers_on))
+        # Host and disk tiers below the pool: blocks written through as they are cached, prefixes loaded back.
+        self.tiers = TieredPrefixes(tiers, model, self.runner, self.scheduler.kv_cache) if tiers_on else None
         self._eos = eos_token_ids(model, tokenizer)
         self.vocab_size = int(hf_config.vocab_size)  # the model's logits
         self._grammars: Grammars | None = None
@@ -108,8 +117,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences queued inside the engine (not yet running, or preempted)."""
-        return self.scheduler.num_waiting
+        """Sequences queued inside the engine (not yet running, or preempted, or their prefix loading)."""
+        return self.scheduler.num_waiting + self._num_loading
 
     @property
     def num_free_slots(self) -> int:
@@ -118,11 +127,15 @@ class Engine:
 
     def capacity(self) -> EngineCapacity:
         """Seats, KV use and waiting sequences now; call it where steps run (it reads the scheduler's lists)."""
-        return capacity_of(self.scheduler)
+        return capacity_of(self.scheduler, self._num_loading)
 
     def stats(self) -> EngineStats:
         """Load per tier and counters since start; call it where steps run (it reads the scheduler's lists)."""
-        return stats_of(self.scheduler, *self._last_batch)
+        return stats_of(self.scheduler, *self._last_batch, kv_tiers=self.tiers.stats() if self.tiers else [])
+
+    @property
+    def _num_loading(self) -> int:
+        return self.tiers.num_loading if self.tiers is not None else 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._in_flight is not None
@@ -147,7 +160,10 @@ class Engine:
                 self._spare_tokenizers.append(copy.deepcopy(self.tokenizer))
 
     def shutdown(self) -> None:
-        """Nothing to release but memory, which goes with the engine: running requests are the worker's to end."""
+        """Stop the KV tiers' threads; the rest is memory, which goes with the engine (running requests are the
+        worker's to end)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def take_safety_events(self) -> list[SafetyEvent]:
         return self.safety.take_events()
@@ -162,8 +178,11 @@ class Engine:
             prepared = prepare_prompt(self.tokenizer, req, self.max_context, self.grammars, self.vocab_size)
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
         state, seqs = new_request(req, prepared, self.tokenizer, self.safety, priority)
-        self.scheduler.add_request(seqs[0])
-        state.held = seqs[1:]
+        if self.tiers is not None and self.tiers.admit(req.request_id, seqs[0]):
+            state.held = seqs  # choice 0 too, until its prefix is loaded into the pool (step)
+        else:
+            self.scheduler.add_request(seqs[0])
+            state.held = seqs[1:]
         if not self.scheduler.is_background(seqs[0]):
             self._drop_in_flight = True  # it must not wait for a batch-only step to finish
         self._requests[req.request_id] = state
@@ -187,6 +206,8 @@ class Engine:
             return False
         self._drop_in_flight = True  # the step in flight may hold its sequences
         status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
+        if self.tiers is not None:
+            self.tiers.abort(request_id)
         self._pending.extend(self._end_request(state, status, error))
         return True
 
@@ -217,10 +238,15 @@ class Engine:
             self._in_flight = None
             self.num_interrupted_steps += 1
         self._drop_in_flight = False
+        if self.tiers is not None:
+            for request_id in self.tiers.take_ready():  # prefixes loaded into the pool: their requests may start
+                self.scheduler.add_request(self._requests[request_id].held.pop(0))
         if self._in_flight is None:
             self.scheduler.set_background_limit(background_limit)
             plan = self.scheduler.schedule()
             if plan.is_empty:
+                if self.tiers is not None and self.tiers.num_loading:
+                    self.tiers.wait(_LOAD_WAIT_S)  # nothing else to run: wait for a load rather than spin
                 return outputs
         else:
             plan = self._in_flight[0]
@@ -246,6 +272,8 @@ class Engine:
             delta = self._on_token(seq)
             if delta is not None:
                 outputs.append(delta)
+        if self.tiers is not None:
+            self.tiers.store_new()
         return outputs
 
     def _compute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]] | None:

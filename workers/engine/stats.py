@@ -10,6 +10,7 @@ import msgspec
 
 from switchyard.scheduler import Scheduler
 from switchyard.shared.tiers import TIER_NAMES, get_tier
+from switchyard.workers.kv_tiers import KVTierStats
 
 # Past this KV use the engine takes no new request whatever its seats: the ones it runs need the blocks to grow
 # into, and a new one would only be preempted again.
@@ -41,16 +42,20 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int
     batch_size: int = 0  # sequences in the last step that ran
     num_batched_tokens: int = 0  # tokens computed in it (prefill chunks + decodes)
+    kv_tiers: list[KVTierStats] = msgspec.field(default_factory=list)  # the tiers below the pool, top first
 
 
-def capacity_of(scheduler: Scheduler) -> EngineCapacity:
-    """``scheduler``'s seats and KV use now."""
+def capacity_of(scheduler: Scheduler, num_loading: int = 0) -> EngineCapacity:
+    """``scheduler``'s seats and KV use now; ``num_loading``: requests added but not yet in the scheduler (their
+    prefix loading from a KV tier), which will take seats."""
     usage = scheduler.kv_cache.usage
-    return EngineCapacity(scheduler.config.max_num_seqs, 0 if usage > KV_NEARLY_FULL else scheduler.num_free_slots,
-                          scheduler.num_running, scheduler.num_waiting, scheduler.num_waiting_new, usage)
+    free = 0 if usage > KV_NEARLY_FULL else max(0, scheduler.num_free_slots - num_loading)
+    return EngineCapacity(scheduler.config.max_num_seqs, free, scheduler.num_running,
+                          scheduler.num_waiting + num_loading, scheduler.num_waiting_new + num_loading, usage)
 
 
-def stats_of(scheduler: Scheduler, batch_size: int, num_batched_tokens: int) -> EngineStats:
+def stats_of(scheduler: Scheduler, batch_size: int, num_batched_tokens: int,
+             kv_tiers: list[KVTierStats] | None = None) -> EngineStats:
     """``scheduler``'s load per tier and counters since start, with the size of the last step that ran."""
     running, waiting = scheduler.counts_by_priority()
     return EngineStats(
@@ -62,4 +67,5 @@ def stats_of(scheduler: Scheduler, batch_size: int, num_batched_tokens: int) -> 
         num_preemptions=scheduler.num_preemptions,
         batch_size=batch_size,
         num_batched_tokens=num_batched_tokens,
+        kv_tiers=kv_tiers or [],
     )

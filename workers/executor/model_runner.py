@@ -216,6 +216,29 @@ class ModelRunner:
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         return 2 * hf_config.num_hidden_layers * num_kv_heads * _head_dim(hf_config) * dtype.itemsize
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's K and V across layers, as ``read_blocks`` gives them: (layers, 2, block size, KV heads,
+        head dim)."""
+        return (len(self.layers), 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks' K and V, ``[len(block_ids), *block_shape]`` on the runner's device. Queued in
+        stream order after the step that wrote them, so a block freed and reused later cannot change the copy."""
+        ids = torch.tensor(block_ids, device=self.device)
+        return torch.stack([torch.stack((k.index_select(0, ids), v.index_select(0, ids)), 1)
+                            for k, v in zip(self.k_cache, self.v_cache)], 1)
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Copy ``kv`` (``[len(block_ids), *block_shape]``, on any device) into these blocks."""
+        ids = torch.tensor(block_ids, device=self.device)
+        kv = kv.to(self.device, self.dtype, non_blocking=True)
+        for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
+            k.index_copy_(0, ids, kv[:, layer, 0])
+            v.index_copy_(0, ids, kv[:, layer, 1])
+
     @staticmethod
     def num_blocks_for_budget(hf_config, dtype: torch.dtype, block_size: int, kv_bytes_budget: int) -> int:
         return kv_bytes_budget // (ModelRunner.kv_bytes_per_token(hf_config, dtype) * block_size)

@@ -1,0 +1,127 @@
+"""Our engine's side of the KV tiers (workers/kv_tiers/): what it writes below the pool and what it loads back.
+
+    add_request ─▶ admit(): the prefix's blocks past the pool's own are in a tier? ─yes─▶ the loader reads them,
+                                                                                         the request waits
+    step():  take_ready() ─▶ import the loaded blocks into the pool (cached, free) ─▶ the scheduler admits the
+             request, whose prefix lookup now hits them (counted in cached_tokens)
+             ... schedule → run → update ...
+             store_new() ─▶ the blocks the step registered in the prefix cache, copied off the device and handed
+                            to the writer thread
+
+Everything on the step thread is a memory copy; reads, checks and writes are the tiers' threads'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+
+import torch
+
+from switchyard.scheduler import Sequence
+from switchyard.scheduler.kv_cache_manager import KVCacheManager
+from switchyard.workers.executor.model_runner import ModelRunner
+from switchyard.workers.kv_tiers import BlockLayout, KVTiers, KVTierStats, TierSettings
+
+log = logging.getLogger("switchyard.engine")
+
+Chain = list[tuple[int, tuple[int, ...]]]
+
+
+def model_fingerprint(model) -> str:
+    """Names the weights a KV block was computed with: the model's name and a digest of its config and of a sample
+    of its weights, so a tier is never shared between two checkpoints of one shape (a fine-tune, a new revision)."""
+    digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=8)
+    for tensor in (model.get_input_embeddings().weight, model.model.norm.weight, model.get_output_embeddings().weight):
+        digest.update(tensor.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    return f"{str(name).rstrip('/').rsplit('/', 1)[-1]}@{digest.hexdigest()}"
+
+
+class TieredPrefixes:
+    """Loads prefixes from the tiers into the pool, and writes newly cached blocks to them."""
+
+    def __init__(self, settings: TierSettings, model, runner: ModelRunner, kv_cache: KVCacheManager) -> None:
+        dtype = str(runner.dtype).removeprefix("torch.")
+        self.layout = BlockLayout(model_fingerprint(model), dtype, runner.block_shape)
+        self.tiers = KVTiers(settings, self.layout)
+        self._runner = runner
+        self._kv = kv_cache
+        self._loading: dict[str, tuple[Chain, int]] = {}  # request id -> its chain, and where the load starts
+        self.num_loaded_blocks = 0  # imported into the pool from a tier, since start
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    def admit(self, request_id: str, seq: Sequence) -> bool:
+        """Whether ``seq``'s prefix continues in a tier past what the pool holds: then its load starts, and the
+        request waits for ``take_ready``."""
+        chain = self._kv.chain(seq)
+        start = self._kv.num_cached_prefix_blocks(chain)
+        if start == len(chain) or not self.tiers.holds(seq.cache_salt, chain[start][0]):
+            return False
+        self._loading[request_id] = (chain, start)
+        self.tiers.start_load(request_id, seq.cache_salt, chain[start:])
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self._loading.pop(request_id, None)
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a load to finish (a step with nothing else to run)."""
+        self.tiers.load_ready.wait(timeout)
+
+    def take_ready(self) -> list[str]:
+        """The requests whose loads finished, their blocks imported into the pool."""
+        ready = []
+        for loaded in self.tiers.take_loaded():
+            entry = self._loading.pop(loaded.key, None)
+            if entry is None:
+                continue  # aborted while it loaded
+            ready.append(loaded.key)
+            chain, start = entry
+            now = self._kv.num_cached_prefix_blocks(chain)
+            if now < start or not loaded.blocks:
+                continue  # its head evicted meanwhile (the load is unreachable), or nothing found: computed instead
+            skip = now - start  # blocks another request computed meanwhile
+            payloads = loaded.payloads[skip:]
+            ids = self._kv.import_blocks(chain[: start + len(loaded.blocks)], now)
+            if ids:
+                kv = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for p in payloads[: len(ids)]])
+                self._runner.write_blocks(ids, kv.view(self._runner.dtype).view(len(ids), *self.layout.shape))
+                self.num_loaded_blocks += len(ids)
+        return ready
+
+    def store_new(self) -> None:
+        """Hand the blocks registered since the last call to the writer: copied now, in stream order, so the
+        copy is theirs whatever the pool does with the blocks next."""
+        by_salt: dict[str, list] = defaultdict(list)
+        for block in self._kv.take_newly_cached():
+            by_salt[block.cache_salt].append(block)
+        for salt, blocks in by_salt.items():
+            kv = self._runner.read_blocks([b.block_id for b in blocks])
+            if kv.device.type == "cuda":
+                host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                host.copy_(kv, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            else:
+                host, done = kv, None
+            self.tiers.store(salt, [(b.block_hash, b.token_ids) for b in blocks], _payloads(host, done))
+
+    def stats(self) -> list[KVTierStats]:
+        return self.tiers.stats()
+
+    def close(self) -> None:
+        self.tiers.close()
+
+
+def _payloads(host: torch.Tensor, done: torch.cuda.Event | None):
+    def payloads() -> list[memoryview]:
+        if done is not None:
+            done.synchronize()  # on the writer thread: the device copy must have landed
+        flat = host.view(torch.uint8).reshape(host.shape[0], -1).numpy()
+        return [memoryview(row) for row in flat]
+    return payloads

@@ -1,0 +1,241 @@
+"""An engine's tiers below its pool: a host tier (tmpfs) demoting to a disk tier, with a writer and a loader thread.
+
+    step thread                           writer thread                       loader thread
+    store(blocks, host copy) ──queue──▶ encode, put in host (full: demote     start_load(chain) ──queue──▶ read host,
+      (a block registered in the pool)   its least valuable to disk)            else disk; verify; stop at the first
+                                                                               miss ──▶ take_loaded() on the step thread
+
+Neither thread ever holds the step up: a store the writer cannot keep up with is dropped (the block is only not
+kept), and a prefix is imported into the pool by the step only once it has been read and verified whole. Every
+failure below the pool (a corrupt file, a full disk, a tier directory gone) ends as a recompute and a counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from switchyard.workers.kv_tiers.block_file import BlockLayout, CorruptBlock, decode_block, encode_block
+from switchyard.workers.kv_tiers.file_tier import FileTier, TierFull, scope_dir
+
+log = logging.getLogger("switchyard.kv_tiers")
+
+_MAX_PENDING_BYTES = 256 * 2**20  # stores queued for the writer past this are dropped, never waited for
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings:
+    """Where the tiers live and how large they are (0 bytes: that tier is off)."""
+
+    host_dir: Path | None = None
+    host_bytes: int = 0
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
+    scope_share: float = 0.5  # of a tier, the most one cache salt (tenant) may hold
+
+    @property
+    def enabled(self) -> bool:
+        return bool((self.host_dir and self.host_bytes) or (self.disk_dir and self.disk_bytes))
+
+
+class KVTierStats(msgspec.Struct, frozen=True):
+    """One tier's size and counters since start (this process's), for metrics."""
+
+    tier: str  # host, disk
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    stores: int
+    evictions: int
+    corrupt: int
+    write_errors: int
+    dropped: int = 0  # stores the writer was too far behind to take (host tier, or disk when there is no host)
+
+
+@dataclass(slots=True)
+class LoadedPrefix:
+    """A request's prefix read back from the tiers: ``blocks[i]`` is ``(block_hash, token_ids)`` and ``payloads[i]``
+    its K and V (``BlockLayout.shape``, bytes), from the first block the pool lacked up to the first miss."""
+
+    key: str
+    blocks: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    payloads: list[memoryview] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Store:
+    scope: str
+    blocks: list[tuple[int, tuple[int, ...]]]
+    payloads: Callable[[], list[memoryview]]  # waits for the device copy on CUDA; called on the writer thread
+    nbytes: int
+
+
+class KVTiers:
+    """The host and disk tiers of one engine (see the module docstring)."""
+
+    def __init__(self, settings: TierSettings, layout: BlockLayout) -> None:
+        self.layout = layout
+        self.disk: FileTier | None = None
+        self.host: FileTier | None = None
+        if settings.disk_dir and settings.disk_bytes:
+            self.disk = FileTier("disk", settings.disk_dir / layout.key, settings.disk_bytes, settings.scope_share)
+        if settings.host_dir and settings.host_bytes:
+            self.host = FileTier("host", settings.host_dir / layout.key, settings.host_bytes, settings.scope_share,
+                                 demote=self._demote if self.disk is not None else None)
+        self._tiers = [t for t in (self.host, self.disk) if t is not None]
+        self._top = self._tiers[0]
+        self._stores: queue.SimpleQueue[_Store | None] = queue.SimpleQueue()
+        self._pending_bytes = 0
+        self._pending_lock = threading.Lock()
+        self._dropped = 0
+        self._loads: queue.SimpleQueue[tuple[str, str, list[tuple[int, tuple[int, ...]]]] | None] = \
+            queue.SimpleQueue()
+        self._loaded: list[LoadedPrefix] = []
+        self._loaded_lock = threading.Lock()
+        self._corrupt_seen = False  # the loader's last read found a damaged block
+        self.load_ready = threading.Event()  # set when take_loaded has something
+        self._threads = [threading.Thread(target=self._write_loop, name="switchyard-kv-writer", daemon=True),
+                         threading.Thread(target=self._load_loop, name="switchyard-kv-loader", daemon=True)]
+        for t in self._threads:
+            t.start()
+        log.info("KV tiers: %s (blocks of %d bytes)", ", ".join(
+            f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB at {t.root} ({t.num_blocks} blocks there)"
+            for t in self._tiers), layout.block_bytes)
+
+    # -- the step thread's side ---------------------------------------------------------------------------
+    def holds(self, salt: str, block_hash: int) -> bool:
+        """Whether some tier holds this block (a cheap check before queueing a load)."""
+        scope = scope_dir(salt)
+        return any(t.contains(scope, block_hash) for t in self._tiers)
+
+    def store(self, salt: str, blocks: list[tuple[int, tuple[int, ...]]],
+              payloads: Callable[[], list[memoryview]]) -> None:
+        """Keep these blocks (hash, token ids) below the pool; ``payloads()`` gives their K and V on the writer
+        thread. Dropped, not waited for, when the writer is too far behind."""
+        nbytes = len(blocks) * self.layout.payload_bytes
+        with self._pending_lock:
+            if self._pending_bytes + nbytes > _MAX_PENDING_BYTES:
+                self._dropped += len(blocks)
+                return
+            self._pending_bytes += nbytes
+        self._stores.put(_Store(scope_dir(salt), blocks, payloads, nbytes))
+
+    def start_load(self, key: str, salt: str, blocks: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Read these blocks (a prefix chain, in order) from the tiers; the result comes out of ``take_loaded``."""
+        self._loads.put((key, scope_dir(salt), blocks))
+
+    def take_loaded(self) -> list[LoadedPrefix]:
+        with self._loaded_lock:
+            loaded, self._loaded = self._loaded, []
+            self.load_ready.clear()
+        return loaded
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every store queued so far is written (or dropped); False on timeout. For tests and
+        benchmarks that need a tier's content settled, and for shutdown."""
+        done = threading.Event()
+
+        def mark() -> list[memoryview]:
+            done.set()
+            return []
+
+        self._stores.put(_Store("", [], mark, 0))
+        return done.wait(timeout)
+
+    def stats(self) -> list[KVTierStats]:
+        out = []
+        for t in self._tiers:
+            c = t.counters
+            out.append(KVTierStats(t.name, t.capacity_bytes, t.used_bytes, t.num_blocks, c.hits, c.misses, c.stores,
+                                   c.evictions, c.corrupt, c.write_errors, self._dropped if t is self._top else 0))
+        return out
+
+    def close(self) -> None:
+        """Stop both threads after what they have queued (the files stay: they are the tier)."""
+        self._stores.put(None)
+        self._loads.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+
+    # -- the writer ---------------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (job := self._stores.get()) is not None:
+            try:
+                self._write(job)
+            except Exception:
+                log.exception("KV tier write failed")
+            finally:
+                with self._pending_lock:
+                    self._pending_bytes -= job.nbytes
+
+    def _write(self, job: _Store) -> None:
+        payloads = job.payloads()
+        for (block_hash, token_ids), payload in zip(job.blocks, payloads):
+            if any(t.contains(job.scope, block_hash) for t in self._tiers):
+                continue  # computed again after an eviction from the pool, or another worker's already
+            self._put(self._top, job.scope, block_hash, encode_block(block_hash, token_ids, payload))
+
+    def _demote(self, block_hash: int, scope: str, data: bytes) -> None:
+        assert self.disk is not None
+        self._put(self.disk, scope, block_hash, data)
+
+    def _put(self, tier: FileTier, scope: str, block_hash: int, data: bytes) -> None:
+        try:
+            tier.put(scope, block_hash, data)
+        except TierFull as exc:
+            tier.warn(f"a block was not kept: {exc}")  # counted in write_errors; the block is recomputed when needed
+
+    # -- the loader ---------------------------------------------------------------------------------------
+    def _load_loop(self) -> None:
+        while (job := self._loads.get()) is not None:
+            key, scope, blocks = job
+            loaded = LoadedPrefix(key)
+            try:
+                for i, (block_hash, token_ids) in enumerate(blocks):
+                    payload = self._read(scope, block_hash, token_ids)
+                    if payload is None:
+                        if self._corrupt_seen:
+                            self._sweep(scope, blocks[i + 1:])
+                        break
+                    loaded.blocks.append((block_hash, token_ids))
+                    loaded.payloads.append(payload)
+            except Exception:
+                log.exception("KV tier load failed; the prefix is computed instead")
+            with self._loaded_lock:
+                self._loaded.append(loaded)
+                self.load_ready.set()
+
+    def _sweep(self, scope: str, blocks: list[tuple[int, tuple[int, ...]]]) -> None:
+        """A block of a chain was corrupt: check the rest of the chain too, so that every damaged block is removed
+        now and the recompute that follows writes all of them again (a damaged file left in place would keep its
+        block from being written, and fail every later load at the same point)."""
+        for block_hash, token_ids in blocks:
+            self._read(scope, block_hash, token_ids)
+
+    def _read(self, scope: str, block_hash: int, token_ids: tuple[int, ...]) -> memoryview | None:
+        self._corrupt_seen = False
+        for tier in self._tiers:
+            data = tier.get(scope, block_hash)
+            if data is None:
+                continue
+            try:
+                return decode_block(data, block_hash, token_ids, self.layout.payload_bytes)
+            except CorruptBlock as exc:
+                tier.warn(f"block {block_hash:032x} is corrupt ({exc}): removed, recomputed")
+                tier.remove_corrupt(scope, block_hash)
+                self._corrupt_seen = True
+        return None
+
+
+def describe(stats: list[KVTierStats]) -> dict[str, Any]:
+    """Tier stats as plain data (benchmarks print it)."""
+    return {s.tier: msgspec.structs.asdict(s) for s in stats}
