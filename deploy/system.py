@@ -16,7 +16,10 @@ everything by PID, the last started first.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from switchyard.deploy.credentials import (
@@ -54,6 +57,7 @@ class LocalSystem:
         self.nats: NatsServer | None = None
         self.postgres: PostgresServer | None = None
         self._jobs: ServiceProcess | None = None
+        self._kv_host_dir: Path | None = None  # the workers' host KV tier (tmpfs), made on the first worker's start
 
     def __enter__(self) -> LocalSystem:
         return self
@@ -94,8 +98,20 @@ class LocalSystem:
         return said
 
     def start_worker(self, name: str = "worker", **settings) -> ServiceProcess:
-        """A worker with the system's worker settings, ``settings`` overriding some of them."""
-        return self._start_service(name, "worker", {"worker": self.config.worker.model_copy(update=settings)})
+        """A worker with the system's worker settings, ``settings`` overriding some of them. Its host KV tier is
+        the system's own (shared by its workers, removed when the system stops) unless the settings place it."""
+        worker = self.config.worker.model_copy(update=settings)
+        if worker.kv_offload_host_dir is None:
+            worker = worker.model_copy(update={"kv_offload_host_dir": self._host_tier_dir()})
+        return self._start_service(name, "worker", {"worker": worker})
+
+    def _host_tier_dir(self) -> Path:
+        if self._kv_host_dir is None:
+            digest = hashlib.blake2b(str(self.config.data_dir.resolve()).encode(), digest_size=6).hexdigest()
+            shm = Path("/dev/shm")
+            self._kv_host_dir = (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"switchyard-{digest}"
+            self._stack.append(_RemovedAtStop(self._kv_host_dir))
+        return self._kv_host_dir
 
     def start_gateway(self, name: str = "gateway", **settings) -> ServiceProcess:
         """A gateway with the system's gateway settings, ``settings`` overriding some (a second one needs
@@ -146,6 +162,7 @@ class LocalSystem:
                 print(f"could not stop {item}: {exc}", file=sys.stderr)
         self.services.clear()
         self._jobs = self.nats = self.postgres = None
+        self._kv_host_dir = None
 
     def _started(self, item):
         self._stack.append(item)  # before start(): a half-started server is stopped too
@@ -171,3 +188,16 @@ class LocalSystem:
         service = ServiceProcess(name, args, log_path=log_path, env=env, stop_timeout_s=drain_s + 10, python=python)
         self.services.append(service)
         return self._started(service)
+
+
+class _RemovedAtStop:
+    """A directory the system's processes may fill (the host KV tier, in memory): removed once they are stopped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def stop(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return f"directory {self.path}"

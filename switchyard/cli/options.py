@@ -44,6 +44,13 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (prefill chunks + decodes)")
     p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default: 2 GiB on CPU, 80%% of free GPU memory)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    p.add_argument("--kv-offload-gib", type=float,
+                   help="host-memory KV tier below the pool, shared by the host's workers of the model (default: a "
+                        "tenth of available memory on a GPU worker, off on a CPU one; 0: off)")
+    p.add_argument("--kv-offload-dir", type=Path, help="a disk KV tier in this directory (default: none)")
+    p.add_argument("--kv-offload-disk-gib", type=float, help="the disk tier's size (default 16)")
+    p.add_argument("--kv-offload-host-dir", type=Path,
+                   help="where the host tier's files live (default: /dev/shm/switchyard-kv; `up`: one of its own)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="run every GPU step eagerly (no CUDA graphs captured at start)")
     p.add_argument("--batch-seqs-when-busy", type=int,

@@ -33,7 +33,9 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               simulated_step_ms=20.0,
               vllm=VllmSettings(tensor_parallel_size=2, quantization="fp8", speculative_config={"method": "ngram"},
                                 engine_args={"seed": 3}, python=Path(sys.executable)),
-              prepare_threads=3, grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536, status_token="scrape-token")
+              prepare_threads=3, grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536, status_token="scrape-token",
+              kv_offload_gib=4.0, kv_offload_host_dir=Path("/dev/shm/sy"), kv_offload_dir=Path("/var/kv"),
+              kv_offload_disk_gib=64.0, kv_offload_tenant_share=0.25)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
@@ -83,6 +85,7 @@ def test_up_flags_land_in_the_settings(clean_env):
         "up", "--model", "/m", "--served-model-name", "n", "--dtype", "float32", "--device", "cpu",
         "--max-num-seqs", "5", "--max-num-batched-tokens", "64", "--kv-cache-gib", "0.5", "--no-prefix-caching",
         "--batch-seqs-when-busy", "3", "--host", "0.0.0.0", "--port", "8123", "--nats-url", "nats://x:1",
+        "--kv-offload-gib", "4", "--kv-offload-dir", "/var/kv", "--kv-offload-disk-gib", "32",
     ])
     config = load_config(args)
     assert config.worker.model_dump(include={"model", "served_model_name", "dtype", "device", "max_num_seqs",
@@ -91,6 +94,8 @@ def test_up_flags_land_in_the_settings(clean_env):
         model="/m", served_model_name="n", dtype="float32", device="cpu", max_num_seqs=5, max_num_batched_tokens=64,
         kv_cache_gib=0.5, enable_prefix_caching=False, batch_seqs_when_busy=3)
     assert (config.gateway.host, config.gateway.port, config.nats_url) == ("0.0.0.0", 8123, "nats://x:1")
+    assert (config.worker.kv_offload_gib, config.worker.kv_offload_dir, config.worker.kv_offload_disk_gib) == (
+        4.0, Path("/var/kv"), 32.0)
 
 
 def test_a_flag_wins_over_the_environment_and_unset_flags_keep_it(clean_env):

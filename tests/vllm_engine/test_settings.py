@@ -8,6 +8,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from switchyard.shared.config import SwitchyardConfig, WorkerConfig, settings_env
 from switchyard.workers.vllm_engine.args import engine_kwargs, pooling_kwargs, process_env
@@ -107,6 +110,13 @@ def test_any_other_engine_arg_passes_as_given_and_wins():
     worker = WorkerConfig(vllm={"engine_args": {"block_size": 32, "max_num_seqs": 7}})
     kwargs = engine_kwargs(worker, "/m", on_gpu=False)
     assert (kwargs["block_size"], kwargs["max_num_seqs"]) == (32, 7)
+
+
+def test_the_host_kv_tier_is_vllms_offloading_and_the_disk_tier_is_refused():
+    assert engine_kwargs(WorkerConfig(kv_offload_gib=4.0), "/m", on_gpu=True)["kv_offloading_size"] == 4.0
+    assert "kv_offloading_size" not in engine_kwargs(WorkerConfig(), "/m", on_gpu=True)
+    with pytest.raises(ValueError, match="kv_offload_dir"):
+        engine_kwargs(WorkerConfig(kv_offload_dir=Path("/var/kv")), "/m", on_gpu=True)
 
 
 def test_an_embedding_model_runs_on_the_pooling_runner_in_float32_on_a_cpu():

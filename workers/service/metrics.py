@@ -100,6 +100,36 @@ class _EngineCollector:
                       stats.prefix_cache_hits)
         yield _single(CounterMetricFamily, "num_preemptions", "Sequences preempted for KV cache memory.", m.model,
                       stats.num_preemptions)
+        yield from _kv_tiers(m.model, stats)
+
+
+# The KV tiers below the pool (workers/kv_tiers/): per tier, what it holds and what it did (this worker's counts).
+_KV_TIER_METRICS = [
+    (GaugeMetricFamily, "kv_tier_capacity_bytes", "capacity_bytes", "Bytes a KV tier may hold."),
+    (GaugeMetricFamily, "kv_tier_used_bytes", "used_bytes", "Bytes a KV tier holds (every worker's blocks)."),
+    (GaugeMetricFamily, "kv_tier_blocks", "blocks", "KV blocks a tier holds."),
+    (CounterMetricFamily, "kv_tier_hits", "hits", "Blocks read back from a KV tier into the pool."),
+    (CounterMetricFamily, "kv_tier_misses", "misses", "Blocks looked up in a KV tier and not there."),
+    (CounterMetricFamily, "kv_tier_stores", "stores", "Blocks written to a KV tier."),
+    (CounterMetricFamily, "kv_tier_evictions", "evictions", "Blocks a KV tier evicted for room (the host tier "
+                                                            "demotes them to the disk tier when there is one)."),
+    (CounterMetricFamily, "kv_tier_corrupt_blocks", "corrupt", "Blocks that failed their checksum or identity on "
+                                                               "read: removed and recomputed, never served."),
+    (CounterMetricFamily, "kv_tier_write_errors", "write_errors", "Writes the tier's filesystem refused (full, "
+                                                                  "gone): the block is only not kept."),
+    (CounterMetricFamily, "kv_tier_dropped_stores", "dropped", "Blocks not written because the tier's writer was "
+                                                               "too far behind."),
+]
+
+
+def _kv_tiers(model: str, stats: EngineStats):
+    if not stats.kv_tiers:
+        return
+    for family, metric, field, documentation in _KV_TIER_METRICS:
+        out = family(name(metric), documentation, labels=("model", "kv_tier"))
+        for tier in stats.kv_tiers:
+            out.add_metric((model, tier.tier), getattr(tier, field))
+        yield out
 
 
 def _single(family, metric: str, documentation: str, model: str, value: float):

@@ -25,6 +25,9 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     device is there; ``native_bf16``: this CPU does bf16 in hardware (else ``dtype: auto`` takes float32 on a CPU:
     vLLM-CPU in emulated bf16 is several times slower than in float32)."""
     v = worker.vllm
+    if worker.kv_offload_dir is not None:
+        raise ValueError("kv_offload_dir: the disk KV tier is our engine's; a vLLM worker offloads to host memory only "
+                         "(kv_offload_gib, vLLM's kv_offloading_size)")
     dtype = worker.dtype
     if dtype == "auto" and not on_gpu:
         dtype = "bfloat16" if native_bf16 else "float32"
@@ -42,7 +45,8 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
         quantization=v.quantization,
         kv_cache_dtype=v.kv_cache_dtype,
         speculative_config=v.speculative_config,
-        kv_offloading_size=v.kv_offloading_size,
+        # The worker's host KV tier is vLLM's own offloading here (host memory, on a GPU).
+        kv_offloading_size=v.kv_offloading_size if v.kv_offloading_size is not None else worker.kv_offload_gib or None,
         kv_offloading_backend=v.kv_offloading_backend,
         max_model_len=v.max_model_len,
         gpu_memory_utilization=v.gpu_memory_utilization,
