@@ -20,7 +20,7 @@ PAYLOAD = bytes(range(256)) * 16  # 4 KiB
 
 
 def test_a_block_round_trips_and_any_damage_is_caught():
-    data = encode_block(42, TOKENS, PAYLOAD)
+    data = b"".join(encode_block(42, TOKENS, PAYLOAD))
     assert bytes(decode_block(data, 42, TOKENS, len(PAYLOAD))) == PAYLOAD
 
     for position in (3, 30, 60, len(data) // 2, len(data) - 1):  # magic, header, tokens, payload, last byte
@@ -40,7 +40,7 @@ def test_a_block_round_trips_and_any_damage_is_caught():
 
 
 def _block(n: int) -> bytes:
-    return encode_block(n, TOKENS, PAYLOAD)
+    return b"".join(encode_block(n, TOKENS, PAYLOAD))
 
 
 SIZE = len(_block(0))

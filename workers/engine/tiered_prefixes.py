@@ -86,10 +86,9 @@ class TieredPrefixes:
             if now < start or not loaded.blocks:
                 continue  # its head evicted meanwhile (the load is unreachable), or nothing found: computed instead
             skip = now - start  # blocks another request computed meanwhile
-            payloads = loaded.payloads[skip:]
             ids = self._kv.import_blocks(chain[: start + len(loaded.blocks)], now)
-            if ids:
-                kv = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for p in payloads[: len(ids)]])
+            if ids and loaded.kv is not None:
+                kv = loaded.kv[skip : skip + len(ids)]
                 self._runner.write_blocks(ids, kv.view(self._runner.dtype).view(len(ids), *self.layout.shape))
                 self.num_loaded_blocks += len(ids)
         return ready

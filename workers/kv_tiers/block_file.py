@@ -64,13 +64,15 @@ class BlockLayout:
         return f"{safe}-{self.dtype}-{digest}"
 
 
-def encode_block(block_hash: int, token_ids: tuple[int, ...], payload: bytes | memoryview) -> bytes:
-    """The file bytes of one block."""
+def encode_block(block_hash: int, token_ids: tuple[int, ...], payload: bytes | memoryview,
+                 ) -> tuple[bytes, bytes | memoryview]:
+    """The file bytes of one block, in two parts (header with token ids, then the payload as given): written
+    one after the other, so the payload is never copied to be joined."""
     tokens = array("i", token_ids).tobytes()
     hash_bytes = block_hash.to_bytes(16, "little")
     crc = zlib.crc32(payload, zlib.crc32(tokens, zlib.crc32(hash_bytes)))
     header = _HEADER.pack(MAGIC, VERSION, 0, len(token_ids), crc, len(payload), hash_bytes)
-    return b"".join((header, tokens, payload))
+    return header + tokens, payload
 
 
 def decode_block(data: bytes | bytearray | memoryview, block_hash: int, token_ids: tuple[int, ...], payload_bytes: int,

@@ -138,7 +138,7 @@ class FileTier:
             entry.last_use = time.time()
         return data
 
-    def put(self, scope: str, block_hash: int, data: bytes) -> bool:
+    def put(self, scope: str, block_hash: int, data: bytes | tuple[bytes | memoryview, ...]) -> bool:
         """Write a block unless some worker holds it already; False when it was not written. Raises ``TierFull``
         when the filesystem refuses the write (the caller counts it and goes on without the block)."""
         key = (scope, block_hash)
@@ -152,12 +152,15 @@ class FileTier:
             if path.exists():
                 self._add(key, path.stat().st_size, time.time())
                 return False
-            self._make_room(scope, len(data))
+            parts = (data,) if isinstance(data, bytes) else data
+            size = sum(len(part) for part in parts)
+            self._make_room(scope, size)
             tmp = path.parent / f".{path.stem}.{os.getpid()}.{next(self._tmp_names)}.tmp"
             try:
                 path.parent.mkdir(exist_ok=True)
-                with open(tmp, "wb") as f:
-                    f.write(data)
+                with open(tmp, "wb", buffering=0) as f:
+                    for part in parts:
+                        _write_all(f, part)
                 os.replace(tmp, path)
             except OSError as exc:
                 self.counters.write_errors += 1
@@ -165,7 +168,7 @@ class FileTier:
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOTDIR, errno.ENOENT):
                     raise TierFull(exc.errno, f"tier {self.name}: {exc.strerror}") from exc
                 raise
-            self._add(key, len(data), time.time())
+            self._add(key, size, time.time())
             self.counters.stores += 1
             return True
 
@@ -261,6 +264,12 @@ def _scandir(path: Path) -> list[os.DirEntry]:
             return list(it)
     except OSError:
         return []
+
+
+def _write_all(f, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view):]
 
 
 def _unlink(path: Path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 
 from switchyard.workers.kv_tiers.block_file import BlockLayout, CorruptBlock, decode_block, encode_block
 from switchyard.workers.kv_tiers.file_tier import FileTier, TierFull, scope_dir
@@ -63,12 +64,13 @@ class KVTierStats(msgspec.Struct, frozen=True):
 
 @dataclass(slots=True)
 class LoadedPrefix:
-    """A request's prefix read back from the tiers: ``blocks[i]`` is ``(block_hash, token_ids)`` and ``payloads[i]``
-    its K and V (``BlockLayout.shape``, bytes), from the first block the pool lacked up to the first miss."""
+    """A request's prefix read back from the tiers, from the first block the pool lacked up to the first miss:
+    ``blocks[i]`` is ``(block_hash, token_ids)`` and row ``i`` of ``kv`` its K and V as bytes (``BlockLayout.shape``
+    in its dtype), gathered here so the step thread copies them into the pool in one go."""
 
     key: str
     blocks: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
-    payloads: list[memoryview] = field(default_factory=list)
+    kv: torch.Tensor | None = None  # uint8, [len(blocks), payload bytes]
 
 
 @dataclass(slots=True)
@@ -200,15 +202,18 @@ class KVTiers:
             key, scope, blocks = job
             loaded = LoadedPrefix(key)
             try:
+                kv = torch.empty((len(blocks), self.layout.payload_bytes), dtype=torch.uint8)
                 for i, (block_hash, token_ids) in enumerate(blocks):
                     payload = self._read(scope, block_hash, token_ids)
                     if payload is None:
                         if self._corrupt_seen:
                             self._sweep(scope, blocks[i + 1:])
                         break
+                    kv[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
                     loaded.blocks.append((block_hash, token_ids))
-                    loaded.payloads.append(payload)
+                loaded.kv = kv[: len(loaded.blocks)]
             except Exception:
+                loaded.blocks.clear()
                 log.exception("KV tier load failed; the prefix is computed instead")
             with self._loaded_lock:
                 self._loaded.append(loaded)
