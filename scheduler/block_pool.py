@@ -41,7 +41,9 @@ class BlockPool:
     callers check ``num_free_blocks`` first.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
+        """``record_events``: keep the hashes registered and evicted since the last ``take_events`` (what a worker
+        publishes as KV events, shared/kv_events.py)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -50,6 +52,8 @@ class BlockPool:
         # when a prefix-cache hit revives a free block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block_hash -> block_id
+        self._stored: list[int] | None = [] if record_events else None
+        self._removed: list[int] | None = [] if record_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,10 +127,29 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self._cached[block_hash] = block.block_id
+        if self._stored is not None:
+            self._stored.append(block_hash)
         return True
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """The net change since the last call (with ``record_events``): hashes registered and held now, and hashes
+        evicted and not held now (one registered and evicted again in between is only a removal, harmless to
+        whoever never heard of it)."""
+        if self._stored is None or self._removed is None:
+            return [], []
+        stored = [h for h in dict.fromkeys(self._stored) if h in self._cached]
+        removed = [h for h in dict.fromkeys(self._removed) if h not in self._cached]
+        self._stored, self._removed = [], []
+        return stored, removed
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash the pool holds now (a snapshot for KV events)."""
+        return list(self._cached)
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            if self._removed is not None:
+                self._removed.append(block.block_hash)
         block.block_hash = None
         block.token_ids = None

@@ -26,6 +26,8 @@ class SchedulerConfig:
     # Keep a list of the blocks registered in the prefix cache (KVCacheManager.take_newly_cached), for an engine
     # that writes them to a tier below the pool.
     record_cached_blocks: bool = False
+    # Keep the pool's net changes (registered, evicted hashes) for an engine that publishes KV events.
+    record_kv_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):

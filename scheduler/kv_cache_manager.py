@@ -58,14 +58,15 @@ class KVCacheManager:
     """Owns the ``BlockPool`` and each sequence's block table; knows blocks, not scheduling."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_cached: bool = False) -> None:
+                 record_cached: bool = False, record_events: bool = False) -> None:
         """``record_cached``: keep a list of the blocks registered in the prefix cache (``take_newly_cached``), for
-        an engine that copies them to a tier below the pool."""
+        an engine that copies them to a tier below the pool. ``record_events``: keep the pool's net changes
+        (``pool.take_events``), for an engine that publishes KV events."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, record_events=record_events)
         self._tables: dict[str, list[Block]] = {}
         self._block_ids: dict[str, list[int]] = {}  # mirrors _tables, so a step copies ids instead of mapping
         self._hashes: dict[str, list[int]] = {}  # hash chain of the sequence's full blocks, extended lazily

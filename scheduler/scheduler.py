@@ -33,7 +33,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                       config.record_cached_blocks)
+                                       config.record_cached_blocks, config.record_kv_events)
         self._requests: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self._waiting = WaitingQueue()
         self._running: list[Sequence] = []  # kept sorted by sort_key: the tail is the first to preempt

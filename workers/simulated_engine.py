@@ -255,6 +255,13 @@ class SimulatedEngine:
     def take_safety_events(self) -> list[SafetyEvent]:
         return []  # no output filter: its text is made up
 
+    def take_kv_changes(self) -> None:
+        """No KV events from this engine."""
+        return None
+
+    def kv_listing(self) -> dict[str, list[int]]:
+        return {}
+
     def shutdown(self) -> None:
         pass
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias, cast
 
 from switchyard.scheduler import Sequence
+from switchyard.shared.kv_events import cache_salt
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenLogprob, ToolCallDelta, Usage
 from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
 from switchyard.workers.engine.output_filter import OutputSafety, StreamGuard
@@ -155,12 +156,6 @@ def resume(seq: Sequence, token_ids: list[int], text_len: int) -> None:
         # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
         for _ in token_ids:
             choice.generator.random()
-
-
-def cache_salt(req: GenerateRequest) -> str:
-    """The prefix-cache scope of ``req``'s blocks (vLLM's ``cache_salt`` idea, given to vLLM as is by its engine):
-    a tenant's blocks are found only by its own requests, unless the operator shares them (see GenerateRequest)."""
-    return "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
 
 
 def make_choice(req: GenerateRequest, state: RequestState, index: int, prompt_ids: list[int], tokenizer,

@@ -56,6 +56,9 @@ class EngineConfig:
     kv_offload_dir: Path | None = None  # the disk tier; None: none
     kv_offload_disk_gib: float = 16.0
     kv_offload_tenant_share: float = 0.5
+    # Record what the KV cache gains and loses, and which blocks chat prompts' message prefixes come to, for the
+    # worker's KV events (Engine.take_kv_changes); the worker turns it on.
+    kv_events: bool = False
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> EngineConfig:

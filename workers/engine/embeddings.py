@@ -126,6 +126,13 @@ class EmbeddingEngine:
     def take_safety_events(self) -> list:
         return []  # nothing generated, nothing to judge
 
+    def take_kv_changes(self) -> None:
+        """No KV events from this engine."""
+        return None
+
+    def kv_listing(self) -> dict[str, list[int]]:
+        return {}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._queue) or bool(self._ending)
 

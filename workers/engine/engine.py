@@ -30,6 +30,7 @@ from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.choice import MatcherPrompt, RequestState, choice_of, new_request
 from switchyard.workers.engine.config import EngineConfig
 from switchyard.workers.engine.guided import Grammars, fill_masks
+from switchyard.workers.engine.kv_changes import KVChangeLog, KVChanges
 from switchyard.workers.engine.logprobs import TokenLogprobs
 from switchyard.workers.engine.output_filter import OutputSafety, SafetyEvent
 from switchyard.workers.engine.prompts import eos_token_ids, prepare_prompt
@@ -71,9 +72,12 @@ class Engine:
         tiers_on = tiers.enabled and config.enable_prefix_caching
         self.scheduler = Scheduler(dataclasses.replace(
             config.scheduler_config(num_blocks, self.max_context, background_priority=get_tier(BATCH_TIER).priority),
-            record_cached_blocks=tiers_on))
+            record_cached_blocks=tiers_on, record_kv_events=config.kv_events))
         # Host and disk tiers below the pool: blocks written through as they are cached, prefixes loaded back.
-        self.tiers = TieredPrefixes(tiers, model, self.runner, self.scheduler.kv_cache) if tiers_on else None
+        self.tiers = TieredPrefixes(tiers, model, self.runner, self.scheduler.kv_cache,
+                                    config.kv_events) if tiers_on else None
+        self.kv_changes = KVChangeLog(config.block_size, self.scheduler.kv_cache.pool, self.tiers) \
+            if config.kv_events else None
         self._eos = eos_token_ids(model, tokenizer)
         self.vocab_size = int(hf_config.vocab_size)  # the model's logits
         self._grammars: Grammars | None = None
@@ -148,7 +152,8 @@ class Engine:
             with self._prepare_lock:
                 tokenizer = self._spare_tokenizers.pop() if self._spare_tokenizers else copy.deepcopy(self.tokenizer)
             self._prepare_local.tokenizer = tokenizer
-        return prepare_prompt(tokenizer, req, self.max_context, self.grammars, self.vocab_size)
+        return prepare_prompt(tokenizer, req, self.max_context, self.grammars, self.vocab_size,
+                              self.config.block_size if self.kv_changes is not None else None)
 
     def warmup(self) -> None:
         """What would otherwise be made on first use (kernels, allocator, ``prepare``'s tokenizers), made now."""
@@ -168,6 +173,14 @@ class Engine:
     def take_safety_events(self) -> list[SafetyEvent]:
         return self.safety.take_events()
 
+    def take_kv_changes(self) -> KVChanges | None:
+        """What the KV cache gained and lost since the last call (None: this engine was not asked to record it)."""
+        return self.kv_changes.take() if self.kv_changes is not None else None
+
+    def kv_listing(self) -> dict[str, list[int]]:
+        """Every block held now, per tier (a KV-events snapshot); safe to call from another thread."""
+        return self.kv_changes.listing() if self.kv_changes is not None else {}
+
     def add_request(self, req: GenerateRequest, prepared: MatcherPrompt | None = None) -> int:
         """Queue ``req``; returns its prompt token count. ``prepared``: its prompt as ``prepare`` made it off the
         step thread; without it the prompt is tokenized here. Raises ``RequestRejected`` before compute for what
@@ -178,6 +191,8 @@ class Engine:
             prepared = prepare_prompt(self.tokenizer, req, self.max_context, self.grammars, self.vocab_size)
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
         state, seqs = new_request(req, prepared, self.tokenizer, self.safety, priority)
+        if self.kv_changes is not None:
+            self.kv_changes.add_prefixes(prepared.prefix_segments)
         if self.tiers is not None and self.tiers.admit(req.request_id, seqs[0]):
             state.held = seqs  # choice 0 too, until its prefix is loaded into the pool (step)
         else:

@@ -9,6 +9,7 @@
                     step(background_limit) ─────────▶ schedule → run → update, no I/O           ──▶ [TokenDelta]
                     capacity() ─────────────────────▶ seats, KV use, waiting: what may be pulled  ──▶ EngineCapacity
                     stats(), take_safety_events() ──▶ for metrics and heartbeats
+                    take_kv_changes() ──────────────▶ blocks stored / removed per tier  ──▶ the KV events
                     shutdown()                         once, after the last step
 
 The worker touches an engine from one thread only (its step thread: torch's OpenMP pool belongs to the calling
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import Protocol, TypeVar
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
+from switchyard.workers.engine.kv_changes import KVChanges
 from switchyard.workers.engine.output_filter import SafetyEvent
 from switchyard.workers.engine.prompts import RequestRejected
 from switchyard.workers.engine.stats import EngineCapacity, EngineStats
@@ -101,6 +103,15 @@ class ServingEngine(Protocol[PreparedT]):
 
     def take_safety_events(self) -> list[SafetyEvent]:
         """The output filter's verdicts since the last call (each is returned once)."""
+        ...
+
+    def take_kv_changes(self) -> KVChanges | None:
+        """Blocks stored and removed per KV tier, and chat prompts' message-prefix segments, since the last call:
+        the worker's KV events (shared/kv_events.py). None: the engine publishes none."""
+        ...
+
+    def kv_listing(self) -> dict[str, list[int]]:
+        """Every block held now, per tier (a KV-events snapshot). Safe to call from any thread."""
         ...
 
     def shutdown(self) -> None:

@@ -6,14 +6,16 @@ The chat template is applied here, on the worker: the gateway stays model-agnost
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from jinja2 import TemplateError
 
+from switchyard.shared.kv_events import PrefixSegment, cache_salt
 from switchyard.shared.messages import ErrorInfo, GenerateRequest
 from switchyard.shared.safety import filter_for
 from switchyard.workers.engine.guided import GrammarError, response_format_grammar
+from switchyard.workers.engine.prefix_segments import prefix_segments
 from switchyard.workers.engine.tool_calls import call_grammar, chat_messages
 
 MAX_N = 16
@@ -30,14 +32,31 @@ class RequestRejected(Exception):
         self.error = error
 
 
-def _encode_chat(tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
+def _render_chat(tokenizer, messages: list[dict], tools: list | None = None) -> str:
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:  # e.g. "roles must alternate": the template's own check of the conversation
         raise RequestRejected(ErrorInfo(f"The model's chat template rejected the messages: {exc}",
                                         code="invalid_request", param="messages")) from exc
+
+
+def _encode_chat(tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
     # The template already wrote every special token it wants (BOS included, if any).
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(_render_chat(tokenizer, messages, tools), add_special_tokens=False)
+
+
+def _encode_chat_segmented(tokenizer, req: GenerateRequest, block_size: int) -> tuple[list[int], list[PrefixSegment]]:
+    """As ``_encode_chat``, with the blocks each message prefix comes to (prefix_segments.py); a tokenizer that
+    gives no character offsets (not a fast one) gives no segments."""
+    assert req.messages is not None
+    messages, tools = chat_messages(tokenizer, req.messages, req.tool_use)
+    text = _render_chat(tokenizer, messages, tools)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=False), []
+    encoding = backend.encode(text, add_special_tokens=False)
+    ids = list(encoding.ids)
+    return ids, prefix_segments(req, messages, text, ids, encoding.offsets, cache_salt(req), block_size)
 
 
 def tokenize_prompt(tokenizer, req: GenerateRequest) -> tuple[list[int], str]:
@@ -102,6 +121,8 @@ class PreparedPrompt(Generic[MatcherT]):
     max_tokens: int  # new tokens the request may produce
     num_dropped_messages: int = 0  # conversation turns dropped to fit the context
     matcher: MatcherT | None = None  # the grammar its output must follow, at its start (workers/engine/guided.py)
+    # The blocks each message prefix comes to, for the worker's KV events (asked for with segment_block_size).
+    prefix_segments: list[PrefixSegment] = field(default_factory=list)
 
 
 def request_grammar(req: GenerateRequest) -> str | None:
@@ -116,12 +137,14 @@ def request_grammar(req: GenerateRequest) -> str | None:
 
 def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int,
                    grammars: GrammarCompiler[MatcherT] | None = None,
-                   vocab_size: int | None = None) -> PreparedPrompt[MatcherT]:
+                   vocab_size: int | None = None, segment_block_size: int | None = None) -> PreparedPrompt[MatcherT]:
     """Tokenize ``req`` (chat template included), compile the grammar its output must follow (with
     ``grammars``), and check it can run; raises ``RequestRejected`` for what never can. Touches nothing but
     ``tokenizer`` and ``grammars``: the worker runs it on its intake thread with a tokenizer of its own, so chat
     templates, tokenization and grammar compilation stay out of the engine's step. ``vocab_size``: the model's
-    logits; token ids beyond it (in the prompt or ``logit_bias``) are refused, since they would fail its step."""
+    logits; token ids beyond it (in the prompt or ``logit_bias``) are refused, since they would fail its step.
+    ``segment_block_size``: a chat request's message prefixes are mapped to the blocks of this size they come to
+    (``PreparedPrompt.prefix_segments``), for an engine that publishes KV events."""
     if req.embed is not None:
         raise RequestRejected(ErrorInfo(f"The model `{req.model}` generates text and gives no embeddings.",
                                         code="invalid_request", param="model"))
@@ -129,9 +152,12 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int,
         raise RequestRejected(ErrorInfo(f"n must be between 1 and {MAX_N}, got {req.sampling.n}.",
                                         code="invalid_value", param="n"))
     dropped = 0
+    segments: list[PrefixSegment] = []
     if req.truncate_history and req.messages:
         prompt_ids, dropped = fit_history(tokenizer, req, max_context)
         param = "messages"
+    elif segment_block_size and req.messages is not None:
+        (prompt_ids, segments), param = _encode_chat_segmented(tokenizer, req, segment_block_size), "messages"
     else:
         prompt_ids, param = tokenize_prompt(tokenizer, req)
     if not prompt_ids:  # nothing to continue from: no logits to sample a first token from (vLLM refuses it too)
@@ -159,7 +185,7 @@ def prepare_prompt(tokenizer, req: GenerateRequest, max_context: int,
         # Compiled here, off the step thread: the first request whose policy uses the classifier loads it (about
         # a second), and a step must never wait for that.
         filter_for(req.safety)
-    return PreparedPrompt(prompt_ids, max_tokens, dropped, matcher)
+    return PreparedPrompt(prompt_ids, max_tokens, dropped, matcher, segments)
 
 
 def _vocabulary_size(tokenizer, vocab_size: int | None) -> int:

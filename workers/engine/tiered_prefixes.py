@@ -42,10 +42,11 @@ def model_fingerprint(model) -> str:
 class TieredPrefixes:
     """Loads prefixes from the tiers into the pool, and writes newly cached blocks to them."""
 
-    def __init__(self, settings: TierSettings, model, runner: ModelRunner, kv_cache: KVCacheManager) -> None:
+    def __init__(self, settings: TierSettings, model, runner: ModelRunner, kv_cache: KVCacheManager,
+                 record_events: bool = False) -> None:
         dtype = str(runner.dtype).removeprefix("torch.")
         self.layout = BlockLayout(model_fingerprint(model), dtype, runner.block_shape)
-        self.tiers = KVTiers(settings, self.layout)
+        self.tiers = KVTiers(settings, self.layout, record_events)
         self._runner = runner
         self._kv = kv_cache
         self._loading: dict[str, tuple[Chain, int]] = {}  # request id -> its chain, and where the load starts

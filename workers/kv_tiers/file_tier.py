@@ -69,8 +69,9 @@ class FileTier:
 
     def __init__(self, name: str, root: Path, capacity_bytes: int, scope_share: float = 0.5,
                  reuse_credit_s: float = 30.0, rescan_s: float = 10.0,
-                 demote: Callable[[int, str, bytes], None] | None = None) -> None:
-        """``demote(block_hash, scope, data)`` receives each block evicted for room (the next tier's put)."""
+                 demote: Callable[[int, str, bytes], None] | None = None, record_events: bool = False) -> None:
+        """``demote(block_hash, scope, data)`` receives each block evicted for room (the next tier's put);
+        ``record_events``: keep what this process writes and removes for ``take_events``."""
         if capacity_bytes <= 0:
             raise ValueError(f"tier {name}: capacity must be positive, got {capacity_bytes}")
         self.name = name
@@ -88,6 +89,9 @@ class FileTier:
         self._last_scan = 0.0
         self._last_warning = 0.0
         self.counters = TierCounters()
+        # KV events: what this process wrote and removed since take_events (None: not recorded).
+        self._stored: list[int] | None = [] if record_events else None
+        self._removed: list[int] | None = [] if record_events else None
         root.mkdir(parents=True, exist_ok=True)
         self.rescan()
 
@@ -170,6 +174,8 @@ class FileTier:
                 raise
             self._add(key, size, time.time())
             self.counters.stores += 1
+            if self._stored is not None:
+                self._stored.append(block_hash)
             return True
 
     def remove_corrupt(self, scope: str, block_hash: int) -> None:
@@ -178,6 +184,22 @@ class FileTier:
             self.counters.corrupt += 1
             _unlink(self.path(scope, block_hash))
             self._forget((scope, block_hash))
+            if self._removed is not None:
+                self._removed.append(block_hash)
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """The blocks this process wrote and removed since the last call (other workers publish their own)."""
+        with self._lock:
+            if self._stored is None or self._removed is None:
+                return [], []
+            stored, removed = self._stored, self._removed
+            self._stored, self._removed = [], []
+        return stored, removed
+
+    def listing(self) -> list[int]:
+        """Every block this process knows the tier holds (its last rescan and its own writes since)."""
+        with self._lock:
+            return [block_hash for _, block_hash in self._entries]
 
     # -- room ---------------------------------------------------------------------------------------------
     def rescan(self) -> None:
@@ -236,6 +258,8 @@ class FileTier:
                     self.warn(f"demoting a block from {self.name} failed: {exc!r}")
         _unlink(path)
         self._forget(key)
+        if self._removed is not None:
+            self._removed.append(key[1])
         self.counters.evictions += 1
 
     def _add(self, key: tuple[str, int], size: int, now: float) -> _Entry:

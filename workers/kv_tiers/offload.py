@@ -84,15 +84,17 @@ class _Store:
 class KVTiers:
     """The host and disk tiers of one engine (see the module docstring)."""
 
-    def __init__(self, settings: TierSettings, layout: BlockLayout) -> None:
+    def __init__(self, settings: TierSettings, layout: BlockLayout, record_events: bool = False) -> None:
+        """``record_events``: keep what this process writes and removes per tier (``take_events``)."""
         self.layout = layout
         self.disk: FileTier | None = None
         self.host: FileTier | None = None
         if settings.disk_dir and settings.disk_bytes:
-            self.disk = FileTier("disk", settings.disk_dir / layout.key, settings.disk_bytes, settings.scope_share)
+            self.disk = FileTier("disk", settings.disk_dir / layout.key, settings.disk_bytes, settings.scope_share,
+                                 record_events=record_events)
         if settings.host_dir and settings.host_bytes:
             self.host = FileTier("host", settings.host_dir / layout.key, settings.host_bytes, settings.scope_share,
-                                 demote=self._demote if self.disk is not None else None)
+                                 demote=self._demote if self.disk is not None else None, record_events=record_events)
         self._tiers = [t for t in (self.host, self.disk) if t is not None]
         self._top = self._tiers[0]
         self._stores: queue.SimpleQueue[_Store | None] = queue.SimpleQueue()
@@ -153,6 +155,14 @@ class KVTiers:
         self._stores.put(_Store("", [], mark, 0))
         return done.wait(timeout)
 
+    def take_events(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Per tier, the blocks this process wrote and removed since the last call."""
+        return {t.name: t.take_events() for t in self._tiers}
+
+    def listing(self) -> dict[str, list[int]]:
+        """Per tier, every block it holds as far as this process knows."""
+        return {t.name: t.listing() for t in self._tiers}
+
     def stats(self) -> list[KVTierStats]:
         out = []
         for t in self._tiers:
@@ -190,7 +200,7 @@ class KVTiers:
         assert self.disk is not None
         self._put(self.disk, scope, block_hash, data)
 
-    def _put(self, tier: FileTier, scope: str, block_hash: int, data: bytes) -> None:
+    def _put(self, tier: FileTier, scope: str, block_hash: int, data: bytes | tuple[bytes | memoryview, ...]) -> None:
         try:
             tier.put(scope, block_hash, data)
         except TierFull as exc:

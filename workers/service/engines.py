@@ -7,6 +7,7 @@ chosen, so an engine's own dependencies (its wheel, its environment) are needed 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -27,7 +28,8 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
     path = model_store.resolve(config.worker.model, config.model_cache_dir)
     model, tokenizer = model_store.load(path, config.worker.dtype, config.worker.device)
     log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
-    engine = Engine(model, tokenizer, EngineConfig.from_settings(config.worker))
+    # The worker publishes what its KV cache holds (workers/service/kv_events.py): the engine records it.
+    engine = Engine(model, tokenizer, dataclasses.replace(EngineConfig.from_settings(config.worker), kv_events=True))
     engine.warmup()
     _load_safety_classifier(config)
     return engine

@@ -27,9 +27,11 @@ from nats.aio.msg import Msg
 
 from switchyard.shared.messages import ErrorInfo, TokenDelta
 from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected, ServingEngine
+from switchyard.workers.engine.kv_changes import KVChanges
 from switchyard.workers.service.capacity import Capacity
 from switchyard.workers.service.held import HeldRequests, Tracked
 from switchyard.workers.service.intake import CANCELLED, Intake
+from switchyard.workers.service.kv_events import KVEventPublisher
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher, StepDeltas
 from switchyard.workers.service.request_trace import record_request_trace
@@ -51,6 +53,7 @@ class StepResult:
     has_unfinished: bool = False  # whether the engine has more to do without new work
     stats: EngineStats | None = None  # the engine after the step, for the metrics
     safety_events: list = field(default_factory=list)  # the output filter's verdicts (interface.SafetyEvent)
+    kv_changes: KVChanges | None = None  # what the KV cache gained and lost: the worker's KV events
 
 
 class StepLoop:
@@ -58,7 +61,8 @@ class StepLoop:
 
     def __init__(self, engine: ServingEngine[Any], step_thread: ThreadPoolExecutor, held: HeldRequests,
                  capacity: Capacity, intake: Intake, out: Publisher, metrics: WorkerMetrics,
-                 drain_timeout_s: float) -> None:
+                 drain_timeout_s: float, kv_events: KVEventPublisher | None = None) -> None:
+        """``kv_events``: where each step's KV changes go (None: not published)."""
         self._engine = engine
         self._step_thread = step_thread
         self._held = held
@@ -67,6 +71,7 @@ class StepLoop:
         self._out = out
         self._metrics = metrics
         self._drain_timeout_s = drain_timeout_s
+        self._kv_events = kv_events
         self._engine_busy = False  # the engine has requests or finals, as of the last step
         self.num_steps, self.step_s, self.gap_s = 0, 0.0, 0.0  # see WorkerInfo
 
@@ -164,6 +169,7 @@ class StepLoop:
         result.capacity = engine.capacity()
         result.stats = engine.stats()
         result.safety_events = engine.take_safety_events()
+        result.kv_changes = engine.take_kv_changes()
         return result
 
     async def _publish(self, result: StepResult) -> None:
@@ -208,6 +214,8 @@ class StepLoop:
                 metrics.finished(req.tier, delta.finish_reason)
                 ended.append((running, delta.finish_reason))
         await out.send(step)  # before the records: a usage record retried through an outage holds no token back
+        if self._kv_events is not None:
+            await self._kv_events.publish(result.kv_changes, result.capacity)
         for tracked, finish_reason in ended:
             record_request_trace(tracked, out.worker_id, finish_reason, now)
             await out.finished(tracked, finish_reason, now)

@@ -8,7 +8,8 @@
     │                           asked by the intake (what to pull) and the step loop (batch per step)
     ├─ StepLoop (step_loop.py)  step thread: add, abort, engine.step(); publishes step N while N+1 runs; drains
     ├─ Publisher (publisher.py) deltas (llm.tok.gw.<gateway>, a step's at once), llm.usage records, batch lines
-    └─ Liveness (liveness.py)   KV workers/<model>.<me> heartbeats, llm.alive.<me> pings, the state line
+    ├─ Liveness (liveness.py)   KV workers/<model>.<me> heartbeats, llm.alive.<me> pings, the state line
+    └─ KVEventPublisher (kv_events.py)  what the KV cache holds, per step, on llm.kv.<model>; snapshots
              │
              ▼ ServingEngine (workers/engine/interface.py): prepare, add_request, abort_request, step,
                capacity, stats, take_safety_events, shutdown
@@ -42,6 +43,7 @@ from switchyard.workers.service.capacity import Capacity, background_policy
 from switchyard.workers.service.engines import is_test_double
 from switchyard.workers.service.held import HeldRequests
 from switchyard.workers.service.intake import Intake
+from switchyard.workers.service.kv_events import KVEventPublisher, node_id
 from switchyard.workers.service.liveness import Liveness
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher
@@ -98,8 +100,12 @@ class Worker:
                 await nc.subscribe(f"{subjects.AFFINITY_PREFIX}.{self.worker_id}.*", cb=intake.on_doorbell),
                 await nc.subscribe(f"{subjects.CANCEL_PREFIX}.*", cb=intake.on_cancel),
             ]
+            w = config.worker
+            kv_events = KVEventPublisher(nc, self.engine, self.model_name, self.worker_id,
+                                         node_id(w.kv_offload_host_dir, w.kv_offload_dir), w.block_size)
+            await kv_events.start()
             self._steps = StepLoop(self.engine, self._step_thread, self._held, self._capacity, intake, out,
-                                   self.metrics, config.worker.drain_timeout_s)
+                                   self.metrics, config.worker.drain_timeout_s, kv_events)
             liveness = Liveness(nc, js, self.model_name, self.worker_id, config.worker.heartbeat_s,
                                 config.nats_replicas, self._info, self._state_summary, intake.mark_in_progress)
             await liveness.start()
@@ -115,6 +121,7 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await pulling
             await liveness.stop()
+            await kv_events.stop()
             for sub in subscriptions:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

@@ -249,6 +249,13 @@ class VllmEngine:
     def take_safety_events(self) -> list[SafetyEvent]:
         return self.safety.take_events()
 
+    def take_kv_changes(self) -> None:
+        """No KV events from this engine."""
+        return None
+
+    def kv_listing(self) -> dict[str, list[int]]:
+        return {}
+
     def shutdown(self) -> None:
         """Abort what vLLM still holds and stop its engine core (and a tensor-parallel group's processes)."""
         ids = [vllm_id for vllm_id, (_, run) in self._by_vllm_id.items() if run.is_added]

@@ -1,7 +1,7 @@
 """A wire request as vLLM takes it: what each choice is added with, and what vLLM cannot honour (a 400).
 
     GenerateRequest ─▶ prompt: {"prompt_token_ids": ours (prompts.py: chat template, tools prompt, history fitted),
-                                 "cache_salt": the tenant's prefix-cache scope (choice.cache_salt, as ours)}
+                                 "cache_salt": the tenant's prefix-cache scope (shared/kv_events.cache_salt, as ours)}
                     ─▶ sampling_kwargs(): vLLM's SamplingParams, one choice each (n fanned out here, as ours does),
                        token ids only (detokenize=False: text, stop strings, tool calls and the safety filter are
                        ours, workers/vllm_engine/outputs.py), deltas (RequestOutputKind.DELTA), the grammar as
