@@ -5,9 +5,10 @@ command line.
 NATS gets one user per role, each allowed only the subjects its processes use (nothing anonymous):
 
     role      publishes                                              subscribes
-    gateway   llm.req.> llm.aff.> llm.cancel.> llm.events.>          llm.tok.> llm.alive.>
-              llm.usage llm.held.> llm.dead.>                        (and hosts the jobs: billing, batches)
-    worker    llm.tok.> llm.usage llm.result.> llm.alive.>           llm.req.> llm.aff.> (doorbells) llm.cancel.>
+    gateway   llm.req.> llm.aff.> llm.cancel.> llm.events.>          llm.tok.> llm.alive.> llm.kv.> (KV events)
+              llm.kvsnap.> llm.usage llm.held.> llm.dead.>           (and hosts the jobs: billing, batches)
+    worker    llm.tok.> llm.usage llm.result.> llm.alive.> llm.kv.>  llm.req.> llm.aff.> (doorbells) llm.cancel.>
+                                                                     llm.kvsnap.> (snapshot requests)
     admin     everything (the CLI: tiers, tenants, usage)
 
 Neither service role holds the JetStream API (``$JS.API.>``): each may create the streams and buckets it sets up
@@ -55,8 +56,9 @@ _SETUP = [f"{_API}.INFO", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.*",
           *(f"{_API}.STREAM.CREATE.{name}" for name in _STREAMS), "_INBOX.>"]
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "gateway": {  # the gateways and the jobs (billing writer, batch runner, housekeeping)
-        "publish": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.events.>", "llm.usage", "llm.held.>", "llm.dead.>",
-                    "$KV.tiers.>", "$KV.affinity.>", *_SETUP, f"{_API}.STREAM.CREATE.KV_affinity",
+        "publish": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.events.>", "llm.kvsnap.>", "llm.usage",
+                    "llm.held.>", "llm.dead.>", "$KV.tiers.>", "$KV.affinity.>", *_SETUP,
+                    f"{_API}.STREAM.CREATE.KV_affinity",
                     *(f"{_API}.STREAM.UPDATE.{name}" for name in _TIER_STREAMS),  # the tiers' queue caps
                     f"{_API}.STREAM.UPDATE.AFFINITY",  # its consumer limit (shared/jetstream.py)
                     # Queue gauges (oldest request, backlog), billing lag, batch lines: read by sequence.
@@ -64,12 +66,12 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
                     f"{_API}.STREAM.DELETE.REQUESTS", f"{_API}.STREAM.MSG.DELETE.REQUESTS_BATCH",
                     *_consumes("USAGE", "HELD_WRITES", "BATCH_RESULTS"),
                     *_reads_buckets("tiers", "workers", "affinity")],
-        "subscribe": ["llm.tok.>", "llm.alive.>", "_INBOX.>"],
+        "subscribe": ["llm.tok.>", "llm.alive.>", "llm.kv.>", "_INBOX.>"],
     },
     "worker": {
-        "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", "$KV.workers.>", *_SETUP,
+        "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", "llm.kv.>", "$KV.workers.>", *_SETUP,
                     *_consumes(*_TIER_STREAMS, "AFFINITY"), *_reads_buckets("tiers", "workers")],
-        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "_INBOX.>"],
+        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.kvsnap.>", "_INBOX.>"],
     },
     "admin": {"publish": [">"], "subscribe": [">"]},
 }

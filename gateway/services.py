@@ -4,7 +4,8 @@
         nats ─┬─ registry ── router ─┐
               ├─ tier policies ──────┼─▶ admission (domain/admission/policies.py) ─┐
         postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
-              publisher ── relay (token router, liveness, failover) ── affinity ────┘
+              publisher ── relay (token router, liveness, failover) ── placement ───┘
+        nats ─ llm.kv.* ─ the fleet's KV index (kv_index.py): placement by what workers hold
         stores: conversations, responses, files, batches, usage      queue gauges (poller), loop lag probe, GC pauses
         responses (responses_service.py), embeddings (embeddings.py): over completions (and the stores)
 
@@ -39,6 +40,7 @@ from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.drain import InFlightCounter
 from switchyard.gateway.embeddings import EmbeddingService
 from switchyard.gateway.failover import Failover
+from switchyard.gateway.kv_index import KVIndex
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.loop_lag import LoopLagProbe
 from switchyard.gateway.metrics import GatewayMetrics
@@ -90,6 +92,7 @@ class GatewayServices:
         self._gc_pauses = GcPauses(self.metrics.gc_pauses)
         self._upkeep: asyncio.Task | None = None
         self._tokens: TokenRouter | None = None
+        self.kv_index: KVIndex | None = None  # the fleet's KV index, with placement "kv_index"
 
     async def start(self) -> None:
         config, gateway = self.config, self.config.gateway
@@ -115,7 +118,12 @@ class GatewayServices:
         await self._tokens.start()
         relay = Relay(self.nc, self._tokens, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
                       Failover(self.js, publisher, self.registry, liveness))
-        affinity = AffinityIndex(self.js, config.nats_replicas) if gateway.affinity else None
+        affinity: AffinityIndex | KVIndex | None = None
+        if gateway.affinity and gateway.placement == "kv_index":
+            affinity = self.kv_index = KVIndex(liveness.is_dead)
+            await self.kv_index.start(self.nc)
+        elif gateway.affinity:
+            affinity = AffinityIndex(self.js, config.nats_replicas)
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
                                              self.metrics, affinity=affinity)
         self.conversations = Conversations(pool, self.js)

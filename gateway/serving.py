@@ -28,6 +28,7 @@ from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.client_watch import BoundedStream, ClientGone, unless_gone
 from switchyard.gateway.completion_shapes import BodyBuilder, ChunkBuilder, Shape, sse
 from switchyard.gateway.fanout import MergedRelay
+from switchyard.gateway.kv_index import KVIndex
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.relay import Relay, RelayedRequest
 from switchyard.shared.config import GatewayConfig
@@ -71,7 +72,7 @@ CLIENT_GONE = 499  # the status of an answer nobody reads (nginx's "client close
 class CompletionService:
     def __init__(self, relay: Relay, registry: ModelRegistry, tier_policies: PolicyCache, admission: Pipeline,
                  config: GatewayConfig, metrics: GatewayMetrics | None = None,
-                 affinity: AffinityIndex | None = None) -> None:
+                 affinity: AffinityIndex | KVIndex | None = None) -> None:
         """``admission``: settles each ticket once its request ended. ``affinity``: which worker holds a
         conversation's prefix (None: every request to the shared queue)."""
         self._relay = relay

@@ -125,10 +125,14 @@ class GatewayConfig(BaseModel):
     database_pool_size: int = Field(10, ge=1)
     # Gateways sharing each key's rate limits: while Postgres is away each enforces 1/num_gateways of them alone.
     num_gateways: int = Field(1, ge=1)
-    # Cache-aware placement (gateway/affinity.py): a follow-up turn, or a request sharing a long system prompt, is
-    # first offered to the worker that served its prefix, for affinity_wait_s, then to every worker.
+    # Cache-aware placement: a chat request is first offered, for affinity_wait_s, to the worker that would compute
+    # least of its prompt, then to every worker. placement "kv_index": by the fleet's KV index, built from the
+    # workers' KV events (gateway/kv_index.py: what each worker and node really holds, pool and tiers, and load);
+    # "affinity": by the record of which worker served a conversation's last turn (gateway/affinity.py), the older
+    # way, kept to compare with.
     affinity: bool = True
     affinity_wait_s: float = Field(0.5, gt=0)
+    placement: Literal["kv_index", "affinity"] = "kv_index"
     # ``model`` names that route by ``routes`` (first rule whose model a worker serves); empty routes: no routing.
     route_names: list[str] = Field(default_factory=lambda: ["auto"])
     routes: list[RouteRule] = Field(default_factory=list)

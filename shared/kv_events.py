@@ -19,6 +19,7 @@ its parent's blocks and its segment's.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import msgspec
 
@@ -80,7 +81,7 @@ def cache_salt(req: GenerateRequest) -> str:
     return "shared" if req.shared_prefix_cache else f"tenant:{req.tenant_id or ''}"
 
 
-def message_prefix_keys(salt: str, context: bytes, messages: list[tuple[str, str, object]]) -> list[bytes]:
+def message_prefix_keys(salt: str, context: bytes, messages: Sequence[tuple[str, str, object]]) -> list[bytes]:
     """``keys[k]`` names the conversation prefix ``messages[:k + 1]`` (each ``(role, content, tool_calls)``) of one
     cache salt, rendered with ``context`` (what else shapes the prompt: the tools offered): the same on the gateway
     and on the worker, chained so that key k depends on every earlier message. The salt keeps one tenant's keys
@@ -91,3 +92,10 @@ def message_prefix_keys(salt: str, context: bytes, messages: list[tuple[str, str
         digest.update(msgspec.msgpack.encode(message))
         keys.append(digest.copy().digest())
     return keys
+
+
+def request_prefix_keys(req: GenerateRequest) -> list[bytes]:
+    """``message_prefix_keys`` of a chat request: its salt, the tools it offers (they shape the rendered prompt),
+    and its messages as the wire has them; the gateway and the worker both compute it so."""
+    messages = [(m.role, m.content, m.tool_calls) for m in req.messages or []]
+    return message_prefix_keys(cache_salt(req), msgspec.msgpack.encode(req.tool_use), messages)

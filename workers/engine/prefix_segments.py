@@ -16,30 +16,19 @@ from __future__ import annotations
 
 import bisect
 
-import msgspec
-
 from switchyard.scheduler.kv_cache_manager import hash_block
-from switchyard.shared.kv_events import PrefixSegment, message_prefix_keys, pack_hashes
-from switchyard.shared.messages import ChatMessage, GenerateRequest
-
-
-def wire_messages(messages: list[ChatMessage]) -> list[tuple[str, str, object]]:
-    """The messages as ``message_prefix_keys`` hashes them (gateway and worker alike)."""
-    return [(m.role, m.content, m.tool_calls) for m in messages]
-
-
-def tools_digest(req: GenerateRequest) -> bytes:
-    """What besides the messages shapes the rendered prompt: the tools offered."""
-    return msgspec.msgpack.encode(req.tool_use)
+from switchyard.shared.kv_events import PrefixSegment, pack_hashes, request_prefix_keys
+from switchyard.shared.messages import GenerateRequest
 
 
 def prefix_segments(req: GenerateRequest, rendered: list[dict], text: str, token_ids: list[int],
                     offsets: list[tuple[int, int]], salt: str, block_size: int) -> list[PrefixSegment]:
     """The segments of ``req``'s message prefixes: ``rendered`` are its messages as given to the chat template
     (one per message, in order), ``text`` the template's output, ``token_ids`` and ``offsets`` its tokens and their
-    character spans in it. Stops at the first message whose content cannot be found in order."""
+    character spans in it; ``salt`` the request's cache salt (``request_prefix_keys`` includes it too). Stops at the
+    first message whose content cannot be found in order."""
     assert req.messages is not None
-    keys = message_prefix_keys(salt, tools_digest(req), wire_messages(req.messages))
+    keys = request_prefix_keys(req)
     ends: list[int] = []
     furthest = 0
     for _, end in offsets:  # special tokens may carry empty spans: keep the ends non-decreasing

@@ -84,10 +84,12 @@ class KVEventPublisher:
             **self._load_fields()))
 
     async def _on_snapshot_request(self, _msg) -> None:
-        held = [(tier, h) for tier, hashes in self._engine.kv_listing().items() for h in hashes]
+        listing = self._engine.kv_listing()
+        held = [(tier, h) for tier, hashes in listing.items() for h in hashes]
         parts = [held[i:i + _SNAPSHOT_PART_HASHES] for i in range(0, len(held), _SNAPSHOT_PART_HASHES)] or [[]]
         for i, part in enumerate(parts):
-            by_tier: dict[str, list[int]] = {}
+            # The first part names every tier, empty ones too: it replaces what the index knew of each.
+            by_tier: dict[str, list[int]] = {tier: [] for tier in listing} if i == 0 else {}
             for tier, h in part:
                 by_tier.setdefault(tier, []).append(h)
             await self._send(KVEventBatch(**self._head(), stored={t: pack_hashes(hs) for t, hs in by_tier.items()},

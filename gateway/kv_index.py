@@ -1,0 +1,241 @@
+"""The fleet's KV index: which worker (or which node's shared tiers) holds which block, from the workers' KV events,
+and the worker a chat request should be offered to.
+
+    llm.kv.<model> ──▶ on_batch: per model, block hash ─▶ the workers whose pool holds it
+                                             block hash ─▶ node ─▶ host or disk (the node's shared tiers)
+                                             message-prefix key ─▶ (parent key, its blocks)
+                                             worker ─▶ node, load, last batch (a gap: ask for a snapshot)
+    a request ──▶ its message-prefix keys (shared/kv_events.py) ─▶ the longest known prefix's blocks ─▶ each live
+                  worker's score: the blocks it would not compute (pool 1, host tier 0.9, disk tier 0.6, counted from
+                  the first block while it holds them), less its load ─▶ the best one, if it would save any
+
+Lost or reordered events cost at most an offer that saves less than it promised: the worker verifies whatever it
+loads by hash and tokens, and an offer to a busy worker falls back to the shared queue after ``affinity_wait_s``.
+The index knows nothing until workers publish: a gateway starting asks every model's workers for a snapshot when
+it first hears of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from switchyard.shared import subjects
+from switchyard.shared.kv_events import (
+    DISK,
+    HOST,
+    KV_EVENTS_PREFIX,
+    POOL,
+    KVEventBatch,
+    request_prefix_keys,
+    snapshot_subject,
+    split_hashes,
+)
+from switchyard.shared.messages import GenerateRequest
+
+log = logging.getLogger("switchyard.gateway")
+
+TIER_WEIGHTS = {POOL: 1.0, HOST: 0.9, DISK: 0.6}  # a block in a tier saves about this much of computing it
+LOAD_WEIGHT = 0.5  # a worker's load (0: idle, 1: every seat taken) costs this share of a full prefix
+SILENT_AFTER_S = 5.0  # a worker not heard for this long (it beats every second) is left out of routing
+FORGET_AFTER_S = 60.0
+_SNAPSHOT_EVERY_S = 2.0  # at most one snapshot request per model this often
+_MAX_PREFIX_HASHES = 2_000_000  # prefix segments kept (32 MB of hashes), least recently used dropped first
+
+
+@dataclass(slots=True)
+class _Worker:
+    node: str
+    epoch: str
+    seq: int
+    block_size: int
+    load: float = 0.0
+    heard: float = 0.0
+
+
+@dataclass(slots=True)
+class _Model:
+    workers: dict[str, _Worker] = field(default_factory=dict)
+    pool: dict[bytes, set[str]] = field(default_factory=dict)  # block -> workers whose pool holds it
+    nodes: dict[bytes, dict[str, str]] = field(default_factory=dict)  # block -> node -> best tier holding it there
+    prefixes: OrderedDict[bytes, tuple[bytes | None, bytes]] = field(default_factory=OrderedDict)
+    prefix_bytes: int = 0
+    snapshot_asked: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request is offered, and why (for logs and tests)."""
+
+    worker_id: str
+    saved_blocks: float  # weighted blocks it would not compute
+    prefix_blocks: int  # blocks of the longest known prefix
+
+
+class KVIndex:
+    """See the module docstring. ``is_dead(worker_id)``: the gateway's liveness view (gateway/liveness.py)."""
+
+    def __init__(self, is_dead: Callable[[str], bool] = lambda _: False) -> None:
+        self._models: dict[str, _Model] = {}
+        self._is_dead = is_dead
+        self._nc = None
+        self._sub = None
+        self.num_batches = 0
+        self.num_gaps = 0
+
+    async def start(self, nc) -> None:
+        self._nc = nc
+        self._sub = await nc.subscribe(f"{KV_EVENTS_PREFIX}.*", cb=self._on_message)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_message(self, msg) -> None:
+        try:
+            batch = msgspec.msgpack.decode(msg.data, type=KVEventBatch)
+        except msgspec.DecodeError:
+            log.warning("a KV event batch that does not decode, on %s", msg.subject)
+            return
+        model_token = msg.subject.rsplit(".", 1)[-1]
+        if self.apply(model_token, batch) and self._nc is not None:
+            await self._ask_snapshot(model_token)
+
+    async def _ask_snapshot(self, model_token: str) -> None:
+        model = self._models[model_token]
+        now = time.monotonic()
+        if now - model.snapshot_asked < _SNAPSHOT_EVERY_S:
+            return
+        model.snapshot_asked = now
+        assert self._nc is not None  # asked for only once started
+        try:
+            await self._nc.publish(snapshot_subject(model_token), b"")
+        except Exception as exc:
+            log.debug("snapshot request failed: %r", exc)
+
+    # -- the index ----------------------------------------------------------------------------------------
+    def apply(self, model_token: str, batch: KVEventBatch) -> bool:
+        """Take one batch in; returns True when the index lacks something of this worker (a new worker, or
+        batches lost in between) and a snapshot should be asked for."""
+        self.num_batches += 1
+        model = self._models.setdefault(model_token, _Model())
+        worker = model.workers.get(batch.worker_id)
+        fresh = worker is None or worker.epoch != batch.epoch
+        gap = not fresh and worker is not None and batch.seq != worker.seq + 1
+        if worker is not None and not fresh and batch.seq <= worker.seq:
+            return False  # a duplicate or reordered batch: older than what was applied
+        if worker is None or fresh:
+            worker = model.workers[batch.worker_id] = _Worker(batch.node, batch.epoch, batch.seq, batch.block_size)
+        worker.seq, worker.load, worker.heard = batch.seq, batch.load, time.monotonic()
+        if batch.snapshot:
+            self._forget_pool(model, batch.worker_id)
+            for tier in batch.stored.keys() - {POOL}:
+                self._forget_node_tier(model, batch.node, tier)
+        for tier, packed in batch.removed.items():
+            for h in split_hashes(packed):
+                if tier == POOL:
+                    holders = model.pool.get(h)
+                    if holders is not None:
+                        holders.discard(batch.worker_id)
+                        if not holders:
+                            del model.pool[h]
+                else:
+                    at = model.nodes.get(h)
+                    if at is not None and at.get(batch.node) == tier:
+                        del at[batch.node]
+                        if not at:
+                            del model.nodes[h]
+        for tier, packed in batch.stored.items():
+            for h in split_hashes(packed):
+                if tier == POOL:
+                    model.pool.setdefault(h, set()).add(batch.worker_id)
+                else:
+                    at = model.nodes.setdefault(h, {})
+                    if TIER_WEIGHTS[tier] > TIER_WEIGHTS.get(at.get(batch.node, ""), 0.0):
+                        at[batch.node] = tier
+        for segment in batch.prefixes:
+            if segment.key not in model.prefixes:
+                model.prefixes[segment.key] = (segment.parent, segment.hashes)
+                model.prefix_bytes += len(segment.hashes)
+        while model.prefix_bytes > _MAX_PREFIX_HASHES * 16 and model.prefixes:
+            _, (_, dropped) = model.prefixes.popitem(last=False)
+            model.prefix_bytes -= len(dropped)
+        if gap:
+            self.num_gaps += 1
+        return (fresh and not batch.snapshot) or gap
+
+    async def lookup(self, request: GenerateRequest) -> str | None:
+        """The worker to offer ``request`` to first (``place``), as ``CompletionService`` asks any placement."""
+        placement = self.place(request)
+        return placement.worker_id if placement is not None else None
+
+    async def record(self, *_args) -> None:
+        """Nothing to record: the workers' KV events say where every block is."""
+
+    def place(self, request: GenerateRequest) -> Placement | None:
+        """The live worker of ``request``'s model that would compute least of its prompt, load considered; None
+        when no worker is known to hold any of it (the shared queue then)."""
+        if not request.messages or request.sampling.n != 1:
+            return None
+        model = self._models.get(subjects.model_token(request.model))
+        if model is None:
+            return None
+        chain = self._longest_prefix(model, request_prefix_keys(request))
+        if not chain:
+            return None
+        now = time.monotonic()
+        best: tuple[float, Placement] | None = None
+        for worker_id, worker in list(model.workers.items()):
+            if now - worker.heard > FORGET_AFTER_S:
+                self._forget_worker(model, worker_id)
+                continue
+            if now - worker.heard > SILENT_AFTER_S or worker.load >= 1.0 or self._is_dead(worker_id):
+                continue
+            saved = 0.0
+            for h in chain:
+                if worker_id in model.pool.get(h, ()):
+                    saved += TIER_WEIGHTS[POOL]
+                elif (tier := model.nodes.get(h, {}).get(worker.node)) is not None:
+                    saved += TIER_WEIGHTS[tier]
+                else:
+                    break
+            if saved <= 0:
+                continue
+            score = saved / len(chain) - LOAD_WEIGHT * worker.load
+            if best is None or score > best[0]:
+                best = (score, Placement(worker_id, saved, len(chain)))
+        return best[1] if best is not None else None
+
+    def _longest_prefix(self, model: _Model, keys: list[bytes]) -> list[bytes]:
+        chain: list[bytes] = []
+        parent: bytes | None = None
+        for key in keys:
+            known = model.prefixes.get(key)
+            if known is None or known[0] != parent:
+                break
+            model.prefixes.move_to_end(key)
+            chain.extend(split_hashes(known[1]))
+            parent = key
+        return chain
+
+    def _forget_pool(self, model: _Model, worker_id: str) -> None:
+        for h in [h for h, holders in model.pool.items() if worker_id in holders]:
+            holders = model.pool[h]
+            holders.discard(worker_id)
+            if not holders:
+                del model.pool[h]
+
+    def _forget_node_tier(self, model: _Model, node: str, tier: str) -> None:
+        for h in [h for h, at in model.nodes.items() if at.get(node) == tier]:
+            del model.nodes[h][node]
+            if not model.nodes[h]:
+                del model.nodes[h]
+
+    def _forget_worker(self, model: _Model, worker_id: str) -> None:
+        self._forget_pool(model, worker_id)
+        del model.workers[worker_id]

@@ -1,0 +1,122 @@
+"""The fleet's KV index from workers' KV events: a request goes to the worker that holds most of its prefix (its
+pool first, then its node's shared tiers), never to a busy, silent or dead one, never by another tenant's blocks;
+lost, duplicated or reordered batches only ask for a snapshot or are ignored."""
+
+from __future__ import annotations
+
+import msgspec
+
+from switchyard.gateway.kv_index import KVIndex
+from switchyard.shared.kv_events import DISK, HOST, POOL, KVEventBatch, PrefixSegment, request_prefix_keys
+from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
+
+MODEL = "m"
+
+
+def request(*contents: str, tenant: str = "a") -> GenerateRequest:
+    roles = ["system", "user", "assistant", "user", "assistant", "user"]
+    return GenerateRequest(request_id="r", model=MODEL, tier="pro", sampling=SamplingParams(), created_at=0.0,
+                           deadline_at=0.0, tenant_id=tenant,
+                           messages=[ChatMessage(roles[i], c) for i, c in enumerate(contents)])
+
+
+def blocks(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}{i}".encode().ljust(16, b".") for i in range(n)]
+
+
+def segments(req: GenerateRequest, per_message: list[list[bytes]]) -> list[PrefixSegment]:
+    keys = request_prefix_keys(req)
+    return [PrefixSegment(key, keys[i - 1] if i else None, b"".join(hashes))
+            for i, (key, hashes) in enumerate(zip(keys, per_message))]
+
+
+class Worker:
+    """A worker's side of the events: numbered batches of one epoch."""
+
+    def __init__(self, index: KVIndex, worker_id: str, node: str = "n1") -> None:
+        self.index, self.worker_id, self.node, self.seq = index, worker_id, node, 0
+        self.send(snapshot=True)  # the empty snapshot a worker starts with
+
+    def batch(self, **fields) -> KVEventBatch:
+        self.seq += 1
+        packed = {k: {t: b"".join(h) for t, h in v.items()} for k, v in fields.items() if k in ("stored", "removed")}
+        rest = {k: v for k, v in fields.items() if k not in ("stored", "removed")}
+        return KVEventBatch(self.worker_id, self.node, "e1", self.seq, 16, **packed, **rest)
+
+    def send(self, **fields) -> bool:
+        return self.index.apply(MODEL, self.batch(**fields))
+
+
+def conversation() -> tuple[GenerateRequest, list[bytes]]:
+    """A first turn whose two messages come to 5 + 2 blocks, as its worker published them."""
+    first = request("You are a railway archivist. " * 20, "Tell me about yards.")
+    return first, blocks("c", 7)
+
+
+def test_a_follow_up_goes_to_the_worker_holding_its_history_and_not_to_another_tenants():
+    index = KVIndex()
+    a, b = Worker(index, "a"), Worker(index, "b")
+    first, held = conversation()
+    a.send(stored={POOL: held}, prefixes=segments(first, [held[:5], held[5:]]))
+    b.send(stored={POOL: blocks("other", 9)})
+    follow_up = request(first.messages[0].content, first.messages[1].content, "Yards sort cars.", "And humps?")
+    placed = index.place(follow_up)
+    assert placed is not None and placed.worker_id == "a"
+    assert (placed.saved_blocks, placed.prefix_blocks) == (7, 7)
+    stranger = msgspec.structs.replace(follow_up, tenant_id="b")
+    assert index.place(stranger) is None, "another tenant's identical messages name other keys"
+    assert index.place(request("Something new.")) is None
+
+
+def test_evicted_blocks_count_from_the_nodes_shared_tier_which_serves_its_other_workers_too():
+    index = KVIndex()
+    a, _ = Worker(index, "a", node="n1"), Worker(index, "b", node="n1")
+    first, held = conversation()
+    a.send(stored={POOL: held, HOST: held}, prefixes=segments(first, [held[:5], held[5:]]))
+    assert index.place(first).worker_id == "a"  # its pool (1.0 a block) beats the node's host tier (0.9)
+    a.send(removed={POOL: held[3:]})  # a's pool evicted the tail; the host tier still has everything
+    placed = index.place(first)
+    assert placed.worker_id == "a" and abs(placed.saved_blocks - (3 + 0.9 * 4)) < 1e-9  # the rest from the tier
+    a.send(load=0.9)
+    placed = index.place(first)  # a busy holder loses to its idle neighbour, which loads it all from the tier
+    assert placed.worker_id == "b" and abs(placed.saved_blocks - 0.9 * 7) < 1e-9
+    a.send(load=0.0)
+    c = Worker(index, "c", node="n2")
+    c.send(stored={POOL: held[:2]})
+    assert index.place(first).worker_id == "a", "two pool blocks on another node save less"
+    a.send(removed={HOST: held}, stored={DISK: held})  # demoted to the node's disk tier
+    assert abs(index.place(first).saved_blocks - (3 + 0.6 * 4)) < 1e-9  # a: 3 in its pool, then the disk
+
+
+def test_busy_silent_and_dead_workers_are_not_offered_anything():
+    dead: set[str] = set()
+    index = KVIndex(is_dead=dead.__contains__)
+    a, b = Worker(index, "a"), Worker(index, "b", node="n2")
+    first, held = conversation()
+    a.send(stored={POOL: held}, prefixes=segments(first, [held[:5], held[5:]]))
+    b.send(stored={POOL: held[:5]})
+    assert index.place(first).worker_id == "a"
+    a.send(load=1.0)  # every seat taken: an offer would only wait
+    assert index.place(first).worker_id == "b"
+    a.send(load=0.2)
+    dead.add("a")
+    assert index.place(first).worker_id == "b"
+    dead.add("b")
+    assert index.place(first) is None
+
+
+def test_lost_batches_ask_for_a_snapshot_and_old_ones_are_ignored():
+    index = KVIndex()
+    a = Worker(index, "a")
+    first, held = conversation()
+    a.send(stored={POOL: held}, prefixes=segments(first, [held[:5], held[5:]]))
+    late = a.batch(removed={POOL: held})  # built, then overtaken by the next one on the wire
+    assert a.send(load=0.1) is True, "reordered looks lost: a snapshot is asked for"
+    assert index.apply(MODEL, late) is False and index.place(first).worker_id == "a", "an older batch changes nothing"
+    assert a.send(load=0.1) is False
+    a.seq += 3  # three batches lost
+    assert a.send(stored={POOL: blocks("x", 1)}) is True, "a gap asks for a snapshot"
+    assert a.send(snapshot=True, stored={POOL: held[:2]}) is False  # the snapshot replaces what was known
+    assert index.place(first).saved_blocks == 2
+    stranger = KVIndex()
+    assert stranger.apply(MODEL, a.batch(load=0.3)) is True, "a worker first heard mid-stream is asked for all"
