@@ -41,7 +41,7 @@ from switchyard.shared.messages import GenerateRequest
 log = logging.getLogger("switchyard.gateway")
 
 TIER_WEIGHTS = {POOL: 1.0, HOST: 0.9, DISK: 0.6}  # a block in a tier saves about this much of computing it
-LOAD_WEIGHT = 0.5  # a worker's load (0: idle, 1: every seat taken) costs this share of a full prefix
+LOAD_WEIGHT = 0.1  # load (0: idle, 1: every seat taken) costs this share of a full prefix: it breaks near-ties
 SILENT_AFTER_S = 5.0  # a worker not heard for this long (it beats every second) is left out of routing
 FORGET_AFTER_S = 60.0
 _SNAPSHOT_EVERY_S = 2.0  # at most one snapshot request per model this often
