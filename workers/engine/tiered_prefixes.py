@@ -46,7 +46,7 @@ class TieredPrefixes:
                  record_events: bool = False) -> None:
         dtype = str(runner.dtype).removeprefix("torch.")
         self.layout = BlockLayout(model_fingerprint(model), dtype, runner.block_shape)
-        self.tiers = KVTiers(settings, self.layout, record_events)
+        self.tiers = KVTiers(settings, self.layout, record_events, pin_memory=runner.device.type == "cuda")
         self._runner = runner
         self._kv = kv_cache
         self._loading: dict[str, tuple[Chain, int]] = {}  # request id -> its chain, and where the load starts

@@ -84,9 +84,12 @@ class _Store:
 class KVTiers:
     """The host and disk tiers of one engine (see the module docstring)."""
 
-    def __init__(self, settings: TierSettings, layout: BlockLayout, record_events: bool = False) -> None:
-        """``record_events``: keep what this process writes and removes per tier (``take_events``)."""
+    def __init__(self, settings: TierSettings, layout: BlockLayout, record_events: bool = False,
+                 pin_memory: bool = False) -> None:
+        """``record_events``: keep what this process writes and removes per tier (``take_events``); ``pin_memory``:
+        gather loaded blocks in pinned memory (a CUDA engine copies them to the device without blocking)."""
         self.layout = layout
+        self._pin_memory = pin_memory
         self.disk: FileTier | None = None
         self.host: FileTier | None = None
         if settings.disk_dir and settings.disk_bytes:
@@ -212,7 +215,8 @@ class KVTiers:
             key, scope, blocks = job
             loaded = LoadedPrefix(key)
             try:
-                kv = torch.empty((len(blocks), self.layout.payload_bytes), dtype=torch.uint8)
+                kv = torch.empty((len(blocks), self.layout.payload_bytes), dtype=torch.uint8,
+                                 pin_memory=self._pin_memory)
                 for i, (block_hash, token_ids) in enumerate(blocks):
                     payload = self._read(scope, block_hash, token_ids)
                     if payload is None:
