@@ -189,3 +189,33 @@ def test_sampling_with_penalties_and_masks_never_waits_for_the_device():
                output_token_ids=[[4, 4, 5], [], [9], [1]], masks=([1, 3], mask))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prefix_written_to_the_kv_tiers_comes_back_on_the_device_exactly(device, tmp_path):
+    """The device path of the KV tiers: blocks copied off the device (pinned, not blocking, on CUDA) by one engine,
+    loaded into another's pool, give the same greedy tokens as computing them."""
+    from tests.support.tiny_model import build_model
+
+    model = build_model().to(device).eval()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (90,), generator=gen).tolist()
+
+    def run(tiers: bool) -> tuple[list[int], int]:
+        offload = {"kv_offload_gib": 0.05, "kv_offload_host_dir": tmp_path} if tiers else {"kv_offload_gib": 0}
+        engine = Engine(model, IdTokenizer(), EngineConfig(max_num_seqs=2, kv_cache_bytes=8 * 2**20,
+                                                           attention_backend="triton", cuda_graphs=False, **offload))
+        engine.add_request(greedy_request("r", ids, 12))
+        tokens, cached = [], 0
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens.extend(delta.token_ids or ())
+                cached = delta.usage.cached_tokens if delta.usage else cached
+        if engine.tiers is not None:
+            assert engine.tiers.tiers.flush()
+        engine.shutdown()
+        return tokens, cached
+
+    computed, _ = run(tiers=False)
+    assert run(tiers=True) == (computed, 0)  # the first writes the prompt's blocks through
+    assert run(tiers=True) == (computed, 80)  # the second loads its five full blocks before the last token
