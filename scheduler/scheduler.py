@@ -291,7 +291,10 @@ class Scheduler:
                 break  # strict order: a smaller request behind it must not overtake it
             self._waiting.remove(seq.seq_id)
             if seq.status == RequestStatus.WAITING:
-                seq.num_cached_tokens = num_hit  # first admission only: what usage reports as cached
+                # First admission only: what usage reports as cached. A continuation's hit may run past its prompt
+                # into the tokens its first worker streamed (loaded from a shared KV tier): those are completion
+                # tokens, and cached_tokens is a part of prompt_tokens.
+                seq.num_cached_tokens = min(num_hit, seq.num_prompt_tokens)
                 if self.config.enable_prefix_caching:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += num_hit

@@ -117,6 +117,22 @@ def test_a_sequence_can_preempt_itself_and_resumes_from_its_cached_prefix(
     assert b.output_token_ids == reference_outputs(b.prompt_token_ids, 3)
 
 
+def test_a_resumed_sequence_counts_as_cached_only_its_prompt(make_seq, step) -> None:
+    """A continuation (``Sequence.resume``) whose prefix hit runs past its prompt into the resumed tokens: usage's
+    cached tokens are a part of its prompt tokens, as OpenAI's ``cached_tokens`` is of ``prompt_tokens``."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_model_len=32))
+    first = make_seq("first", num_prompt_tokens=6, max_tokens=8)
+    sched.add_request(first)
+    while sched.has_unfinished_requests():
+        step(sched)  # its 14 tokens' first 3 blocks are in the prefix cache now
+    again = make_seq("again", prompt=first.prompt_token_ids, max_tokens=8)
+    again.resume(first.output_token_ids[:6])  # 12 tokens: a hit of 8 or more would run past the 6-token prompt
+    sched.add_request(again)
+    output, _ = step(sched)
+    assert chunks(output) == [("again", 8, 4, True)]  # 2 blocks hit: 8 tokens, 2 of them resumed ones
+    assert again.num_cached_tokens == 6
+
+
 def test_more_important_waiting_request_preempts_the_least_important_running_one(make_seq, step) -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=4, max_model_len=16))
     low = make_seq("low", num_prompt_tokens=12, max_tokens=4, priority=2)

@@ -10,8 +10,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from switchyard.shared.messages import Resume
 from switchyard.workers.engine.config import EngineConfig
 from tests.workers.test_engine import PROMPTS, RecordingEngine, run
+from tests.workers.test_engine_resume import _run_continuation
 
 # Three prompts of several full blocks each; a pool of 9 blocks holds about one of them with its reply, so asking
 # all three evicts the first from the pool.
@@ -90,6 +92,34 @@ def test_blocks_the_host_tier_evicts_are_found_on_the_disk_tier(tiny, make_reque
     tokens, cached = _ask(second, make_request, A)
     assert tokens == expected[A] and cached >= 64
     assert _tier(second, "disk").hits > 0
+    second.shutdown()
+
+
+def test_a_continuation_on_another_worker_loads_the_dead_workers_blocks_and_goes_on_exactly(tiny, make_request,
+                                                                                            tmp_path):
+    """A failover's continuation (``resume``: the prompt and the tokens the first worker streamed) is a prefix the
+    first worker wrote through: the next worker loads it, prompt and streamed tokens alike, and its usage counts
+    as cached the prompt's tokens only (the streamed ones are completion tokens, OpenAI's ``cached_tokens`` a
+    part of ``prompt_tokens``)."""
+    request = make_request(prompt=A, request_id="r", temperature=0, max_tokens=40, ignore_eos=True)
+    first = RecordingEngine(*tiny, _config(tmp_path))
+    first.add_request(request)
+    full = run(first)["r"]
+    assert first.tiers.tiers.flush()
+    first.shutdown()  # as good as dead: what it wrote through is all that is left of it
+    sent = full.deltas[:30]
+    sent_ids = [t for d in sent for t in d.token_ids or ()]
+    num_prompt = full.final.usage.prompt_tokens
+    assert (num_prompt + len(sent_ids) - 1) // 16 * 16 > num_prompt, "the chain runs past the prompt"
+
+    second = RecordingEngine(*tiny, _config(tmp_path))
+    second.add_request(msgspec.structs.replace(request, resume=Resume(sent_ids, len("".join(d.text for d in sent)))))
+    rest = _run_continuation(second)
+    assert "".join(d.text for d in sent) + rest.text == full.text
+    assert sent_ids + second.token_ids["r"] == first.token_ids["r"]
+    assert second.tiers.num_loaded_blocks == (num_prompt + len(sent_ids) - 1) // 16
+    assert rest.final.usage.cached_tokens == num_prompt
+    assert (rest.final.usage.prompt_tokens, rest.final.usage.completion_tokens) == (num_prompt, 40)
     second.shutdown()
 
 
