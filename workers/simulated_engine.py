@@ -255,6 +255,10 @@ class SimulatedEngine:
     def take_safety_events(self) -> list[SafetyEvent]:
         return []  # no output filter: its text is made up
 
+    @property
+    def kv_block_size(self) -> int:
+        return 16  # no KV cache: its (empty) KV events need some size
+
     def take_kv_changes(self) -> None:
         """No KV events from this engine."""
         return None

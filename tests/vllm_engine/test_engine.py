@@ -1,15 +1,21 @@
 """The vLLM engine on SmolLM2, driven as the worker drives it: deltas as ours sends them, tiers as vLLM priorities
 (admitted first, preempted last), aborts that free the KV cache, the prefix cache scoped per tenant, every sampling
-parameter honoured or refused with a 400, grammars, tool calls, continuations and the output safety filter."""
+parameter honoured or refused with a 400, grammars, tool calls, continuations, the output safety filter, and KV
+events in our hash chain."""
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import jsonschema
+import msgspec
 import pytest
 
-from switchyard.shared.messages import ErrorInfo, ResponseFormat, Resume, SafetyPolicy, ToolSpec, ToolUse
+from switchyard.scheduler.kv_cache_manager import KVCacheManager
+from switchyard.scheduler.request import Sequence
+from switchyard.shared.kv_events import POOL, cache_salt, pack_hashes
+from switchyard.shared.messages import ChatMessage, ErrorInfo, ResponseFormat, Resume, SafetyPolicy, ToolSpec, ToolUse
 
 pytestmark = pytest.mark.model
 
@@ -232,3 +238,37 @@ def test_the_output_filter_halts_a_reply_before_the_flagged_word(engine, request
     steps = engine.run()
     assert "Paris" not in text_of(steps, req.request_id)
     assert finals(steps)[(req.request_id, 0)].finish_reason == "content_filter"
+
+
+def test_kv_events_name_the_prompts_blocks_in_our_chain_with_its_message_prefixes(engine, request_of):
+    """vLLM's own KV events, as the worker publishes them: the prompt's full blocks of vLLM's size (128 tokens on a
+    CPU), named by our hash chain over the prompt's tokens and the tenant's cache salt, as our engine names them,
+    and the chat's message prefixes mapped to those blocks."""
+    assert engine.info["kv_block_size"] == 128
+    engine.take_kv_changes()  # what the tests before left
+    system = "You are the keeper's assistant. " + LONG  # ~190 tokens: the first block ends in it
+    req = msgspec.structs.replace(request_of(max_tokens=1, temperature=0, tenant=f"kv-{uuid.uuid4().hex[:8]}"),
+                                  messages=[ChatMessage("system", system), ChatMessage("user", LONG)])
+    token_ids, segments = engine.prepare(req)
+    engine.add(req)
+    engine.run()
+    changes = engine.take_kv_changes()
+    assert changes is not None and changes.block_size == 128
+    seq = Sequence(req.request_id, token_ids, max_tokens=1, cache_salt=cache_salt(req))
+    ours = [h for h, _ in KVCacheManager(num_blocks=8, block_size=128).chain(seq)]
+    assert len(ours) >= 2
+    # A tenant of its own: no block of this salt was cached before, so vLLM stored each, in order.
+    assert changes.stored[POOL][:len(ours)] == ours
+    assert set(ours) <= set(engine.kv_listing()[POOL])
+    # Message prefixes: the system prompt's ends within block 1, the conversation's takes the rest.
+    assert changes.prefixes == segments and len(segments) == 2
+    assert segments[0].parent is None and segments[0].hashes == pack_hashes(ours[:1])
+    assert segments[1].parent == segments[0].key and segments[1].hashes == pack_hashes(ours[1:])
+    assert engine.take_kv_changes().is_empty  # each handed out once
+    # Two prompts of three blocks and a bit each need four of the pool's five blocks: ours, the least recently used,
+    # are evicted, and removed in our chain.
+    for i in range(2):
+        engine.add(request_of(prompt=f"{i}: " + 2 * LONG + LONG[:len(LONG) // 2], max_tokens=1))
+        engine.run()
+    removed = engine.take_kv_changes().removed[POOL]
+    assert set(ours) <= set(removed) and not set(ours) & set(engine.kv_listing()[POOL])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from switchyard.shared.config import SwitchyardConfig, WorkerConfig, settings_env
-from switchyard.workers.vllm_engine.args import engine_kwargs, pooling_kwargs, process_env
+from switchyard.workers.vllm_engine.args import engine_kwargs, kv_events_subscription, pooling_kwargs, process_env
 from switchyard.workers.vllm_engine.environment import VllmUnavailable, vllm_python
 
 GPU_70B = {
@@ -104,6 +104,34 @@ def test_on_a_cpu_it_starts_eager_in_the_fastest_dtype_with_our_kv_budget():
     compiled = WorkerConfig(vllm={"enforce_eager": False}, dtype="bfloat16")
     assert engine_kwargs(compiled, "/m", on_gpu=False)["enforce_eager"] is False
     assert engine_kwargs(compiled, "/m", on_gpu=False)["dtype"] == "bfloat16"
+
+
+def test_kv_events_are_published_on_the_workers_own_endpoint_with_prefix_caching_only():
+    endpoint = "ipc:///tmp/switchyard-vllm-kv-x/events.sock"
+    kwargs = engine_kwargs(WorkerConfig(), "/m", on_gpu=False, kv_events_endpoint=endpoint)
+    assert kwargs["kv_events_config"] == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                          "topic": ""}
+    assert kv_events_subscription(kwargs) == (endpoint, "")
+    # No endpoint asked for, or no prefix caching (which is what hashes blocks): vLLM publishes none.
+    assert "kv_events_config" not in engine_kwargs(WorkerConfig(), "/m", on_gpu=False)
+    off = engine_kwargs(WorkerConfig(enable_prefix_caching=False), "/m", on_gpu=False, kv_events_endpoint=endpoint)
+    assert "kv_events_config" not in off and kv_events_subscription(off) is None
+    assert "kv_events_config" not in pooling_kwargs(WorkerConfig(), "/m", on_gpu=False, max_input_tokens=256)
+
+
+def test_kv_events_configured_by_engine_args_are_subscribed_to_where_vllm_binds_them():
+    def subscription(config):
+        worker = WorkerConfig(vllm={"engine_args": {"kv_events_config": config}})
+        return kv_events_subscription(engine_kwargs(worker, "/m", on_gpu=False, kv_events_endpoint="ipc:///x"))
+
+    assert subscription({"enable_kv_cache_events": True, "endpoint": "tcp://*:5600", "topic": "kv"}) == \
+        ("tcp://127.0.0.1:5600", "kv")
+    assert subscription({"enable_kv_cache_events": True}) == ("tcp://127.0.0.1:5557", "")  # vLLM's default
+    assert subscription({"enable_kv_cache_events": True, "endpoint": "tcp://10.0.0.5:5557"}) == \
+        ("tcp://10.0.0.5:5557", "")
+    assert subscription({"enable_kv_cache_events": True, "endpoint": "tcp://*:0"}) is None  # vLLM's port to choose
+    assert subscription({"enable_kv_cache_events": False}) is None
+    assert subscription({"enable_kv_cache_events": True, "publisher": "null"}) is None
 
 
 def test_any_other_engine_arg_passes_as_given_and_wins():

@@ -97,6 +97,7 @@ class EmbeddingEngine:
         self.model = model
         self.name = name
         self.max_num_seqs = settings.max_num_seqs  # inputs per step
+        self.kv_block_size = settings.block_size  # no KV cache: its (empty) KV events say the worker's
         self._queue: deque[_Queued] = deque()
         self._ending: list[_Queued] = []  # aborted: their finals go out with the next step
         self.num_steps_run = 0  # steps that ran the model

@@ -112,6 +112,10 @@ class Engine:
         return self.runner.device.type
 
     @property
+    def kv_block_size(self) -> int:
+        return self.config.block_size
+
+    @property
     def max_num_seqs(self) -> int:
         return self.config.max_num_seqs
 

@@ -10,6 +10,7 @@
                     capacity() ─────────────────────▶ seats, KV use, waiting: what may be pulled  ──▶ EngineCapacity
                     stats(), take_safety_events() ──▶ for metrics and heartbeats
                     take_kv_changes() ──────────────▶ blocks stored / removed per tier  ──▶ the KV events
+                                                       (hashes of kv_block_size-token blocks, our chain)
                     shutdown()                         once, after the last step
 
 The worker touches an engine from one thread only (its step thread: torch's OpenMP pool belongs to the calling
@@ -66,6 +67,12 @@ class ServingEngine(Protocol[PreparedT]):
     @property
     def device_type(self) -> str:
         """``cpu`` or ``cuda``: where a step's cost grows with its batch, and where it hardly does."""
+        ...
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block: the size of the blocks ``take_kv_changes`` and ``kv_listing`` name, and so of the
+        worker's KV events (ours: its ``block_size``; vLLM's own, 128 on a CPU)."""
         ...
 
     def prepare(self, request: GenerateRequest, /) -> PreparedT:

@@ -35,17 +35,15 @@ class KVChanges(msgspec.Struct):
         return not (any(self.stored.values()) or any(self.removed.values()) or self.prefixes)
 
 
-class KVChangeLog:
-    """Collects an engine's KV changes between two ``take`` calls (all on the step thread but ``listing``)."""
+class PrefixSegmentLog:
+    """The message-prefix segments of requests added since the last ``take``, each key handed out once (see the
+    module docstring); both engines' KV changes carry them."""
 
-    def __init__(self, block_size: int, pool: BlockPool, tiers: TieredPrefixes | None) -> None:
-        self._block_size = block_size
-        self._pool = pool
-        self._tiers = tiers
+    def __init__(self) -> None:
         self._segments: list[PrefixSegment] = []
         self._handed_out: OrderedDict[bytes, None] = OrderedDict()
 
-    def add_prefixes(self, segments: list[PrefixSegment]) -> None:
+    def add(self, segments: list[PrefixSegment]) -> None:
         for segment in segments:
             if segment.key in self._handed_out:
                 self._handed_out.move_to_end(segment.key)
@@ -55,10 +53,26 @@ class KVChangeLog:
         while len(self._handed_out) > _KEYS_REMEMBERED:
             self._handed_out.popitem(last=False)
 
+    def take(self) -> list[PrefixSegment]:
+        segments, self._segments = self._segments, []
+        return segments
+
+
+class KVChangeLog:
+    """Collects an engine's KV changes between two ``take`` calls (all on the step thread but ``listing``)."""
+
+    def __init__(self, block_size: int, pool: BlockPool, tiers: TieredPrefixes | None) -> None:
+        self._block_size = block_size
+        self._pool = pool
+        self._tiers = tiers
+        self._prefixes = PrefixSegmentLog()
+
+    def add_prefixes(self, segments: list[PrefixSegment]) -> None:
+        self._prefixes.add(segments)
+
     def take(self) -> KVChanges:
         stored, removed = self._pool.take_events()
-        changes = KVChanges(self._block_size, {POOL: stored}, {POOL: removed}, self._segments)
-        self._segments = []
+        changes = KVChanges(self._block_size, {POOL: stored}, {POOL: removed}, self._prefixes.take())
         if self._tiers is not None:
             for tier, (tier_stored, tier_removed) in self._tiers.tiers.take_events().items():
                 changes.stored[tier] = tier_stored

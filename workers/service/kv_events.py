@@ -42,14 +42,14 @@ def node_id(host_dir: Path | None, disk_dir: Path | None) -> str:
 class KVEventPublisher:
     """Publishes one worker's KV events and answers snapshot requests (see the module docstring)."""
 
-    def __init__(self, nc, engine: ServingEngine, model: str, worker_id: str, node: str, block_size: int) -> None:
+    def __init__(self, nc, engine: ServingEngine, model: str, worker_id: str, node: str) -> None:
         self._nc = nc
         self._engine = engine
         self._subject = kv_events.events_subject(subjects.model_token(model))
         self._snapshot_subject = kv_events.snapshot_subject(subjects.model_token(model))
         self._worker_id = worker_id
         self._node = node
-        self._block_size = block_size
+        self._block_size = engine.kv_block_size  # the engine's own (vLLM's is not the worker's block_size)
         self._epoch = uuid.uuid4().hex[:8]
         self._seq = 0
         self._last_sent = 0.0

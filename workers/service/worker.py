@@ -102,7 +102,7 @@ class Worker:
             ]
             w = config.worker
             kv_events = KVEventPublisher(nc, self.engine, self.model_name, self.worker_id,
-                                         node_id(w.kv_offload_host_dir, w.kv_offload_dir), w.block_size)
+                                         node_id(w.kv_offload_host_dir, w.kv_offload_dir))
             await kv_events.start()
             self._steps = StepLoop(self.engine, self._step_thread, self._held, self._capacity, intake, out,
                                    self.metrics, config.worker.drain_timeout_s, kv_events)

@@ -6,7 +6,8 @@
                      quantization, kv_cache_dtype, speculative_config,     │
                      KV offloading, max_model_len, GPU memory, eager,     ─┘
                      engine_args (anything else, as given: it wins)
-                  + what the platform needs: priority scheduling (tiers), logprobs up to 20, llguidance grammars
+                  + what the platform needs: priority scheduling (tiers), logprobs up to 20, llguidance grammars,
+                    and KV events on an endpoint of the worker's own (kv_events.py turns them into ours)
 
 Pure (no vLLM import), so the mapping is tested where vLLM is not installed.
 """
@@ -20,10 +21,13 @@ MAX_LOGPROBS = 20
 CPU_KV_CACHE_GIB = 2  # ours' default on a CPU too: both engines get the same KV budget unless told otherwise
 
 
-def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf16: bool = False) -> dict:
+def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf16: bool = False,
+                  kv_events_endpoint: str | None = None) -> dict:
     """``EngineArgs`` keyword arguments for serving ``model_path`` with ``worker``'s settings. ``on_gpu``: a CUDA
     device is there; ``native_bf16``: this CPU does bf16 in hardware (else ``dtype: auto`` takes float32 on a CPU:
-    vLLM-CPU in emulated bf16 is several times slower than in float32)."""
+    vLLM-CPU in emulated bf16 is several times slower than in float32); ``kv_events_endpoint``: where vLLM
+    publishes its KV events (a ZMQ endpoint it binds), for the worker's (``kv_events_subscription``); none without
+    prefix caching, which is what hashes blocks."""
     v = worker.vllm
     if worker.kv_offload_dir is not None:
         raise ValueError("kv_offload_dir: the disk KV tier is our engine's; a vLLM worker offloads to host memory only "
@@ -61,12 +65,32 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
         scheduling_policy="priority",
         max_logprobs=MAX_LOGPROBS,
         structured_outputs_config={"backend": "guidance"},
+        kv_events_config=None if kv_events_endpoint is None or not worker.enable_prefix_caching else {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events_endpoint, "topic": ""},
         # Weights and tokenizer come from the local directory: model hubs are never asked.
         tokenizer=model_path,
         trust_remote_code=False,
     )
     kwargs.update(v.engine_args)
     return {k: val for k, val in kwargs.items() if val is not None}
+
+
+def kv_events_subscription(kwargs: dict) -> tuple[str, str] | None:
+    """The ZMQ endpoint and topic to subscribe to vLLM's KV events at, as ``kwargs`` (``engine_kwargs``, with what
+    ``engine_args`` changed) configure them; None when they are off or cannot be reached from here (a ``tcp://*:0``
+    port is vLLM's to choose). A tcp endpoint vLLM binds on every interface is reached on loopback."""
+    config = kwargs.get("kv_events_config")
+    if not isinstance(config, dict) or not config.get("enable_kv_cache_events") \
+            or config.get("publisher", "zmq") != "zmq":
+        return None
+    endpoint = str(config.get("endpoint", "tcp://*:5557"))  # vLLM's default
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if port == "0":
+            return None
+        if host in ("*", "0.0.0.0", "[::]", "::"):
+            endpoint = f"tcp://127.0.0.1:{port}"
+    return endpoint, str(config.get("topic", ""))
 
 
 def pooling_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, max_input_tokens: int | None) -> dict:

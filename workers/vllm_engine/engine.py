@@ -9,6 +9,8 @@
                            (outputs.py) ─▶ TokenDelta, as ours sends them
                    abort_request ─▶ LLMEngine.abort_request: vLLM frees the KV blocks; our finals next step
                    capacity, stats ─▶ load.py (vLLM's stat logger + the choices held here)
+                   take_kv_changes ─▶ kv_events.py: vLLM's KV events (its ZMQ publisher) in our hash chain, and
+                                      the prefix segments of the chat requests added (prepare maps them)
 
 A request with ``n > 1`` is n vLLM requests (seeds ``seed + i``, as ours); choices after the first join once the
 first has produced a token, so they find the prompt's blocks in vLLM's prefix cache instead of computing them n
@@ -23,6 +25,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -33,17 +37,20 @@ from switchyard.shared.tiers import TIER_NAMES, get_tier
 from switchyard.workers.engine.choice import RequestState, cache_salt, check_resumable, make_choice
 from switchyard.workers.engine.guided import Grammars
 from switchyard.workers.engine.interface import RequestRejected
+from switchyard.workers.engine.kv_changes import KVChanges
 from switchyard.workers.engine.logprobs import TokenLogprobs
 from switchyard.workers.engine.output_filter import OutputSafety, SafetyEvent
 from switchyard.workers.engine.prompts import PreparedPrompt, prepare_prompt
 from switchyard.workers.engine.stats import EngineCapacity, EngineStats
 from switchyard.workers.vllm_engine import args as vllm_args
+from switchyard.workers.vllm_engine.kv_events import VllmKVEvents
 from switchyard.workers.vllm_engine.load import StepStats, capacity_of, stat_logger_factory, stats_of
 from switchyard.workers.vllm_engine.outputs import ERROR, ChoiceRun, Ending
 from switchyard.workers.vllm_engine.requests import check_supported, prompt_input, sampling_kwargs
 
 log = logging.getLogger("switchyard.engine")
 
+MIN_KV_BLOCKS_TRACKED = 65_536
 _INTERNAL = ErrorInfo("The worker had an error processing your request.", code="internal_error",
                       type="server_error", status=500)
 
@@ -74,7 +81,10 @@ class _Request:
 class VllmEngine:
     """See the module docstring. Built by ``from_settings`` (or around an ``LLMEngine`` by tests)."""
 
-    def __init__(self, llm, tokenizer, max_num_seqs: int, stats: StepStats) -> None:
+    def __init__(self, llm, tokenizer, max_num_seqs: int, stats: StepStats,
+                 kv_events: tuple[str, str] | None = None) -> None:
+        """``kv_events``: the ZMQ endpoint and topic ``llm`` publishes its KV events at (None: it publishes none, and
+        this engine hands out none either)."""
         from vllm.platforms import current_platform
 
         self._llm = llm
@@ -85,6 +95,17 @@ class VllmEngine:
         self.max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
         self._device_type = "cpu" if current_platform.is_cpu() else "cuda"
+        cache_config = llm.vllm_config.cache_config
+        self._kv_block_size = int(cache_config.block_size)  # vLLM's, after its platform's say (128 on a CPU)
+        self._kv_events: VllmKVEvents | None = None
+        self.kv_events_dir: str | None = None  # the private directory of the ipc endpoint, removed at shutdown
+        if kv_events is not None:
+            # Blocks held per tier at most (events lost could leave some held forever): twice the pool, and room
+            # for what vLLM's offloading keeps below it.
+            max_blocks = max(2 * int(cache_config.num_gpu_blocks or 0), MIN_KV_BLOCKS_TRACKED)
+            self._kv_events = VllmKVEvents(*kv_events, self._kv_block_size, max_blocks)
+            if not self._kv_events.watch(llm):
+                log.info("vLLM KV events: its engine core runs elsewhere; a step's events go out with a later one")
         self._requests: dict[str, _Request] = {}
         self._by_vllm_id: dict[str, tuple[_Request, ChoiceRun]] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
@@ -115,26 +136,40 @@ class VllmEngine:
         from switchyard.workers.executor.cpu_dtype import has_native_bf16
 
         on_gpu = torch.cuda.is_available()
-        kwargs = vllm_args.engine_kwargs(worker, model_path, on_gpu, native_bf16=not on_gpu and has_native_bf16())
-        log.info("vLLM engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
-        t0 = time.monotonic()
-        stats = StepStats()
-        llm = LLMEngine.from_engine_args(EngineArgs(**kwargs), stat_loggers=[stat_logger_factory(stats)])
-        log.info("vLLM engine ready in %.1f s", time.monotonic() - t0)
-        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        return cls(llm, tokenizer, worker.max_num_seqs, stats)
+        # vLLM's KV events on an ipc socket of a directory of this worker's own (kv_events.py says why).
+        events_dir = tempfile.mkdtemp(prefix="switchyard-vllm-kv-")
+        try:
+            kwargs = vllm_args.engine_kwargs(worker, model_path, on_gpu, native_bf16=not on_gpu and has_native_bf16(),
+                                             kv_events_endpoint=f"ipc://{events_dir}/events.sock")
+            log.info("vLLM engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+            t0 = time.monotonic()
+            stats = StepStats()
+            llm = LLMEngine.from_engine_args(EngineArgs(**kwargs), stat_loggers=[stat_logger_factory(stats)])
+            log.info("vLLM engine ready in %.1f s", time.monotonic() - t0)
+            tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+            engine = cls(llm, tokenizer, worker.max_num_seqs, stats, vllm_args.kv_events_subscription(kwargs))
+        except BaseException:
+            shutil.rmtree(events_dir, ignore_errors=True)
+            raise
+        engine.kv_events_dir = events_dir
+        return engine
 
     # -- the interface ------------------------------------------------------------------------------------------
     @property
     def device_type(self) -> str:
         return self._device_type
 
+    @property
+    def kv_block_size(self) -> int:
+        return self._kv_block_size
+
     def prepare(self, req: GenerateRequest) -> PreparedPrompt[str]:
         """As our engine's (prompts.prepare_prompt), and what vLLM cannot honour refused (requests.check_supported);
-        the grammar comes back as its text."""
+        the grammar comes back as its text. With KV events, a chat's message prefixes are mapped to vLLM's blocks."""
         check_supported(req)
         with self._prepare_lock:
-            return prepare_prompt(self._prepare_tokenizer, req, self.max_context, self._grammars, self.vocab_size)
+            return prepare_prompt(self._prepare_tokenizer, req, self.max_context, self._grammars, self.vocab_size,
+                                  self._kv_block_size if self._kv_events is not None else None)
 
     def add_request(self, req: GenerateRequest, prepared: PreparedPrompt[str] | None = None) -> int:
         if req.request_id in self._requests:
@@ -163,6 +198,8 @@ class VllmEngine:
         priority = get_tier(req.tier).priority if req.tier in TIER_NAMES else len(TIER_NAMES)
         entry = _Request(state, runs, req.tier, priority, grammar)
         self._add_to_vllm(entry, runs[0])  # the others once it has a token (see the module docstring)
+        if self._kv_events is not None:
+            self._kv_events.add_prefixes(prepared.prefix_segments)
         self._requests[req.request_id] = entry
         for run in runs:
             self._by_vllm_id[run.vllm_id] = (entry, run)
@@ -249,19 +286,25 @@ class VllmEngine:
     def take_safety_events(self) -> list[SafetyEvent]:
         return self.safety.take_events()
 
-    def take_kv_changes(self) -> None:
-        """No KV events from this engine."""
-        return None
+    def take_kv_changes(self) -> KVChanges | None:
+        """vLLM's KV events since the last call, in our hash chain (kv_events.py), and the prefix segments of the
+        requests added; None when vLLM publishes none (prefix caching off)."""
+        return self._kv_events.take() if self._kv_events is not None else None
 
     def kv_listing(self) -> dict[str, list[int]]:
-        return {}
+        return self._kv_events.listing() if self._kv_events is not None else {}
 
     def shutdown(self) -> None:
-        """Abort what vLLM still holds and stop its engine core (and a tensor-parallel group's processes)."""
+        """Abort what vLLM still holds and stop its engine core (and a tensor-parallel group's processes), then the
+        KV events' subscriber."""
         ids = [vllm_id for vllm_id, (_, run) in self._by_vllm_id.items() if run.is_added]
         if ids:
             self._llm.abort_request(ids)
         self._llm.engine_core.shutdown()
+        if self._kv_events is not None:
+            self._kv_events.close()
+        if self.kv_events_dir is not None:
+            shutil.rmtree(self.kv_events_dir, ignore_errors=True)
 
     # -- ending choices -----------------------------------------------------------------------------------------
     def _is_ended(self, run: ChoiceRun) -> bool:
