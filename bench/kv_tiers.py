@@ -98,7 +98,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kill-after", type=int, default=16, help="(c) tokens the client gets before the kill")
     p.add_argument("--repetitions", type=int, default=5, help="(c) killed streams per mode")
-    p.add_argument("--offload-gib", type=float, default=4.0)
+    # A tenant's blocks take at most half a tier (kv_offload_tenant_share): 8 GiB leaves this one-tenant working set
+    # (3.4 GB in float32) room; 4 GiB does not, and LRU over a round-robin larger than the cache keeps nothing.
+    p.add_argument("--offload-gib", type=float, default=8.0)
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
     if args.part == "c" and args.max_tokens <= args.kill_after:
