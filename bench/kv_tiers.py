@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/kv_tiers.py                 # part (a); starts its own system; ~15 minutes on 2 CPU cores
     .venv/bin/python bench/kv_tiers.py --conversations 8 --turns 3   # a quick look
-    .venv/bin/python bench/kv_tiers.py --part c        # part (c); ~10 minutes on 2 CPU cores
+    .venv/bin/python bench/kv_tiers.py --part c        # part (c); ~4 minutes on 2 CPU cores
 
 (a) One worker (SmolLM2-135M, our engine) whose pool is the engine's smallest (one full context: 8,208 tokens),
 ``--conversations`` conversations of ``--turns`` turns, each opening with a history of about 1,500 tokens of its own
