@@ -45,6 +45,17 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str = 
     return int.from_bytes(h.digest(), "little")
 
 
+def hash_chain(token_ids: Seq[int], block_size: int, salt: str, num_blocks: int, parent: int | None = None,
+               ) -> list[int]:
+    """Hashes of the first ``num_blocks`` full blocks of ``token_ids``, chained from ``parent`` (None: from the
+    start of a sequence, where ``salt`` goes in)."""
+    hashes = []
+    for i in range(num_blocks):
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), salt)
+        hashes.append(parent)
+    return hashes
+
+
 class CachedBlock(NamedTuple):
     """A block just registered in the prefix cache: where it is, what it holds, and whose it is."""
 
@@ -210,11 +221,9 @@ class KVCacheManager:
     def chain(self, seq: Sequence) -> list[tuple[int, tuple[int, ...]]]:
         """``(hash, token ids)`` of each full block a prefix lookup for ``seq`` may hit (as ``get_computed_blocks``:
         all but the last token). Kept nowhere: ``seq`` need not be in the cache's care yet."""
-        chain: list[tuple[int, tuple[int, ...]]] = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            token_ids = self._block_tokens(seq, i)
-            chain.append((hash_block(chain[-1][0] if chain else None, token_ids, seq.cache_salt), token_ids))
-        return chain
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = hash_chain(seq.token_ids, self.block_size, seq.cache_salt, num_blocks)
+        return [(h, self._block_tokens(seq, i)) for i, h in enumerate(hashes)]
 
     def num_cached_prefix_blocks(self, chain: Seq[tuple[int, tuple[int, ...]]]) -> int:
         """How many leading blocks of ``chain`` the pool holds now."""

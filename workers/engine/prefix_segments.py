@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 
-from switchyard.scheduler.kv_cache_manager import hash_block
+from switchyard.scheduler.kv_cache_manager import hash_chain
 from switchyard.shared.kv_events import PrefixSegment, pack_hashes, request_prefix_keys
 from switchyard.shared.messages import GenerateRequest
 
@@ -35,7 +35,7 @@ def prefix_segments(req: GenerateRequest, rendered: list[dict], text: str, token
         furthest = max(furthest, end)
         ends.append(furthest)
     max_blocks = (len(token_ids) - 1) // block_size  # as a prefix lookup: at least one token left to compute
-    chain: list[int] = []
+    chain = hash_chain(token_ids, block_size, salt, max_blocks)
     segments: list[PrefixSegment] = []
     position, parent, num_blocks = 0, None, 0
     for key, message in zip(keys, rendered):
@@ -46,10 +46,6 @@ def prefix_segments(req: GenerateRequest, rendered: list[dict], text: str, token
         position = found + len(content)
         boundary_tokens = bisect.bisect_right(ends, position)
         upto = min(boundary_tokens // block_size, max_blocks)
-        while len(chain) < upto:
-            i = len(chain)
-            chain.append(hash_block(chain[-1] if chain else None,
-                                    tuple(token_ids[i * block_size:(i + 1) * block_size]), salt))
         segments.append(PrefixSegment(key, parent, pack_hashes(chain[num_blocks:upto])))
         parent, num_blocks = key, upto
     return segments

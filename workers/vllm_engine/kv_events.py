@@ -53,7 +53,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.scheduler.kv_cache_manager import hash_block
+from switchyard.scheduler.kv_cache_manager import hash_chain
 from switchyard.shared.kv_events import DISK, HOST, POOL, PrefixSegment
 from switchyard.workers.engine.kv_changes import KVChanges, PrefixSegmentLog
 
@@ -200,10 +200,7 @@ class KVEventTranslator:
                 raise Skipped("lost parent", f"{event.parent_block_hash!r} never stored, or long forgotten")
         if any(keys is not None for keys in extra_keys):
             raise Skipped("extra keys", f"{extra_keys!r:.80} (multimodal or prompt embeddings)")
-        ours = []
-        for i in range(num_blocks):
-            parent = hash_block(parent, tuple(event.token_ids[i * size:(i + 1) * size]), salt)
-            ours.append(parent)
+        ours = hash_chain(event.token_ids, size, salt, num_blocks, parent)
         for theirs, mine in zip(event.block_hashes, ours):
             self._translated(theirs, mine)
             self._hold(tier, theirs, mine)
