@@ -8,7 +8,7 @@ NATS gets one user per role, each allowed only the subjects its processes use (n
     gateway   llm.req.> llm.aff.> llm.cancel.> llm.events.>          llm.tok.> llm.alive.> llm.kv.> (KV events)
               llm.kvsnap.> llm.usage llm.held.> llm.dead.>           (and hosts the jobs: billing, batches)
     worker    llm.tok.> llm.usage llm.result.> llm.alive.> llm.kv.>  llm.req.> llm.aff.> (doorbells) llm.cancel.>
-                                                                     llm.kvsnap.> (snapshot requests)
+              llm.kvblk.> (other nodes' KV blocks)                   llm.kvsnap.> (snapshot requests) llm.kvblk.>
     admin     everything (the CLI: tiers, tenants, usage)
 
 Neither service role holds the JetStream API (``$JS.API.>``): each may create the streams and buckets it sets up
@@ -69,9 +69,10 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "subscribe": ["llm.tok.>", "llm.alive.>", "llm.kv.>", "_INBOX.>"],
     },
     "worker": {
-        "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", "llm.kv.>", "$KV.workers.>", *_SETUP,
+        "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", "llm.kv.>", "llm.kvblk.>",
+                    "$KV.workers.>", *_SETUP,
                     *_consumes(*_TIER_STREAMS, "AFFINITY"), *_reads_buckets("tiers", "workers")],
-        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.kvsnap.>", "_INBOX.>"],
+        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.kvsnap.>", "llm.kvblk.>", "_INBOX.>"],
     },
     "admin": {"publish": [">"], "subscribe": [">"]},
 }

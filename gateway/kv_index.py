@@ -6,8 +6,13 @@ and the worker a chat request should be offered to.
                                              message-prefix key ─▶ (parent key, its blocks)
                                              worker ─▶ node, load, last batch (a gap: ask for a snapshot)
     a request ──▶ its message-prefix keys (shared/kv_events.py) ─▶ the longest known prefix's blocks ─▶ each live
-                  worker's score: the blocks it would not compute (pool 1, host tier 0.9, disk tier 0.6, counted from
-                  the first block while it holds them), less its load ─▶ the best one, if it would save any
+                  worker's cost, in blocks' worth of prefill: the blocks it would compute (its pool 0, its node's host
+                  tier 0.1, disk tier 0.4, counted from the first block while it holds them; 1 each past that), plus
+                  the prefill queued there already (its backlog, and what this gateway sent it since), plus its load
+                  ─▶ the cheapest one, if it would save any
+              ──▶ the node (a live worker's) whose tiers hold the longest run of the prefix, if any: named in the
+                  request (``kv_source``), so whichever worker takes it, on another node, may fetch the blocks from
+                  there rather than compute them (workers/kv_tiers/remote.py decides)
 
 Lost or reordered events cost at most an offer that saves less than it promised: the worker verifies whatever it
 loads by hash and tokens, and an offer to a busy worker falls back to the shared queue after ``affinity_wait_s``.
@@ -36,12 +41,12 @@ from switchyard.shared.kv_events import (
     snapshot_subject,
     split_hashes,
 )
-from switchyard.shared.messages import GenerateRequest
+from switchyard.shared.messages import GenerateRequest, KVSource
 
 log = logging.getLogger("switchyard.gateway")
 
 TIER_WEIGHTS = {POOL: 1.0, HOST: 0.9, DISK: 0.6}  # a block in a tier saves about this much of computing it
-LOAD_WEIGHT = 0.1  # load (0: idle, 1: every seat taken) costs this share of a full prefix: it breaks near-ties
+LOAD_BLOCKS = 1.0  # load (0: idle, 1: every seat taken) costs this many blocks' prefill: it breaks near-ties
 SILENT_AFTER_S = 5.0  # a worker not heard for this long (it beats every second) is left out of routing
 FORGET_AFTER_S = 60.0
 _SNAPSHOT_EVERY_S = 2.0  # at most one snapshot request per model this often
@@ -55,6 +60,8 @@ class _Worker:
     seq: int
     block_size: int
     load: float = 0.0
+    backlog_blocks: float = 0.0  # prefill queued there, as of its last batch
+    placed_blocks: float = 0.0  # prefill this gateway has sent it since that batch
     heard: float = 0.0
 
 
@@ -72,9 +79,10 @@ class _Model:
 class Placement:
     """Where a request is offered, and why (for logs and tests)."""
 
-    worker_id: str
+    worker_id: str | None  # None: no live worker with a seat holds any of it (the shared queue)
     saved_blocks: float  # weighted blocks it would not compute
     prefix_blocks: int  # blocks of the longest known prefix
+    source: KVSource | None = None  # the node whose tiers hold the longest run of the prefix
 
 
 class KVIndex:
@@ -132,6 +140,7 @@ class KVIndex:
         if worker is None or fresh:
             worker = model.workers[batch.worker_id] = _Worker(batch.node, batch.epoch, batch.seq, batch.block_size)
         worker.seq, worker.load, worker.heard = batch.seq, batch.load, time.monotonic()
+        worker.backlog_blocks, worker.placed_blocks = batch.backlog_tokens / max(1, batch.block_size), 0.0
         if batch.snapshot:
             self._forget_pool(model, batch.worker_id)
             for tier in batch.stored.keys() - {POOL}:
@@ -170,16 +179,24 @@ class KVIndex:
         return (fresh and not batch.snapshot) or gap
 
     async def lookup(self, request: GenerateRequest) -> str | None:
-        """The worker to offer ``request`` to first (``place``), as ``CompletionService`` asks any placement."""
+        """The worker to offer ``request`` to first (``place``), as ``CompletionService`` asks any placement; names
+        the node holding more of its prefix in ``request.kv_source``."""
         placement = self.place(request)
-        return placement.worker_id if placement is not None else None
+        if placement is None:
+            return None
+        request.kv_source = placement.source
+        if placement.worker_id is not None:  # its prefill queues there until the worker's next batch says so
+            worker = self._models[subjects.model_token(request.model)].workers[placement.worker_id]
+            # What it would compute of the known prefix, and its new messages past it: a block at least.
+            worker.placed_blocks += placement.prefix_blocks - placement.saved_blocks + 1
+        return placement.worker_id
 
     async def record(self, *_args) -> None:
         """Nothing to record: the workers' KV events say where every block is."""
 
     def place(self, request: GenerateRequest) -> Placement | None:
-        """The live worker of ``request``'s model that would compute least of its prompt, load considered; None
-        when no worker is known to hold any of it (the shared queue then)."""
+        """The live worker of ``request``'s model that would compute least of its prompt, load considered, and the
+        node whose tiers hold most of it; None when nothing of it is known to be held (the shared queue then)."""
         if not request.messages or request.sampling.n != 1:
             return None
         model = self._models.get(subjects.model_token(request.model))
@@ -189,12 +206,16 @@ class KVIndex:
         if not chain:
             return None
         now = time.monotonic()
-        best: tuple[float, Placement] | None = None
+        best: tuple[float, str, float] | None = None  # cost, worker, saved
+        live_nodes: set[str] = set()
         for worker_id, worker in list(model.workers.items()):
             if now - worker.heard > FORGET_AFTER_S:
                 self._forget_worker(model, worker_id)
                 continue
-            if now - worker.heard > SILENT_AFTER_S or worker.load >= 1.0 or self._is_dead(worker_id):
+            if now - worker.heard > SILENT_AFTER_S or self._is_dead(worker_id):
+                continue
+            live_nodes.add(worker.node)
+            if worker.load >= 1.0:
                 continue
             saved = 0.0
             for h in chain:
@@ -204,12 +225,31 @@ class KVIndex:
                     saved += TIER_WEIGHTS[tier]
                 else:
                     break
-            if saved <= 0:
-                continue
-            score = saved / len(chain) - LOAD_WEIGHT * worker.load
-            if best is None or score > best[0]:
-                best = (score, Placement(worker_id, saved, len(chain)))
-        return best[1] if best is not None else None
+            cost = len(chain) - saved + worker.backlog_blocks + worker.placed_blocks + LOAD_BLOCKS * worker.load
+            if best is None or cost < best[0]:
+                best = (cost, worker_id, saved)
+        if best is not None and best[2] <= 0:
+            best = None  # the cheapest saves nothing: any worker will do, the shared queue finds one
+        # Named whoever takes the request: the offer may fall back to the shared queue, and a worker on another
+        # node then fetches what it would otherwise compute (one on the source's own node finds it in its tiers).
+        source = self._best_node(model, chain, live_nodes)
+        if best is None and source is None:
+            return None
+        if best is None:
+            return Placement(None, 0.0, len(chain), source)
+        return Placement(best[1], best[2], len(chain), source)
+
+    @staticmethod
+    def _best_node(model: _Model, chain: list[bytes], nodes: set[str]) -> KVSource | None:
+        """The node among ``nodes`` whose tiers hold the longest run of ``chain`` from its first block."""
+        best: KVSource | None = None
+        for i, h in enumerate(chain):
+            at = model.nodes.get(h)
+            nodes = {n for n in nodes if at is not None and n in at}
+            if not nodes:
+                break
+            best = KVSource(min(nodes), i + 1)
+        return best
 
     def _longest_prefix(self, model: _Model, keys: list[bytes]) -> list[bytes]:
         chain: list[bytes] = []

@@ -103,6 +103,13 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def prefill_backlog_tokens(self) -> int:
+        """Tokens queued to compute before the sequences here produce their next token: waiting ones' and
+        prefilling ones' uncomputed prompts (what a new request's first token waits behind, as routing sees it)."""
+        return sum(seq.num_uncomputed_tokens - 1 for seqs in (self._running, self._waiting) for seq in seqs
+                   if seq.num_uncomputed_tokens > 1)
+
+    @property
     def num_waiting_new(self) -> int:
         """Waiting sequences never admitted yet (the others were preempted and are already counted as pulled)."""
         return sum(1 for seq in self._waiting if seq.status == RequestStatus.WAITING)

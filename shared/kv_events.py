@@ -27,6 +27,7 @@ from switchyard.shared.messages import GenerateRequest
 
 KV_EVENTS_PREFIX = "llm.kv"
 KV_SNAPSHOT_PREFIX = "llm.kvsnap"
+KV_BLOCKS_PREFIX = "llm.kvblk"  # a node's block files, asked for by workers of other nodes (request-reply)
 HASH_BYTES = 16
 
 POOL, HOST, DISK = "pool", "host", "disk"
@@ -39,6 +40,11 @@ def events_subject(model_token: str) -> str:
 
 def snapshot_subject(model_token: str) -> str:
     return f"{KV_SNAPSHOT_PREFIX}.{model_token}"
+
+
+def blocks_subject(model_token: str, node: str) -> str:
+    """Where ``node``'s workers serve its tiers' blocks (a node names a host, which may hold dots: a digest)."""
+    return f"{KV_BLOCKS_PREFIX}.{model_token}.{hashlib.blake2b(node.encode(), digest_size=8).hexdigest()}"
 
 
 class PrefixSegment(msgspec.Struct, array_like=True, frozen=True):
@@ -62,8 +68,9 @@ class KVEventBatch(msgspec.Struct, frozen=True):
     removed: dict[str, bytes] = msgspec.field(default_factory=dict)
     prefixes: list[PrefixSegment] = msgspec.field(default_factory=list)
     snapshot: bool = False  # stored is all the worker holds: it replaces what the index knew of it
-    load: float = 0.0  # (running + waiting) / seats: what routing weighs against the prefill it would save
+    load: float = 0.0  # (running + waiting) / seats
     kv_usage: float = 0.0  # of the pool
+    backlog_tokens: int = 0  # prompt tokens queued to compute: what a new request's first token would wait behind
 
 
 def split_hashes(packed: bytes) -> list[bytes]:

@@ -111,6 +111,15 @@ class SafetyPolicy(msgspec.Struct):
     version: str = ""  # a digest of the rules and threshold: a worker compiles each rule set once
 
 
+class KVSource(msgspec.Struct, array_like=True, frozen=True):
+    """A node whose shared KV tiers hold a request's prompt blocks ``[0, blocks)`` of the salted hash chain, as the
+    gateway's fleet index knows it (gateway/kv_index.py): a worker elsewhere may fetch them from there rather than
+    compute them (workers/kv_tiers/remote.py). A hint only: the worker verifies every block it loads."""
+
+    node: str
+    blocks: int
+
+
 class GenerateRequest(msgspec.Struct):
     """Published by the gateway on ``llm.req.<model>.<tier>``.
 
@@ -153,6 +162,7 @@ class GenerateRequest(msgspec.Struct):
     # deltas of every request naming it in one message (``RoutedDelta`` lists). None: one ``TokenDelta`` a message
     # on ``llm.tok.<request_id>`` (a client of the wire protocol that subscribes per request).
     reply_subject: str | None = None
+    kv_source: KVSource | None = None  # another node holding the prompt's first blocks (set by the gateway's index)
 
 
 class Usage(msgspec.Struct):

@@ -266,6 +266,10 @@ class SimulatedEngine:
     def kv_listing(self) -> dict[str, list[int]]:
         return {}
 
+    def connect_kv_peers(self, peers) -> None:
+        """No KV tiers to fetch into or serve from."""
+        return None
+
     def shutdown(self) -> None:
         pass
 

@@ -5,6 +5,9 @@ so what one worker computed another loads instead of computing it again.
     A killed mid-stream ──▶ the gateway continues the stream on B ──▶ B loads the prompt's (and the streamed
                            tokens') blocks from the tier instead of prefilling them again
     A stopped, A' started with the same settings ──▶ a repeated prompt: A' loads it from the tier
+    A and B on two nodes (a host tier each), A busy ──▶ a turn of A's conversation runs on B, which fetches its
+                           history's blocks from A's node over NATS (workers/service/kv_blocks.py) instead of
+                           computing them
 
 Seen as a user and an operator see it: the stream goes on exactly, the usage's ``cached_tokens``, and the worker's
 ``switchyard:kv_tier_hits`` for the host tier (its Prometheus endpoint, found in the worker registry).
@@ -12,6 +15,7 @@ Seen as a user and an operator see it: the stream goes on exactly, the usage's `
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import uuid
@@ -22,10 +26,11 @@ import nats
 from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.deploy.services import wait_until_ready
+from switchyard.deploy.system import LocalSystem
 from switchyard.shared.config import WorkerConfig
 from switchyard.shared.jetstream import live_workers
 from switchyard.shared.metrics import name as metric
-from tests.support.system import poll, stream_completion, worker_running
+from tests.support.system import free_port, poll, stream_completion, worker_running
 
 TIERS = {"kv_offload_gib": 0.25}  # the host tier: the system's own directory (LocalSystem._host_tier_dir)
 BLOCK = WorkerConfig().block_size
@@ -46,12 +51,12 @@ def num_tokens(e2e, prompt: str) -> int:
     return len(AutoTokenizer.from_pretrained(e2e.work / "tiny-model").encode(prompt, verbose=False))
 
 
-async def tier_samples(http: httpx.AsyncClient, metrics_url: str) -> dict[str, float]:
-    """The worker's host-tier samples: name (``HITS``, ``STORES``, ...) -> value."""
+async def tier_samples(http: httpx.AsyncClient, metrics_url: str, tier: str = "host") -> dict[str, float]:
+    """The worker's samples of one KV tier: name (``HITS``, ``STORES``, ...) -> value."""
     r = await http.get(metrics_url)
     assert r.status_code == 200, r.text
     return {s.name: s.value for family in text_string_to_metric_families(r.text) for s in family.samples
-            if s.labels.get("kv_tier") == "host"}
+            if s.labels.get("kv_tier") == tier}
 
 
 async def registered(js, name: str, count: int = 2) -> list:
@@ -159,3 +164,83 @@ async def test_a_restarted_worker_answers_a_repeated_prompt_from_the_host_tier(e
         await http.aclose()
         await nc.close()
         worker.stop()
+
+
+async def test_a_turn_whose_holder_is_busy_fetches_its_history_from_the_holders_node(e2e, auth, nats_url,
+                                                                                     database_url, tmp_path):
+    """Two nodes (each worker a host tier of its own), one seat each. A conversation's first turn runs on one, a
+    long follow-up takes that worker's seat, and a short follow-up then runs on the other worker: the gateway's
+    index names the first worker's node as holding the history (``kv_source``), and the other worker fetches those
+    blocks from it rather than computing them, with the tokens a recompute would give."""
+    model = "tiny-kv-nodes"
+    workers = [LocalSystem.start_worker(e2e, f"worker-{model}-{i}", served_model_name=model, max_num_seqs=1,
+                                        kv_offload_host_dir=tmp_path / f"node-{i}", **TIERS) for i in range(2)]
+    # A gateway of its own whose offers outlast a loaded machine's slowest pull, so the long turn surely runs where
+    # the first did (as in test_affinity.py): this test is about what the other worker does.
+    port = free_port()
+    gateway = e2e.start_gateway("gateway-kv-nodes", port=port, affinity_wait_s=10.0)
+    system = e2e.url(port)
+    nc = await nats.connect(nats_url)
+    http = httpx.AsyncClient(timeout=120, headers=auth)
+    try:
+        wait_until_ready(system, model, timeout_s=120, watch=[*workers, gateway])
+        infos = {w.worker_id: w for w in await registered(nc.jetstream(), model)}
+        history = [{"role": "system", "content": long_prompt()}, {"role": "user", "content": "first"}]
+
+        async def chat(messages: list[dict], max_tokens: int = 8) -> dict:
+            r = await http.post(f"{system}/v1/chat/completions", json={
+                "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = await chat(history)
+        history.append(first["choices"][0]["message"])
+        busy, release = asyncio.Event(), asyncio.Event()
+
+        async def long_turn() -> str:
+            body = {"model": model, "messages": [*history, {"role": "user", "content": "long"}], "max_tokens": 3000,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", f"{system}/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():  # read on: a client that stops reading goes away
+                    if '"content":"' in line:
+                        busy.set()
+                    if release.is_set():
+                        break
+                return r.headers["X-Request-Id"]
+
+        hog = asyncio.create_task(long_turn())
+        await asyncio.wait_for(busy.wait(), 60)
+        short = [*history, {"role": "user", "content": "short"}]
+        other = await chat(short)
+        assert not hog.done(), "the short turn did not wait for the long one"
+        release.set()
+        hog_id = await hog
+        ids = [first["id"].removeprefix("chatcmpl-"), hog_id, other["id"].removeprefix("chatcmpl-")]
+        conn = await asyncpg.connect(database_url)
+        try:
+            rows = await poll(lambda: conn.fetch("SELECT request_id, worker_id FROM requests "
+                                                 "WHERE request_id = any($1::text[])", ids),
+                              until=lambda rows: len(rows) == 3, timeout_s=30, what="the usage rows")
+        finally:
+            await conn.close()
+        served = {r["request_id"]: r["worker_id"] for r in rows}
+        holder, fetcher = served[ids[0]], served[ids[2]]
+        assert served[hog_id] == holder and fetcher not in (None, holder), served
+
+        # The short turn's history came from the holder's node: the whole first turn's blocks, and counted as
+        # cached though the worker that ran it had never seen the conversation.
+        first_prompt = first["usage"]["prompt_tokens"]
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= first_prompt // BLOCK * BLOCK - BLOCK
+        remote = await tier_samples(http, infos[fetcher].metrics_url, "remote")
+        assert remote[HITS] >= first_prompt // BLOCK - 1, remote
+        # The same turn again on the fetcher, from its own tiers now: the same tokens as the fetched run gave.
+        again = await chat(short)
+        assert again["choices"][0]["message"]["content"] == other["choices"][0]["message"]["content"]
+    finally:
+        await http.aclose()
+        await nc.close()
+        gateway.stop()
+        for worker in workers:
+            worker.stop()

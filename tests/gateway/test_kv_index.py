@@ -8,7 +8,7 @@ import msgspec
 
 from switchyard.gateway.kv_index import KVIndex
 from switchyard.shared.kv_events import DISK, HOST, POOL, KVEventBatch, PrefixSegment, request_prefix_keys
-from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from switchyard.shared.messages import ChatMessage, GenerateRequest, KVSource, SamplingParams
 
 MODEL = "m"
 
@@ -103,6 +103,43 @@ def test_busy_silent_and_dead_workers_are_not_offered_anything():
     assert index.place(first).worker_id == "b"
     dead.add("b")
     assert index.place(first) is None
+
+
+async def test_prefill_queued_on_a_worker_weighs_against_what_it_would_save():
+    index = KVIndex()
+    a, b = Worker(index, "a", node="n1"), Worker(index, "b", node="n1")
+    first, held = conversation()
+    a.send(stored={POOL: held, HOST: held}, prefixes=segments(first, [held[:5], held[5:]]))
+    assert index.place(first).worker_id == "a"
+    a.send(backlog_tokens=10 * 16)  # ten blocks' prefill queued at a: b loads all seven from the tier sooner
+    assert index.place(first).worker_id == "b"
+    a.send(backlog_tokens=0)
+    # What this gateway sends a counts until a's next batch: two new conversations on one history spread out.
+    assert await index.lookup(first) == "a"
+    b.send(stored={POOL: held})
+    assert await index.lookup(msgspec.structs.replace(first, request_id="r2")) == "b"
+    assert await index.lookup(msgspec.structs.replace(first, request_id="r3")) == "a", "b's placement counts too"
+
+
+async def test_a_request_names_the_live_node_whose_tiers_hold_most_of_it_whoever_takes_it():
+    dead: set[str] = set()
+    index = KVIndex(is_dead=dead.__contains__)
+    a, b, c = Worker(index, "a", node="n1"), Worker(index, "b", node="n2"), Worker(index, "c", node="n3")
+    first, held = conversation()
+    a.send(stored={POOL: held, HOST: held}, prefixes=segments(first, [held[:5], held[5:]]))
+    b.send(stored={DISK: held[:3]})
+    placed = index.place(first)
+    assert placed.worker_id == "a" and placed.source == KVSource("n1", 7)
+    a.send(load=1.0)  # a busy: no worker with a seat holds it, but its node does, for whoever takes the request
+    placed = index.place(first)
+    assert (placed.worker_id, placed.source) == ("b", KVSource("n1", 7))
+    assert await index.lookup(first) == "b" and first.kv_source == KVSource("n1", 7), "named in the request"
+    dead.add("a")  # n1's only worker is gone: its tiers cannot be fetched from
+    assert index.place(first).source == KVSource("n2", 3)
+    c.send(load=1.0)
+    assert index.place(request("Something new.")) is None
+    stranger = msgspec.structs.replace(first, tenant_id="b")
+    assert index.place(stranger) is None, "another tenant is never named a node holding this tenant's blocks"
 
 
 def test_lost_batches_ask_for_a_snapshot_and_old_ones_are_ignored():

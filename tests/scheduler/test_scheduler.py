@@ -28,6 +28,18 @@ def test_long_prompt_is_chunked_by_the_token_budget(make_seq, step) -> None:
     assert chunks(output) == [("a", 100, 1, True)]  # a decode is just a one-token chunk
 
 
+def test_the_prefill_backlog_counts_uncomputed_prompts_waiting_or_running(make_seq, step) -> None:
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, num_blocks=64, max_model_len=256))
+    sched.add_request(make_seq("a", num_prompt_tokens=100, max_tokens=3))
+    sched.add_request(make_seq("b", num_prompt_tokens=10, max_tokens=3))
+    assert sched.prefill_backlog_tokens == 99 + 9  # each prompt but its last token (the first decode's input)
+    step(sched)  # a's first chunk of 32
+    assert sched.prefill_backlog_tokens == 67 + 9
+    for _ in range(4):
+        step(sched)
+    assert sched.prefill_backlog_tokens == 0, "decoding sequences queue no prefill"
+
+
 def test_decodes_and_running_chunks_go_before_new_prompts(make_seq, step) -> None:
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, num_blocks=64, max_model_len=256))
     sched.add_request(make_seq("a", num_prompt_tokens=10, max_tokens=8))

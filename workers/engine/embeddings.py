@@ -134,6 +134,10 @@ class EmbeddingEngine:
     def kv_listing(self) -> dict[str, list[int]]:
         return {}
 
+    def connect_kv_peers(self, peers) -> None:
+        """No KV tiers to fetch into or serve from."""
+        return None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._queue) or bool(self._ending)
 

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import logging
 import threading
+import time
 
 import torch
 
@@ -30,6 +31,7 @@ from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.choice import MatcherPrompt, RequestState, choice_of, new_request
 from switchyard.workers.engine.config import EngineConfig
 from switchyard.workers.engine.guided import Grammars, fill_masks
+from switchyard.workers.engine.interface import BlockReader
 from switchyard.workers.engine.kv_changes import KVChangeLog, KVChanges
 from switchyard.workers.engine.logprobs import TokenLogprobs
 from switchyard.workers.engine.output_filter import OutputSafety, SafetyEvent
@@ -40,6 +42,7 @@ from switchyard.workers.engine.tiered_prefixes import TieredPrefixes
 from switchyard.workers.executor.cuda_graphs import GraphPass
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
+from switchyard.workers.kv_tiers.remote import KVPeers
 
 log = logging.getLogger("switchyard.engine")
 
@@ -185,6 +188,14 @@ class Engine:
         """Every block held now, per tier (a KV-events snapshot); safe to call from another thread."""
         return self.kv_changes.listing() if self.kv_changes is not None else {}
 
+    def connect_kv_peers(self, peers: KVPeers) -> BlockReader | None:
+        """Fetch prefixes other nodes hold through ``peers``; returns how to read a block this node holds (to
+        serve theirs), or None when this engine keeps no tiers."""
+        if self.tiers is None:
+            return None
+        self.tiers.connect(peers)
+        return self.tiers.read_block
+
     def add_request(self, req: GenerateRequest, prepared: MatcherPrompt | None = None) -> int:
         """Queue ``req``; returns its prompt token count. ``prepared``: its prompt as ``prepare`` made it off the
         step thread; without it the prompt is tokenized here. Raises ``RequestRejected`` before compute for what
@@ -197,7 +208,7 @@ class Engine:
         state, seqs = new_request(req, prepared, self.tokenizer, self.safety, priority)
         if self.kv_changes is not None:
             self.kv_changes.add_prefixes(prepared.prefix_segments)
-        if self.tiers is not None and self.tiers.admit(req.request_id, seqs[0]):
+        if self.tiers is not None and self.tiers.admit(req.request_id, seqs[0], req.kv_source):
             state.held = seqs  # choice 0 too, until its prefix is loaded into the pool (step)
         else:
             self.scheduler.add_request(seqs[0])
@@ -269,6 +280,8 @@ class Engine:
                 return outputs
         else:
             plan = self._in_flight[0]
+        # A step run whole in this call times the model's speed (prefill, for the tiers' fetch-or-compute choice).
+        started = time.perf_counter() if self._in_flight is None else None
         try:
             computed = self._compute(plan)
         except torch.OutOfMemoryError:
@@ -284,6 +297,8 @@ class Engine:
         if computed is None:
             return outputs
         self._last_batch = (len(plan.scheduled), sum(e.num_new_tokens for e in plan.scheduled))
+        if self.tiers is not None and started is not None:
+            self.tiers.note_step(self._last_batch[1], time.perf_counter() - started)
         sampled, logprobs = computed
         for seq in self.scheduler.update_from_output(plan, sampled):
             if seq.seq_id in logprobs and (unreported := choice_of(seq).unreported_logprobs) is not None:

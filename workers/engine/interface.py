@@ -11,6 +11,7 @@
                     stats(), take_safety_events() ──▶ for metrics and heartbeats
                     take_kv_changes() ──────────────▶ blocks stored / removed per tier  ──▶ the KV events
                                                        (hashes of kv_block_size-token blocks, our chain)
+    at start        connect_kv_peers(peers) ────────▶ fetch blocks other nodes hold; serve this node's
                     shutdown()                         once, after the last step
 
 The worker touches an engine from one thread only (its step thread: torch's OpenMP pool belongs to the calling
@@ -26,7 +27,8 @@ the whole request's usage (the engine counts the choices that ended; the worker 
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
 from switchyard.workers.engine.kv_changes import KVChanges
@@ -34,8 +36,15 @@ from switchyard.workers.engine.output_filter import SafetyEvent
 from switchyard.workers.engine.prompts import RequestRejected
 from switchyard.workers.engine.stats import EngineCapacity, EngineStats
 
-__all__ = ["EngineCapacity", "EngineStats", "EngineUnavailable", "Prepared", "RequestRejected", "SafetyEvent",
-           "ServingEngine"]
+if TYPE_CHECKING:
+    from switchyard.workers.kv_tiers.remote import KVPeers
+
+# Reads a block file this node's KV tiers hold, by layout (workers/kv_tiers BlockLayout.key), scope and block hash
+# (None: not here, or of another layout), for another node.
+BlockReader = Callable[[str, str, int], "bytes | bytearray | None"]
+
+__all__ = ["BlockReader", "EngineCapacity", "EngineStats", "EngineUnavailable", "Prepared", "RequestRejected",
+           "SafetyEvent", "ServingEngine"]
 
 
 class EngineUnavailable(RuntimeError):
@@ -119,6 +128,12 @@ class ServingEngine(Protocol[PreparedT]):
 
     def kv_listing(self) -> dict[str, list[int]]:
         """Every block held now, per tier (a KV-events snapshot). Safe to call from any thread."""
+        ...
+
+    def connect_kv_peers(self, peers: KVPeers) -> BlockReader | None:
+        """Let requests naming a ``kv_source`` fetch their prefix from that node through ``peers`` (called once,
+        before the first step); returns how to read a block of this node's tiers for another node. None: this
+        engine keeps no tiers to share."""
         ...
 
     def shutdown(self) -> None:

@@ -29,6 +29,7 @@ class EngineCapacity(msgspec.Struct, frozen=True):
     num_waiting: int  # queued inside the engine: not started yet, or preempted
     num_waiting_new: int  # of those, the ones never started (the preempted ones were pulled long ago)
     kv_cache_usage: float  # fraction of the KV cache in use, 0..1
+    prefill_backlog_tokens: int = 0  # prompt tokens queued to compute (routing weighs a new request's wait by it)
 
 
 class EngineStats(msgspec.Struct):
@@ -51,7 +52,8 @@ def capacity_of(scheduler: Scheduler, num_loading: int = 0) -> EngineCapacity:
     usage = scheduler.kv_cache.usage
     free = 0 if usage > KV_NEARLY_FULL else max(0, scheduler.num_free_slots - num_loading)
     return EngineCapacity(scheduler.config.max_num_seqs, free, scheduler.num_running,
-                          scheduler.num_waiting + num_loading, scheduler.num_waiting_new + num_loading, usage)
+                          scheduler.num_waiting + num_loading, scheduler.num_waiting_new + num_loading, usage,
+                          scheduler.prefill_backlog_tokens)
 
 
 def stats_of(scheduler: Scheduler, batch_size: int, num_batched_tokens: int,

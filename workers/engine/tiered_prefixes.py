@@ -1,7 +1,8 @@
 """Our engine's side of the KV tiers (workers/kv_tiers/): what it writes below the pool and what it loads back.
 
     add_request ─▶ admit(): the prefix's blocks past the pool's own are in a tier? ─yes─▶ the loader reads them,
-                                                                                         the request waits
+                   or on another node (kv_source) and cheaper to fetch   ─yes─▶ (fetches them), the request waits
+                   than to compute (remote.TransferCost)?
     step():  take_ready() ─▶ import the loaded blocks into the pool (cached, free) ─▶ the scheduler admits the
              request, whose prefix lookup now hits them (counted in cached_tokens)
              ... schedule → run → update ...
@@ -21,8 +22,11 @@ import torch
 
 from switchyard.scheduler import Sequence
 from switchyard.scheduler.kv_cache_manager import KVCacheManager
+from switchyard.shared.messages import KVSource
 from switchyard.workers.executor.model_runner import ModelRunner
 from switchyard.workers.kv_tiers import BlockLayout, KVTiers, KVTierStats, TierSettings
+from switchyard.workers.kv_tiers.offload import RemoteSource
+from switchyard.workers.kv_tiers.remote import KVPeers
 
 log = logging.getLogger("switchyard.engine")
 
@@ -56,16 +60,37 @@ class TieredPrefixes:
     def num_loading(self) -> int:
         return len(self._loading)
 
-    def admit(self, request_id: str, seq: Sequence) -> bool:
-        """Whether ``seq``'s prefix continues in a tier past what the pool holds: then its load starts, and the
-        request waits for ``take_ready``."""
+    def connect(self, peers: KVPeers) -> None:
+        """Fetch blocks from other nodes through ``peers`` (requests that name a ``kv_source``)."""
+        self.tiers.peers = peers
+
+    def read_block(self, layout: str, scope: str, block_hash: int) -> bytes | bytearray | None:
+        """A block file this node holds, for another node that asked for it; any thread."""
+        return self.tiers.read_block(layout, scope, block_hash)
+
+    def admit(self, request_id: str, seq: Sequence, source: KVSource | None = None) -> bool:
+        """Whether ``seq``'s prefix continues past what the pool holds in this node's tiers, or on ``source``'s
+        node, when fetching it from there is cheaper than computing it: then its load starts, and the request
+        waits for ``take_ready``."""
         chain = self._kv.chain(seq)
         start = self._kv.num_cached_prefix_blocks(chain)
-        if start == len(chain) or not self.tiers.holds(seq.cache_salt, chain[start][0]):
+        if start == len(chain):
+            return False
+        remote = None
+        peers = self.tiers.peers
+        if source is not None and peers is not None and source.node != peers.node and source.blocks > start:
+            upto = min(source.blocks, len(chain)) - start
+            if self.tiers.cost.worth(upto, self.layout.block_size, self.layout.block_bytes):
+                remote = RemoteSource(source.node, upto)
+        if remote is None and not self.tiers.holds(seq.cache_salt, chain[start][0]):
             return False
         self._loading[request_id] = (chain, start)
-        self.tiers.start_load(request_id, seq.cache_salt, chain[start:])
+        self.tiers.start_load(request_id, seq.cache_salt, chain[start:], remote)
         return True
+
+    def note_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's tokens and time: the prefill speed remote fetches are weighed against."""
+        self.tiers.cost.note_step(num_tokens, seconds)
 
     def abort(self, request_id: str) -> None:
         self._loading.pop(request_id, None)

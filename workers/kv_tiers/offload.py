@@ -2,7 +2,9 @@
 
     step thread                           writer thread                       loader thread
     store(blocks, host copy) ──queue──▶ encode, put in host (full: demote     start_load(chain) ──queue──▶ read host,
-      (a block registered in the pool)   its least valuable to disk)            else disk; verify; stop at the first
+      (a block registered in the pool)   its least valuable to disk)            else disk, else (given a node that
+                                                                               holds the rest) fetch from it and keep
+                                                                               it here; verify; stop at the first
                                                                                miss ──▶ take_loaded() on the step thread
 
 Neither thread ever holds the step up: a store the writer cannot keep up with is dropped (the block is only not
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,7 @@ import torch
 
 from switchyard.workers.kv_tiers.block_file import BlockLayout, CorruptBlock, decode_block, encode_block
 from switchyard.workers.kv_tiers.file_tier import FileTier, TierFull, scope_dir
+from switchyard.workers.kv_tiers.remote import KVPeers, TransferCost
 
 log = logging.getLogger("switchyard.kv_tiers")
 
@@ -44,6 +48,23 @@ class TierSettings:
     @property
     def enabled(self) -> bool:
         return bool((self.host_dir and self.host_bytes) or (self.disk_dir and self.disk_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSource:
+    """Another node whose tiers hold the blocks of a load up to (not including) ``upto``, counted in the blocks
+    given to ``start_load`` (what the gateway's index said, ``GenerateRequest.kv_source``)."""
+
+    node: str
+    upto: int
+
+
+@dataclass(slots=True)
+class _Load:
+    key: str
+    scope: str
+    blocks: list[tuple[int, tuple[int, ...]]]  # from the first block the pool lacks
+    remote: RemoteSource | None  # blocks past the local tiers' come from there, up to remote.upto of ``blocks``
 
 
 class KVTierStats(msgspec.Struct, frozen=True):
@@ -104,8 +125,10 @@ class KVTiers:
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._dropped = 0
-        self._loads: queue.SimpleQueue[tuple[str, str, list[tuple[int, tuple[int, ...]]]] | None] = \
-            queue.SimpleQueue()
+        self._loads: queue.SimpleQueue[_Load | None] = queue.SimpleQueue()
+        self.peers: KVPeers | None = None  # other nodes' tiers, when the worker connects them (remote.py)
+        self.cost = TransferCost()
+        self._remote_corrupt = 0
         self._loaded: list[LoadedPrefix] = []
         self._loaded_lock = threading.Lock()
         self._corrupt_seen = False  # the loader's last read found a damaged block
@@ -136,9 +159,21 @@ class KVTiers:
             self._pending_bytes += nbytes
         self._stores.put(_Store(scope_dir(salt), blocks, payloads, nbytes))
 
-    def start_load(self, key: str, salt: str, blocks: list[tuple[int, tuple[int, ...]]]) -> None:
-        """Read these blocks (a prefix chain, in order) from the tiers; the result comes out of ``take_loaded``."""
-        self._loads.put((key, scope_dir(salt), blocks))
+    def start_load(self, key: str, salt: str, blocks: list[tuple[int, tuple[int, ...]]],
+                   remote: RemoteSource | None = None) -> None:
+        """Read these blocks (a prefix chain, in order) from the tiers, and past them from ``remote`` (through
+        ``peers``); the result comes out of ``take_loaded``."""
+        self._loads.put(_Load(key, scope_dir(salt), blocks, remote if self.peers is not None else None))
+
+    def read_block(self, layout: str, scope: str, block_hash: int) -> bytes | bytearray | None:
+        """A block file as this node's tiers hold it, unchecked (the node that asked for it checks it), for
+        serving another node of the same ``layout`` (``BlockLayout.key``); any thread."""
+        if layout != self.layout.key:
+            return None
+        for tier in self._tiers:
+            if (data := tier.get(scope, block_hash)) is not None:
+                return data
+        return None
 
     def take_loaded(self) -> list[LoadedPrefix]:
         with self._loaded_lock:
@@ -172,6 +207,9 @@ class KVTiers:
             c = t.counters
             out.append(KVTierStats(t.name, t.capacity_bytes, t.used_bytes, t.num_blocks, c.hits, c.misses, c.stores,
                                    c.evictions, c.corrupt, c.write_errors, self._dropped if t is self._top else 0))
+        if self.peers is not None:  # other nodes' tiers: blocks fetched, and loads declined as dearer than compute
+            out.append(KVTierStats("remote", 0, 0, 0, self.cost.num_fetched, self.cost.num_declined, 0, 0,
+                                   self._remote_corrupt, 0))
         return out
 
     def close(self) -> None:
@@ -212,8 +250,8 @@ class KVTiers:
     # -- the loader ---------------------------------------------------------------------------------------
     def _load_loop(self) -> None:
         while (job := self._loads.get()) is not None:
-            key, scope, blocks = job
-            loaded = LoadedPrefix(key)
+            scope, blocks = job.scope, job.blocks
+            loaded = LoadedPrefix(job.key)
             try:
                 kv = torch.empty((len(blocks), self.layout.payload_bytes), dtype=torch.uint8,
                                  pin_memory=self._pin_memory)
@@ -222,6 +260,8 @@ class KVTiers:
                     if payload is None:
                         if self._corrupt_seen:
                             self._sweep(scope, blocks[i + 1:])
+                        elif job.remote is not None and i < job.remote.upto:
+                            self._fetch(job, i, kv, loaded)
                         break
                     kv[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
                     loaded.blocks.append((block_hash, token_ids))
@@ -232,6 +272,29 @@ class KVTiers:
             with self._loaded_lock:
                 self._loaded.append(loaded)
                 self.load_ready.set()
+
+    def _fetch(self, job: _Load, start: int, kv: torch.Tensor, loaded: LoadedPrefix) -> None:
+        """Blocks ``start`` up to ``job.remote.upto`` from the node holding them: each checked as a local read is,
+        kept in this node's top tier (its other workers find it there, and the index hears of it), and loaded;
+        the first one missing or damaged ends the load (the rest is computed)."""
+        assert job.remote is not None and self.peers is not None
+        wanted = job.blocks[start:job.remote.upto]
+        t0 = time.monotonic()
+        files = self.peers.fetch(job.remote.node, self.layout.key, job.scope, [h for h, _ in wanted])
+        received = [f for f in files if f is not None]
+        self.cost.note_transfer(len(received), sum(len(f) for f in received), time.monotonic() - t0)
+        for i, ((block_hash, token_ids), data) in enumerate(zip(wanted, files), start):
+            if data is None:
+                return
+            try:  # writable, as a file read is: a tensor is made over it without a copy
+                payload = decode_block(bytearray(data), block_hash, token_ids, self.layout.payload_bytes)
+            except CorruptBlock as exc:
+                self._top.warn(f"block {block_hash:032x} from node {job.remote.node} is corrupt ({exc}): recomputed")
+                self._remote_corrupt += 1
+                return
+            kv[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+            loaded.blocks.append((block_hash, token_ids))
+            self._put(self._top, job.scope, block_hash, data)
 
     def _sweep(self, scope: str, blocks: list[tuple[int, tuple[int, ...]]]) -> None:
         """A block of a chain was corrupt: check the rest of the chain too, so that every damaged block is removed

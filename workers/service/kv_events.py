@@ -53,7 +53,8 @@ class KVEventPublisher:
         self._epoch = uuid.uuid4().hex[:8]
         self._seq = 0
         self._last_sent = 0.0
-        self._load = (0.0, 0.0)
+        self._load = (0.0, 0.0, 0)
+        self._sent_load = 0.0  # the load (seats taken) in the last batch sent
         self._sub = None
         self._heartbeat: asyncio.Task | None = None
 
@@ -72,11 +73,17 @@ class KVEventPublisher:
                 await self._sub.unsubscribe()
 
     async def publish(self, changes: KVChanges | None, capacity: EngineCapacity | None) -> None:
-        """One step's changes (nothing is sent for an empty one: the heartbeat carries the load)."""
+        """One step's changes, or its load when a seat was taken or freed (a step that changed neither sends
+        nothing: the heartbeat carries the rest of the load)."""
         if capacity is not None:
             seats = max(1, capacity.max_num_seqs)
-            self._load = ((capacity.num_running + capacity.num_waiting) / seats, capacity.kv_cache_usage)
+            self._load = ((capacity.num_running + capacity.num_waiting) / seats, capacity.kv_cache_usage,
+                          capacity.prefill_backlog_tokens)
         if changes is None or changes.is_empty:
+            # A freed seat is news at once: the index leaves a full worker out, and a second's stale "full" after
+            # a request ends would send its conversation's next turn elsewhere.
+            if self._load[0] != self._sent_load:
+                await self._send(KVEventBatch(**self._head(), **self._load_fields()))
             return
         await self._send(KVEventBatch(
             **self._head(), stored={t: pack_hashes(h) for t, h in changes.stored.items() if h},
@@ -107,7 +114,8 @@ class KVEventPublisher:
                 "block_size": self._block_size}
 
     def _load_fields(self) -> dict:
-        return {"load": self._load[0], "kv_usage": self._load[1]}
+        self._sent_load = self._load[0]
+        return {"load": self._load[0], "kv_usage": self._load[1], "backlog_tokens": self._load[2]}
 
     async def _send(self, batch: KVEventBatch) -> None:
         self._last_sent = time.monotonic()

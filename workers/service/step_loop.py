@@ -213,9 +213,11 @@ class StepLoop:
                 self._intake.queues.finished(req.tier, req.tenant_id, running.prompt_tokens, running.completion_tokens)
                 metrics.finished(req.tier, delta.finish_reason)
                 ended.append((running, delta.finish_reason))
-        await out.send(step)  # before the records: a usage record retried through an outage holds no token back
         if self._kv_events is not None:
+            # Before the deltas: a client that reads a request's end and sends its next turn at once must find the
+            # gateways' KV index knowing the seat it freed and the blocks it cached (a core NATS publish: no wait).
             await self._kv_events.publish(result.kv_changes, result.capacity)
+        await out.send(step)  # before the records: a usage record retried through an outage holds no token back
         for tracked, finish_reason in ended:
             record_request_trace(tracked, out.worker_id, finish_reason, now)
             await out.finished(tracked, finish_reason, now)

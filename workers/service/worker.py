@@ -9,7 +9,8 @@
     ├─ StepLoop (step_loop.py)  step thread: add, abort, engine.step(); publishes step N while N+1 runs; drains
     ├─ Publisher (publisher.py) deltas (llm.tok.gw.<gateway>, a step's at once), llm.usage records, batch lines
     ├─ Liveness (liveness.py)   KV workers/<model>.<me> heartbeats, llm.alive.<me> pings, the state line
-    └─ KVEventPublisher (kv_events.py)  what the KV cache holds, per step, on llm.kv.<model>; snapshots
+    ├─ KVEventPublisher (kv_events.py)  what the KV cache holds, per step, on llm.kv.<model>; snapshots
+    └─ KVBlockExchange (kv_blocks.py)   this node's KV tiers served to other nodes, theirs fetched (llm.kvblk.*)
              │
              ▼ ServingEngine (workers/engine/interface.py): prepare, add_request, abort_request, step,
                capacity, stats, take_safety_events, shutdown
@@ -43,6 +44,7 @@ from switchyard.workers.service.capacity import Capacity, background_policy
 from switchyard.workers.service.engines import is_test_double
 from switchyard.workers.service.held import HeldRequests
 from switchyard.workers.service.intake import Intake
+from switchyard.workers.service.kv_blocks import KVBlockExchange
 from switchyard.workers.service.kv_events import KVEventPublisher, node_id
 from switchyard.workers.service.liveness import Liveness
 from switchyard.workers.service.metrics import WorkerMetrics
@@ -101,9 +103,12 @@ class Worker:
                 await nc.subscribe(f"{subjects.CANCEL_PREFIX}.*", cb=intake.on_cancel),
             ]
             w = config.worker
-            kv_events = KVEventPublisher(nc, self.engine, self.model_name, self.worker_id,
-                                         node_id(w.kv_offload_host_dir, w.kv_offload_dir))
+            node = node_id(w.kv_offload_host_dir, w.kv_offload_dir)
+            kv_events = KVEventPublisher(nc, self.engine, self.model_name, self.worker_id, node)
             await kv_events.start()
+            kv_blocks = KVBlockExchange(nc, self.model_name, node)
+            if (read_block := self.engine.connect_kv_peers(kv_blocks)) is not None:
+                await kv_blocks.start(read_block)
             self._steps = StepLoop(self.engine, self._step_thread, self._held, self._capacity, intake, out,
                                    self.metrics, config.worker.drain_timeout_s, kv_events)
             liveness = Liveness(nc, js, self.model_name, self.worker_id, config.worker.heartbeat_s,
@@ -122,6 +127,7 @@ class Worker:
                 await pulling
             await liveness.stop()
             await kv_events.stop()
+            await kv_blocks.stop()
             for sub in subscriptions:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

@@ -294,6 +294,10 @@ class VllmEngine:
     def kv_listing(self) -> dict[str, list[int]]:
         return self._kv_events.listing() if self._kv_events is not None else {}
 
+    def connect_kv_peers(self, peers) -> None:
+        """vLLM's own offloading keeps its host tier in its process: no block files to fetch into or serve."""
+        return None
+
     def shutdown(self) -> None:
         """Abort what vLLM still holds and stop its engine core (and a tensor-parallel group's processes), then the
         KV events' subscriber."""
