@@ -117,6 +117,7 @@ def main() -> int:
     model, tokenizer = model_store.load(path, WorkerConfig().dtype, "cpu")
     with tempfile.TemporaryDirectory(prefix="switchyard-kv-fetch-") as tmp, NatsServer(Path(tmp) / "nats") as server:
         out = asyncio.run(run(args, model, tokenizer, Path(tmp), server.url))
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     rows = out["rows"]
     fetch = statistics.median(r["fetch"] for r in rows)
     compute = statistics.median(r["compute"] for r in rows)
@@ -124,7 +125,7 @@ def main() -> int:
         f"## KV tiers between nodes: a prefix fetched from another node over NATS vs computed "
         f"({datetime.date.today().isoformat()})", "",
         f"`{command}` on {cpu_name(cpu)}, {os.cpu_count()} cores: two engines (SmolLM2-135M, ours, "
-        f"{WorkerConfig().dtype}, {args.threads} torch threads) in one process, each on a node of its own (a host "
+        f"{dtype}, {args.threads} torch threads) in one process, each on a node of its own (a host "
         f"tier each), a real NATS server between them (workers/service/kv_blocks.py). Per repetition node a computes "
         f"two prompts of {args.words} words; node b runs the first naming node a as its source, the second naming "
         f"none. Blocks of {out['block_bytes']:,} bytes.", "",
