@@ -16,7 +16,9 @@ everything by PID, the last started first.
 from __future__ import annotations
 
 import asyncio
+import getpass
 import hashlib
+import os
 import shutil
 import sys
 import tempfile
@@ -185,9 +187,24 @@ class LocalSystem:
             from switchyard.workers.vllm_engine.environment import vllm_python
 
             python = vllm_python(config.worker)
+            env.update(self._private_tmp(name))
         service = ServiceProcess(name, args, log_path=log_path, env=env, stop_timeout_s=drain_s + 10, python=python)
         self.services.append(service)
         return self._started(service)
+
+    def _private_tmp(self, name: str) -> dict[str, str]:
+        """A temporary directory of one vLLM worker's own, emptied at its start and removed at the system's stop:
+        vLLM (``vllm_dist_*``) and the worker's KV events socket make theirs under ``TMPDIR``, and a worker killed
+        by SIGKILL removes neither. Torch's compile cache stays where it was, kept between starts. Short, under
+        the system's temporary directory: the sockets made there must fit a Unix socket path (107 bytes)."""
+        where = f"{self.config.data_dir.resolve()}:{name}".encode()
+        path = Path(tempfile.gettempdir()) / f"switchyard-{hashlib.blake2b(where, digest_size=6).hexdigest()}"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True, mode=0o700)
+        self._stack.append(_RemovedAtStop(path))
+        inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
+            Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+        return {"TMPDIR": str(path), "TORCHINDUCTOR_CACHE_DIR": inductor}
 
 
 class _RemovedAtStop:

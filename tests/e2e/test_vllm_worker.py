@@ -14,7 +14,9 @@ import asyncio
 import json
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import asyncpg
 import httpx
@@ -195,6 +197,7 @@ async def test_a_stream_whose_vllm_worker_is_killed_goes_on_on_the_other_exactly
             "stream": True, "stream_options": {"include_usage": True}}
     nc = await nats.connect(nats_url)
     killed: list[str] = []
+    left_before = _left_in_shared_tmp()
     try:
         js = nc.jetstream()
 
@@ -219,6 +222,14 @@ async def test_a_stream_whose_vllm_worker_is_killed_goes_on_on_the_other_exactly
     row = await _row(database_url, request_id)
     assert (row["completion_tokens"], row["finish_reason"]) == (40, "length")
     assert row["worker_id"] != killed[0]  # billed once, by the worker that finished it
+    # What the killed worker could not remove (vLLM's vllm_dist_* files, its KV events socket directory) is in a
+    # temporary directory of its own, removed with the system (deploy/system.py), not in the machine's.
+    assert _left_in_shared_tmp() <= left_before
+
+
+def _left_in_shared_tmp() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir()
+            if p.name.startswith(("vllm_dist_", "switchyard-vllm-kv-"))}
 
 
 async def test_a_pro_request_waiting_in_vllm_gets_the_next_seat_before_queued_free_ones(
