@@ -23,11 +23,14 @@ class RecordingEngine(Engine):
         super().__init__(*args, **kwargs)
         self.token_ids: dict[str, list[int]] = defaultdict(list)
         self.num_preemptions = 0
+        on_token = self._deltas.on_token
 
-    def _on_token(self, seq):
-        self.token_ids[seq.data.request.request_id].append(seq.last_token_id)
-        self.num_preemptions = max(self.num_preemptions, seq.num_preemptions)
-        return super()._on_token(seq)
+        def recording(seq):
+            self.token_ids[seq.data.request.request_id].append(seq.last_token_id)
+            self.num_preemptions = max(self.num_preemptions, seq.num_preemptions)
+            return on_token(seq)
+
+        self._deltas.on_token = recording  # type: ignore[method-assign]
 
 
 CONFIGS = {

@@ -6,8 +6,8 @@
                     ModelRunner.execute(): one mixed forward (prefill chunks + decodes) over the paged cache
                         │ logits of sequences whose chunk reached their end
                         ▼
-                    grammar masks ─▶ sample() ──▶ Scheduler.update_from_output() ──▶ eos / stop strings /
-                    detokenize ──▶ tool calls ──▶ TokenDelta
+                    grammar masks ─▶ sample() ──▶ Scheduler.update_from_output() ──▶ Deltas (deltas.py): eos /
+                    stop strings / detokenize ──▶ tool calls ──▶ TokenDelta
 
 ``Engine.step()`` is schedule → run → update and does no I/O; the worker's async loop calls it from a thread.
 A request with ``n > 1`` becomes n sequences over the same prompt. Only the first is scheduled at once; the
@@ -25,11 +25,12 @@ import time
 
 import torch
 
-from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, Sequence, finish_reason
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob, Usage
+from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, finish_reason
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.choice import MatcherPrompt, RequestState, choice_of, new_request
 from switchyard.workers.engine.config import EngineConfig
+from switchyard.workers.engine.deltas import Deltas
 from switchyard.workers.engine.guided import Grammars, fill_masks
 from switchyard.workers.engine.interface import BlockReader
 from switchyard.workers.engine.kv_changes import KVChangeLog, KVChanges
@@ -81,10 +82,10 @@ class Engine:
                                     config.kv_events) if tiers_on else None
         self.kv_changes = KVChangeLog(config.block_size, self.scheduler.kv_cache.pool, self.tiers) \
             if config.kv_events else None
-        self._eos = eos_token_ids(model, tokenizer)
         self.vocab_size = int(hf_config.vocab_size)  # the model's logits
         self._grammars: Grammars | None = None
         self._requests: dict[str, RequestState] = {}
+        self._deltas = Deltas(self.scheduler, eos_token_ids(model, tokenizer), self._requests)
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self.safety = OutputSafety()  # output filters; the worker takes their verdicts after each step
         self._logprobs = TokenLogprobs(tokenizer)
@@ -249,7 +250,8 @@ class Engine:
                        if (seq := self.scheduler.abort_request(seq_id, status)) is not None]
         reason = finish_reason(status)
         assert reason is not None, status  # an ending status: aborted or error
-        return [self._finish(seq, reason, "", error) for seq in sorted(live, key=lambda s: choice_of(s).index)]
+        return [self._deltas.finish(seq, reason, "", error)
+                for seq in sorted(live, key=lambda s: choice_of(s).index)]
 
     # -- the step -----------------------------------------------------------------------------------------
     def step(self, background_limit: int | None = None) -> list[TokenDelta]:
@@ -303,7 +305,7 @@ class Engine:
         for seq in self.scheduler.update_from_output(plan, sampled):
             if seq.seq_id in logprobs and (unreported := choice_of(seq).unreported_logprobs) is not None:
                 unreported.append(logprobs[seq.seq_id])
-            delta = self._on_token(seq)
+            delta = self._deltas.on_token(seq)
             if delta is not None:
                 outputs.append(delta)
         if self.tiers is not None:
@@ -384,68 +386,6 @@ class Engine:
         error = ErrorInfo("The request does not fit in the accelerator's memory.", code="out_of_memory",
                           type="server_error", status=503)
         return self._end_request(state, RequestStatus.FINISHED_ERROR, error)
-
-    def _on_token(self, seq: Sequence) -> TokenDelta | None:
-        choice = choice_of(seq)
-        choice.num_unreported_tokens += 1
-        if choice.request.held:  # choice 0's prompt is in the cache now: the other choices can share it
-            for held in choice.request.held:
-                self.scheduler.add_request(held)
-            choice.request.held.clear()
-        token_id = seq.last_token_id
-        params = choice.request.params
-        if token_id not in self._eos:
-            choice.follow_grammar(token_id)
-        if token_id in self._eos and not params.ignore_eos:
-            if choice.unreported_logprobs:  # the EOS token ends the text; it is not part of it
-                choice.unreported_logprobs.pop()
-            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
-            return self._finish(seq, "stop", choice.emittable(choice.detokenizer.flush()))
-        text = choice.detokenizer.add_token(token_id)
-        if choice.detokenizer.is_stopped:
-            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
-            return self._finish(seq, "stop", choice.emittable(text))
-        if seq.is_finished:  # the scheduler ended it: max_tokens or the model's context
-            return self._finish(seq, finish_reason(seq.status) or "length",
-                                choice.emittable(text + choice.detokenizer.flush()))
-        if choice.grammar_is_complete:  # nothing may follow
-            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
-            return self._finish(seq, "stop", choice.emittable(text + choice.detokenizer.flush()))
-        text, calls, halted = choice.outgoing(choice.emittable(text))
-        if halted:  # flagged by the output filter under a block policy: nothing more goes out, its seat freed now
-            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_FILTERED)
-            return self._finish(seq, "content_filter", "")
-        if not text and not calls:
-            return None  # held back (split character, possible stop string or tool tag): nothing worth a message
-        return self._delta(seq, text, tool_calls=calls or None)
-
-    def _delta(self, seq: Sequence, text: str, reason: str | None = None, usage: Usage | None = None,
-               error: ErrorInfo | None = None, tool_calls: list | None = None) -> TokenDelta:
-        choice = choice_of(seq)
-        num_tokens = choice.num_unreported_tokens
-        delta = TokenDelta(choice.request.request_id, text=text, num_tokens=num_tokens,
-                           index=choice.index, finish_reason=reason, usage=usage,
-                           logprobs=choice.unreported_logprobs or None, error=error, tool_calls=tool_calls,
-                           token_ids=seq.token_ids[len(seq.token_ids) - num_tokens:] if num_tokens else None)
-        choice.num_unreported_tokens = 0
-        if choice.unreported_logprobs:
-            choice.unreported_logprobs = []
-        return delta
-
-    def _finish(self, seq: Sequence, reason: str, text: str, error: ErrorInfo | None = None) -> TokenDelta:
-        choice = choice_of(seq)
-        text, calls, reason = choice.final(text, reason)
-        state = choice.request
-        state.num_finished += 1
-        state.completion_tokens += seq.num_output_tokens
-        state.cached_tokens = max(state.cached_tokens, seq.num_cached_tokens)
-        # Usage so far on every choice's final; the request's last (the one place its choices are counted) has
-        # the request's total.
-        delta = self._delta(seq, text, reason, state.usage(), error, tool_calls=calls or None)
-        if state.num_finished == len(state.seq_ids):
-            self._requests.pop(state.request_id, None)
-            delta.is_last = True
-        return delta
 
     # -- metrics ------------------------------------------------------------------------------------------
     @property

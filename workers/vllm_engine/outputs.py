@@ -1,7 +1,7 @@
 """vLLM's token ids, through our choice machinery, into the same deltas our engine sends.
 
     vLLM RequestOutput (DELTA: the step's new token ids, their logprobs, finish_reason)
-      └─▶ ChoiceRun.advance(): for each token, as our engine does it (workers/engine/engine.py ``_on_token``):
+      └─▶ ChoiceRun.advance(): for each token, as our engine does it (workers/engine/deltas.py ``Deltas.on_token``):
             last token of a "stop" ──▶ EOS (or the grammar's end): not text, no logprob, the choice ends "stop"
             detokenizer (stop strings) ──▶ a stop string: the choice ends "stop", the vLLM request is aborted
             last token of a "length" ──▶ the choice ends "length"
