@@ -122,13 +122,19 @@ _KV_TIER_METRICS = [
 ]
 
 
+# Other nodes' tiers (``kv_tier="remote"``) have no size here, and are only read: blocks fetched (hits), blocks
+# computed because fetching them would have been slower (misses), blocks that arrived damaged (corrupt).
+_REMOTE_FIELDS = frozenset({"hits", "misses", "corrupt"})
+
+
 def _kv_tiers(model: str, stats: EngineStats):
     if not stats.kv_tiers:
         return
     for family, metric, field, documentation in _KV_TIER_METRICS:
         out = family(name(metric), documentation, labels=("model", "kv_tier"))
         for tier in stats.kv_tiers:
-            out.add_metric((model, tier.tier), getattr(tier, field))
+            if tier.tier != "remote" or field in _REMOTE_FIELDS:
+                out.add_metric((model, tier.tier), getattr(tier, field))
         yield out
 
 
