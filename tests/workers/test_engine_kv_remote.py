@@ -28,7 +28,8 @@ class Peers:
         self._damage = damage
         self.asked: list[tuple[str, int]] = []  # (node, blocks) of each fetch
 
-    def fetch(self, node: str, layout: str, scope: str, block_hashes: list[int]) -> list[bytes | None]:
+    def fetch(self, node: str, layout: str, scope: str, block_hashes: list[int], budget_s: float,
+              ) -> list[bytes | None]:
         self.asked.append((node, len(block_hashes)))
         files: list[bytes | None] = []
         for h in block_hashes:

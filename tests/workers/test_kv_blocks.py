@@ -49,15 +49,15 @@ async def test_a_nodes_blocks_arrive_whole_in_order_and_in_parts(nc):
     b = await _node(nc, f"host-b:{os.getpid()}", {})
     try:
         hashes = [h for _, h in files]
-        got = await asyncio.to_thread(b.fetch, a.node, LAYOUT, SCOPE, hashes)
+        got = await asyncio.to_thread(b.fetch, a.node, LAYOUT, SCOPE, hashes, 10.0)
         assert got == [files[SCOPE, h] for h in hashes]
         assert a.num_served == 6 * 5
 
         # A block the node lacks ends the chain there: nothing after it is used, even where the node has it.
-        got = await asyncio.to_thread(b.fetch, a.node, LAYOUT, SCOPE, [hashes[0], 999, hashes[2]])
+        got = await asyncio.to_thread(b.fetch, a.node, LAYOUT, SCOPE, [hashes[0], 999, hashes[2]], 10.0)
         assert got[0] == files[SCOPE, hashes[0]] and got[1:] == [None, None]
         # A node of another layout (other weights, dtype or block shape) has nothing to give.
-        assert await asyncio.to_thread(b.fetch, a.node, "other-layout", SCOPE, hashes[:2]) == [None, None]
+        assert await asyncio.to_thread(b.fetch, a.node, "other-layout", SCOPE, hashes[:2], 10.0) == [None, None]
     finally:
         await a.stop()
         await b.stop()
@@ -68,13 +68,37 @@ async def test_a_node_that_is_gone_or_silent_costs_a_quick_none(nc):
     silent = await nc.subscribe(blocks_subject("tiny", "host-silent"))  # takes requests, never answers
     try:
         t0 = time.monotonic()
-        assert await asyncio.to_thread(b.fetch, "host-gone", LAYOUT, SCOPE, [1, 2, 3]) == [None] * 3
+        assert await asyncio.to_thread(b.fetch, "host-gone", LAYOUT, SCOPE, [1, 2, 3], 10.0) == [None] * 3
         assert time.monotonic() - t0 < 0.5, "no responders: known at once"
         t0 = time.monotonic()
-        assert await asyncio.to_thread(b.fetch, "host-silent", LAYOUT, SCOPE, [1, 2, 3]) == [None] * 3
+        assert await asyncio.to_thread(b.fetch, "host-silent", LAYOUT, SCOPE, [1, 2, 3], 10.0) == [None] * 3
         assert time.monotonic() - t0 < 2.0, "a silent node: one timeout, then the rest is not asked for"
     finally:
         await silent.unsubscribe()
+        await b.stop()
+
+
+async def test_a_fetch_past_its_time_budget_asks_for_no_more_blocks(nc):
+    files = _files(10, 1_000)
+    slow = dict(files)
+
+    class Slow(dict):
+        def get(self, key, default=None):
+            time.sleep(0.3)  # a node that takes 0.3 s a block: four at a time, two rounds before 0.5 s is up
+            return slow.get(key, default)
+
+    a = await _node(nc, f"host-a:{os.getpid()}", Slow())
+    b = await _node(nc, f"host-b:{os.getpid()}", {})
+    try:
+        hashes = [h for _, h in files]
+        t0 = time.monotonic()
+        got = await asyncio.to_thread(b.fetch, a.node, LAYOUT, SCOPE, hashes, 0.5)
+        received = [g for g in got if g is not None]
+        assert 4 <= len(received) < 10 and got[:len(received)] == [files[SCOPE, h] for h in hashes[:len(received)]]
+        assert got[len(received):] == [None] * (10 - len(received)), "a chain: what was not fetched is computed"
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        await a.stop()
         await b.stop()
 
 

@@ -280,7 +280,8 @@ class KVTiers:
         assert job.remote is not None and self.peers is not None
         wanted = job.blocks[start:job.remote.upto]
         t0 = time.monotonic()
-        files = self.peers.fetch(job.remote.node, self.layout.key, job.scope, [h for h, _ in wanted])
+        budget = self.cost.budget_s(len(wanted), self.layout.block_size)
+        files = self.peers.fetch(job.remote.node, self.layout.key, job.scope, [h for h, _ in wanted], budget)
         received = [f for f in files if f is not None]
         self.cost.note_transfer(len(received), sum(len(f) for f in received), time.monotonic() - t0)
         for i, ((block_hash, token_ids), data) in enumerate(zip(wanted, files), start):

@@ -19,6 +19,7 @@ from typing import Protocol
 
 ASSUMED_BYTES_PER_S = 125e6
 ASSUMED_ROUND_TRIP_S = 0.002
+UNMEASURED_BUDGET_S = 5.0
 _SMOOTHING = 0.3  # weight of the newest measurement in the moving averages
 _MIN_PREFILL_TOKENS = 32  # a step with fewer tokens is a decode step: it says little about prefill speed
 
@@ -28,10 +29,12 @@ class KVPeers(Protocol):
 
     node: str  # this worker's node (workers/service/kv_events.node_id)
 
-    def fetch(self, node: str, layout: str, scope: str, block_hashes: list[int]) -> list[bytes | None]:
+    def fetch(self, node: str, layout: str, scope: str, block_hashes: list[int], budget_s: float,
+              ) -> list[bytes | None]:
         """The block files ``node`` holds for these hashes in tiers of ``layout`` (``BlockLayout.key``: the same
         weights, dtype and block shape), in order, each None where it has none (a failure ends the list: everything
-        after it is None). Blocks until done or failed; never raises."""
+        after it is None). No block is asked for once ``budget_s`` has passed. Blocks until done or failed; never
+        raises."""
         ...
 
 
@@ -70,6 +73,12 @@ class TransferCost:
 
     def compute_s(self, num_tokens: int) -> float | None:
         return num_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else None
+
+    def budget_s(self, num_blocks: int, block_tokens: int) -> float:
+        """How long a fetch of ``num_blocks`` may go on asking for blocks: twice what computing them would take (a
+        link that slows down mid-fetch costs at most that), or ``UNMEASURED_BUDGET_S`` before any prefill step."""
+        compute = self.compute_s(num_blocks * block_tokens)
+        return UNMEASURED_BUDGET_S if compute is None else 2 * compute
 
     def worth(self, num_blocks: int, block_tokens: int, block_bytes: int) -> bool:
         """Whether fetching ``num_blocks`` blocks beats computing their tokens (counted when it does not)."""

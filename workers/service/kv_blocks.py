@@ -7,11 +7,13 @@
     up to WINDOW blocks in flight; a block larger than a NATS message comes in several replies
 
 A node's workers answer in one queue group: its tiers are theirs in common, so any of them may. No responder (the
-node is gone), a timeout or a size that changes mid-block ends the fetch at that block, and the engine computes the
-rest, as after any miss. The engine checks every block it receives (CRC, hash, token ids) before it loads or keeps
-it: a wrong answer costs a recompute, never a wrong token. The layout (weights, dtype, block shape) travels with the
-request, and a node of another layout has nothing to give. The scope (a cache salt's digest) travels with every
-request and the block hash is salted, so a request names one tenant's block and no other.
+node is gone), a timeout, a size that changes mid-block, or the fetch's time budget spent (twice what computing the
+blocks would take) ends the fetch at that block, and the engine computes the rest, as after any miss.
+
+The engine checks every block it receives (CRC, hash, token ids) before it loads or keeps it: a wrong answer costs
+a recompute, never a wrong token. The layout (weights, dtype, block shape) travels with the request, and a node of
+another layout has nothing to give. The scope (a cache salt's digest) travels with every request and the block hash
+is salted, so a request names one tenant's block and no other.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import logging
 import re
 import struct
+import time
 
 import msgspec
 
@@ -82,19 +85,24 @@ class KVBlockExchange:
             await self._nc.publish(msg.reply, reply)
 
     # -- fetching another node's --------------------------------------------------------------------------
-    def fetch(self, node: str, layout: str, scope: str, block_hashes: list[int]) -> list[bytes | None]:
+    def fetch(self, node: str, layout: str, scope: str, block_hashes: list[int], budget_s: float,
+              ) -> list[bytes | None]:
         """``KVPeers.fetch``: called from the engine's loader thread, run on the worker's event loop."""
         if self._loop is None or not block_hashes:
             return [None] * len(block_hashes)
-        future = asyncio.run_coroutine_threadsafe(self._fetch_all(node, layout, scope, block_hashes), self._loop)
+        deadline = time.monotonic() + budget_s
+        future = asyncio.run_coroutine_threadsafe(self._fetch_all(node, layout, scope, block_hashes, deadline),
+                                                  self._loop)
         try:
-            return future.result(timeout=self._timeout_s * (len(block_hashes) + 1))
+            # Past the budget no block is asked for, and those asked for answer or time out within timeout_s.
+            return future.result(timeout=budget_s + 2 * self._timeout_s + 1)
         except Exception as exc:
             future.cancel()
             log.warning("KV blocks from node %s not fetched: %r", node, exc)
             return [None] * len(block_hashes)
 
-    async def _fetch_all(self, node: str, layout: str, scope: str, block_hashes: list[int]) -> list[bytes | None]:
+    async def _fetch_all(self, node: str, layout: str, scope: str, block_hashes: list[int], deadline: float,
+                         ) -> list[bytes | None]:
         subject = blocks_subject(self._model, node)
         results: list[bytes | None] = [None] * len(block_hashes)
         window = asyncio.Semaphore(WINDOW)
@@ -102,7 +110,8 @@ class KVBlockExchange:
 
         async def one(i: int, block_hash: int) -> None:
             async with window:
-                if failed.is_set():
+                if failed.is_set() or time.monotonic() > deadline:
+                    failed.set()
                     return
                 results[i] = await self._fetch_one(subject, layout, scope, block_hash)
                 if results[i] is None:
