@@ -12,6 +12,8 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.shared.tiers import TIER_NAMES
+from switchyard.workers.engine.stats import EngineStats
+from switchyard.workers.kv_tiers import KVTierStats
 from switchyard.workers.service.metrics import WorkerMetrics
 from tests.deploy.manifest_checks import DEPLOY
 
@@ -26,7 +28,7 @@ REQUIRED = {"time_to_first_token_seconds_bucket", "inter_token_latency_seconds_b
             "queue_oldest_age_seconds", "kv_cache_usage_perc", "generation_tokens_total", "request_errors_total",
             "billing_lag_seconds", "billing_lag_records", "num_requests_running", "num_requests_waiting",
             "num_preemptions_total", "batch_lines", "event_loop_lag_seconds_bucket", "admission_seconds_bucket",
-            "gc_pause_seconds_bucket"}
+            "gc_pause_seconds_bucket", "kv_tier_hits_total", "kv_tier_used_bytes", "kv_tier_capacity_bytes"}
 
 
 def _observe_all(metrics) -> None:
@@ -44,6 +46,8 @@ def exported() -> dict[str, set[str]]:
     gateway, worker = GatewayMetrics(), WorkerMetrics("m")
     _observe_all(gateway)
     _observe_all(worker)
+    # The KV tiers' families come from the engine's stats, one sample per tier: a worker with a host tier.
+    worker.stepped(0.01, EngineStats({}, {}, 0.0, 0, 0, 0, kv_tiers=[KVTierStats("host", 1, 0, 0, 0, 0, 0, 0, 0, 0)]))
     samples: dict[str, set[str]] = {}
     for registry in (gateway.registry, worker.registry):
         for family in registry.collect():
