@@ -9,7 +9,10 @@
              store_new() ─▶ the blocks the step registered in the prefix cache, copied off the device and handed
                             to the writer thread
 
-Everything on the step thread is a memory copy; reads, checks and writes are the tiers' threads'.
+Everything on the step thread is a memory copy; reads, checks and writes are the tiers' threads'. On CUDA the copies
+between the device and pinned host memory run on the runner's copy stream (``ModelRunner.blocks_to_host``,
+``blocks_to_device``): a step's new blocks leave while the next step computes, and a loaded prefix is on its way to
+the device as soon as the loader has gathered it, the compute stream waiting only for its event.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ class TieredPrefixes:
                  record_events: bool = False) -> None:
         dtype = str(runner.dtype).removeprefix("torch.")
         self.layout = BlockLayout(model_fingerprint(model), dtype, runner.block_shape)
-        self.tiers = KVTiers(settings, self.layout, record_events, pin_memory=runner.device.type == "cuda")
+        on_cuda = runner.device.type == "cuda"
+        self.tiers = KVTiers(settings, self.layout, record_events, pin_memory=on_cuda,
+                             to_device=runner.blocks_to_device if on_cuda else None)
         self._runner = runner
         self._kv = kv_cache
         self._loading: dict[str, tuple[Chain, int]] = {}  # request id -> its chain, and where the load starts
@@ -115,7 +120,8 @@ class TieredPrefixes:
             ids = self._kv.import_blocks(chain[: start + len(loaded.blocks)], now)
             if ids and loaded.kv is not None:
                 kv = loaded.kv[skip : skip + len(ids)]
-                self._runner.write_blocks(ids, kv.view(self._runner.dtype).view(len(ids), *self.layout.shape))
+                self._runner.write_blocks(ids, kv.view(self._runner.dtype).view(len(ids), *self.layout.shape),
+                                          loaded.ready)
                 self.num_loaded_blocks += len(ids)
         return ready
 
@@ -126,14 +132,7 @@ class TieredPrefixes:
         for block in self._kv.take_newly_cached():
             by_salt[block.cache_salt].append(block)
         for salt, blocks in by_salt.items():
-            kv = self._runner.read_blocks([b.block_id for b in blocks])
-            if kv.device.type == "cuda":
-                host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-                host.copy_(kv, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            else:
-                host, done = kv, None
+            host, done = self._runner.blocks_to_host([b.block_id for b in blocks])
             self.tiers.store(salt, [(b.block_hash, b.token_ids) for b in blocks], _payloads(host, done))
 
     def stats(self) -> list[KVTierStats]:

@@ -151,6 +151,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype or next(model.parameters()).dtype
+        # Copies of KV blocks between the device and host memory (the KV tiers') run on a stream of their own, so
+        # that they overlap the compute stream's steps.
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_heads = config.num_attention_heads
@@ -231,9 +234,43 @@ class ModelRunner:
                             for k, v in zip(self.k_cache, self.v_cache)], 1)
 
     @torch.inference_mode()
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Copy ``kv`` (``[len(block_ids), *block_shape]``, on any device) into these blocks."""
+    def blocks_to_host(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A host copy of these blocks' K and V (``read_blocks``), and on CUDA the event that marks its arrival: the
+        blocks are gathered in stream order after the step that wrote them, then copied into pinned memory on the
+        copy stream while the compute stream goes on with the next steps."""
+        kv = self.read_blocks(block_ids)
+        if self._copy_stream is None:
+            return kv, None
+        host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(kv, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        kv.record_stream(self._copy_stream)  # the gathered blocks are the copy stream's until it has read them
+        return host, done
+
+    def blocks_to_device(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying blocks from (pinned) host memory to the device on the copy stream, from any thread (the
+        KV tiers' loader: the copy overlaps the steps that run meanwhile); the device tensor and the event that
+        marks its arrival, for ``write_blocks``. Elsewhere than CUDA, ``kv`` as it is."""
+        if self._copy_stream is None:
+            return kv, None
+        with torch.cuda.stream(self._copy_stream):
+            staged = kv.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        return staged, done
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Copy ``kv`` (``[len(block_ids), *block_shape]``, on any device) into these blocks; ``ready``: the event
+        of its ``blocks_to_device`` copy, which the compute stream waits for."""
         ids = torch.tensor(block_ids, device=self.device)
+        if ready is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(ready)
+            kv.record_stream(main)  # made on the copy stream, read on this one
         kv = kv.to(self.device, self.dtype, non_blocking=True)
         for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
             k.index_copy_(0, ids, kv[:, layer, 0])

@@ -91,7 +91,8 @@ class LoadedPrefix:
 
     key: str
     blocks: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
-    kv: torch.Tensor | None = None  # uint8, [len(blocks), payload bytes]
+    kv: torch.Tensor | None = None  # uint8, [len(blocks), payload bytes]; on the device once staged
+    ready: Any = None  # the staging copy's CUDA event (``to_device``), None where there is none
 
 
 @dataclass(slots=True)
@@ -106,11 +107,14 @@ class KVTiers:
     """The host and disk tiers of one engine (see the module docstring)."""
 
     def __init__(self, settings: TierSettings, layout: BlockLayout, record_events: bool = False,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False,
+                 to_device: Callable[[torch.Tensor], tuple[torch.Tensor, Any]] | None = None) -> None:
         """``record_events``: keep what this process writes and removes per tier (``take_events``); ``pin_memory``:
-        gather loaded blocks in pinned memory (a CUDA engine copies them to the device without blocking)."""
+        gather loaded blocks in pinned memory; ``to_device``: start their copy to the device as soon as they are
+        gathered, on the loader thread (a CUDA engine's copy stream: ``ModelRunner.blocks_to_device``)."""
         self.layout = layout
         self._pin_memory = pin_memory
+        self._to_device = to_device
         self.disk: FileTier | None = None
         self.host: FileTier | None = None
         if settings.disk_dir and settings.disk_bytes:
@@ -266,6 +270,8 @@ class KVTiers:
                     kv[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
                     loaded.blocks.append((block_hash, token_ids))
                 loaded.kv = kv[: len(loaded.blocks)]
+                if self._to_device is not None and loaded.blocks:
+                    loaded.kv, loaded.ready = self._to_device(loaded.kv)
             except Exception:
                 loaded.blocks.clear()
                 log.exception("KV tier load failed; the prefix is computed instead")
