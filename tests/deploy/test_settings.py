@@ -125,6 +125,9 @@ def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env
         def start(self):
             return self
 
+        def stop(self):
+            pass
+
     monkeypatch.setattr(system_module, "ServiceProcess", Child)
     config = SwitchyardConfig(data_dir=tmp_path, nats_url="nats://127.0.0.1:4333",
                               database_url="postgresql://u@127.0.0.1:5433/db",
@@ -151,6 +154,12 @@ def test_local_system_hands_each_child_the_settings_with_its_overrides(clean_env
             for key, value in env.items():
                 child.setenv(key, value)
             assert SwitchyardConfig() == expected[name]
+    # The vLLM worker's temporary files (vLLM's, its KV events socket) go to a directory of its own, which the
+    # system removes when it stops: a worker killed by SIGKILL cannot remove them itself.
+    tmp = Path(started[0][2]["TMPDIR"])
+    assert tmp.is_dir() and "TMPDIR" not in started[1][2]
+    local.stop()
+    assert not tmp.exists()
 
 
 def test_several_models_from_flags_or_a_settings_file_which_the_environment_overrides(clean_env, tmp_path):

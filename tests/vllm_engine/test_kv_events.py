@@ -199,13 +199,14 @@ def test_each_kind_of_misfit_warns_once(translator, caplog):
 
 
 _SUBSCRIBER_ON_VLLMS_PUBLISHER = """
-import json, sys, tempfile, time
+import json, shutil, sys, tempfile, time
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 from switchyard.workers.vllm_engine import kv_events
 from switchyard.workers.vllm_engine.kv_events import VllmKVEvents
 
 tokens, salt = json.loads(sys.argv[1])
-endpoint = f"ipc://{tempfile.mkdtemp()}/events.sock"
+socket_dir = tempfile.mkdtemp()
+endpoint = f"ipc://{socket_dir}/events.sock"
 publisher = ZmqEventPublisher(0, endpoint=endpoint)
 events = VllmKVEvents(endpoint, "", 16)
 class Holder: pass
@@ -238,6 +239,7 @@ events.take()
 events.take()
 out["stopped_s"] = time.perf_counter() - t0
 publisher.shutdown()
+shutil.rmtree(socket_dir)
 print(json.dumps(out))
 """
 
