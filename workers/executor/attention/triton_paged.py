@@ -10,6 +10,7 @@ CUDA graph captured (``DecodeBuffers``, see ``executor.cuda_graphs``); the kerne
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ def triton_available() -> bool:
     return True
 
 
+_PROBE_SEEDS = itertools.count()
+
+
 def probe(attention: TritonAttention, dtype: torch.dtype) -> str | None:
     """Compile and run this backend's kernels once, at its shapes, on a two-step case (a 5-token prefill over two
     blocks, then a decode) and compare them with plain attention; None when they agree, else why not.
@@ -46,7 +50,9 @@ def probe(attention: TritonAttention, dtype: torch.dtype) -> str | None:
     n = 5
     num_blocks = -(-(n + 1) // bs) + 1
     table = list(range(num_blocks - 1, -1, -1))  # blocks out of order, as a real table may be
-    gen = torch.Generator().manual_seed(0)
+    # Inputs of their own each time: a kernel that writes nothing leaves its output buffer as the allocator gave
+    # it, which may be an earlier probe's freed output, and right for that probe's inputs.
+    gen = torch.Generator().manual_seed(next(_PROBE_SEEDS))
     q, k, v = (torch.randn(n + 1, h, d, generator=gen).to(attention.device, dtype) for h in (heads, kv_heads, kv_heads))
     k_cache = torch.zeros(num_blocks, bs, kv_heads, d, device=attention.device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
