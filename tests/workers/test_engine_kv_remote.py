@@ -82,12 +82,18 @@ def _num_blocks(engine) -> int:
     return len(engine.scheduler.kv_cache.chain(_seq_of(engine, A)))
 
 
-def test_a_prefix_another_node_holds_is_fetched_loaded_and_kept_on_this_node(tiny, make_request, node_a, tmp_path):
+def _node_b(tiny, node_a, tmp_path):
+    """An engine on node b that reaches node a through ``Peers``: A's expected tokens, the engine, its peers, and
+    how many blocks A's prompt comes to."""
     _, expected, read = node_a
     engine = RecordingEngine(*tiny, _config(tmp_path / "b"))
     peers = Peers(read)
     _connect(engine, peers)
-    n = _num_blocks(engine)
+    return expected, engine, peers, _num_blocks(engine)
+
+
+def test_a_prefix_another_node_holds_is_fetched_loaded_and_kept_on_this_node(tiny, make_request, node_a, tmp_path):
+    expected, engine, peers, n = _node_b(tiny, node_a, tmp_path)
     tokens, cached = _ask(engine, make_request, A, source=KVSource("node-a", n))
     assert tokens == expected
     assert cached == n * 16, "the whole prefix came from node a"
@@ -103,11 +109,7 @@ def test_a_prefix_another_node_holds_is_fetched_loaded_and_kept_on_this_node(tin
 
 
 def test_nothing_is_fetched_for_another_tenant_or_from_a_node_that_is_gone(tiny, make_request, node_a, tmp_path):
-    _, expected, read = node_a
-    engine = RecordingEngine(*tiny, _config(tmp_path / "b"))
-    peers = Peers(read)
-    _connect(engine, peers)
-    n = _num_blocks(engine)
+    expected, engine, peers, n = _node_b(tiny, node_a, tmp_path)
     tokens, cached = _ask(engine, make_request, A, tenant="b", source=KVSource("node-a", n))
     assert (tokens, cached) == (expected, 0), "tenant b's identical prompt names other blocks: node a has none"
     tokens, cached = _ask(engine, make_request, A[::-1], source=KVSource("node-gone", n))
