@@ -147,15 +147,18 @@ class Responses:
         return to_messages(items), rows[-1]["model"]
 
     async def cancel(self, response_id: str, tenant_id: str) -> tuple[dict[str, Any], str | None]:
-        """Mark a background response cancelled; returns its body and, if it was still running, its request id
-        (for ``llm.cancel.<request_id>``). Cancelling a finished one changes nothing; a foreground one is a 400."""
+        """Mark a background response cancelled; returns its body and, if its run may still be going, its request id
+        (for ``llm.cancel.<request_id>``). Cancelling a finished one changes nothing; a foreground one is a 400.
+
+        A response housekeeping failed (``fail_abandoned``) keeps that status, but its run may be alive, on a
+        gateway that was only stalled: its request id comes back too, so the worker stops spending on it."""
         row = await self._row(response_id, tenant_id, "background, status, request_id, body")
         if not row["background"]:
             raise OpenAIError(400, "Only background responses can be cancelled.", code="invalid_request",
                               param="response_id")
         body = json.loads(row["body"])
         if row["status"] not in _OPEN:
-            return body, None
+            return body, row["request_id"] if row["status"] == "failed" else None
         body.update(status="cancelled")
         updated = await self._pool.fetchval(
             "UPDATE responses SET status = 'cancelled', body = jsonb_set(body::jsonb, '{status}', '\"cancelled\"')"
@@ -165,10 +168,12 @@ class Responses:
             return await self.get(response_id, tenant_id), None
         return body, updated
 
-    async def touch(self, response_id: str) -> None:
-        """A background response's run is alive (see ``fail_abandoned``)."""
-        await self._pool.execute("UPDATE responses SET updated_at = now() WHERE id = $1 AND status IN "
-                                 "('queued', 'in_progress')", response_id)
+    async def touch(self, response_id: str) -> bool:
+        """A background response's run is alive (see ``fail_abandoned``); False when the response is no longer
+        open (cancelled, or failed by housekeeping): its run is then wasted work."""
+        touched = await self._pool.fetchval("UPDATE responses SET updated_at = now() WHERE id = $1 AND status IN "
+                                            "('queued', 'in_progress') RETURNING id", response_id)
+        return touched is not None
 
 
 ALIVE_EVERY_S = 30.0  # a running background response's gateway touches its row this often

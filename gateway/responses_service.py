@@ -224,7 +224,7 @@ class ResponseService:
         """A background response, start to end, stored at each step; counted as an open request, and its row
         touched while it runs (housekeeping fails the ones a crashed gateway left)."""
         await self._in_flight.add(1)
-        alive = asyncio.create_task(self._keep_alive(run.response_id))
+        alive = asyncio.create_task(self._keep_alive(run.response_id, run.request.request_id))
         try:
             try:
                 relayed, first = await self._completions.start(run.request, run.ticket)
@@ -240,13 +240,19 @@ class ResponseService:
             alive.cancel()
             await self._in_flight.add(-1)
 
-    async def _keep_alive(self, response_id: str) -> None:
+    async def _keep_alive(self, response_id: str, request_id: str) -> None:
         while True:
             await asyncio.sleep(ALIVE_EVERY_S)
             try:
-                await self._responses.touch(response_id)
+                open_ = await self._responses.touch(response_id)
             except Exception as exc:  # Postgres away: housekeeping, on the same Postgres, is waiting too
                 log.warning("could not mark background response %s alive: %r", response_id, exc)
+                continue
+            if not open_:  # failed by housekeeping while this gateway stalled: nobody will read what it makes
+                log.warning("background response %s was closed while running: stopping it", response_id)
+                if self._nc.is_connected:
+                    await self._nc.publish(subjects.cancel_subject(request_id), b"")
+                return
 
     async def cancel(self, response_id: str, tenant_id: str) -> dict:
         """Cancel a background response: marked cancelled (whichever gateway runs it), its worker told to stop."""

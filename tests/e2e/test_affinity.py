@@ -58,7 +58,9 @@ async def test_follow_up_turns_go_to_the_worker_holding_the_conversation(e2e, ke
         wait_until_ready(e2e.url(port), model, timeout_s=60, watch=[gateway])
         async with AsyncOpenAI(base_url=f"{e2e.url(port)}/v1", api_key=key, max_retries=0, timeout=60) as client:
             async def conversation(n: int) -> None:
-                messages = [{"role": "system", "content": SYSTEM + f" Conversation {n}."}]
+                # Its own from the first token: what placement weighs is the whole history against the load of
+                # the moment, and a history shared by every conversation but its last words would weigh little.
+                messages = [{"role": "system", "content": f"Conversation {n}. " + SYSTEM}]
                 mine = []
                 for turn in range(3):  # the whole history each turn, as chat clients send it
                     messages.append({"role": "user", "content": f"Turn {turn} of conversation {n}: go on."})

@@ -275,7 +275,8 @@ def test_a_conversation_keeps_the_turns_of_its_responses(client, system, auth):
     assert again.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
 
 
-async def test_a_background_response_its_gateway_abandoned_is_failed_by_housekeeping(client, database_url):
+async def test_a_background_response_its_gateway_abandoned_is_failed_by_housekeeping(client, database_url,
+                                                                                       nats_url):
     from switchyard.domain.responses import fail_abandoned
 
     r = client.responses.create(model=MODEL, input="Tell a long story", background=True, **LONG)
@@ -293,6 +294,11 @@ async def test_a_background_response_its_gateway_abandoned_is_failed_by_housekee
     assert failed.status == "failed" and failed.error.code == "server_error"
     client.responses.cancel(r.id)  # the run itself (alive here) is stopped: a final state stays as it is
     assert client.responses.retrieve(r.id).status == "failed"
+    # The worker stopped it and billed what it ran: left going, its thousands of tokens would spend a seat for
+    # nobody (and, under the deployment's block policy, a random word could trip a later test's counters).
+    rows = await poll(lambda: usage_rows(database_url, nats_url, r.id.removeprefix("resp_"), "finish_reason"),
+                      lambda rows: len(rows) == 1, timeout_s=30, what="the run's usage row")
+    assert rows[0]["finish_reason"] == "cancelled"
 
 
 async def test_a_flex_background_response_runs_on_the_batch_tier(client, database_url, nats_url):
