@@ -37,7 +37,8 @@ IMAGE = {
 ENGINE_PATH = (
     "msgspec", "pydantic", "pydantic_settings", "llguidance", "gguf", "transformers", "triton",
     "switchyard.shared.config", "switchyard.shared.messages", "switchyard.workers.engine.engine",
-    "switchyard.workers.engine.sampling", "switchyard.workers.engine.guided", "switchyard.workers.executor.cuda_graphs",
+    "switchyard.workers.engine.sampling", "switchyard.workers.serving.guided",
+    "switchyard.workers.executor.cuda_graphs",
     "switchyard.workers.executor.attention.triton_kernels", "switchyard.workers.model_store",
     "bench.gpu_parts", "bench.triton_aot", "tests.support.tiny_model", "tests.support.id_tokenizer",
     "tests.support.triton_devices",

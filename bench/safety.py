@@ -87,7 +87,7 @@ def in_process(n: int) -> tuple[str, dict]:
     from switchyard.shared.messages import GenerateRequest, SamplingParams
     from switchyard.shared.profanity import load_classifier
     from switchyard.shared.safety import filter_for
-    from switchyard.workers.engine.output_filter import OutputSafety
+    from switchyard.workers.serving.output_filter import OutputSafety
 
     t = time.perf_counter()
     safety = InputSafety(SafetyConfig())

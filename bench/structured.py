@@ -66,7 +66,7 @@ def main() -> None:
     from switchyard.workers.engine import engine as engine_module
     from switchyard.workers.engine import sampling as sampling_module
     from switchyard.workers.engine.engine import Engine, EngineConfig
-    from switchyard.workers.engine.guided import json_schema_grammar
+    from switchyard.workers.serving.guided import json_schema_grammar
 
     torch.set_num_threads(args.threads)
     path = model_store.pull("smollm2", SwitchyardConfig().model_cache_dir)

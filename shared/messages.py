@@ -102,7 +102,7 @@ class EmbedInput(msgspec.Struct, frozen=True):
 
 
 class SafetyPolicy(msgspec.Struct):
-    """How a worker filters a request's output as it is generated (workers/engine/output_filter.py): set by the
+    """How a worker filters a request's output as it is generated (workers/serving/output_filter.py): set by the
     gateway from the tenant's policy, with the deployment's whole rule set, so every worker applies the same."""
 
     mode: str  # block: halt the choice (finish_reason content_filter) | log: let it through, count it

@@ -1,6 +1,6 @@
 """What the safety filters judge text by: a rule set (regexes and keywords per category) and the offline profanity
 classifier (shared/profanity.py), behind one small interface. The input filter (domain/admission/safety.py) and the
-workers' streaming output filter (workers/engine/output_filter.py) both judge with the ``DefaultFilter`` made
+workers' streaming output filter (workers/serving/output_filter.py) both judge with the ``DefaultFilter`` made
 here, so a word refused in a prompt is a word that halts a reply.
 
     SafetyConfig ──rule_patterns()──▶ {category: [regex, ...]} ──▶ DefaultFilter ── check(text) ─▶ Verdict

@@ -1,6 +1,6 @@
 """A test double of an engine, for load tests of everything but the model: ``--engine simulated``.
 
-It implements ``ServingEngine`` (workers/engine/interface.py) exactly as the worker service uses it, so a worker
+It implements ``ServingEngine`` (workers/serving/interface.py) exactly as the worker service uses it, so a worker
 over it pulls, admits by tier and tenant, heartbeats, publishes deltas with sequence numbers and usage, cancels,
 drains and fails over like a real one; only the tokens are made up. Nothing here runs a model:
 
@@ -34,10 +34,17 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, Usage
-from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected, SafetyEvent
-from switchyard.workers.engine.prompts import MAX_N, resolve_max_tokens
+from switchyard.workers.serving.interface import (
+    EngineCapabilities,
+    EngineCapacity,
+    EngineStats,
+    RequestRejected,
+    SafetyEvent,
+)
+from switchyard.workers.serving.prompts import MAX_N, resolve_max_tokens
 
 MAX_CONTEXT = 32768
 _IDLE_WAIT_S = 0.002  # the longest a step waits for a due token: how late an added request may start
@@ -97,6 +104,10 @@ class SimulatedEngine:
         self._running: Counter[str] = Counter()  # tier -> sequences
         self._num_seqs = 0
         self._last_batch = (0, 0)
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(background_limit=False)
 
     @property
     def max_context(self) -> int:
@@ -266,9 +277,9 @@ class SimulatedEngine:
     def kv_listing(self) -> dict[str, list[int]]:
         return {}
 
-    def connect_kv_peers(self, peers) -> None:
-        """No KV tiers to fetch into or serve from."""
-        return None
+    def connect_kv_peers(self, peers) -> NoReturn:
+        """Never called: no KV tiers to fetch into or serve from (``capabilities``)."""
+        raise NotImplementedError("the simulated engine exchanges no KV blocks")
 
     def shutdown(self) -> None:
         pass

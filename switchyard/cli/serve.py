@@ -57,8 +57,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     bound_openmp_spin(config.worker.omp_spin_count)  # before torch loads libgomp
-    from switchyard.workers.engine.interface import EngineUnavailable
     from switchyard.workers.service.main import serve_worker
+    from switchyard.workers.serving.interface import EngineUnavailable
 
     if not config.nats_url:
         print("switchyard worker needs --nats-url (or SWITCHYARD_NATS_URL); `switchyard up` starts one.",
@@ -112,7 +112,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from switchyard.deploy.up import run_up
-    from switchyard.workers.engine.interface import EngineUnavailable
+    from switchyard.workers.serving.interface import EngineUnavailable
 
     try:
         return run_up(load_config(args))

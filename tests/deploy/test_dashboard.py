@@ -12,9 +12,9 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.shared.tiers import TIER_NAMES
-from switchyard.workers.engine.stats import EngineStats
 from switchyard.workers.kv_tiers import KVTierStats
 from switchyard.workers.service.metrics import WorkerMetrics
+from switchyard.workers.serving.stats import EngineStats
 from tests.deploy.manifest_checks import DEPLOY
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "switchyard.json"

@@ -24,7 +24,7 @@ import msgspec
 
 from switchyard.shared.kv_events import PrefixSegment
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
-from switchyard.workers.engine.kv_changes import KVChanges
+from switchyard.workers.serving.kv_changes import KVChanges
 
 
 class EngineProcess:

@@ -10,9 +10,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from switchyard.shared.messages import GenerateRequest, SamplingParams
-from switchyard.workers.engine.choice import RequestState, make_choice
-from switchyard.workers.engine.logprobs import TokenLogprobs
-from switchyard.workers.engine.output_filter import OutputSafety
+from switchyard.workers.serving.choice import RequestState, make_choice
+from switchyard.workers.serving.output_filter import OutputSafety
+from switchyard.workers.serving.token_texts import TokenTexts
 from switchyard.workers.vllm_engine.load import StepStats, capacity_of
 from switchyard.workers.vllm_engine.outputs import ChoiceRun
 
@@ -39,11 +39,11 @@ def run_of(tokenizer, **sampling) -> ChoiceRun:
 def test_several_tokens_in_a_step_make_one_delta_and_eos_is_not_text(tokenizer):
     ids = tokenizer.encode("The capital of France is Paris.")
     run = run_of(tokenizer)
-    text, calls, ending = run.advance(ids[:4], None, None, TokenLogprobs(tokenizer))
+    text, calls, ending = run.advance(ids[:4], None, None, TokenTexts(tokenizer))
     assert ending is None and text == tokenizer.decode(ids[:4])
     delta = run.delta("r", text, calls)
     assert (delta.num_tokens, delta.token_ids) == (4, ids[:4])
-    text, _, ending = run.advance(ids[4:] + [tokenizer.eos_token_id], None, "stop", TokenLogprobs(tokenizer))
+    text, _, ending = run.advance(ids[4:] + [tokenizer.eos_token_id], None, "stop", TokenTexts(tokenizer))
     assert (ending.reason, ending.abort_vllm) == ("stop", False)  # vLLM ended it itself
     assert text + ending.text == tokenizer.decode(ids[4:])
     assert run.num_output_tokens == len(ids) + 1  # the EOS is billed, as our engine bills it
@@ -52,7 +52,7 @@ def test_several_tokens_in_a_step_make_one_delta_and_eos_is_not_text(tokenizer):
 def test_a_stop_string_inside_a_step_ends_the_choice_there_and_stops_vllm(tokenizer):
     ids = tokenizer.encode("The capital of France is Paris. It is big.")
     run = run_of(tokenizer, stop=["Paris"])
-    text, _, ending = run.advance(ids, None, None, TokenLogprobs(tokenizer))
+    text, _, ending = run.advance(ids, None, None, TokenTexts(tokenizer))
     assert ending.reason == "stop" and ending.abort_vllm
     assert text + ending.text == "The capital of France is "
 
@@ -60,7 +60,7 @@ def test_a_stop_string_inside_a_step_ends_the_choice_there_and_stops_vllm(tokeni
 def test_length_ends_the_choice_with_the_last_tokens_text(tokenizer):
     ids = tokenizer.encode("Once upon a time")
     run = run_of(tokenizer)
-    text, _, ending = run.advance(ids, None, "length", TokenLogprobs(tokenizer))
+    text, _, ending = run.advance(ids, None, "length", TokenTexts(tokenizer))
     assert ending.reason == "length" and text + ending.text == "Once upon a time"
 
 
@@ -69,7 +69,7 @@ def test_logprobs_are_the_sampled_tokens_with_the_top_ones_by_rank(tokenizer):
     run = run_of(tokenizer, logprobs=True, top_logprobs=2)
     other = ids[0] + 1
     entry = {other: Logprob(-0.5, 1), ids[0]: Logprob(-1.5, 2), other + 1: Logprob(-2.5, 3)}
-    run.advance(ids[:1], [entry], None, TokenLogprobs(tokenizer))
+    run.advance(ids[:1], [entry], None, TokenTexts(tokenizer))
     (lp,) = run.choice.unreported_logprobs
     assert lp.logprob == -1.5 and [v for _, v in lp.top] == [-0.5, -1.5]
 

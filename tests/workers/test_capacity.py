@@ -7,9 +7,9 @@ from switchyard.scheduler.background import BackgroundPolicy
 from switchyard.shared import subjects
 from switchyard.shared.config import WorkerConfig
 from switchyard.shared.messages import GenerateRequest, SamplingParams
-from switchyard.workers.engine.interface import EngineCapacity
 from switchyard.workers.service.capacity import Capacity, allowance, background_policy
 from switchyard.workers.service.held import HeldRequests, Tracked
+from switchyard.workers.serving.interface import EngineCapacity
 
 ALL_TIERS = {"enterprise", "pro", "free", "batch"}
 

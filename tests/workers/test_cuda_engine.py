@@ -123,7 +123,7 @@ ENGINE_SCRIPT = """
 import sys, time
 from switchyard.shared.messages import GenerateRequest, ResponseFormat, SafetyPolicy, SamplingParams
 from switchyard.workers.engine.engine import Engine, EngineConfig
-from switchyard.workers.engine.prompts import prepare_prompt
+from switchyard.workers.serving.prompts import prepare_prompt
 from tests.support.id_tokenizer import IdTokenizer
 from tests.support.tiny_model import build_model, build_tokenizer
 
@@ -176,7 +176,8 @@ assert loaded() == ["profanity_check", "sklearn"], loaded()
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sampling_with_penalties_and_masks_never_waits_for_the_device():
-    from switchyard.workers.engine.sampling import make_generator, sample
+    from switchyard.workers.engine.sampling import sample
+    from switchyard.workers.serving.choice import make_generator
 
     logits = torch.randn(4, 1000, device="cuda")
     params = [SamplingParams(temperature=t, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from switchyard.workers.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from switchyard.workers.serving.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from tests.support.tiny_model import build_tokenizer
 
 

@@ -12,7 +12,7 @@ from switchyard.shared.messages import EmbedInput, GenerateRequest, SamplingPara
 from switchyard.workers.engine import embeddings
 from switchyard.workers.engine.embedding_model import EmbeddingModel, plan_forwards
 from switchyard.workers.engine.embeddings import EmbeddingEngine
-from switchyard.workers.engine.interface import RequestRejected
+from switchyard.workers.serving.interface import RequestRejected
 from tests.support.tiny_bert import MAX_TOKENS, save_tiny_bert
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "paris", "a cat and a dog in the river",

@@ -13,7 +13,7 @@ import torch
 
 from switchyard.shared.messages import TokenDelta
 from switchyard.workers.engine.engine import Engine, EngineConfig
-from switchyard.workers.engine.prompts import RequestRejected, prepare_prompt
+from switchyard.workers.serving.prompts import RequestRejected, prepare_prompt
 
 
 class RecordingEngine(Engine):

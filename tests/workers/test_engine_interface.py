@@ -7,8 +7,9 @@ import inspect
 import pytest
 
 from switchyard.workers.engine.engine import Engine
-from switchyard.workers.engine.interface import ServingEngine
+from switchyard.workers.serving.interface import EngineCapabilities, ServingEngine
 from switchyard.workers.vllm_engine.engine import VllmEngine  # readable without vLLM: it imports it when built
+from tests.workers.test_engine_kv_remote import Peers
 
 
 def _members(protocol) -> dict[str, object]:
@@ -32,3 +33,26 @@ def test_engine_implements_every_member_of_the_interface(Engine):
         # An argument the interface may leave out has a default here too.
         for w, g in zip(wanted, given):
             assert w.default is inspect.Parameter.empty or g.default is not inspect.Parameter.empty, (name, g.name)
+
+
+def test_each_engine_states_its_capabilities_and_the_kv_exchange_follows_them(tiny, tmp_path):
+    from switchyard.workers.engine.config import EngineConfig
+    from switchyard.workers.simulated_engine import SimulatedEngine
+
+    plain = Engine(*tiny, EngineConfig(max_num_seqs=2, max_model_len=128))
+    tiered = Engine(*tiny, EngineConfig(max_num_seqs=2, kv_cache_bytes=1, max_model_len=128, kv_offload_gib=0.01,
+                                        kv_offload_host_dir=tmp_path / "host"))
+    try:
+        assert plain.capabilities == EngineCapabilities(kv_exchange=False, background_limit=True)
+        assert tiered.capabilities == EngineCapabilities(kv_exchange=True, background_limit=True)
+        assert plain.capabilities.roles == ("both",)
+        with pytest.raises(NotImplementedError):
+            plain.connect_kv_peers(None)  # the worker never asks: kv_exchange is False
+        assert callable(tiered.connect_kv_peers(Peers(lambda *_: None)))
+    finally:
+        plain.shutdown()
+        tiered.shutdown()
+    # vLLM runs every sequence it holds in each step: the batch limit is the worker's pulls alone.
+    assert not VllmEngine.capabilities.fget(None).background_limit  # type: ignore[attr-defined]
+    assert SimulatedEngine.capabilities.fget(None).describe() == "roles both"  # type: ignore[attr-defined]
+    assert tiered.capabilities.describe() == "roles both; KV exchange; batch limit per step"

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import switchyard.workers.engine.choice as choice_module
 import switchyard.workers.engine.engine as engine_module
+import switchyard.workers.serving.choice as choice_module
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from switchyard.workers.engine.engine import Engine, EngineConfig
-from switchyard.workers.engine.prompts import RequestRejected
+from switchyard.workers.serving.prompts import RequestRejected
 
 POISON_SEED = -12345  # the sample() double below raises for any batch with a row of this seed
 

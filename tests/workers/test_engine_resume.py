@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from switchyard.shared.messages import Resume
-from switchyard.workers.engine.prompts import RequestRejected
+from switchyard.workers.serving.prompts import RequestRejected
 from tests.workers.test_engine import PROMPTS, RecordingEngine, Result, collect, run
 
 CASES = {

@@ -1,4 +1,4 @@
-"""The streaming output filter on its own (workers/engine/output_filter.py): words are judged whole, however the
+"""The streaming output filter on its own (workers/serving/output_filter.py): words are judged whole, however the
 deltas split them, and what a block policy halts never leaves in part."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from switchyard.shared.safety import wire_policy
-from switchyard.workers.engine.output_filter import OutputSafety, StreamGuard
+from switchyard.workers.serving.output_filter import OutputSafety, StreamGuard
 
 RULES = {"codename": [r"(?<!\w)project\s+zorp(?!\w)"]}
 

@@ -11,8 +11,8 @@ from switchyard.scheduler import Sequence
 from switchyard.scheduler.kv_cache_manager import KVCacheManager
 from switchyard.shared.kv_events import cache_salt, request_prefix_keys, split_hashes
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams, ToolSpec, ToolUse
-from switchyard.workers.engine.prompts import prepare_prompt
 from switchyard.workers.model_store import load
+from switchyard.workers.serving.prompts import prepare_prompt
 
 BLOCK = 16
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
-from switchyard.workers.engine import prompts
-from switchyard.workers.engine.prompts import _encode_chat, fit_history
+from switchyard.workers.serving import prompts
+from switchyard.workers.serving.prompts import _encode_chat, fit_history
 
 
 def test_fit_history_drops_the_fewest_oldest_turns_in_a_few_renders(tiny, make_request, monkeypatch):

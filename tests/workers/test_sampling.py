@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from switchyard.shared.messages import SamplingParams
-from switchyard.workers.engine.sampling import apply_penalties, filter_logits, make_generator, sample
+from switchyard.workers.engine.sampling import apply_penalties, filter_logits, sample
+from switchyard.workers.serving.choice import make_generator
 
 P = SamplingParams
 

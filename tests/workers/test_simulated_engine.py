@@ -7,7 +7,7 @@ import time
 import pytest
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, Resume, SamplingParams
-from switchyard.workers.engine.interface import RequestRejected
+from switchyard.workers.serving.interface import RequestRejected
 from switchyard.workers.simulated_engine import SimulatedEngine
 
 

@@ -13,8 +13,8 @@ import torch
 
 from switchyard.shared.messages import ChatMessage, GenerateRequest, ResponseFormat, SamplingParams, ToolSpec, ToolUse
 from switchyard.workers.engine.engine import Engine, EngineConfig
-from switchyard.workers.engine.prompts import RequestRejected
 from switchyard.workers.model_store import load
+from switchyard.workers.serving.prompts import RequestRejected
 from tests.support.tiny_model import save_tiny_model
 from tests.workers.test_engine import Result
 
@@ -179,7 +179,7 @@ def test_smollm2_answers_in_the_schema_and_calls_the_tool_sensibly(smollm2_dir):
 
 
 def test_masks_leave_exactly_the_allowed_tokens_of_the_masked_rows():
-    from switchyard.workers.engine.guided import apply_masks
+    from switchyard.workers.serving.guided import apply_masks
 
     generator = torch.Generator().manual_seed(0)
     vocab = 1000  # not a multiple of 32: the last word's spare bits are ignored

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from switchyard.workers.engine.tool_parser import ToolCallParser
+from switchyard.workers.serving.tool_parser import ToolCallParser
 
 CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 CALL_B = '<tool_call>\n{"name": "lookup", "arguments": {"q": "a } b", "n": {"x": [1, 2]}}}\n</tool_call>'

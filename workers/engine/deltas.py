@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from switchyard.scheduler import RequestStatus, Scheduler, Sequence, finish_reason
 from switchyard.shared.messages import ErrorInfo, TokenDelta, Usage
-from switchyard.workers.engine.choice import RequestState, choice_of
+from switchyard.workers.engine.sequences import choice_of
+from switchyard.workers.serving.choice import RequestState
 
 
 class Deltas:

@@ -9,19 +9,19 @@ Read from the model directory: ``modules.json`` (a ``Normalize`` module means un
 for; a longer one is refused, where the reference would cut it silently). Without them: mean pooling, normalized,
 and the encoder's position limit.
 
-``EmbeddingInputs`` (texts and client token ids as the model's input ids) is shared with the vLLM engine's embedder
+Its inputs (``EmbeddingInputs``, workers/serving/embedding_inputs.py) are shared with the vLLM engine's embedder
 (workers/vllm_engine/embedder.py), which runs the same directory through vLLM's pooling runner instead.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
+
+from switchyard.workers.serving.embedding_inputs import EmbeddingInputs, max_input_tokens, read_json
 
 log = logging.getLogger("switchyard.worker")
 
@@ -58,53 +58,6 @@ def plan_forwards(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS,
     return forwards[::-1]
 
 
-def _read_json(path: Path) -> Any:
-    """The JSON in ``path`` as parsed (a config object, or a list of modules), None when it cannot be read."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def is_sentence_embedding_model(path: str | Path) -> bool:
-    """Whether ``path`` holds a sentence-transformers model (its ``modules.json`` names a pooling module): one that
-    serves /v1/embeddings, whichever engine runs it."""
-    modules = _read_json(Path(path) / "modules.json")
-    return isinstance(modules, list) and any(str(m.get("type", "")).endswith(".Pooling") for m in modules
-                                             if isinstance(m, dict))
-
-
-def max_input_tokens(path: str | Path) -> int | None:
-    """The longest input the model in ``path`` takes: sentence-transformers' ``max_seq_length`` within the encoder's
-    positions (None when neither is written down)."""
-    path = Path(path)
-    limits = [(_read_json(path / "sentence_bert_config.json") or {}).get("max_seq_length"),
-              (_read_json(path / "config.json") or {}).get("max_position_embeddings")]
-    sizes = [n for n in limits if isinstance(n, int) and n > 0]
-    return min(sizes) if sizes else None
-
-
-class EmbeddingInputs:
-    """A sentence-embedding model's inputs as token ids: texts tokenized, a client's token ids framed as the
-    tokenizer frames a text, and the longest input it takes (``max_tokens``)."""
-
-    def __init__(self, tokenizer, max_tokens: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
-        # How the tokenizer frames a text ([CLS] ... [SEP] for BERT), read off one it frames.
-        bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-        framed = tokenizer("a", add_special_tokens=True)["input_ids"]
-        start = next(i for i in range(len(framed)) if framed[i:i + len(bare)] == bare)
-        self._prefix, self._suffix = framed[:start], framed[start + len(bare):]
-
-    def with_special_tokens(self, ids: list[int]) -> list[int]:
-        """Token ids given by a client, framed as the tokenizer frames a text ([CLS] ... [SEP] for BERT)."""
-        return [*self._prefix, *ids, *self._suffix]
-
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
-
-
 class EmbeddingModel(EmbeddingInputs):
     """Encodes batches of token id lists into vectors; touched from the step thread only."""
 
@@ -126,9 +79,9 @@ class EmbeddingModel(EmbeddingInputs):
         path = Path(path)
         encoder = AutoModel.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        modules = _read_json(path / "modules.json") or []
+        modules = read_json(path / "modules.json") or []
         pooling_dir = next((m["path"] for m in modules if m.get("type", "").endswith(".Pooling")), "1_Pooling")
-        pooling_cfg = _read_json(path / pooling_dir / "config.json") or {}
+        pooling_cfg = read_json(path / pooling_dir / "config.json") or {}
         pooling = ("cls" if pooling_cfg.get("pooling_mode_cls_token") else
                    "max" if pooling_cfg.get("pooling_mode_max_tokens") else "mean")
         normalize = not modules or any(m.get("type", "").endswith(".Normalize") for m in modules)

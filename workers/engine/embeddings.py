@@ -1,4 +1,4 @@
-"""The embeddings engine: a ``ServingEngine`` (workers/engine/interface.py) over a sentence-embedding model, so a
+"""The embeddings engine: a ``ServingEngine`` (workers/serving/interface.py) over a sentence-embedding model, so a
 worker serves ``/v1/embeddings`` with the same intake, tiers, tenants, usage records and drain as chat.
 
     intake thread  prepare: tokenize the texts (or frame the token ids), check lengths and ``dimensions``
@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 
 from switchyard.shared.config import EngineSettings
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, Usage
 from switchyard.shared.tiers import BATCH_TIER, get_tier
-from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected
+from switchyard.workers.serving.interface import EngineCapabilities, EngineCapacity, EngineStats, RequestRejected
 
 log = logging.getLogger("switchyard.engine")
 
@@ -91,7 +91,7 @@ def _rejected(message: str, param: str, code: str = "invalid_request") -> Reques
 
 
 class EmbeddingEngine:
-    """See the module docstring; the worker calls it as workers/engine/interface.py says."""
+    """See the module docstring; the worker calls it as workers/serving/interface.py says."""
 
     def __init__(self, model: Embedder, settings: EngineSettings, name: str = "") -> None:
         self.model = model
@@ -104,6 +104,10 @@ class EmbeddingEngine:
         self._last_batch = (0, 0)
 
     # -- what the worker reads ------------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(background_limit=True)
+
     @property
     def max_context(self) -> int:
         return self.model.max_tokens
@@ -134,9 +138,9 @@ class EmbeddingEngine:
     def kv_listing(self) -> dict[str, list[int]]:
         return {}
 
-    def connect_kv_peers(self, peers) -> None:
-        """No KV tiers to fetch into or serve from."""
-        return None
+    def connect_kv_peers(self, peers) -> NoReturn:
+        """Never called: an embedding model keeps no KV cache (``capabilities``)."""
+        raise NotImplementedError("the embeddings engine exchanges no KV blocks")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._queue) or bool(self._ending)

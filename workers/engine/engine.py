@@ -28,22 +28,25 @@ import torch
 from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, finish_reason
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
-from switchyard.workers.engine.choice import MatcherPrompt, RequestState, choice_of, new_request
 from switchyard.workers.engine.config import EngineConfig
 from switchyard.workers.engine.deltas import Deltas
-from switchyard.workers.engine.guided import Grammars, fill_masks
-from switchyard.workers.engine.interface import BlockReader
-from switchyard.workers.engine.kv_changes import KVChangeLog, KVChanges
+from switchyard.workers.engine.kv_change_log import KVChangeLog
 from switchyard.workers.engine.logprobs import TokenLogprobs
-from switchyard.workers.engine.output_filter import OutputSafety, SafetyEvent
-from switchyard.workers.engine.prompts import eos_token_ids, prepare_prompt
 from switchyard.workers.engine.sampling import sample
-from switchyard.workers.engine.stats import EngineCapacity, EngineStats, capacity_of, stats_of
+from switchyard.workers.engine.sequences import MatcherPrompt, choice_of, new_request
+from switchyard.workers.engine.stats import capacity_of, stats_of
 from switchyard.workers.engine.tiered_prefixes import TieredPrefixes
 from switchyard.workers.executor.cuda_graphs import GraphPass
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
 from switchyard.workers.kv_tiers.remote import KVPeers
+from switchyard.workers.serving.choice import RequestState
+from switchyard.workers.serving.guided import Grammars, fill_masks
+from switchyard.workers.serving.interface import BlockReader, EngineCapabilities
+from switchyard.workers.serving.kv_changes import KVChanges
+from switchyard.workers.serving.output_filter import OutputSafety, SafetyEvent
+from switchyard.workers.serving.prompts import eos_token_ids, prepare_prompt
+from switchyard.workers.serving.stats import EngineCapacity, EngineStats
 
 log = logging.getLogger("switchyard.engine")
 
@@ -52,7 +55,7 @@ _LOAD_WAIT_S = 0.01  # a step with nothing to run but prefixes loading waits thi
 
 class Engine:
     """Runs many requests at once on a Llama-family model; see the module docstring. The worker serves from it
-    through ``ServingEngine`` (workers/engine/interface.py); tests and benchmarks also drive it directly."""
+    through ``ServingEngine`` (workers/serving/interface.py); tests and benchmarks also drive it directly."""
 
     def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -110,7 +113,12 @@ class Engine:
             self.runner.attention.name, self.runner.linear_kernel, self.runner.packed_weight_bytes / 2**20,
             self.runner.ops.name, "on" if self.runner.graphs is not None else "off")
 
-    # -- the interface (workers/engine/interface.py) ------------------------------------------------------
+    # -- the interface (workers/serving/interface.py) ------------------------------------------------------
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """KV exchange when it keeps KV tiers (``kv_offload_*``); the batch limit per step always (its scheduler)."""
+        return EngineCapabilities(kv_exchange=self.tiers is not None, background_limit=True)
+
     @property
     def device_type(self) -> str:
         return self.runner.device.type
@@ -189,11 +197,11 @@ class Engine:
         """Every block held now, per tier (a KV-events snapshot); safe to call from another thread."""
         return self.kv_changes.listing() if self.kv_changes is not None else {}
 
-    def connect_kv_peers(self, peers: KVPeers) -> BlockReader | None:
+    def connect_kv_peers(self, peers: KVPeers) -> BlockReader:
         """Fetch prefixes other nodes hold through ``peers``; returns how to read a block this node holds (to
-        serve theirs), or None when this engine keeps no tiers."""
+        serve theirs). Only with KV tiers (``capabilities``)."""
         if self.tiers is None:
-            return None
+            raise NotImplementedError("this engine keeps no KV tiers (kv_offload_gib is 0)")
         self.tiers.connect(peers)
         return self.tiers.read_block
 

@@ -7,15 +7,12 @@ import torch
 
 from switchyard.scheduler import Sequence
 from switchyard.shared.messages import TokenLogprob
-from switchyard.workers.engine.choice import choice_of
+from switchyard.workers.engine.sequences import choice_of
+from switchyard.workers.serving.token_texts import TokenTexts
 
 
-class TokenLogprobs:
+class TokenLogprobs(TokenTexts):
     """Log-probabilities of sampled tokens and their top alternatives, for the sequences that asked for them."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}  # token id -> its text alone
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> dict[str, TokenLogprob]:
         """``logits[i]`` gave ``token_ids[i]`` for ``seqs[i]``; returns seq id -> its entry, for the rows whose
@@ -35,11 +32,3 @@ class TokenLogprobs:
             top = [(self.text(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k])]
             out[seqs[i].seq_id] = TokenLogprob(self.text(token_ids[i]), chosen[j], top)
         return out
-
-    def text(self, token_id: int) -> str:
-        """The text of ``token_id`` alone, as a logprob entry names it."""
-        text = self._texts.get(token_id)
-        if text is None:
-            # As the text is decoded (special tokens left out), so that the tokens spell the content.
-            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=True)
-        return text

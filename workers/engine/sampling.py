@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from switchyard.shared.messages import SamplingParams
-from switchyard.workers.engine.guided import apply_masks
 from switchyard.workers.executor.transfers import to_device
+from switchyard.workers.serving.guided import apply_masks
 
 # Below this temperature, sampling is greedy: dividing by it would overflow the logits to inf (then NaN).
 GREEDY_TEMPERATURE = 1e-5
@@ -157,10 +157,3 @@ def sample(
     targets = to_device(uniforms, torch.float32, logits.device)[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).view(-1).clamp_max_(cdf.shape[1] - 1)
     return picked if rows is None else logits.argmax(dim=-1).index_copy_(0, rows, picked)
-
-
-def make_generator(seed: int | None) -> random.Random | None:
-    """The uniform source of a seeded request, ``None`` (torch's global CPU RNG) for an unseeded one."""
-    if seed is None:
-        return None
-    return random.Random(seed)

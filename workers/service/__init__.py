@@ -1,2 +1,2 @@
 """The worker service: the I/O shell around an engine (intake, capacity, the step loop, publishing, liveness; see
-``worker.py``), which reaches the engine only through ``workers/engine/interface.py``."""
+``worker.py``), which reaches the engine only through ``workers/serving/interface.py``."""

@@ -29,8 +29,8 @@ from switchyard.scheduler.seats import TenantSeats, outranks
 from switchyard.shared import subjects
 from switchyard.shared.config import WorkerConfig
 from switchyard.shared.tiers import BATCH_TIER, get_tier, tiers_by_priority
-from switchyard.workers.engine.interface import EngineCapacity
 from switchyard.workers.service.held import HeldRequests
+from switchyard.workers.serving.interface import EngineCapacity
 
 
 @dataclass(frozen=True, slots=True)

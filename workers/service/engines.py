@@ -1,5 +1,5 @@
 """The engines a worker can serve from, by the name ``worker.engine`` gives (``--engine``, or a model's ``engine``
-in the settings file): each entry builds a ``ServingEngine`` (workers/engine/interface.py) from the settings.
+in the settings file): each entry builds a ``ServingEngine`` (workers/serving/interface.py) from the settings.
 
 A new engine is a module implementing that interface and one entry here. An entry imports its engine only when
 chosen, so an engine's own dependencies (its wheel, its environment) are needed only where it runs.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, get_args
 
 from switchyard.shared.config import EngineName, SwitchyardConfig
-from switchyard.workers.engine.interface import ServingEngine
+from switchyard.workers.serving.interface import ServingEngine
 
 log = logging.getLogger("switchyard.worker")
 
@@ -42,7 +42,7 @@ def _vllm(config: SwitchyardConfig) -> ServingEngine[Any]:
     /v1/embeddings. Needs vLLM installed where the worker runs (``make vllm-env``); refused with how to install it
     otherwise."""
     from switchyard.workers import model_store
-    from switchyard.workers.engine.embedding_model import is_sentence_embedding_model
+    from switchyard.workers.serving.embedding_inputs import is_sentence_embedding_model
     from switchyard.workers.vllm_engine.environment import require_vllm
 
     require_vllm()

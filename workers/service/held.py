@@ -22,7 +22,7 @@ from opentelemetry.context import Context
 from switchyard.shared.messages import BatchChoice, ErrorInfo, GenerateRequest, TokenDelta, add_tool_call_parts
 
 if TYPE_CHECKING:
-    from switchyard.workers.engine.interface import Prepared
+    from switchyard.workers.serving.interface import Prepared
 
 log = logging.getLogger("switchyard.worker")
 

@@ -17,7 +17,7 @@ tenant with a request being prepared is not pulled for until it is ready (capaci
 (a huge schema, thousands of messages) hold one thread and delay that tenant alone, never another tenant's turn.
 A tenant whose prompt took over ``SLOW_PREPARE_S`` of CPU has its next ones prepared on a slow lane at a lower
 CPU priority (workers/cpu_priority.py) for ``DEMOTED_S``, one at a time with rests between (they hold the GIL), and
-every grammar compiles on such threads (workers/engine/guided.py): what one tenant's expensive prompts cost is
+every grammar compiles on such threads (workers/serving/guided.py): what one tenant's expensive prompts cost is
 taken from what serving leaves.
 """
 
@@ -39,12 +39,12 @@ from switchyard.shared.tier_store import PolicyCache
 from switchyard.shared.tiers import BATCH_TIER, DEFAULT_POLICIES, tiers_by_priority
 from switchyard.shared.tracing import extract_context
 from switchyard.workers.cpu_priority import lower_priority
-from switchyard.workers.engine.interface import RequestRejected, ServingEngine
 from switchyard.workers.service.capacity import Capacity
 from switchyard.workers.service.held import HeldRequests, Tracked
 from switchyard.workers.service.publisher import Publisher
 from switchyard.workers.service.tenant_queues import TenantQueues
 from switchyard.workers.service.waiting import first_of
+from switchyard.workers.serving.interface import RequestRejected, ServingEngine
 
 log = logging.getLogger("switchyard.worker")
 

@@ -29,7 +29,7 @@ import msgspec
 
 from switchyard.shared import subjects
 from switchyard.shared.kv_events import HASH_BYTES, blocks_subject
-from switchyard.workers.engine.interface import BlockReader
+from switchyard.workers.serving.interface import BlockReader
 
 log = logging.getLogger("switchyard.worker")
 

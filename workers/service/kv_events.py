@@ -23,8 +23,8 @@ import msgspec
 
 from switchyard.shared import kv_events, subjects
 from switchyard.shared.kv_events import KVEventBatch, pack_hashes
-from switchyard.workers.engine.interface import EngineCapacity, ServingEngine
-from switchyard.workers.engine.kv_changes import KVChanges
+from switchyard.workers.serving.interface import EngineCapacity, ServingEngine
+from switchyard.workers.serving.kv_changes import KVChanges
 
 log = logging.getLogger("switchyard.worker")
 

@@ -19,11 +19,11 @@ from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.gc_pauses import GcPauses, freeze_startup_objects
 from switchyard.shared.tracing import setup_tracing
 from switchyard.workers import model_store
-from switchyard.workers.engine.interface import ServingEngine
 from switchyard.workers.service.engines import engine_builder
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.status_server import StatusServer, WorkerStatus
 from switchyard.workers.service.worker import Worker
+from switchyard.workers.serving.interface import ServingEngine
 
 log = logging.getLogger("switchyard.worker")
 

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from switchyard.shared.gc_pauses import pause_histogram
 from switchyard.shared.metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
 from switchyard.shared.tiers import TIER_NAMES
-from switchyard.workers.engine.stats import EngineStats
+from switchyard.workers.serving.stats import EngineStats
 
 log = logging.getLogger("switchyard.worker")
 
@@ -43,7 +43,7 @@ class WorkerMetrics:
         self.batch_size = Histogram(name("engine_batch_size"), "Sequences run in one engine step.", ("model",),
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.safety_output = Counter(name("safety_output_verdicts"),
-                                     "Choices flagged by the output safety filter (workers/engine/output_filter.py), "
+                                     "Choices flagged by the output safety filter (workers/serving/output_filter.py), "
                                      "by category and action: blocked (halted, finish_reason content_filter) or "
                                      "logged.", (*labels, "category", "action"), registry=r)
         r.register(_EngineCollector(self))

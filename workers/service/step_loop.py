@@ -26,8 +26,6 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from switchyard.shared.messages import ErrorInfo, TokenDelta
-from switchyard.workers.engine.interface import EngineCapacity, EngineStats, RequestRejected, ServingEngine
-from switchyard.workers.engine.kv_changes import KVChanges
 from switchyard.workers.service.capacity import Capacity
 from switchyard.workers.service.held import HeldRequests, Tracked
 from switchyard.workers.service.intake import CANCELLED, Intake
@@ -36,6 +34,8 @@ from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher, StepDeltas
 from switchyard.workers.service.request_trace import record_request_trace
 from switchyard.workers.service.waiting import first_of
+from switchyard.workers.serving.interface import EngineCapacity, EngineStats, RequestRejected, ServingEngine
+from switchyard.workers.serving.kv_changes import KVChanges
 
 log = logging.getLogger("switchyard.worker")
 
@@ -204,7 +204,7 @@ class StepLoop:
                     running.first_token_at = now
             await out.relay(running, delta, step)
             if delta.is_last:  # every choice has ended (the engine counts them)
-                # A choice's last delta has its finish reason (workers/engine/interface.py), the request's too.
+                # A choice's last delta has its finish reason (workers/serving/interface.py), the request's too.
                 assert delta.finish_reason is not None, delta.request_id
                 if delta.usage is not None:
                     running.completion_tokens = delta.usage.completion_tokens

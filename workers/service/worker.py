@@ -12,7 +12,7 @@
     ├─ KVEventPublisher (kv_events.py)  what the KV cache holds, per step, on llm.kv.<model>; snapshots
     └─ KVBlockExchange (kv_blocks.py)   this node's KV tiers served to other nodes, theirs fetched (llm.kvblk.*)
              │
-             ▼ ServingEngine (workers/engine/interface.py): prepare, add_request, abort_request, step,
+             ▼ ServingEngine (workers/serving/interface.py): prepare, add_request, abort_request, step,
                capacity, stats, take_safety_events, shutdown
        an engine: pure, no I/O (ours: workers/engine/engine.py)
 
@@ -39,7 +39,6 @@ from switchyard.shared import nats_client, subjects
 from switchyard.shared.config import SwitchyardConfig
 from switchyard.shared.jetstream import ensure_streams
 from switchyard.shared.messages import WorkerInfo
-from switchyard.workers.engine.interface import ServingEngine
 from switchyard.workers.service.capacity import Capacity, background_policy
 from switchyard.workers.service.engines import is_test_double
 from switchyard.workers.service.held import HeldRequests
@@ -50,6 +49,7 @@ from switchyard.workers.service.liveness import Liveness
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher
 from switchyard.workers.service.step_loop import StepLoop
+from switchyard.workers.serving.interface import ServingEngine
 
 log = logging.getLogger("switchyard.worker")
 
@@ -107,16 +107,17 @@ class Worker:
             kv_events = KVEventPublisher(nc, self.engine, self.model_name, self.worker_id, node)
             await kv_events.start()
             kv_blocks = KVBlockExchange(nc, self.model_name, node)
-            if (read_block := self.engine.connect_kv_peers(kv_blocks)) is not None:
-                await kv_blocks.start(read_block)
+            if self.engine.capabilities.kv_exchange:
+                await kv_blocks.start(self.engine.connect_kv_peers(kv_blocks))
             self._steps = StepLoop(self.engine, self._step_thread, self._held, self._capacity, intake, out,
                                    self.metrics, config.worker.drain_timeout_s, kv_events)
             liveness = Liveness(nc, js, self.model_name, self.worker_id, config.worker.heartbeat_s,
                                 config.nats_replicas, self._info, self._state_summary, intake.mark_in_progress)
             await liveness.start()
             pulling = asyncio.create_task(intake.run(stop))
-            log.info("worker %s serving %s (context %d) with the %s engine%s", self.worker_id, self.model_name,
-                     self.engine.max_context, config.worker.engine,
+            log.info("worker %s serving %s (context %d) with the %s engine (%s)%s", self.worker_id,
+                     self.model_name, self.engine.max_context, config.worker.engine,
+                     self.engine.capabilities.describe(),
                      ", a TEST DOUBLE: its text is made up, no model runs" if is_test_double(config.worker.engine)
                      else "")
             if ready is not None:

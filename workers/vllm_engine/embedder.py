@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from switchyard.shared.config import WorkerConfig
-from switchyard.workers.engine.embedding_model import EmbeddingInputs, max_input_tokens
+from switchyard.workers.serving.embedding_inputs import EmbeddingInputs, max_input_tokens
 from switchyard.workers.vllm_engine import args as vllm_args
 
 log = logging.getLogger("switchyard.engine")

@@ -1,4 +1,4 @@
-"""vLLM behind the worker's engine interface (``ServingEngine``, workers/engine/interface.py).
+"""vLLM behind the worker's engine interface (``ServingEngine``, workers/serving/interface.py).
 
     intake thread  prepare ─▶ our prompts.py on a tokenizer of its own (chat template, tools prompt, history,
                               context check), the grammar checked by compiling it as ours does ─▶ PreparedPrompt
@@ -30,18 +30,20 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 from switchyard.shared.config import WorkerConfig
+from switchyard.shared.kv_events import cache_salt
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, Usage
 from switchyard.shared.tiers import TIER_NAMES, get_tier
-from switchyard.workers.engine.choice import RequestState, cache_salt, check_resumable, make_choice
-from switchyard.workers.engine.guided import Grammars
-from switchyard.workers.engine.interface import RequestRejected
-from switchyard.workers.engine.kv_changes import KVChanges
-from switchyard.workers.engine.logprobs import TokenLogprobs
-from switchyard.workers.engine.output_filter import OutputSafety, SafetyEvent
-from switchyard.workers.engine.prompts import PreparedPrompt, prepare_prompt
-from switchyard.workers.engine.stats import EngineCapacity, EngineStats
+from switchyard.workers.serving.choice import RequestState, check_resumable, make_choice
+from switchyard.workers.serving.guided import Grammars
+from switchyard.workers.serving.interface import EngineCapabilities, RequestRejected
+from switchyard.workers.serving.kv_changes import KVChanges
+from switchyard.workers.serving.output_filter import OutputSafety, SafetyEvent
+from switchyard.workers.serving.prompts import PreparedPrompt, prepare_prompt
+from switchyard.workers.serving.stats import EngineCapacity, EngineStats
+from switchyard.workers.serving.token_texts import TokenTexts
 from switchyard.workers.vllm_engine import args as vllm_args
 from switchyard.workers.vllm_engine.kv_events import VllmKVEvents
 from switchyard.workers.vllm_engine.load import StepStats, capacity_of, stat_logger_factory, stats_of
@@ -110,7 +112,7 @@ class VllmEngine:
         self._by_vllm_id: dict[str, tuple[_Request, ChoiceRun]] = {}
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self.safety = OutputSafety()
-        self._logprobs = TokenLogprobs(tokenizer)
+        self._logprobs = TokenTexts(tokenizer)
         self._prepare_tokenizer = copy.deepcopy(tokenizer)
         self._prepare_lock = threading.Lock()
         self._grammars = _CheckedGrammars(self._prepare_tokenizer, self.vocab_size)
@@ -155,6 +157,12 @@ class VllmEngine:
         return engine
 
     # -- the interface ------------------------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Whole requests only, for now: vLLM's disaggregated roles come through its KV connector (issue 39's
+        vLLM part); its offloading keeps blocks in its process; every sequence it holds runs in each step."""
+        return EngineCapabilities()
+
     @property
     def device_type(self) -> str:
         return self._device_type
@@ -294,9 +302,10 @@ class VllmEngine:
     def kv_listing(self) -> dict[str, list[int]]:
         return self._kv_events.listing() if self._kv_events is not None else {}
 
-    def connect_kv_peers(self, peers) -> None:
-        """vLLM's own offloading keeps its host tier in its process: no block files to fetch into or serve."""
-        return None
+    def connect_kv_peers(self, peers) -> NoReturn:
+        """Never called (``capabilities``): vLLM's own offloading keeps its host tier in its process, no block
+        files to fetch into or serve."""
+        raise NotImplementedError("the vLLM engine exchanges no KV blocks")
 
     def shutdown(self) -> None:
         """Abort what vLLM still holds and stop its engine core (and a tensor-parallel group's processes), then the

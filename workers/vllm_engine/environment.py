@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from switchyard.shared.config import WorkerConfig
-from switchyard.workers.engine.interface import EngineUnavailable
+from switchyard.workers.serving.interface import EngineUnavailable
 
 VENV_NAME = ".venv-vllm"
 INSTALL_HINT = (

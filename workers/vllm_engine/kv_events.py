@@ -55,7 +55,7 @@ import msgspec
 
 from switchyard.scheduler.kv_cache_manager import hash_chain
 from switchyard.shared.kv_events import DISK, HOST, POOL, PrefixSegment
-from switchyard.workers.engine.kv_changes import KVChanges, PrefixSegmentLog
+from switchyard.workers.serving.kv_changes import KVChanges, PrefixSegmentLog
 
 log = logging.getLogger("switchyard.engine")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from switchyard.workers.engine.stats import KV_NEARLY_FULL, EngineCapacity, EngineStats
+from switchyard.workers.serving.stats import KV_NEARLY_FULL, EngineCapacity, EngineStats
 
 
 @dataclass(slots=True)

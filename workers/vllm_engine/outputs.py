@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from switchyard.shared.messages import ErrorInfo, TokenDelta, TokenLogprob, ToolCallDelta
-from switchyard.workers.engine.choice import Choice
-from switchyard.workers.engine.logprobs import TokenLogprobs
+from switchyard.workers.serving.choice import Choice
+from switchyard.workers.serving.token_texts import TokenTexts
 
 # vLLM's finish reasons that end a choice without a token of ours to account for.
 ABORT, ERROR = "abort", "error"
@@ -48,7 +48,7 @@ class ChoiceRun:
     is_started: bool = False  # has produced a token
     token_ids: list[int] = field(default_factory=list)  # this step's, for the delta
 
-    def advance(self, new_ids: list[int], logprobs, finish_reason: str | None, texts: TokenLogprobs,
+    def advance(self, new_ids: list[int], logprobs, finish_reason: str | None, texts: TokenTexts,
                 ) -> tuple[str, list[ToolCallDelta], Ending | None]:
         """Take a step's new tokens; returns the content and tool calls to send and how the choice ended (None:
         it goes on). ``finish_reason``: vLLM's, when this output is the request's last."""
@@ -98,7 +98,7 @@ class ChoiceRun:
         return delta
 
 
-def _logprob(entry, token_id: int, num_top: int, texts: TokenLogprobs) -> TokenLogprob:
+def _logprob(entry, token_id: int, num_top: int, texts: TokenTexts) -> TokenLogprob:
     """vLLM's logprobs of one position (token id -> Logprob with its rank) as ours: the sampled token's, and the
     ``num_top`` most likely, most likely first."""
     top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= num_top)

@@ -15,7 +15,7 @@ last), as the grammar's end does.
 from __future__ import annotations
 
 from switchyard.shared.messages import ErrorInfo, GenerateRequest
-from switchyard.workers.engine.prompts import RequestRejected
+from switchyard.workers.serving.prompts import RequestRejected
 
 
 def check_supported(req: GenerateRequest) -> None:

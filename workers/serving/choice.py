@@ -1,4 +1,6 @@
-"""The engine's state per request and per choice, and what a choice's text goes through on its way out.
+"""An engine's state per request and per choice, and what a choice's text goes through on its way out (both
+engines: ours keeps a ``Choice`` on each scheduler sequence, workers/engine/sequences.py; the vLLM engine one per
+vLLM output).
 
     detokenizer ──▶ emittable (a continuation's resent text dropped, an echo or unsent text added)
                 ──▶ output filter (safety: may hold a partial word back, or halt the choice)
@@ -6,32 +8,27 @@
 
 The engine decides when a choice ends (EOS, stop string, length, a complete grammar) and asks ``final`` for what
 its last delta carries; everything between a token id and the text a client sees is here, and so is how a
-continuation's choice takes up the text its first worker already sent (``resume``).
+continuation's choice takes up the text its first worker already sent (``Choice.take_up``).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import TYPE_CHECKING
 
-from switchyard.scheduler import Sequence
-from switchyard.shared.kv_events import cache_salt
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenLogprob, ToolCallDelta, Usage
-from switchyard.workers.engine.detokenizer import IncrementalDetokenizer
-from switchyard.workers.engine.output_filter import OutputSafety, StreamGuard
-from switchyard.workers.engine.prompts import PreparedPrompt, RequestRejected
-from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE, make_generator
-from switchyard.workers.engine.tool_calls import call_id
-from switchyard.workers.engine.tool_parser import ToolCallParser
+from switchyard.workers.serving.detokenizer import IncrementalDetokenizer
+from switchyard.workers.serving.output_filter import OutputSafety, StreamGuard
+from switchyard.workers.serving.prompts import RequestRejected
+from switchyard.workers.serving.tool_calls import call_id
+from switchyard.workers.serving.tool_parser import ToolCallParser
 
 if TYPE_CHECKING:
     import llguidance
 
-# A prompt prepared by our engine: its grammar, if any, as an llguidance matcher (guided.Grammars).
-MatcherPrompt: TypeAlias = "PreparedPrompt[llguidance.LLMatcher]"
+    from switchyard.scheduler import Sequence
 
 log = logging.getLogger("switchyard.engine")
 
@@ -42,7 +39,7 @@ class RequestState:
     params: SamplingParams
     num_prompt_tokens: int
     seq_ids: list[str]
-    held: list[Sequence] = field(default_factory=list)  # choices 1..n-1, waiting for choice 0's prefill
+    held: list[Sequence] = field(default_factory=list)  # ours: choices 1..n-1, waiting for choice 0's prefill
     num_finished: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -55,12 +52,12 @@ class RequestState:
 
 @dataclass(slots=True)
 class Choice:
-    """Per-sequence engine state (``Sequence.data``)."""
+    """Per-choice engine state (ours: ``Sequence.data``)."""
 
     request: RequestState
     index: int
     detokenizer: IncrementalDetokenizer
-    generator: random.Random | None  # a seeded request's uniforms (sampling.make_generator)
+    generator: random.Random | None  # a seeded request's uniforms (make_generator)
     num_unreported_tokens: int = 0
     unreported_logprobs: list[TokenLogprob] | None = None  # only when the request asked for logprobs
     # A continuation (GenerateRequest.resume): characters of text the client has already received that the
@@ -137,25 +134,11 @@ class Choice:
         return text + more_text, (calls + more_calls) or None, reason
 
 
-def choice_of(seq: Sequence) -> Choice:
-    """The engine's state of ``seq``: the scheduler keeps it untyped (``Sequence.data``), and every sequence this
-    engine makes carries a ``Choice`` (``new_request``)."""
-    return cast(Choice, seq.data)
-
-
-def resume(seq: Sequence, token_ids: list[int], text_len: int) -> None:
-    """Make a new sequence go on from ``token_ids`` generated elsewhere, of whose text the client has
-    ``text_len`` characters."""
-    choice = choice_of(seq)
-    try:
-        seq.resume(token_ids)
-    except ValueError as exc:
-        raise RequestRejected(ErrorInfo(str(exc), code="invalid_value", param="resume")) from exc
-    choice.take_up(token_ids, text_len)
-    if choice.generator is not None and choice.request.params.temperature >= GREEDY_TEMPERATURE:
-        # One uniform per sampled token: a seeded request goes on as it would have on the first worker.
-        for _ in token_ids:
-            choice.generator.random()
+def make_generator(seed: int | None) -> random.Random | None:
+    """The uniform source of a seeded request, ``None`` (torch's global CPU RNG) for an unseeded one."""
+    if seed is None:
+        return None
+    return random.Random(seed)
 
 
 def make_choice(req: GenerateRequest, state: RequestState, index: int, prompt_ids: list[int], tokenizer,
@@ -180,27 +163,3 @@ def check_resumable(req: GenerateRequest) -> None:
         param = "n" if req.sampling.n != 1 else "tools"
         raise RequestRejected(ErrorInfo(f"A request with {param} set cannot be resumed.",
                                         code="invalid_value", param=param))
-
-
-def new_request(req: GenerateRequest, prepared: MatcherPrompt, tokenizer, safety: OutputSafety, priority: int,
-                ) -> tuple[RequestState, list[Sequence]]:
-    """``req``'s state and a sequence per choice, all built before the scheduler sees any of it: a request that
-    fails here (``RequestRejected``) leaves nothing behind. A continuation's one choice goes on from its tokens."""
-    params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
-    check_resumable(req)
-    state = RequestState(req.request_id, params, len(prompt_ids), seq_ids=[])
-    arrival = time.monotonic()
-    salt = cache_salt(req)
-    seqs = []
-    for index in range(params.n):
-        seq_id = req.request_id if params.n == 1 else f"{req.request_id}#{index}"
-        matcher = None
-        if prepared.matcher is not None:  # each choice follows the grammar on its own
-            matcher = prepared.matcher if index == 0 else prepared.matcher.deep_copy()
-        choice = make_choice(req, state, index, prompt_ids, tokenizer, safety, matcher)
-        seqs.append(Sequence(seq_id, list(prompt_ids), max_tokens, priority=priority, arrival=arrival, data=choice,
-                             cache_salt=salt, tenant=req.tenant_id or ""))
-        state.seq_ids.append(seq_id)
-    if req.resume is not None:
-        resume(seqs[0], req.resume.token_ids, req.resume.text_len)
-    return state, seqs

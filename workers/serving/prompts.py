@@ -14,9 +14,9 @@ from jinja2 import TemplateError
 from switchyard.shared.kv_events import PrefixSegment, cache_salt
 from switchyard.shared.messages import ErrorInfo, GenerateRequest
 from switchyard.shared.safety import filter_for
-from switchyard.workers.engine.guided import GrammarError, response_format_grammar
-from switchyard.workers.engine.prefix_segments import prefix_segments
-from switchyard.workers.engine.tool_calls import call_grammar, chat_messages
+from switchyard.workers.serving.guided import GrammarError, response_format_grammar
+from switchyard.workers.serving.prefix_segments import prefix_segments
+from switchyard.workers.serving.tool_calls import call_grammar, chat_messages
 
 MAX_N = 16
 
@@ -120,7 +120,7 @@ class PreparedPrompt(Generic[MatcherT]):
     token_ids: list[int]
     max_tokens: int  # new tokens the request may produce
     num_dropped_messages: int = 0  # conversation turns dropped to fit the context
-    matcher: MatcherT | None = None  # the grammar its output must follow, at its start (workers/engine/guided.py)
+    matcher: MatcherT | None = None  # the grammar its output must follow, at its start (workers/serving/guided.py)
     # The blocks each message prefix comes to, for the worker's KV events (asked for with segment_block_size).
     prefix_segments: list[PrefixSegment] = field(default_factory=list)
 

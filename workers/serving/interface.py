@@ -11,7 +11,9 @@
                     stats(), take_safety_events() ──▶ for metrics and heartbeats
                     take_kv_changes() ──────────────▶ blocks stored / removed per tier  ──▶ the KV events
                                                        (hashes of kv_block_size-token blocks, our chain)
-    at start        connect_kv_peers(peers) ────────▶ fetch blocks other nodes hold; serve this node's
+    at start        capabilities ───────────────────▶ roles, KV exchange, batch limits per step ──▶ EngineCapabilities
+                    connect_kv_peers(peers) ────────▶ fetch blocks other nodes hold; serve this node's (only an
+                                                       engine whose capabilities say kv_exchange)
                     shutdown()                         once, after the last step
 
 The worker touches an engine from one thread only (its step thread: torch's OpenMP pool belongs to the calling
@@ -30,11 +32,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+import msgspec
+
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
-from switchyard.workers.engine.kv_changes import KVChanges
-from switchyard.workers.engine.output_filter import SafetyEvent
-from switchyard.workers.engine.prompts import RequestRejected
-from switchyard.workers.engine.stats import EngineCapacity, EngineStats
+from switchyard.workers.serving.kv_changes import KVChanges
+from switchyard.workers.serving.output_filter import SafetyEvent
+from switchyard.workers.serving.prompts import RequestRejected
+from switchyard.workers.serving.stats import EngineCapacity, EngineStats
 
 if TYPE_CHECKING:
     from switchyard.workers.kv_tiers.remote import KVPeers
@@ -43,8 +47,30 @@ if TYPE_CHECKING:
 # (None: not here, or of another layout), for another node.
 BlockReader = Callable[[str, str, int], "bytes | bytearray | None"]
 
-__all__ = ["BlockReader", "EngineCapacity", "EngineStats", "EngineUnavailable", "Prepared", "RequestRejected",
-           "SafetyEvent", "ServingEngine"]
+__all__ = ["BlockReader", "EngineCapabilities", "EngineCapacity", "EngineStats", "EngineUnavailable", "Prepared",
+           "RequestRejected", "SafetyEvent", "ServingEngine"]
+
+# A worker's roles: ``both`` serves whole requests; ``prefill`` computes prompts and hands each on after its first
+# token, ``decode`` continues what a prefill worker handed on (disaggregated serving).
+ROLES = ("both", "prefill", "decode")
+
+
+class EngineCapabilities(msgspec.Struct, frozen=True):
+    """What an engine can do beyond serving whole requests, stated by the engine so that the worker asks instead of
+    assuming (and an operator reads it in the worker's start-up log)."""
+
+    roles: tuple[str, ...] = ("both",)  # of ``ROLES``, the ones it can serve as
+    # Keeps its KV tiers as block files by content: a request naming a ``kv_source`` loads its prefix from that
+    # node, and this node's blocks are served to others (``connect_kv_peers``).
+    kv_exchange: bool = False
+    # ``step(background_limit)`` bounds the batch-tier sequences of each step; without it only the worker's pulls
+    # bound batch work (and the engine's own priorities: vLLM admits it last and preempts it first).
+    background_limit: bool = False
+
+    def describe(self) -> str:
+        """For a log line: ``roles both; KV exchange; batch limit per step``."""
+        return "; ".join(["roles " + ", ".join(self.roles)] + ["KV exchange"] * self.kv_exchange
+                         + ["batch limit per step"] * self.background_limit)
 
 
 class EngineUnavailable(RuntimeError):
@@ -67,6 +93,11 @@ class ServingEngine(Protocol[PreparedT]):
     """An engine the worker can serve from; see the module docstring for which thread calls what. ``PreparedT``:
     the engine's own prepared request, which the worker holds without reading and hands back to ``add_request``
     (the worker serves any engine: ``ServingEngine[Any]``)."""
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine can do beyond serving whole requests (fixed once it is built)."""
+        ...
 
     @property
     def max_context(self) -> int:
@@ -130,10 +161,10 @@ class ServingEngine(Protocol[PreparedT]):
         """Every block held now, per tier (a KV-events snapshot). Safe to call from any thread."""
         ...
 
-    def connect_kv_peers(self, peers: KVPeers) -> BlockReader | None:
+    def connect_kv_peers(self, peers: KVPeers) -> BlockReader:
         """Let requests naming a ``kv_source`` fetch their prefix from that node through ``peers`` (called once,
-        before the first step); returns how to read a block of this node's tiers for another node. None: this
-        engine keeps no tiers to share."""
+        before the first step, and only when ``capabilities.kv_exchange``); returns how to read a block of this
+        node's tiers for another node."""
         ...
 
     def shutdown(self) -> None:

@@ -11,7 +11,7 @@ A chat template that knows tools (it mentions ``tools``) gets them, and the mess
 Hugging Face's conventions; any other template gets them through ``DEFAULT_INSTRUCTIONS`` in the system message,
 with earlier calls written back in the tags and results as ``<tool_response>`` user turns.
 
-Decoding is constrained to the format (workers/engine/guided.py): with ``tool_choice`` ``required`` or a named
+Decoding is constrained to the format (workers/serving/guided.py): with ``tool_choice`` ``required`` or a named
 function the reply is nothing but calls; with ``auto`` the text is free until the model opens a ``<tool_call>``
 tag, and from there the call must name one of the tools and carry arguments valid against its schema. So every
 call parses, and ``ToolCallParser`` turns the text into OpenAI's ``tool_calls`` as it streams.
@@ -23,7 +23,7 @@ import hashlib
 import json
 
 from switchyard.shared.messages import ChatMessage, ResponseFormat, ToolSpec, ToolUse
-from switchyard.workers.engine.guided import with_json_style
+from switchyard.workers.serving.guided import with_json_style
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -1,4 +1,4 @@
-"""Reads tool calls out of a reply as it streams (the format of workers/engine/tool_calls.py).
+"""Reads tool calls out of a reply as it streams (the format of workers/serving/tool_calls.py).
 
     text ──▶ content ... <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call> ... content
                  │              │             │                 │
@@ -18,7 +18,7 @@ import json
 import re
 
 from switchyard.shared.messages import ToolCallDelta
-from switchyard.workers.engine.tool_calls import CLOSE, OPEN
+from switchyard.workers.serving.tool_calls import CLOSE, OPEN
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 _TEXT, _HEAD_STATE, _ARGS = range(3)
