@@ -61,7 +61,8 @@ class RequestPublisher:
         tenant's queue of its model and tier) with ``msg_id`` (default: its request id); returns its stream
         sequence. Raises QueueFull (429), QueueUnavailable (503) or OpenAIError 413."""
         payload = self.encode(request) if payload is None else payload
-        subject = subject or subjects.request_subject(request.model, request.tier, request.tenant_id)
+        queue = subjects.prefill_queue(request.model) if request.handover else request.model
+        subject = subject or subjects.request_subject(queue, request.tier, request.tenant_id)
         if not self._nc.is_connected:
             # No server at all (not a leader election, which a connected client rides out by retrying): the
             # client hears "retry" now rather than after the whole retry window (tests/e2e/test_nats_restart.py).

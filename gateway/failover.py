@@ -49,26 +49,43 @@ class Failover:
         """Publish ``request`` again to go on after ``token_ids`` (whose text the client has ``text_len``
         characters of) on a live worker other than ``dead_worker`` (None: any); returns the continuation, or None
         when it cannot be continued."""
-        attempt = request.resume.attempt + 1 if request.resume is not None else 1
+        resume = request.resume
+        failures = (resume.attempt - resume.handovers if resume is not None else 0) + 1
         # An embeddings request's vectors do not continue from where a client is: it ends with worker_lost.
-        if request.sampling.n != 1 or request.embed is not None or attempt > self._max_attempts:
+        if request.sampling.n != 1 or request.embed is not None or failures > self._max_attempts:
             return None
         # Only a dead worker's request needs another worker now; a broken stream's may go to any, and right after a
         # NATS restart the registry may not list any yet (the continuation waits in the queue until its deadline).
         if dead_worker is not None and not await self._has_other_worker(request.model, dead_worker):
             return None
-        now = time.time()
+        continuation = await self._publish_continuation(request, token_ids, text_len, handover=False)
+        if continuation is not None:
+            log.warning("continuing request %s after %d tokens (failure %d; worker %s dead or its stream broken)",
+                        request.request_id, len(token_ids), failures, dead_worker)
+        return continuation
+
+    async def hand_over(self, request: GenerateRequest, token_ids: list[int], text_len: int,
+                        ) -> GenerateRequest | None:
+        """A prefill worker ended its part of ``request`` after ``token_ids``: publish it to go on on a
+        whole-request (decode) worker, which loads the prompt's blocks from the shared KV tier; returns the
+        continuation, or None when it could not be queued. A hand-over is no failure: it takes none of the
+        request's ``max_attempts``."""
+        return await self._publish_continuation(request, token_ids, text_len, handover=True)
+
+    async def _publish_continuation(self, request: GenerateRequest, token_ids: list[int], text_len: int,
+                                    handover: bool) -> GenerateRequest | None:
+        resume = request.resume
+        attempt = (resume.attempt if resume is not None else 0) + 1
+        handovers = (resume.handovers if resume is not None else 0) + handover
         continuation = msgspec.structs.replace(
-            request, resume=Resume(list(token_ids), text_len, attempt),
-            deadline_at=now + max(1.0, request.deadline_at - request.created_at))
+            request, resume=Resume(list(token_ids), text_len, attempt, handovers), handover=False,
+            affinity_until=0.0, deadline_at=time.time() + max(1.0, request.deadline_at - request.created_at))
         try:
             # Its own message id: the original's is still in the stream's duplicate window.
             await self._publisher.publish(continuation, msg_id=f"{request.request_id}.resume{attempt}")
         except Exception as exc:  # queue full, or NATS away: the request ends with worker_lost
             log.warning("could not continue request %s elsewhere: %r", request.request_id, exc)
             return None
-        log.warning("continuing request %s after %d tokens (attempt %d; worker %s dead or its stream broken)",
-                    request.request_id, len(token_ids), attempt, dead_worker)
         return continuation
 
     async def _has_other_worker(self, model: str, dead_worker: str | None) -> bool:
@@ -76,7 +93,9 @@ class Failover:
             workers = (await self._registry.models(fresh=True)).get(model, [])
         except Exception:  # NATS unreadable: nowhere to send it
             return False
-        return any(w.worker_id != dead_worker and not self._liveness.is_dead(w.worker_id) for w in workers)
+        # A prefill worker takes only its pool's queue: a continuation needs a whole-request (decode) worker.
+        return any(w.worker_id != dead_worker and w.role != "prefill" and not self._liveness.is_dead(w.worker_id)
+                   for w in workers)
 
     async def bill_lost(self, request: GenerateRequest, worker_id: str | None, prompt_tokens: int,
                         completion_tokens: int, taken_at: float | None, first_token_at: float | None) -> None:

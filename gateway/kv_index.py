@@ -63,6 +63,7 @@ class _Worker:
     backlog_blocks: float = 0.0  # prefill queued there, as of its last batch
     placed_blocks: float = 0.0  # prefill this gateway has sent it since that batch
     heard: float = 0.0
+    role: str = "both"  # a prefill worker is never offered a request: its blocks are a source for the others
 
 
 @dataclass(slots=True)
@@ -139,7 +140,7 @@ class KVIndex:
             return False  # a duplicate or reordered batch: older than what was applied
         if worker is None or fresh:
             worker = model.workers[batch.worker_id] = _Worker(batch.node, batch.epoch, batch.seq, batch.block_size)
-        worker.seq, worker.load, worker.heard = batch.seq, batch.load, time.monotonic()
+        worker.seq, worker.load, worker.heard, worker.role = batch.seq, batch.load, time.monotonic(), batch.role
         worker.backlog_blocks, worker.placed_blocks = batch.backlog_tokens / max(1, batch.block_size), 0.0
         if batch.snapshot:
             self._forget_pool(model, batch.worker_id)
@@ -215,7 +216,7 @@ class KVIndex:
             if now - worker.heard > SILENT_AFTER_S or self._is_dead(worker_id):
                 continue
             live_nodes.add(worker.node)
-            if worker.load >= 1.0:
+            if worker.load >= 1.0 or worker.role == "prefill":
                 continue
             saved = 0.0
             for h in chain:

@@ -25,7 +25,7 @@ from switchyard.gateway.failover import Failover
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.token_router import DeltaInbox, TokenRouter
 from switchyard.shared import subjects
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, decode
+from switchyard.shared.messages import HANDOVER, ErrorInfo, GenerateRequest, TokenDelta, decode
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -108,11 +108,26 @@ class RelayedRequest:
                 "arrived); please retry.", code="stream_gap", type="server_error", status=502))
         self._next_seq += 1
         self._account(delta)
+        if delta.finish_reason == HANDOVER and delta.error is None:
+            return await self._hand_over(delta)
         if delta.is_last or delta.error is not None:  # the engine counts a request's choices, nobody else
             self.is_finished = True
             if delta.error is not None and self._dismissed:
                 await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
         return delta
+
+    async def _hand_over(self, delta: TokenDelta) -> TokenDelta:
+        """A prefill worker's part ended with the first token: the request goes on on a decode worker, loading the
+        prompt's KV blocks the prefill left in the shared tier, and the client gets the token's text, no end."""
+        continuation = None
+        if self._failover is not None:
+            continuation = await self._failover.hand_over(self.request, self._token_ids, self._text_len)
+        if continuation is None:  # not queued (queue full, NATS away): what ran is billed, the client told
+            await self._bill_lost()
+            return await self._abandon(ErrorInfo("The request could not go on after its prefill; please retry.",
+                                                 code="worker_lost", type="server_error", status=503))
+        self.request, self.worker_id, self._next_seq = continuation, None, 0
+        return msgspec.structs.replace(delta, finish_reason=None, is_last=False, usage=None)
 
     def _account(self, delta: TokenDelta) -> None:
         if self._liveness is not None:
@@ -278,20 +293,26 @@ class Relay:
         self._retry_after_s = retry_after_s
 
     async def submit(self, request: GenerateRequest, offer_to: str | None = None,
-                     offer_s: float = 0.5) -> RelayedRequest:
+                     offer_s: float = 0.5, prefill: bool = False) -> RelayedRequest:
         """Publish ``request``; raises OpenAIError 429 ``queue_full`` when JetStream refuses it, 413
         ``request_too_large`` when it does not fit in one NATS message.
 
         ``offer_to``: a worker that holds the request's prefix (gateway/affinity.py). The request is offered to it
         alone first; if no first message comes within ``offer_s``, it goes to the shared queue too (the worker
-        drops an offer it finds past its time, and a rare double start is dismissed like any other)."""
+        drops an offer it finds past its time, and a rare double start is dismissed like any other).
+        ``prefill``: the request is offered, the same way, to its model's prefill pool, to be handed over to a
+        decode worker after its first token (disaggregated serving)."""
         request = msgspec.structs.replace(request, reply_subject=self._router.subject)
         payload = self._publisher.encode(request)
         inbox = self._router.open(request.request_id)
         relayed = RelayedRequest(self._nc, request, inbox, self._stall_timeout_s, self._retry_after_s,
                                  self._liveness, self._failover)
         try:
-            if offer_to is None:
+            if prefill:
+                offer = msgspec.structs.replace(request, affinity_until=time.time() + offer_s, handover=True)
+                await self._publish(offer, msg_id=f"{request.request_id}.prefill")
+                relayed.fall_back(offer.affinity_until + OFFER_GRACE_S, lambda: self._publish(request, payload))
+            elif offer_to is None:
                 await self._publish(request, payload)
             else:
                 offer = msgspec.structs.replace(request, affinity_until=time.time() + offer_s)

@@ -64,6 +64,15 @@ def admitted_service(ticket: Ticket) -> ServiceTier:
     return ticket.service
 
 
+def prompt_tokens_estimate(request: GenerateRequest) -> int:
+    """The prompt's tokens before any worker tokenized it: exact for token ids, else ~4 characters a token (the
+    admission's estimate, domain/limits.py)."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    chars = len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())
+    return -(-chars // 4)
+
+
 OnFinish = Callable[[Outcome], Awaitable[None]]
 Gone = Callable[[], Awaitable[None]]  # returns once the client has left
 CLIENT_GONE = 499  # the status of an answer nobody reads (nginx's "client closed request")
@@ -138,7 +147,10 @@ class CompletionService:
 
     async def _submit(self, request: GenerateRequest, parts: list[GenerateRequest]) -> RelayedRequest | MergedRelay:
         if len(parts) == 1:
-            return await self._relay.submit(parts[0], await self._offer_to(parts[0]), self._config.affinity_wait_s)
+            offer_to = await self._offer_to(parts[0])
+            if offer_to is None and await self._worth_prefilling_apart(parts[0]):
+                return await self._relay.submit(parts[0], offer_s=self._config.prefill_wait_s, prefill=True)
+            return await self._relay.submit(parts[0], offer_to, self._config.affinity_wait_s)
         submitted: list[RelayedRequest] = []
         try:
             for part in parts:
@@ -158,7 +170,20 @@ class CompletionService:
         if worker is None:
             return None
         live = (await self._registry.models()).get(request.model, [])
-        return worker if any(w.worker_id == worker for w in live) else None
+        return worker if any(w.worker_id == worker and w.role != "prefill" for w in live) else None
+
+    async def _worth_prefilling_apart(self, request: GenerateRequest) -> bool:
+        """Whether ``request`` goes to its model's prefill pool (disaggregated serving): a live prefill worker, a
+        prompt long enough that computing it elsewhere and moving its KV beats computing it where it decodes
+        (``prefill_min_prompt_tokens``), and a request a decode worker can continue from its first token (one
+        choice, no tools, as any continuation)."""
+        if (request.sampling.n != 1 or request.tool_use is not None or request.embed is not None
+                or request.resume is not None or request.sampling.max_tokens == 1):
+            return False
+        if prompt_tokens_estimate(request) < self._config.prefill_min_prompt_tokens:
+            return False
+        live = (await self._registry.models()).get(request.model, [])
+        return any(w.role == "prefill" for w in live)
 
     async def _remember(self, relayed, outcome: Outcome) -> None:
         """Where this reply's conversation is cached now (for its next turn)."""

@@ -133,6 +133,12 @@ class GatewayConfig(BaseModel):
     affinity: bool = True
     affinity_wait_s: float = Field(0.5, gt=0)
     placement: Literal["kv_index", "affinity"] = "kv_index"
+    # Disaggregated serving (workers with ``role`` prefill and decode): a request whose prompt is estimated at this
+    # many tokens or more, of a model with a live prefill worker, is offered to the prefill pool for
+    # prefill_wait_s (then to every whole-request worker); a shorter one is prefilled where it decodes, since
+    # handing it over would cost more than computing it there (docs/operating/disaggregation.md).
+    prefill_min_prompt_tokens: int = Field(256, ge=1)
+    prefill_wait_s: float = Field(1.0, gt=0)
     # ``model`` names that route by ``routes`` (first rule whose model a worker serves); empty routes: no routing.
     route_names: list[str] = Field(default_factory=lambda: ["auto"])
     routes: list[RouteRule] = Field(default_factory=list)
@@ -142,6 +148,7 @@ class GatewayConfig(BaseModel):
 
 # The engines a worker can run (one builder each in workers/service/engines.py).
 EngineName = Literal["switchyard", "simulated", "vllm", "embeddings"]
+WorkerRole = Literal["both", "prefill", "decode"]  # see WorkerConfig.role
 
 
 class VllmSettings(BaseModel):
@@ -217,6 +224,10 @@ class WorkerConfig(EngineSettings):
     # sentence-embedding model serving /v1/embeddings; ``simulated``, a test double for load tests.
     engine: EngineName = "switchyard"
     vllm: VllmSettings = Field(default_factory=VllmSettings)  # the vLLM engine's own knobs
+    # ``both`` serves whole requests; ``prefill`` takes its model's prefill queue, computes each prompt and its
+    # first token and hands the request over (the gateway continues it on a decode worker, its KV loaded from the
+    # shared tier); ``decode`` serves whole requests and those continuations (what a prefill worker hands over).
+    role: WorkerRole = "both"
     dtype: str = "auto"  # auto: bfloat16 where supported, else float32
     device: str = "auto"  # auto: cuda when available
     heartbeat_s: float = Field(3.0, gt=0)

@@ -71,6 +71,7 @@ class KVEventBatch(msgspec.Struct, frozen=True):
     load: float = 0.0  # (running + waiting) / seats
     kv_usage: float = 0.0  # of the pool
     backlog_tokens: int = 0  # prompt tokens queued to compute: what a new request's first token would wait behind
+    role: str = "both"  # the worker's (WorkerConfig.role): a prefill worker's blocks are a source, never a place
 
 
 def split_hashes(packed: bytes) -> list[bytes]:

@@ -86,6 +86,7 @@ class Resume(msgspec.Struct):
     token_ids: list[int]
     text_len: int
     attempt: int = 1  # 1 for the first continuation, 2 if that worker died too, ...
+    handovers: int = 0  # of those attempts, the ones a prefill worker handed over (not failures)
 
 
 class EmbedInput(msgspec.Struct, frozen=True):
@@ -163,6 +164,13 @@ class GenerateRequest(msgspec.Struct):
     # on ``llm.tok.<request_id>`` (a client of the wire protocol that subscribes per request).
     reply_subject: str | None = None
     kv_source: KVSource | None = None  # another node holding the prompt's first blocks (set by the gateway's index)
+    # Disaggregated serving: in its model's prefill queue, a prefill worker runs it to its first token and ends it
+    # with finish_reason HANDOVER, billing nothing; the gateway continues it on a decode worker (gateway/relay.py).
+    handover: bool = False
+
+
+# The finish reason of a prefill worker's part of a request (``GenerateRequest.handover``): never a client's.
+HANDOVER = "handover"
 
 
 class Usage(msgspec.Struct):
@@ -354,6 +362,7 @@ class WorkerInfo(msgspec.Struct):
     metrics_url: str = ""  # its Prometheus endpoint (worker.metrics_port), "" when it serves none
     aliases: list[str] = msgspec.field(default_factory=list)  # more names of ``model`` (domain/registry.py)
     engine: str = ""  # the engine it runs (workers/service/engines.py)
+    role: str = "both"  # WorkerConfig.role: a prefill worker takes only its model's prefill queue
     test_double: bool = False  # that engine is a test double (``simulated``): its text is made up
 
 

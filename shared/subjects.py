@@ -3,6 +3,7 @@
 | name                       | kind                         | carries                                   |
 |----------------------------|------------------------------|-------------------------------------------|
 | llm.req.<model>.<tier>.<tenant> | JetStream REQUESTS_<TIER> | GenerateRequest (work queue, capped per tier, tenant) |
+| llm.req.<model>~prefill.<tier>.<tenant> | the same streams | GenerateRequest with ``handover``: the prefill pool's |
 | llm.aff.<worker>.<tier>    | JetStream AFFINITY, 5 min    | GenerateRequest for the worker holding its prefix |
 | llm.tok.gw.<gateway_id>    | core NATS                    | RoutedDelta list: a step's deltas of one gateway |
 | llm.tok.<request_id>       | core NATS                    | TokenDelta, for a request that names no reply subject |
@@ -45,11 +46,22 @@ DEAD_LETTER_STREAM = "DEAD_LETTERS"
 DEAD_LETTER_PREFIX = "llm.dead"  # llm.dead.<consumer>: records a durable writer could never write, kept for a human
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+# A model's prefill queue is named as the model with this suffix (``prefill_queue``): queues, consumers and
+# doorbells of its own, through every function here. "~" never survives ``model_token`` in a model's own name.
+PREFILL_SUFFIX = "~prefill"
 
 
 def model_token(model: str) -> str:
-    """Map a served model name to one NATS subject token ('.', '*', '>' and spaces are not allowed)."""
+    """Map a served model name (or a model's prefill queue) to one NATS subject token ('.', '*', '>' and spaces
+    are not allowed)."""
+    if model.endswith(PREFILL_SUFFIX):
+        return _UNSAFE.sub("_", model.removesuffix(PREFILL_SUFFIX)) + PREFILL_SUFFIX
     return _UNSAFE.sub("_", model)
+
+
+def prefill_queue(model: str) -> str:
+    """What a prefill worker of ``model`` serves instead of it: the requests to hand over after their first token."""
+    return model + PREFILL_SUFFIX
 
 
 def request_subject(model: str, tier: str, tenant: str | None) -> str:

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a worker for one model")
     add_common_flags(p)
     add_model_flags(p)
+    p.add_argument("--role", choices=["both", "prefill", "decode"],
+                   help="both (the default) serves whole requests; prefill takes the model's prefill queue and hands "
+                        "each request to a decode worker after its first token; decode serves whole requests and "
+                        "those hand-overs (disaggregated serving: docs/operating/disaggregation.md)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("jobs", help="run the durable consumers alone: billing writer, batch runner, housekeeping")

@@ -2,6 +2,7 @@
 
     Engine.step ─▶ scheduler.update_from_output ─▶ on_token(seq) for each sequence with a new token:
         EOS (unless ignored) · a stop string · max_tokens or the context · a complete grammar · the output filter
+        · a prefill worker's first token (``handover``: the rest is a decode worker's)
         ─▶ the scheduler ends the sequence ─▶ finish(): its last delta, the request's usage on it
         otherwise ─▶ the detokenized text (held back while it may still turn out a stop string or a tool tag) ─▶ a
         delta, or nothing yet
@@ -13,7 +14,7 @@ and ends the request in the engine's table. No I/O: the engine's step calls it.
 from __future__ import annotations
 
 from switchyard.scheduler import RequestStatus, Scheduler, Sequence, finish_reason
-from switchyard.shared.messages import ErrorInfo, TokenDelta, Usage
+from switchyard.shared.messages import HANDOVER, ErrorInfo, TokenDelta, Usage
 from switchyard.workers.engine.sequences import choice_of
 from switchyard.workers.serving.choice import RequestState
 
@@ -60,6 +61,9 @@ class Deltas:
         if halted:  # flagged by the output filter under a block policy: nothing more goes out, its seat freed now
             self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_FILTERED)
             return self.finish(seq, "content_filter", "")
+        if choice.request.handover:  # a prefill worker's part ends here: a decode worker goes on from this token
+            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)  # its blocks stay cached
+            return self.finish(seq, HANDOVER, text)
         if not text and not calls:
             return None  # held back (split character, possible stop string or tool tag): nothing worth a message
         return self._delta(seq, text, tool_calls=calls or None)
@@ -81,7 +85,9 @@ class Deltas:
         """``seq``'s final delta (``reason``, the rest of its ``text``), with its request's usage; the request's
         last one also ends the request here."""
         choice = choice_of(seq)
-        text, calls, reason = choice.final(text, reason)
+        calls = None
+        if reason != HANDOVER:  # a handed-over choice is not at its end: the decode worker's filter and parser go on
+            text, calls, reason = choice.final(text, reason)
         state = choice.request
         state.num_finished += 1
         state.completion_tokens += seq.num_output_tokens

@@ -42,7 +42,7 @@ from switchyard.workers.executor.transfers import to_host_list
 from switchyard.workers.kv_tiers.remote import KVPeers
 from switchyard.workers.serving.choice import RequestState
 from switchyard.workers.serving.guided import Grammars, fill_masks
-from switchyard.workers.serving.interface import BlockReader, EngineCapabilities
+from switchyard.workers.serving.interface import ROLES, BlockReader, EngineCapabilities
 from switchyard.workers.serving.kv_changes import KVChanges
 from switchyard.workers.serving.output_filter import OutputSafety, SafetyEvent
 from switchyard.workers.serving.prompts import eos_token_ids, prepare_prompt
@@ -117,7 +117,7 @@ class Engine:
     @property
     def capabilities(self) -> EngineCapabilities:
         """KV exchange when it keeps KV tiers (``kv_offload_*``); the batch limit per step always (its scheduler)."""
-        return EngineCapabilities(kv_exchange=self.tiers is not None, background_limit=True)
+        return EngineCapabilities(ROLES, kv_exchange=self.tiers is not None, background_limit=True)
 
     @property
     def device_type(self) -> str:

@@ -49,7 +49,7 @@ def new_request(req: GenerateRequest, prepared: MatcherPrompt, tokenizer, safety
     fails here (``RequestRejected``) leaves nothing behind. A continuation's one choice goes on from its tokens."""
     params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
     check_resumable(req)
-    state = RequestState(req.request_id, params, len(prompt_ids), seq_ids=[])
+    state = RequestState(req.request_id, params, len(prompt_ids), seq_ids=[], handover=req.handover)
     arrival = time.monotonic()
     salt = cache_salt(req)
     seqs = []

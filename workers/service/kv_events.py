@@ -42,13 +42,14 @@ def node_id(host_dir: Path | None, disk_dir: Path | None) -> str:
 class KVEventPublisher:
     """Publishes one worker's KV events and answers snapshot requests (see the module docstring)."""
 
-    def __init__(self, nc, engine: ServingEngine, model: str, worker_id: str, node: str) -> None:
+    def __init__(self, nc, engine: ServingEngine, model: str, worker_id: str, node: str, role: str = "both") -> None:
         self._nc = nc
         self._engine = engine
         self._subject = kv_events.events_subject(subjects.model_token(model))
         self._snapshot_subject = kv_events.snapshot_subject(subjects.model_token(model))
         self._worker_id = worker_id
         self._node = node
+        self._role = role
         self._block_size = engine.kv_block_size  # the engine's own (vLLM's is not the worker's block_size)
         self._epoch = uuid.uuid4().hex[:8]
         self._seq = 0
@@ -111,7 +112,7 @@ class KVEventPublisher:
     def _head(self) -> dict:
         self._seq += 1
         return {"worker_id": self._worker_id, "node": self._node, "epoch": self._epoch, "seq": self._seq,
-                "block_size": self._block_size}
+                "block_size": self._block_size, "role": self._role}
 
     def _load_fields(self) -> dict:
         self._sent_load = self._load[0]

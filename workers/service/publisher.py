@@ -20,6 +20,7 @@ import msgspec
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import HEADER_ROOM, publish_once
 from switchyard.shared.messages import (
+    HANDOVER,
     BatchResult,
     ErrorInfo,
     GenerateRequest,
@@ -147,10 +148,11 @@ class Publisher:
 
     async def finished(self, tracked: Tracked, finish_reason: str, now: float) -> None:
         """The usage record of a request whose every choice has ended, then (a batch line) its whole result.
-        A superseded request gets neither: the worker that continued it bills every token and answers."""
+        A superseded request gets neither, nor does a prefill worker's part of one (``HANDOVER``): the worker that
+        continued it bills every token and answers."""
         req = tracked.request
         self._next_seq.pop(req.request_id, None)  # its last delta is out
-        if tracked.superseded:
+        if tracked.superseded or finish_reason == HANDOVER:
             return
         record = UsageRecord(
             request_id=req.request_id,

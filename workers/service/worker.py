@@ -49,7 +49,7 @@ from switchyard.workers.service.liveness import Liveness
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher
 from switchyard.workers.service.step_loop import StepLoop
-from switchyard.workers.serving.interface import ServingEngine
+from switchyard.workers.serving.interface import EngineUnavailable, ServingEngine
 
 log = logging.getLogger("switchyard.worker")
 
@@ -66,6 +66,13 @@ class Worker:
         self.engine = engine
         self.config = config
         self.model_name = config.worker.served_name
+        self.role = config.worker.role
+        if self.role not in engine.capabilities.roles:
+            raise EngineUnavailable(f"the {config.worker.engine} engine cannot serve as a {self.role} worker (it "
+                                    f"serves as: {', '.join(engine.capabilities.roles)})")
+        # What it pulls: a prefill worker its model's prefill queue (the requests to hand over), any other the
+        # model's own queues.
+        self._queue = subjects.prefill_queue(self.model_name) if self.role == "prefill" else self.model_name
         self.worker_id = uuid.uuid4().hex[:12]
         self.metrics = metrics or WorkerMetrics(self.model_name)
         self._metrics_url = metrics_url
@@ -91,12 +98,12 @@ class Worker:
                                        tls_ca=config.nats_tls_ca, reconnected_cb=on_reconnect)
         js = nc.jetstream()
         out = Publisher(nc, js, self.worker_id)
-        intake = self._intake = Intake(self.engine, nc, js, self.model_name, self.worker_id, self._held,
+        intake = self._intake = Intake(self.engine, nc, js, self._queue, self.worker_id, self._held,
                                        self._capacity, out, config.worker.prepare_threads)
         try:
             await ensure_streams(js, config.nats_replicas, seed=False)
             await intake.sweep()
-            model = subjects.model_token(self.model_name)
+            model = subjects.model_token(self._queue)
             subscriptions = [
                 await nc.subscribe(f"{subjects.REQUEST_PREFIX}.{model}.>", cb=intake.on_doorbell),
                 await nc.subscribe(f"{subjects.AFFINITY_PREFIX}.{self.worker_id}.*", cb=intake.on_doorbell),
@@ -104,7 +111,7 @@ class Worker:
             ]
             w = config.worker
             node = node_id(w.kv_offload_host_dir, w.kv_offload_dir)
-            kv_events = KVEventPublisher(nc, self.engine, self.model_name, self.worker_id, node)
+            kv_events = KVEventPublisher(nc, self.engine, self.model_name, self.worker_id, node, self.role)
             await kv_events.start()
             kv_blocks = KVBlockExchange(nc, self.model_name, node)
             if self.engine.capabilities.kv_exchange:
@@ -115,8 +122,8 @@ class Worker:
                                 config.nats_replicas, self._info, self._state_summary, intake.mark_in_progress)
             await liveness.start()
             pulling = asyncio.create_task(intake.run(stop))
-            log.info("worker %s serving %s (context %d) with the %s engine (%s)%s", self.worker_id,
-                     self.model_name, self.engine.max_context, config.worker.engine,
+            log.info("worker %s serving %s as %s (context %d) with the %s engine (%s)%s", self.worker_id,
+                     self.model_name, self.role, self.engine.max_context, config.worker.engine,
                      self.engine.capabilities.describe(),
                      ", a TEST DOUBLE: its text is made up, no model runs" if is_test_double(config.worker.engine)
                      else "")
@@ -146,7 +153,7 @@ class Worker:
                           self._held.running_by_tier(), steps.num_steps, steps.step_s, steps.gap_s,
                           host=socket.gethostname(), pid=os.getpid(), metrics_url=self._metrics_url,
                           aliases=list(self.config.worker.aliases), engine=self.config.worker.engine,
-                          test_double=is_test_double(self.config.worker.engine))
+                          test_double=is_test_double(self.config.worker.engine), role=self.role)
 
     def _state_summary(self) -> str:
         assert self._intake is not None  # made by run before the liveness that asks for this line

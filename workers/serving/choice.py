@@ -43,6 +43,7 @@ class RequestState:
     num_finished: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    handover: bool = False  # a prefill worker's part: it ends with its first token (GenerateRequest.handover)
 
     def usage(self) -> Usage:
         """The request's usage so far, over every choice."""
