@@ -12,6 +12,9 @@ worker's, every token billed once), the prompt counted as cached, and the prefil
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx
 import nats
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchyard.deploy.services import wait_until_ready
 from tests.e2e.conftest import TINY
 from tests.e2e.test_kv_tiers import BLOCK, TIERS, long_prompt, num_tokens, registered
-from tests.support.system import stream_completion, usage_rows
+from tests.support.system import stream_completion, usage_rows, worker_running
 
 
 async def _handovers(http: httpx.AsyncClient, metrics_url: str) -> float:
@@ -70,4 +73,58 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_decoded_on_t
         await http.aclose()
         await nc.close()
         for worker in workers:
+            worker.stop()
+
+
+async def test_a_decode_worker_killed_mid_stream_is_replaced_by_another_and_a_dead_prefill_pool_by_whole_requests(
+        e2e, system, auth, nats_url, database_url):
+    """Faults on either side of the hand-over: the decode worker running a handed-over request is SIGKILLed
+    mid-stream, and the stream goes on exactly on the other decode worker (billed once, by it); then the prefill
+    worker is SIGKILLed, and a long prompt sent at once, while the registry still lists it, waits out the prefill
+    offer and runs whole on a decode worker."""
+    name = "tiny-disagg-faults"
+    prefill = e2e.start_worker(name, max_num_seqs=2, role="prefill", **TIERS)
+    decoders = [e2e.start_worker(name, max_num_seqs=2, role="decode", **TIERS) for _ in range(2)]
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    http = httpx.AsyncClient(timeout=60)
+    try:
+        wait_until_ready(system, name, timeout_s=120, watch=[prefill, *decoders])
+        infos = await registered(js, name, count=3)
+        (prefill_info,) = [w for w in infos if w.role == "prefill"]
+        body = {"model": name, "prompt": long_prompt(300), "max_tokens": 1000, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        killed = []
+
+        async def kill_the_decode_worker(request_id: str) -> None:
+            while (worker_id := await worker_running(nc, request_id, timeout_s=10)) == prefill_info.worker_id:
+                pass  # the prefill's own last delta: the decode worker's come next
+            (info,) = [w for w in infos if w.worker_id == worker_id]
+            assert info.role == "decode"
+            killed.append(info)
+            os.kill(info.pid, signal.SIGKILL)
+
+        events, request_id = await stream_completion(system, auth, body, kill_the_decode_worker)
+        assert killed and "error" not in events[-1], events[-1]
+        streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert events[-1]["usage"]["completion_tokens"] == 1000
+        reference = await http.post(f"{system}/v1/completions", headers=auth, timeout=120, json={
+            **{k: v for k, v in body.items() if k != "stream_options"}, "model": TINY, "stream": False})
+        assert streamed == reference.json()["choices"][0]["text"]
+        (survivor,) = [w for w in infos if w.role == "decode" and w.worker_id != killed[0].worker_id]
+        (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens, worker_id")
+        assert (row["completion_tokens"], row["worker_id"]) == (1000, survivor.worker_id)
+
+        os.kill(prefill_info.pid, signal.SIGKILL)
+        short = {**body, "max_tokens": 8, "stream": False}
+        short.pop("stream_options")
+        r = await http.post(f"{system}/v1/completions", headers=auth, json=short, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        (row,) = await usage_rows(database_url, nats_url, r.headers["X-Request-Id"], "completion_tokens, worker_id")
+        assert (row["completion_tokens"], row["worker_id"]) == (8, survivor.worker_id)
+    finally:
+        await http.aclose()
+        await nc.close()
+        for worker in [prefill, *decoders]:
             worker.stop()
