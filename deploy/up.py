@@ -83,11 +83,21 @@ def default_models(config: SwitchyardConfig) -> list[ModelEntry]:
     ``--engine vllm`` both run on vLLM (the embedding model on its pooling runner); under any other engine the
     embedding model runs on ours (``embeddings``: the simulated test double embeds nothing)."""
     models = [ModelEntry(model=config.worker.model, served_model_name=config.worker.served_name,
-                         aliases=config.worker.aliases)]
+                         aliases=config.worker.aliases, prefill_workers=config.prefill_workers,
+                         decode_workers=config.decode_workers)]
     if config.embedding_model:
         engine = "vllm" if config.worker.engine == "vllm" else "embeddings"
         models.append(ModelEntry(model=config.embedding_model, engine=engine, max_num_seqs=EMBEDDING_INPUTS_PER_STEP))
     return models
+
+
+def worker_roles(entry: ModelEntry) -> list[tuple[str, str]]:
+    """(role, process name suffix) of each worker ``entry`` runs: one of whole requests, or its prefill and decode
+    workers (``-prefill-0``, ``-decode-0``, ...)."""
+    if not (entry.prefill_workers or entry.decode_workers):
+        return [("both", "")]
+    return ([("prefill", f"-prefill-{i}") for i in range(entry.prefill_workers)]
+            + [("decode", f"-decode-{i}") for i in range(entry.decode_workers)])
 
 
 # An embedding worker's step runs up to this many inputs (its max_num_seqs): a batch of 64 in one forward.
@@ -105,6 +115,7 @@ def run_up(config: SwitchyardConfig) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
     data = config.data_dir
+    models = config.models or default_models(config)  # settings that cannot work are refused before anything starts
     if "vllm" in ({e.engine or config.worker.engine for e in config.models} or {config.worker.engine}):
         from switchyard.workers.vllm_engine.environment import vllm_python
 
@@ -119,15 +130,15 @@ def run_up(config: SwitchyardConfig) -> int:
         api_key = asyncio.run(_default_key(database_url, data))
         for line in asyncio.run(apply_prices(database_url, config.models)):
             print(f"price     {line}", file=sys.stderr)
-        models = config.models or default_models(config)
-        for entry in models:  # a worker each
+        for entry in models:  # a worker each, or its prefill and decode workers
             engine = entry.engine or config.worker.engine
             path = model_store.resolve(entry.model, config.model_cache_dir) if needs_weights(engine) else entry.model
             name = "worker" if not config.models and entry is models[0] else f"worker-{entry.served_name}"
-            system.start_worker(name, model=str(path),
-                                served_model_name=entry.served_name, aliases=entry.aliases,
-                                max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs,
-                                engine=engine)
+            for role, suffix in worker_roles(entry):
+                system.start_worker(name + suffix, model=str(path),
+                                    served_model_name=entry.served_name, aliases=entry.aliases,
+                                    max_num_seqs=entry.max_num_seqs or config.worker.max_num_seqs,
+                                    engine=engine, role=role)
         system.start_gateway()  # and the jobs beside it, unless gateway.run_jobs is off
         for entry in models:
             system.wait_until_ready(entry.served_name, timeout_s=300)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -202,7 +202,8 @@ class EngineSettings(BaseModel):
     # KV tiers below the pool (workers/kv_tiers/): a block registered in the prefix cache is written through to a
     # host-memory tier (files on tmpfs, shared by the host's workers of the model), which demotes what it evicts
     # to a disk tier; a new request's prefix is loaded back from them instead of computed. kv_offload_gib: the host
-    # tier's GiB (None: a tenth of the host's available memory on a GPU worker, off on a CPU one, 0: off);
+    # tier's GiB (None: a tenth of the host's available memory on a GPU worker, off on a CPU one but for a prefill
+    # or decode worker's 1 GiB, through which its KV moves; 0: off);
     # kv_offload_host_dir: where it lives (None: /dev/shm/switchyard-kv). kv_offload_dir: the disk tier's
     # directory (None: no disk tier), kv_offload_disk_gib its size. A tenant's blocks take at most
     # kv_offload_tenant_share of a tier.
@@ -283,6 +284,17 @@ class ModelEntry(BaseModel):
     output_per_mtok: float | None = Field(None, ge=0)
     max_num_seqs: int | None = Field(None, ge=1)  # this model's worker only (default: worker.max_num_seqs)
     engine: EngineName | None = None  # this model's worker only (default: worker.engine)
+    # Disaggregated serving (docs/operating/disaggregation.md): this many prefill workers and decode workers
+    # instead of one worker of whole requests. Both 0 (the default): one worker, role both.
+    prefill_workers: int = Field(0, ge=0)
+    decode_workers: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _pools(self) -> ModelEntry:
+        if self.prefill_workers and not self.decode_workers:
+            raise ValueError("prefill_workers needs decode_workers too: a prefill worker hands every request over "
+                             "to one")
+        return self
 
     @property
     def served_name(self) -> str:
@@ -293,6 +305,9 @@ class SwitchyardConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="ignore")
 
     data_dir: Path = Field(default_factory=default_data_dir)
+    # ``switchyard up``'s chat model when no ``models`` are listed: prefill and decode workers (ModelEntry's).
+    prefill_workers: int = Field(0, ge=0)
+    decode_workers: int = Field(0, ge=0)
     # None: start an embedded nats-server. Several servers of one cluster: comma-separated, tried in turn.
     nats_url: str | None = None
     # Servers of a JetStream cluster that hold each stream and bucket Switchyard creates (3: losing a node loses

@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from pydantic import ValidationError
+
 from switchyard.cli.batch import add_batch_parser
 from switchyard.cli.models import cmd_models
 from switchyard.cli.ops import cmd_keys, cmd_tenants, cmd_tiers, cmd_usage
@@ -41,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_embedding_flags(p)
     p.add_argument("--gateways", dest="processes", type=int,
                    help="gateway processes on the one port (default 1; SO_REUSEPORT spreads connections)")
+    p.add_argument("--prefill-workers", type=int,
+                   help="disaggregated serving of the chat model: this many prefill workers (needs --decode-workers)")
+    p.add_argument("--decode-workers", type=int,
+                   help="disaggregated serving of the chat model: this many decode workers, which go on from what "
+                        "the prefill workers hand over (and serve short prompts whole)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway")
@@ -143,14 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = load_config(args)
-    configure_logging(args.log_level, config.log_format, config.log_health_checks)
-    # SIGTERM behaves like Ctrl-C, so every command shuts down through the same cleanup path.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
+        config = load_config(args)
+        configure_logging(args.log_level, config.log_format, config.log_health_checks)
+        # SIGTERM behaves like Ctrl-C, so every command shuts down through the same cleanup path.
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except ValidationError as exc:  # settings that cannot work together: said in a line, not a traceback
+        errors = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        print(f"switchyard {args.cmd}: {errors}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -35,13 +35,13 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
                                 engine_args={"seed": 3}, python=Path(sys.executable)),
               prepare_threads=3, grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536, status_token="scrape-token",
               kv_offload_gib=4.0, kv_offload_host_dir=Path("/dev/shm/sy"), kv_offload_dir=Path("/var/kv"),
-              kv_offload_disk_gib=64.0, kv_offload_tenant_share=0.25)
+              kv_offload_disk_gib=64.0, kv_offload_tenant_share=0.25, role="decode")
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
                route_names=["auto", "smart"], routes=[RouteRule(model="llama", tiers=["pro"], max_difficulty=0.5)],
                affinity=False, affinity_wait_s=0.25, placement="affinity", processes=2, reuse_port=True,
-               body_timeout_s=12.0,
+               body_timeout_s=12.0, prefill_min_prompt_tokens=1024, prefill_wait_s=2.5,
                upload_timeout_s=60.0, failed_auth_per_minute=7, trusted_proxies=["10.0.0.0/8"],
                stream_send_timeout_s=5.0, stream_max_buffered_bytes=65_536, database_pool_size=3,
                limits=RequestLimits(max_messages=64, max_stop_chars=16, max_schema_bytes=4096, max_history_messages=9,
@@ -72,10 +72,11 @@ def test_every_setting_up_holds_reaches_its_children(clean_env):
                               nats_tls_cert=Path("/etc/c.pem"), nats_tls_key=Path("/etc/k.pem"),
                               nats_tls_ca=Path("/etc/ca.pem"), log_format="json", log_health_checks=True,
                               traces_exporter="file", traces_file=Path("/tmp/traces.jsonl"),
-                              embedding_model="/models/e5",
+                              embedding_model="/models/e5", prefill_workers=1, decode_workers=2,
                               worker=WorkerConfig(**WORKER), gateway=GatewayConfig(**GATEWAY),
                               models=[ModelEntry(model="smollm2", served_model_name="s", aliases=["a"],
-                                                 input_per_mtok=0.5, max_num_seqs=3)])
+                                                 input_per_mtok=0.5, max_num_seqs=3, prefill_workers=2,
+                                                 decode_workers=3)])
     for name, value in settings_env(config).items():
         clean_env.setenv(name, value)
     assert SwitchyardConfig() == config
@@ -192,3 +193,31 @@ def test_up_serves_the_embedding_model_beside_the_chat_model_unless_told_not_to(
     # A registry embedding model finds its engine on the worker, in place of the default one.
     assert engine_for("all-minilm-l6-v2", "switchyard") == "embeddings"
     assert engine_for("smollm2", "vllm") == "vllm" and engine_for("/models/x", "switchyard") == "switchyard"
+
+
+def test_up_runs_prefill_and_decode_workers_of_the_chat_model_or_of_a_listed_one(clean_env, tmp_path):
+    from switchyard.deploy.up import default_models, worker_roles
+
+    def roles(*argv: str) -> list[list[str]]:
+        config = load_config(build_parser().parse_args(["up", "--no-embeddings", *argv]))
+        return [[role for role, _ in worker_roles(m)] for m in config.models or default_models(config)]
+
+    assert roles() == [["both"]]
+    assert roles("--prefill-workers", "1", "--decode-workers", "2") == [["prefill", "decode", "decode"]]
+    assert roles("--decode-workers", "1") == [["decode"]]
+    with pytest.raises(ValueError, match="prefill_workers needs decode_workers"):
+        roles("--prefill-workers", "1")
+    settings = tmp_path / "switchyard.yaml"
+    settings.write_text("models:\n  - {model: smollm2, prefill_workers: 1, decode_workers: 1}\n  - {model: /m/b}\n")
+    assert roles("--config", str(settings)) == [["prefill", "decode"], ["both"]]
+    assert [s for _, s in worker_roles(ModelEntry(model="m", prefill_workers=1, decode_workers=1))] == [
+        "-prefill-0", "-decode-0"]
+
+
+def test_up_refuses_prefill_workers_without_decode_workers_before_starting_anything(clean_env, tmp_path):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "switchyard.cli.main", "up", "--prefill-workers", "2", "--data-dir",
+                           str(tmp_path / "data")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "prefill_workers needs decode_workers" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "data").exists()

@@ -18,6 +18,9 @@ from switchyard.workers.serving.interface import ServingEngine
 
 log = logging.getLogger("switchyard.worker")
 
+# The host tier of a prefill or decode worker that sets none (kv_offload_gib): the KV moves through it.
+ROLE_HOST_TIER_GIB = 1.0
+
 
 def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
     """Ours: continuous batching over a paged KV cache, Llama-family models (workers/engine/engine.py)."""
@@ -29,7 +32,11 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
     model, tokenizer = model_store.load(path, config.worker.dtype, config.worker.device)
     log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
     # The worker publishes what its KV cache holds (workers/service/kv_events.py): the engine records it.
-    engine = Engine(model, tokenizer, dataclasses.replace(EngineConfig.from_settings(config.worker), kv_events=True))
+    engine_config = dataclasses.replace(EngineConfig.from_settings(config.worker), kv_events=True)
+    if config.worker.role != "both" and engine_config.kv_offload_gib is None:
+        # A prefill worker hands its prompts' blocks to the decode workers through the host tier: on, on a CPU too.
+        engine_config = dataclasses.replace(engine_config, kv_offload_gib=ROLE_HOST_TIER_GIB)
+    engine = Engine(model, tokenizer, engine_config)
     engine.warmup()
     _load_safety_classifier(config)
     return engine
