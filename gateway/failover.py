@@ -24,10 +24,11 @@ from nats.js import JetStreamContext
 
 from switchyard.domain.publish import RequestPublisher
 from switchyard.domain.registry import ModelRegistry
+from switchyard.gateway.kv_index import KVIndex
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import publish_once
-from switchyard.shared.messages import GenerateRequest, Resume, UsageRecord, encode
+from switchyard.shared.messages import GenerateRequest, KVSource, Resume, UsageRecord, encode
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -43,6 +44,8 @@ class Failover:
         self._registry = registry
         self._liveness = liveness
         self._max_attempts = max_attempts
+        # The fleet's KV index, when placement uses it: a hand-over names the node holding the prefill's blocks.
+        self.kv_index: KVIndex | None = None
 
     async def continue_elsewhere(self, request: GenerateRequest, dead_worker: str | None, token_ids: list[int],
                                  text_len: int) -> GenerateRequest | None:
@@ -70,16 +73,18 @@ class Failover:
         whole-request (decode) worker, which loads the prompt's blocks from the shared KV tier; returns the
         continuation, or None when it could not be queued. A hand-over is no failure: it takes none of the
         request's ``max_attempts``."""
-        return await self._publish_continuation(request, token_ids, text_len, handover=True)
+        kv_source = self.kv_index.source(request) if self.kv_index is not None else None
+        return await self._publish_continuation(request, token_ids, text_len, handover=True, kv_source=kv_source)
 
     async def _publish_continuation(self, request: GenerateRequest, token_ids: list[int], text_len: int,
-                                    handover: bool) -> GenerateRequest | None:
+                                    handover: bool, kv_source: KVSource | None = None) -> GenerateRequest | None:
         resume = request.resume
         attempt = (resume.attempt if resume is not None else 0) + 1
         handovers = (resume.handovers if resume is not None else 0) + handover
         continuation = msgspec.structs.replace(
             request, resume=Resume(list(token_ids), text_len, attempt, handovers), handover=False,
-            affinity_until=0.0, deadline_at=time.time() + max(1.0, request.deadline_at - request.created_at))
+            affinity_until=0.0, kv_source=kv_source or request.kv_source,
+            deadline_at=time.time() + max(1.0, request.deadline_at - request.created_at))
         try:
             # Its own message id: the original's is still in the stream's duplicate window.
             await self._publisher.publish(continuation, msg_id=f"{request.request_id}.resume{attempt}")

@@ -192,6 +192,11 @@ class KVIndex:
             worker.placed_blocks += placement.prefix_blocks - placement.saved_blocks + 1
         return placement.worker_id
 
+    def source(self, request: GenerateRequest) -> KVSource | None:
+        """The live node whose tiers hold most of ``request``'s prefix (a prefill worker's hand-over: its node)."""
+        placement = self.place(request)
+        return placement.source if placement is not None else None
+
     async def record(self, *_args) -> None:
         """Nothing to record: the workers' KV events say where every block is."""
 

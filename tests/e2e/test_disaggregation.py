@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.deploy.services import wait_until_ready
 from tests.e2e.conftest import TINY
-from tests.e2e.test_kv_tiers import BLOCK, TIERS, long_prompt, num_tokens, registered
+from tests.e2e.test_kv_tiers import BLOCK, HITS, TIERS, long_prompt, num_tokens, registered, tier_samples
 from tests.support.system import stream_completion, usage_rows, worker_running
 
 
@@ -127,4 +127,36 @@ async def test_a_decode_worker_killed_mid_stream_is_replaced_by_another_and_a_de
         await http.aclose()
         await nc.close()
         for worker in [prefill, *decoders]:
+            worker.stop()
+
+
+async def test_a_decode_worker_on_another_node_fetches_the_prefills_blocks_from_its_node(e2e, system, auth,
+                                                                                          nats_url, tmp_path):
+    """The prefill worker and the decode worker on two nodes (a host tier each): the gateway's KV index names the
+    prefill worker's node in the hand-over (``kv_source``), and the decode worker fetches the prompt's blocks from
+    it over NATS (workers/service/kv_blocks.py) instead of computing them, with the text one worker gives."""
+    name = "tiny-disagg-nodes"
+    workers = [e2e.start_worker(name, max_num_seqs=2, role=role, kv_offload_host_dir=tmp_path / f"node-{role}",
+                                **TIERS) for role in ("prefill", "decode")]
+    nc = await nats.connect(nats_url)
+    http = httpx.AsyncClient(timeout=120, headers=auth)
+    try:
+        wait_until_ready(system, name, timeout_s=120, watch=workers)
+        by_role = {w.role: w for w in await registered(nc.jetstream(), name)}
+        messages = [{"role": "system", "content": long_prompt(300)}, {"role": "user", "content": "Go on."}]
+        body = {"messages": messages, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        r = await http.post(f"{system}/v1/chat/completions", json={**body, "model": name})
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        prompt_tokens = reply["usage"]["prompt_tokens"]
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens // BLOCK * BLOCK - BLOCK
+        assert await _handovers(http, by_role["prefill"].metrics_url) == 1
+        remote = await tier_samples(http, by_role["decode"].metrics_url, "remote")
+        assert remote[HITS] >= prompt_tokens // BLOCK - 1, remote
+        reference = await http.post(f"{system}/v1/chat/completions", json={**body, "model": TINY})
+        assert reply["choices"][0]["message"]["content"] == reference.json()["choices"][0]["message"]["content"]
+    finally:
+        await http.aclose()
+        await nc.close()
+        for worker in workers:
             worker.stop()

@@ -35,7 +35,6 @@ def test_a_prefill_part_ends_at_the_first_token_and_a_decode_worker_goes_on_from
     assert part.final.finish_reason == HANDOVER and part.final.is_last
     assert part.final.usage.completion_tokens == 1 and prefill.token_ids["r"] == expected.deltas[0].token_ids[:1]
     assert not prefill.has_unfinished_requests() and prefill.capacity().num_running == 0  # its seat is free
-    assert prefill.tiers.tiers.flush()
     num_prompt = part.final.usage.prompt_tokens
 
     decode = RecordingEngine(*tiny, _config(tmp_path))

@@ -158,7 +158,8 @@ class Engine:
         return self.tiers.num_loading if self.tiers is not None else 0
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending) or self._in_flight is not None
+        return (bool(self._requests) or bool(self._pending) or self._in_flight is not None
+                or (self.tiers is not None and self.tiers.num_handovers > 0))
 
     def prepare(self, req: GenerateRequest) -> MatcherPrompt:
         """``req``'s prompt, tokenized and checked, and its grammar compiled (``prepare_prompt``): safe to call
@@ -279,6 +280,7 @@ class Engine:
             self.num_interrupted_steps += 1
         self._drop_in_flight = False
         if self.tiers is not None:
+            outputs += self.tiers.release_handovers()
             for request_id in self.tiers.take_ready():  # prefixes loaded into the pool: their requests may start
                 self.scheduler.add_request(self._requests[request_id].held.pop(0))
         if self._in_flight is None:
@@ -287,6 +289,8 @@ class Engine:
             if plan.is_empty:
                 if self.tiers is not None and self.tiers.num_loading:
                     self.tiers.wait(_LOAD_WAIT_S)  # nothing else to run: wait for a load rather than spin
+                elif self.tiers is not None and not outputs:
+                    self.tiers.wait_for_writes(_LOAD_WAIT_S)  # or for a held hand-over's blocks
                 return outputs
         else:
             plan = self._in_flight[0]
@@ -318,6 +322,7 @@ class Engine:
                 outputs.append(delta)
         if self.tiers is not None:
             self.tiers.store_new()
+            outputs = self.tiers.hold_handovers(outputs)  # sent once their blocks are in the tier
         return outputs
 
     def _compute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]] | None:

@@ -8,6 +8,8 @@
              ... schedule → run → update ...
              store_new() ─▶ the blocks the step registered in the prefix cache, copied off the device and handed
                             to the writer thread
+             hold_handovers() ─▶ a prefill's hand-over waits until its blocks are written (the decode worker
+                            reads them from the tier): released by a later step's release_handovers()
 
 Everything on the step thread is a memory copy; reads, checks and writes are the tiers' threads'. On CUDA the copies
 between the device and pinned host memory run on the runner's copy stream (``ModelRunner.blocks_to_host``,
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections import defaultdict
 
 import torch
 
 from switchyard.scheduler import Sequence
 from switchyard.scheduler.kv_cache_manager import KVCacheManager
-from switchyard.shared.messages import KVSource
+from switchyard.shared.messages import HANDOVER, KVSource, TokenDelta
 from switchyard.workers.executor.model_runner import ModelRunner
 from switchyard.workers.kv_tiers import BlockLayout, KVTiers, KVTierStats, TierSettings
 from switchyard.workers.kv_tiers.offload import RemoteSource
@@ -60,6 +63,7 @@ class TieredPrefixes:
         self._kv = kv_cache
         self._loading: dict[str, tuple[Chain, int]] = {}  # request id -> its chain, and where the load starts
         self.num_loaded_blocks = 0  # imported into the pool from a tier, since start
+        self._handovers: list[tuple[TokenDelta, threading.Event]] = []  # each waiting for its blocks' writes
 
     @property
     def num_loading(self) -> int:
@@ -134,6 +138,36 @@ class TieredPrefixes:
         for salt, blocks in by_salt.items():
             host, done = self._runner.blocks_to_host([b.block_id for b in blocks])
             self.tiers.store(salt, [(b.block_hash, b.token_ids) for b in blocks], _payloads(host, done))
+
+    def hold_handovers(self, deltas: list[TokenDelta]) -> list[TokenDelta]:
+        """``deltas`` less the prefill hand-overs among them (``HANDOVER``), held until the writer has written this
+        step's blocks: the decode worker that goes on reads them from this node's tier."""
+        if not any(d.finish_reason == HANDOVER for d in deltas):
+            return deltas
+        written = self.tiers.written()
+        self._handovers += [(d, written) for d in deltas if d.finish_reason == HANDOVER]
+        return [d for d in deltas if d.finish_reason != HANDOVER]
+
+    def release_handovers(self) -> list[TokenDelta]:
+        """The held hand-overs whose blocks are written now."""
+        ready: list[TokenDelta] = []
+        waiting: list[tuple[TokenDelta, threading.Event]] = []
+        for delta, written in self._handovers:
+            if written.is_set():
+                ready.append(delta)
+            else:
+                waiting.append((delta, written))
+        self._handovers = waiting
+        return ready
+
+    @property
+    def num_handovers(self) -> int:
+        return len(self._handovers)
+
+    def wait_for_writes(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the oldest held hand-over's blocks to be written (a step with nothing else)."""
+        if self._handovers:
+            self._handovers[0][1].wait(timeout)
 
     def stats(self) -> list[KVTierStats]:
         return self.tiers.stats()

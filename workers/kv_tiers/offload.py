@@ -185,9 +185,9 @@ class KVTiers:
             self.load_ready.clear()
         return loaded
 
-    def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every store queued so far is written (or dropped); False on timeout. For tests and
-        benchmarks that need a tier's content settled, and for shutdown."""
+    def written(self) -> threading.Event:
+        """An event set once every store queued so far is written (or dropped): what another worker may read
+        then is all there."""
         done = threading.Event()
 
         def mark() -> list[memoryview]:
@@ -195,7 +195,12 @@ class KVTiers:
             return []
 
         self._stores.put(_Store("", [], mark, 0))
-        return done.wait(timeout)
+        return done
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every store queued so far is written (or dropped); False on timeout. For tests and
+        benchmarks that need a tier's content settled, and for shutdown."""
+        return self.written().wait(timeout)
 
     def take_events(self) -> dict[str, tuple[list[int], list[int]]]:
         """Per tier, the blocks this process wrote and removed since the last call."""
