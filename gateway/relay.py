@@ -56,6 +56,7 @@ class RelayedRequest:
         # Workers told to stop running it by name: one it was taken from (failover), or a second one that started
         # it too (JetStream redelivered it while the first was stalled). Their deltas are ignored.
         self._dismissed: set[str] = set()
+        self._stale: set[tuple[str, int]] = set()  # (worker, attempt) runs told to stop, of attempts moved on from
         self.request = request
         self._inbox = inbox
         self._stall_timeout_s = stall_timeout_s
@@ -84,8 +85,11 @@ class RelayedRequest:
                 return await self._abandon(ErrorInfo("The worker sent a message that could not be read; please "
                                                      "retry.", code="bad_worker_message", type="server_error",
                                                      status=502))
-            if delta.attempt != (0 if self.request.resume is None else self.request.resume.attempt):
-                continue  # a late delta of a run this request was taken from
+            attempt = 0 if self.request.resume is None else self.request.resume.attempt
+            if delta.attempt != attempt:  # a late delta of a run this request was taken from
+                if delta.attempt < attempt and delta.worker_id is not None:
+                    await self._dismiss_stale(delta.worker_id, delta.attempt)
+                continue
             if self.worker_id is None or delta.worker_id in (None, self.worker_id):
                 break
             if delta.worker_id not in self._dismissed:
@@ -254,6 +258,15 @@ class RelayedRequest:
         self._dismissed.add(worker_id)
         if self._nc.is_connected:
             await self._nc.publish(subjects.cancel_subject(self.request.request_id), worker_id.encode())
+
+    async def _dismiss_stale(self, worker_id: str, attempt: int) -> None:
+        """Tell one worker to stop its run of an earlier ``attempt`` of this request, unbilled (a prefill offer's
+        fallback copy that started after the prefill did): its later attempt, if it runs one, goes on."""
+        if (worker_id, attempt) in self._stale:
+            return
+        self._stale.add((worker_id, attempt))
+        if self._nc.is_connected:
+            await self._nc.publish(subjects.cancel_subject(self.request.request_id), f"{worker_id}:{attempt}".encode())
 
     async def _bill_lost(self) -> None:
         if self._failover is not None:

@@ -12,6 +12,7 @@ worker's, every token billed once), the prompt counted as cached, and the prefil
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -22,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchyard.deploy.services import wait_until_ready
 from tests.e2e.conftest import TINY
 from tests.e2e.test_kv_tiers import BLOCK, HITS, TIERS, long_prompt, num_tokens, registered, tier_samples
-from tests.support.system import stream_completion, usage_rows, worker_running
+from tests.support.system import free_port, stream_completion, usage_rows, worker_running
 
 
 async def _handovers(http: httpx.AsyncClient, metrics_url: str) -> float:
@@ -158,5 +159,42 @@ async def test_a_decode_worker_on_another_node_fetches_the_prefills_blocks_from_
     finally:
         await http.aclose()
         await nc.close()
+        for worker in workers:
+            worker.stop()
+
+
+async def test_a_prefill_offer_that_falls_back_while_the_prefill_runs_is_answered_once_and_billed_once(
+        e2e, auth, nats_url, database_url):
+    """A gateway whose prefill offers last less than a prefill worker's step: the fallback copy goes to the decode
+    worker while the prefill worker runs the offer too. Whichever the gateway follows, the run of the attempt it
+    moved on from stops unbilled: every reply is exact, and every request has one usage row."""
+    name = "tiny-disagg-race"
+    workers = [e2e.start_worker(name, max_num_seqs=4, role=role, **TIERS) for role in ("prefill", "decode")]
+    port = free_port()
+    gateway = e2e.start_gateway("gateway-disagg-race", port=port, prefill_wait_s=0.2)
+    system = e2e.url(port)
+    nc = await nats.connect(nats_url)
+    http = httpx.AsyncClient(timeout=120, headers=auth)
+    try:
+        wait_until_ready(system, name, timeout_s=120, watch=[*workers, gateway])
+        await registered(nc.jetstream(), name)
+        prompts = [long_prompt(300) for _ in range(4)]
+
+        async def complete(model: str, prompt: str) -> httpx.Response:
+            r = await http.post(f"{system}/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r
+
+        replies = await asyncio.gather(*(complete(name, p) for p in prompts))
+        for prompt, r in zip(prompts, replies):
+            reference = await complete(TINY, prompt)
+            assert r.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+            rows = await usage_rows(database_url, nats_url, r.headers["X-Request-Id"], "completion_tokens")
+            assert [row["completion_tokens"] for row in rows] == [24]
+    finally:
+        await http.aclose()
+        await nc.close()
+        gateway.stop()
         for worker in workers:
             worker.stop()

@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from switchyard.workers.engine.engine import Engine
-from switchyard.workers.serving.interface import EngineCapabilities, ServingEngine
+from switchyard.workers.serving.interface import ROLES, EngineCapabilities, ServingEngine
 from switchyard.workers.vllm_engine.engine import VllmEngine  # readable without vLLM: it imports it when built
 from tests.workers.test_engine_kv_remote import Peers
 
@@ -43,9 +43,8 @@ def test_each_engine_states_its_capabilities_and_the_kv_exchange_follows_them(ti
     tiered = Engine(*tiny, EngineConfig(max_num_seqs=2, kv_cache_bytes=1, max_model_len=128, kv_offload_gib=0.01,
                                         kv_offload_host_dir=tmp_path / "host"))
     try:
-        assert plain.capabilities == EngineCapabilities(kv_exchange=False, background_limit=True)
-        assert tiered.capabilities == EngineCapabilities(kv_exchange=True, background_limit=True)
-        assert plain.capabilities.roles == ("both",)
+        assert plain.capabilities == EngineCapabilities(ROLES, kv_exchange=False, background_limit=True)
+        assert tiered.capabilities == EngineCapabilities(ROLES, kv_exchange=True, background_limit=True)
         with pytest.raises(NotImplementedError):
             plain.connect_kv_peers(None)  # the worker never asks: kv_exchange is False
         assert callable(tiered.connect_kv_peers(Peers(lambda *_: None)))
@@ -55,4 +54,20 @@ def test_each_engine_states_its_capabilities_and_the_kv_exchange_follows_them(ti
     # vLLM runs every sequence it holds in each step: the batch limit is the worker's pulls alone.
     assert not VllmEngine.capabilities.fget(None).background_limit  # type: ignore[attr-defined]
     assert SimulatedEngine.capabilities.fget(None).describe() == "roles both"  # type: ignore[attr-defined]
-    assert tiered.capabilities.describe() == "roles both; KV exchange; batch limit per step"
+    assert tiered.capabilities.describe() == "roles both, prefill, decode; KV exchange; batch limit per step"
+
+
+def test_a_worker_refuses_a_role_its_engine_cannot_take():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from switchyard.shared.config import SwitchyardConfig, WorkerConfig
+    from switchyard.workers.service.worker import Worker
+    from switchyard.workers.serving.interface import EngineUnavailable
+    from switchyard.workers.simulated_engine import SimulatedEngine
+
+    engine = SimulatedEngine(max_num_seqs=2, tokens_per_s=100)
+    with ThreadPoolExecutor(1) as thread:
+        config = SwitchyardConfig(worker=WorkerConfig(engine="simulated", role="prefill"))
+        with pytest.raises(EngineUnavailable, match="cannot serve as a prefill worker"):
+            Worker(engine, config, thread)
+        assert Worker(engine, config.model_copy(update={"worker": WorkerConfig(engine="simulated")}), thread)

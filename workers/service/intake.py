@@ -54,6 +54,11 @@ SWEEP_EVERY_S = 1.0  # look at the queues this often whatever rang (redeliveries
 EARLY_CANCEL_S = 60.0  # how long a cancel for a request not (yet) here is remembered
 ACK_RETRY_S = 10.0
 CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
+
+
+def attempt_of(request: GenerateRequest) -> int:
+    """Which run of its request ``request`` is: 0 the first, a continuation its ``resume.attempt``."""
+    return request.resume.attempt if request.resume is not None else 0
 SLOW_PREPARE_S = 0.02  # CPU a prompt may take to prepare before its tenant's next ones go to the slow lane
 DEMOTED_S = 10.0
 SLOW_LANE_REST = 2.0  # the slow lane rests this many times the CPU its last prepare took (see _on_slow_lane)
@@ -129,14 +134,32 @@ class Intake:
         if self.queues.ring(msg.subject):
             self._wake.set()
 
+    def _supersede(self, request_id: str, attempt: int) -> None:
+        """Stop, unbilled, the run of ``request_id`` held here if it is an attempt before ``attempt``."""
+        tracked = self._held.active.get(request_id) or self._held.preparing.get(request_id)
+        if tracked is None or tracked.superseded or attempt_of(tracked.request) >= attempt:
+            return
+        log.warning("request %s: attempt %d here is stale (attempt %d is queued): stopping it", request_id,
+                    attempt_of(tracked.request), attempt)
+        tracked.superseded = True
+        if self._held.holds(request_id):
+            self._held.abort(request_id)
+        else:  # still being prepared: it is refused once it is
+            self._early_cancels[request_id] = time.monotonic()
+
     async def on_cancel(self, msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
         if msg.data:
-            # Addressed to one worker: a gateway took it for dead and continued the request on another. Only
-            # that worker stops (the continuation shares the request id), and it leaves the billing to the other.
-            if msg.data.decode(errors="replace") != self._worker_id:
+            # Addressed to one worker (``<worker id>[:<attempt>]``): a gateway took it for dead and continued the
+            # request on another, or it runs an attempt the gateway has moved on from. Only that worker stops (the
+            # continuation shares the request id), and it leaves the billing to the other; with an attempt, only
+            # that attempt's run (a later one here goes on).
+            target, _, attempt = msg.data.decode(errors="replace").partition(":")
+            if target != self._worker_id:
                 return
             tracked = self._held.active.get(request_id)
+            if attempt and tracked is not None and str(attempt_of(tracked.request)) != attempt:
+                return
             if tracked is not None:
                 tracked.superseded = True
             elif not self._held.has_taken(request_id):
@@ -214,8 +237,12 @@ class Intake:
             await msg.term()
             return 0
         if request.resume is not None and self._held.has_taken(request.request_id):
-            # A continuation of a request this worker was just told to give up (its stream broke on the way to
-            # the gateway): taken back once the abort is through.
+            # A continuation of a request this worker runs an earlier attempt of: one it was just told to give up
+            # (its stream broke on the way to the gateway), or a copy it started after the gateway had moved on (a
+            # prefill offer's fallback whose prefill handed over). The gateway publishes an attempt only once it
+            # is done with the earlier ones: that run stops, unbilled, and the continuation is taken back once the
+            # abort is through.
+            self._supersede(request.request_id, request.resume.attempt)
             await msg.nak(delay=0.2)
             return 0
         if self._held.has_taken(request.request_id):

@@ -48,6 +48,7 @@ class StepResult:
 
     admitted: list[tuple[Tracked, Msg]] = field(default_factory=list)  # (tracked, its JetStream message)
     rejected: list[tuple[Tracked, Msg, ErrorInfo]] = field(default_factory=list)
+    dropped: list[tuple[Tracked, Msg]] = field(default_factory=list)  # offers past their time: acked, no answer
     deltas: list[TokenDelta] = field(default_factory=list)
     capacity: EngineCapacity | None = None  # the engine after the step: what may be pulled now
     has_unfinished: bool = False  # whether the engine has more to do without new work
@@ -122,7 +123,7 @@ class StepLoop:
                 continue
             held.num_admitting = 0
             self._engine_busy = result.has_unfinished
-            freed = bool(result.rejected) or any(d.finish_reason for d in result.deltas)
+            freed = bool(result.rejected) or bool(result.dropped) or any(d.finish_reason for d in result.deltas)
             # Freed seats, or admissions that change who may take one.
             self._capacity.update(result.capacity, moved=freed or bool(adds) or bool(aborts))
             ended_at = time.perf_counter()
@@ -144,6 +145,11 @@ class StepLoop:
         for tracked, msg in adds:
             if tracked.request.request_id in aborts:
                 result.rejected.append((tracked, msg, aborts[tracked.request.request_id] or CANCELLED))
+                continue
+            if tracked.request.affinity_until and time.time() > tracked.request.affinity_until:
+                # An offer that waited here past its time (a busy worker): the gateway has given it to every
+                # worker by now, and starting it too would only run it twice.
+                result.dropped.append((tracked, msg))
                 continue
             prepared = tracked.prepared
             assert prepared is not None  # the intake holds a request only once it is prepared
@@ -179,7 +185,9 @@ class StepLoop:
         metrics.safety_flagged(result.safety_events)  # counted before a client can see the halt
         # Acks are confirmed round trips, retried through an outage: all of a step's at once, not one after another.
         await asyncio.gather(*(self._intake.ack(msg) for _, msg, _ in result.rejected),
-                             *(self._intake.ack(msg) for _, msg in result.admitted))
+                             *(self._intake.ack(msg) for _, msg in (*result.admitted, *result.dropped)))
+        for tracked, _ in result.dropped:
+            held.active.pop(tracked.request.request_id, None)
         step = StepDeltas()
         for tracked, _, error in result.rejected:
             held.active.pop(tracked.request.request_id, None)
