@@ -160,7 +160,7 @@ def main() -> int:
     p.add_argument("--stream-tokens", type=int, default=64)
     p.add_argument("--long-words", type=int, default=1500, help="~1.3 tokens a word: about 2,000 tokens")
     p.add_argument("--long-tokens", type=int, default=16)
-    p.add_argument("--every", type=float, default=4.0, help="seconds between long prompts")
+    p.add_argument("--every", type=float, default=6.0, help="seconds between long prompts")
     p.add_argument("--seconds", type=float, default=40.0, help="each phase")
     p.add_argument("--results", type=Path, default=RESULTS, help="'-' to skip")
     args = p.parse_args()
