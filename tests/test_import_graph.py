@@ -23,18 +23,41 @@ FORBIDDEN = {
 }
 
 
-def imported_rooms(path: Path) -> set[str]:
-    """The ``switchyard.<room>`` packages a module imports, wherever in the module (lazy imports too)."""
-    rooms = set()
+def imported_modules(path: Path) -> set[str]:
+    """The absolute module names a module imports, wherever in the module (lazy imports too)."""
+    modules = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-        rooms |= {n.split(".")[1] for n in names if n.startswith("switchyard.") and n.count(".") >= 1}
-    return rooms
+        modules |= set([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+    return modules
+
+
+def imported_rooms(path: Path, package: str = "switchyard") -> set[str]:
+    """The ``<package>.<room>`` packages a module imports."""
+    depth = package.count(".") + 1
+    return {n.split(".")[depth] for n in imported_modules(path)
+            if n.startswith(package + ".") and n.count(".") >= depth}
 
 
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
 def test_no_arrow_runs_back_up(folder):
     wrong = {f"{p.relative_to(ROOT)} imports switchyard.{room}"
              for p in (ROOT / folder).rglob("*.py") for room in imported_rooms(p) & set(FORBIDDEN[folder])}
+    assert not wrong, sorted(wrong)
+
+
+# Inside workers/: each engine builds on what serving/ shares, never on the other engine, and none on the worker
+# service that drives it (workers/serving/interface.py is the boundary).
+ENGINE_ROOMS = {
+    "serving": ("engine", "vllm_engine", "service"),
+    "engine": ("vllm_engine", "service"),
+    "vllm_engine": ("engine", "service"),
+}
+
+
+@pytest.mark.parametrize("room", sorted(ENGINE_ROOMS))
+def test_each_engine_builds_on_serving_never_on_the_other(room):
+    wrong = {f"{p.relative_to(ROOT)} imports switchyard.workers.{other}"
+             for p in (ROOT / "workers" / room).rglob("*.py") for other in imported_rooms(p, "switchyard.workers")
+             & set(ENGINE_ROOMS[room])}
     assert not wrong, sorted(wrong)
