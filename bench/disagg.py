@@ -194,8 +194,10 @@ def main() -> int:
                 hits = asyncio.run(metric(config.nats_url, "switchyard:kv_tier_hits_total", kv_tier="host"))
                 handovers = asyncio.run(metric(config.nats_url, "switchyard:request_success_total",
                                                finished_reason="handover"))
+                dropped = asyncio.run(metric(config.nats_url, "switchyard:kv_tier_dropped_stores_total",
+                                             kv_tier="host"))
                 moved = {"bytes": hits * block_bytes(Path(config.worker.model), WorkerConfig().block_size)
-                         / max(1.0, handovers), "handovers": handovers}
+                         / max(1.0, handovers), "handovers": handovers, "dropped": dropped}
             for worker in workers:
                 worker.stop()
                 system.services.remove(worker)
@@ -236,7 +238,8 @@ def report(args, results: dict, moved: dict, command: str, cpu: str) -> None:
         f"- target (pools' ITL p99 under long prompts at most 1.5x alone): {pools:.2f}x, "
         f"{'MET' if pools <= 1.5 else 'NOT MET'}",
         f"- KV loaded by the decode worker per handed-over request: {moved.get('bytes', 0) / 2**20:.1f} MiB "
-        f"({moved.get('handovers', 0):.0f} hand-overs)",
+        f"({moved.get('handovers', 0):.0f} hand-overs); blocks the workers' tier writers dropped, too far behind: "
+        f"{moved.get('dropped', 0):.0f}",
         "- long prompts' greedy replies the same as `one`'s: " + ", ".join(
             f"{layout} {n}/{len(reference)}" for layout, n in same.items()),
     ]) + "\n"
