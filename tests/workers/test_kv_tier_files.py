@@ -158,3 +158,39 @@ def test_a_writer_killed_mid_write_leaves_no_readable_half_block(tmp_path):
         data = reader.get("s", n)
         assert data is not None
         assert len(decode_block(data, n, tuple(range(16)), 8 * 2**20)) == 8 * 2**20
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_a_writer_too_far_behind_drops_blocks_unless_the_tiers_are_how_the_kv_leaves(tmp_path, monkeypatch, wait):
+    """A whole-request worker's step never waits for its tier writer: what the writer cannot keep up with is
+    dropped (only not kept). A prefill worker's blocks are its handovers: its step waits for the writer instead,
+    and every block is written."""
+    import threading
+
+    from switchyard.workers.kv_tiers import offload
+
+    layout = offload.BlockLayout("m", "float32", (1, 2, 2, 1, 2))  # 32-byte payloads
+    monkeypatch.setattr(offload, "_MAX_PENDING_BYTES", 2 * layout.payload_bytes)
+    tiers = offload.KVTiers(offload.TierSettings(host_dir=tmp_path, host_bytes=2**20, wait_when_behind=wait), layout)
+    release = threading.Event()
+
+    def payloads(n: int):
+        def make():
+            release.wait(10)  # the writer is held here: the queue behind it fills
+            return [memoryview(bytes([n]) * layout.payload_bytes)]
+        return make
+
+    def store_all() -> None:
+        for n in range(6):
+            tiers.store("t", [(n, (n, n))], payloads(n))
+
+    step = threading.Thread(target=store_all)
+    step.start()
+    step.join(0.5)
+    assert step.is_alive() == wait  # a waiting step is held by the writer; a dropping one has gone on
+    release.set()
+    step.join(10)
+    assert tiers.flush()
+    (host,) = tiers.stats()
+    assert (host.stores, host.dropped) == ((6, 0) if wait else (2, 4))
+    tiers.close()

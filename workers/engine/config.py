@@ -59,6 +59,9 @@ class EngineConfig:
     # Record what the KV cache gains and loses, and which blocks chat prompts' message prefixes come to, for the
     # worker's KV events (Engine.take_kv_changes); the worker turns it on.
     kv_events: bool = False
+    # The tiers are how this engine's KV leaves (a prefill worker): a step waits for a writer too far behind rather
+    # than drop its blocks (TierSettings.wait_when_behind); the worker turns it on.
+    kv_offload_wait_when_behind: bool = False
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> EngineConfig:
@@ -88,7 +91,8 @@ class EngineConfig:
                                                     "switchyard-kv")
         return TierSettings(host_dir=host_dir, host_bytes=int(host_gib * 2**30), disk_dir=self.kv_offload_dir,
                             disk_bytes=int(self.kv_offload_disk_gib * 2**30) if self.kv_offload_dir else 0,
-                            scope_share=self.kv_offload_tenant_share)
+                            scope_share=self.kv_offload_tenant_share,
+                            wait_when_behind=self.kv_offload_wait_when_behind)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, background_priority: int | None,
                          ) -> SchedulerConfig:

@@ -7,8 +7,9 @@
                                                                                it here; verify; stop at the first
                                                                                miss ──▶ take_loaded() on the step thread
 
-Neither thread ever holds the step up: a store the writer cannot keep up with is dropped (the block is only not
-kept), and a prefix is imported into the pool by the step only once it has been read and verified whole. Every
+Neither thread holds the step up: a store the writer cannot keep up with is dropped (the block is only not kept),
+unless the tiers are the way the KV leaves (a prefill worker's, ``wait_when_behind``: the step then waits for the
+writer), and a prefix is imported into the pool by the step only once it has been read and verified whole. Every
 failure below the pool (a corrupt file, a full disk, a tier directory gone) ends as a recompute and a counter.
 """
 
@@ -44,6 +45,9 @@ class TierSettings:
     disk_dir: Path | None = None
     disk_bytes: int = 0
     scope_share: float = 0.5  # of a tier, the most one cache salt (tenant) may hold
+    # A store the writer is too far behind to take waits (the step with it) instead of being dropped: a prefill
+    # worker's blocks are its handovers, and one dropped is computed again by the decode worker.
+    wait_when_behind: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -127,7 +131,8 @@ class KVTiers:
         self._top = self._tiers[0]
         self._stores: queue.SimpleQueue[_Store | None] = queue.SimpleQueue()
         self._pending_bytes = 0
-        self._pending_lock = threading.Lock()
+        self._pending_lock = threading.Condition()
+        self._wait_when_behind = settings.wait_when_behind
         self._dropped = 0
         self._loads: queue.SimpleQueue[_Load | None] = queue.SimpleQueue()
         self.peers: KVPeers | None = None  # other nodes' tiers, when the worker connects them (remote.py)
@@ -157,7 +162,10 @@ class KVTiers:
         thread. Dropped, not waited for, when the writer is too far behind."""
         nbytes = len(blocks) * self.layout.payload_bytes
         with self._pending_lock:
-            if self._pending_bytes + nbytes > _MAX_PENDING_BYTES:
+            if self._wait_when_behind:  # (a store larger than the cap alone goes once the queue is empty)
+                self._pending_lock.wait_for(lambda: not self._pending_bytes
+                                            or self._pending_bytes + nbytes <= _MAX_PENDING_BYTES)
+            elif self._pending_bytes + nbytes > _MAX_PENDING_BYTES:
                 self._dropped += len(blocks)
                 return
             self._pending_bytes += nbytes
@@ -238,6 +246,7 @@ class KVTiers:
             finally:
                 with self._pending_lock:
                     self._pending_bytes -= job.nbytes
+                    self._pending_lock.notify_all()
 
     def _write(self, job: _Store) -> None:
         payloads = job.payloads()

@@ -36,6 +36,8 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
     if config.worker.role != "both" and engine_config.kv_offload_gib is None:
         # A prefill worker hands its prompts' blocks to the decode workers through the host tier: on, on a CPU too.
         engine_config = dataclasses.replace(engine_config, kv_offload_gib=ROLE_HOST_TIER_GIB)
+    if config.worker.role == "prefill":  # and a block it drops is one the decode worker computes again
+        engine_config = dataclasses.replace(engine_config, kv_offload_wait_when_behind=True)
     engine = Engine(model, tokenizer, engine_config)
     engine.warmup()
     _load_safety_classifier(config)
