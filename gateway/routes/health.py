@@ -30,9 +30,13 @@ def router(services: GatewayServices) -> APIRouter:
     async def readyz():
         checks: dict[str, bool | list[str]] = {"nats": services.nc.is_connected, "postgres": await ping(services.db)}
         try:
-            checks["models"] = sorted(await services.registry.models())
+            listing = await services.registry.models()
         except OpenAIError:  # NATS unreachable: already not ready
-            checks["models"] = []
+            listing = {}
+        checks["models"] = sorted(listing)
+        # The models this gateway sends long prompts apart for: it sees a live prefill worker of each.
+        checks["prefill_pools"] = sorted(m for m, workers in listing.items()
+                                         if any(w.role == "prefill" for w in workers))
         checks["draining"] = services.draining
         # Postgres away degrades the gateway (known keys served, limits local) but does not stop it: a load
         # balancer pulling every gateway out for it would turn a degradation into an outage.

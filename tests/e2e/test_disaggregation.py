@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchyard.deploy.services import wait_until_ready
 from tests.e2e.conftest import TINY
 from tests.e2e.test_kv_tiers import BLOCK, HITS, TIERS, long_prompt, num_tokens, registered, tier_samples
-from tests.support.system import free_port, stream_completion, usage_rows, worker_running
+from tests.support.system import free_port, poll, stream_completion, usage_rows, worker_running
 
 
 async def _handovers(http: httpx.AsyncClient, metrics_url: str) -> float:
@@ -36,6 +36,13 @@ async def _nothing(_request_id: str) -> None:
     return None
 
 
+async def sees_prefill_pool(http: httpx.AsyncClient, system: str, name: str) -> None:
+    """Until the gateway sends ``name``'s long prompts apart: its /readyz lists the prefill pool it sees (its view
+    of the worker registry may be a second behind NATS's)."""
+    await poll(lambda: http.get(f"{system}/readyz"), lambda r: name in r.json()["checks"]["prefill_pools"],
+               timeout_s=30, what=f"the gateway seeing {name}'s prefill pool")
+
+
 async def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_decoded_on_the_decode_worker(
         e2e, system, auth, nats_url, database_url):
     name = "tiny-disagg"
@@ -46,6 +53,7 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_decoded_on_t
         wait_until_ready(system, name, timeout_s=120, watch=workers)
         by_role = {w.role: w for w in await registered(nc.jetstream(), name)}
         assert set(by_role) == {"prefill", "decode"}
+        await sees_prefill_pool(http, system, name)
         prompt = long_prompt(300)
         prompt_tokens = num_tokens(e2e, prompt)
         assert len(prompt) // 4 >= e2e.config.gateway.prefill_min_prompt_tokens  # long enough to go apart
@@ -144,6 +152,7 @@ async def test_a_decode_worker_on_another_node_fetches_the_prefills_blocks_from_
     try:
         wait_until_ready(system, name, timeout_s=120, watch=workers)
         by_role = {w.role: w for w in await registered(nc.jetstream(), name)}
+        await sees_prefill_pool(http, system, name)
         messages = [{"role": "system", "content": long_prompt(300)}, {"role": "user", "content": "Go on."}]
         body = {"messages": messages, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         r = await http.post(f"{system}/v1/chat/completions", json={**body, "model": name})
