@@ -54,10 +54,16 @@ FROM rate_windows WHERE key_id = $1 AND window_start IN ($2::timestamptz, $2::ti
 """
 
 
+def text_tokens(text_chars: int) -> int:
+    """A text's tokens before anything tokenized it: ~4 characters a token."""
+    return math.ceil(text_chars / 4)
+
+
 def estimate_tokens(text_chars: int, max_tokens: int | None, n: int = 1) -> int:
-    """What to reserve before the worker has tokenized anything: ~4 characters a token, plus the completion of each
-    of the ``n`` choices. An estimate: ``Limiter.settle`` charges what was really used, beyond it too."""
-    return math.ceil(text_chars / 4) + n * (max_tokens or DEFAULT_COMPLETION_RESERVE)
+    """What to reserve before the worker has tokenized anything: the text's tokens (``text_tokens``), plus the
+    completion of each of the ``n`` choices. An estimate: ``Limiter.settle`` charges what was really used, beyond
+    it too."""
+    return text_tokens(text_chars) + n * (max_tokens or DEFAULT_COMPLETION_RESERVE)
 
 
 @dataclass(slots=True)

@@ -37,15 +37,16 @@ class Failover:
     """Continues requests of dead workers on live ones; one per gateway, shared by every relayed request."""
 
     def __init__(self, js: JetStreamContext, publisher: RequestPublisher, registry: ModelRegistry,
-                 liveness: WorkerLiveness, max_attempts: int = 2) -> None:
-        """``js`` bills what a dead worker streamed (the USAGE stream); ``publisher`` queues continuations."""
+                 liveness: WorkerLiveness, max_attempts: int = 2, kv_index: KVIndex | None = None) -> None:
+        """``js`` bills what a dead worker streamed (the USAGE stream); ``publisher`` queues continuations;
+        ``kv_index``: the fleet's KV index, when placement uses it (a hand-over names the node holding the
+        prefill's blocks)."""
         self._js = js
         self._publisher = publisher
         self._registry = registry
         self._liveness = liveness
         self._max_attempts = max_attempts
-        # The fleet's KV index, when placement uses it: a hand-over names the node holding the prefill's blocks.
-        self.kv_index: KVIndex | None = None
+        self._kv_index = kv_index
 
     async def continue_elsewhere(self, request: GenerateRequest, dead_worker: str | None, token_ids: list[int],
                                  text_len: int) -> GenerateRequest | None:
@@ -73,7 +74,7 @@ class Failover:
         whole-request (decode) worker, which loads the prompt's blocks from the shared KV tier; returns the
         continuation, or None when it could not be queued. A hand-over is no failure: it takes none of the
         request's ``max_attempts``."""
-        kv_source = self.kv_index.source(request) if self.kv_index is not None else None
+        kv_source = self._kv_index.source(request) if self._kv_index is not None else None
         return await self._publish_continuation(request, token_ids, text_len, handover=True, kv_source=kv_source)
 
     async def _publish_continuation(self, request: GenerateRequest, token_ids: list[int], text_len: int,

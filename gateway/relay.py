@@ -254,19 +254,22 @@ class RelayedRequest:
         return True
 
     async def _dismiss(self, worker_id: str) -> None:
-        """Tell one worker, by name, to stop running this request and bill none of it (see Worker._on_cancel)."""
+        """Tell one worker, by name, to stop running this request and bill none of it (see Intake.on_cancel)."""
         self._dismissed.add(worker_id)
-        if self._nc.is_connected:
-            await self._nc.publish(subjects.cancel_subject(self.request.request_id), worker_id.encode())
+        await self._cancel_on(worker_id)
 
     async def _dismiss_stale(self, worker_id: str, attempt: int) -> None:
         """Tell one worker to stop its run of an earlier ``attempt`` of this request, unbilled (a prefill offer's
         fallback copy that started after the prefill did): its later attempt, if it runs one, goes on."""
-        if (worker_id, attempt) in self._stale:
-            return
-        self._stale.add((worker_id, attempt))
+        if (worker_id, attempt) not in self._stale:
+            self._stale.add((worker_id, attempt))
+            await self._cancel_on(worker_id, attempt)
+
+    async def _cancel_on(self, worker_id: str, attempt: int | None = None) -> None:
+        """A cancel addressed to one worker (``<worker id>[:<attempt>]``, see Intake.on_cancel)."""
         if self._nc.is_connected:
-            await self._nc.publish(subjects.cancel_subject(self.request.request_id), f"{worker_id}:{attempt}".encode())
+            target = worker_id if attempt is None else f"{worker_id}:{attempt}"
+            await self._nc.publish(subjects.cancel_subject(self.request.request_id), target.encode())
 
     async def _bill_lost(self) -> None:
         if self._failover is not None:
@@ -321,16 +324,14 @@ class Relay:
         relayed = RelayedRequest(self._nc, request, inbox, self._stall_timeout_s, self._retry_after_s,
                                  self._liveness, self._failover)
         try:
-            if prefill:
-                offer = msgspec.structs.replace(request, affinity_until=time.time() + offer_s, handover=True)
-                await self._publish(offer, msg_id=f"{request.request_id}.prefill")
-                relayed.fall_back(offer.affinity_until + OFFER_GRACE_S, lambda: self._publish(request, payload))
-            elif offer_to is None:
+            if not prefill and offer_to is None:
                 await self._publish(request, payload)
-            else:
-                offer = msgspec.structs.replace(request, affinity_until=time.time() + offer_s)
-                await self._publish(offer, subject=subjects.affinity_subject(offer_to, request.tier),
-                                    msg_id=f"{request.request_id}.offer")
+            else:  # an offer (its own message id: the fallback's is the request's), then the shared queue
+                offer = msgspec.structs.replace(request, affinity_until=time.time() + offer_s, handover=prefill)
+                # A prefill offer's subject is its model's prefill queue (the publisher's, for ``handover``).
+                subject = None if prefill or offer_to is None else subjects.affinity_subject(offer_to, request.tier)
+                await self._publish(offer, subject=subject,
+                                    msg_id=f"{request.request_id}.{'prefill' if prefill else 'offer'}")
                 relayed.fall_back(offer.affinity_until + OFFER_GRACE_S, lambda: self._publish(request, payload))
         except BaseException:
             await relayed.close()

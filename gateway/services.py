@@ -116,15 +116,14 @@ class GatewayServices:
         publisher = RequestPublisher(self.nc, self.js, gateway.retry_after_s)
         self._tokens = TokenRouter(self.nc)
         await self._tokens.start()
-        failover = Failover(self.js, publisher, self.registry, liveness)
-        relay = Relay(self.nc, self._tokens, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
-                      failover)
         affinity: AffinityIndex | KVIndex | None = None
         if gateway.affinity and gateway.placement == "kv_index":
-            affinity = self.kv_index = failover.kv_index = KVIndex(liveness.is_dead)
+            affinity = self.kv_index = KVIndex(liveness.is_dead)
             await self.kv_index.start(self.nc)
         elif gateway.affinity:
             affinity = AffinityIndex(self.js, config.nats_replicas)
+        relay = Relay(self.nc, self._tokens, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
+                      Failover(self.js, publisher, self.registry, liveness, kv_index=self.kv_index))
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
                                              self.metrics, affinity=affinity)
         self.conversations = Conversations(pool, self.js)

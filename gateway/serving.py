@@ -23,6 +23,7 @@ from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.api.shapes import CHAT, TEXT
 from switchyard.domain.errors import OpenAIError
+from switchyard.domain.limits import text_tokens
 from switchyard.domain.registry import ModelRegistry
 from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.client_watch import BoundedStream, ClientGone, unless_gone
@@ -65,12 +66,10 @@ def admitted_service(ticket: Ticket) -> ServiceTier:
 
 
 def prompt_tokens_estimate(request: GenerateRequest) -> int:
-    """The prompt's tokens before any worker tokenized it: exact for token ids, else ~4 characters a token (the
-    admission's estimate, domain/limits.py)."""
+    """The prompt's tokens before any worker tokenized it: exact for token ids, else the admission's estimate."""
     if request.prompt_token_ids is not None:
         return len(request.prompt_token_ids)
-    chars = len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())
-    return -(-chars // 4)
+    return text_tokens(len(request.prompt or "") + sum(len(m.content) for m in request.messages or ()))
 
 
 OnFinish = Callable[[Outcome], Awaitable[None]]

@@ -56,6 +56,11 @@ ACK_RETRY_S = 10.0
 CANCELLED = ErrorInfo("cancelled", code="cancelled", status=499)  # the client went away (never mutated)
 
 
+def offer_expired(request: GenerateRequest) -> bool:
+    """An offer (``affinity_until``) past its time: the gateway has given the request to every worker by now."""
+    return bool(request.affinity_until) and time.time() > request.affinity_until
+
+
 def attempt_of(request: GenerateRequest) -> int:
     """Which run of its request ``request`` is: 0 the first, a continuation its ``resume.attempt``."""
     return request.resume.attempt if request.resume is not None else 0
@@ -251,8 +256,7 @@ class Intake:
             log.warning("dropping a redelivered copy of running request %s", request.request_id)
             await msg.ack()
             return 0
-        if request.affinity_until and time.time() > request.affinity_until:
-            # An offer this worker took too late: the gateway has given the request to every worker by now.
+        if offer_expired(request):  # taken too late
             await msg.ack()
             return 0
         self._unacked[id(msg)] = msg

@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 from switchyard.shared.messages import ErrorInfo, TokenDelta
 from switchyard.workers.service.capacity import Capacity
 from switchyard.workers.service.held import HeldRequests, Tracked
-from switchyard.workers.service.intake import CANCELLED, Intake
+from switchyard.workers.service.intake import CANCELLED, Intake, offer_expired
 from switchyard.workers.service.kv_events import KVEventPublisher
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher, StepDeltas
@@ -146,9 +146,7 @@ class StepLoop:
             if tracked.request.request_id in aborts:
                 result.rejected.append((tracked, msg, aborts[tracked.request.request_id] or CANCELLED))
                 continue
-            if tracked.request.affinity_until and time.time() > tracked.request.affinity_until:
-                # An offer that waited here past its time (a busy worker): the gateway has given it to every
-                # worker by now, and starting it too would only run it twice.
+            if offer_expired(tracked.request):  # it waited here past its time: starting it would run it twice
                 result.dropped.append((tracked, msg))
                 continue
             prepared = tracked.prepared
