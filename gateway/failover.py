@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
@@ -69,21 +70,30 @@ class Failover:
         return continuation
 
     async def hand_over(self, request: GenerateRequest, token_ids: list[int], text_len: int,
+                        prefill_worker: str | None, kv_transfer: dict[str, Any] | None = None,
                         ) -> GenerateRequest | None:
         """A prefill worker ended its part of ``request`` after ``token_ids``: publish it to go on on a
         whole-request (decode) worker, which loads the prompt's blocks from the shared KV tier; returns the
         continuation, or None when it could not be queued. A hand-over is no failure: it takes none of the
-        request's ``max_attempts``."""
+        request's ``max_attempts``. ``prefill_worker`` and ``kv_transfer`` (a vLLM prefill's connector parameters)
+        go with it in its ``Resume``."""
         kv_source = self._kv_index.source(request) if self._kv_index is not None else None
-        return await self._publish_continuation(request, token_ids, text_len, handover=True, kv_source=kv_source)
+        return await self._publish_continuation(request, token_ids, text_len, handover=True, kv_source=kv_source,
+                                                prefill_worker=prefill_worker, kv_transfer=kv_transfer)
 
     async def _publish_continuation(self, request: GenerateRequest, token_ids: list[int], text_len: int,
-                                    handover: bool, kv_source: KVSource | None = None) -> GenerateRequest | None:
+                                    handover: bool, kv_source: KVSource | None = None,
+                                    prefill_worker: str | None = None, kv_transfer: dict[str, Any] | None = None,
+                                    ) -> GenerateRequest | None:
         resume = request.resume
         attempt = (resume.attempt if resume is not None else 0) + 1
         handovers = (resume.handovers if resume is not None else 0) + handover
+        # A failover after the hand-over still names the prefill worker (for the usage record), but not its
+        # connector's blocks: they may be gone, and the next worker computes or loads the prompt itself.
+        prefill_worker = prefill_worker or (resume.prefill_worker if resume is not None else None)
         continuation = msgspec.structs.replace(
-            request, resume=Resume(list(token_ids), text_len, attempt, handovers), handover=False,
+            request, resume=Resume(list(token_ids), text_len, attempt, handovers, prefill_worker, kv_transfer),
+            handover=False,
             affinity_until=0.0, kv_source=kv_source or request.kv_source,
             deadline_at=time.time() + max(1.0, request.deadline_at - request.created_at))
         try:

@@ -125,7 +125,8 @@ class RelayedRequest:
         prompt's KV blocks the prefill left in the shared tier, and the client gets the token's text, no end."""
         continuation = None
         if self._failover is not None:
-            continuation = await self._failover.hand_over(self.request, self._token_ids, self._text_len)
+            continuation = await self._failover.hand_over(self.request, self._token_ids, self._text_len,
+                                                          self.worker_id, delta.kv_transfer)
         if continuation is None:  # not queued (queue full, NATS away): what ran is billed, the client told
             await self._bill_lost()
             return await self._abandon(ErrorInfo("The request could not go on after its prefill; please retry.",

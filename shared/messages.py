@@ -87,6 +87,12 @@ class Resume(msgspec.Struct):
     text_len: int
     attempt: int = 1  # 1 for the first continuation, 2 if that worker died too, ...
     handovers: int = 0  # of those attempts, the ones a prefill worker handed over (not failures)
+    # Disaggregated serving: the prefill worker that handed the request over (its usage record names both), and,
+    # from a vLLM prefill worker, its KV connector's ``kv_transfer_params`` (where the prompt's blocks wait to be
+    # pulled), for the decode side's vLLM. Only the continuation right after the hand-over carries them: after a
+    # failover the blocks may be gone from the prefill side.
+    prefill_worker: str | None = None
+    kv_transfer: dict[str, Any] | None = None
 
 
 class EmbedInput(msgspec.Struct, frozen=True):
@@ -258,6 +264,8 @@ class TokenDelta(msgspec.Struct, omit_defaults=True):
     # An embeddings request's vectors, in input order, each little-endian float32 (OpenAI's base64 is exactly
     # these bytes): the next inputs' after those of the deltas before, as many per delta as fit a NATS message.
     embeddings: list[bytes] | None = None
+    # On a vLLM prefill worker's HANDOVER delta: its KV connector's ``kv_transfer_params`` (Resume.kv_transfer).
+    kv_transfer: dict[str, Any] | None = None
 
 
 class RoutedDelta(msgspec.Struct, array_like=True):
