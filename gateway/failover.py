@@ -123,7 +123,8 @@ class Failover:
             queue_ms=((taken_at or now) - request.created_at) * 1000,
             first_token_ms=None if first_token_at is None else (first_token_at - request.created_at) * 1000,
             total_ms=(now - request.created_at) * 1000, tenant_id=request.tenant_id, api_key_id=request.api_key_id,
-            worker_id=worker_id, end_user=request.end_user, metadata=request.metadata)
+            worker_id=worker_id, end_user=request.end_user, metadata=request.metadata,
+            prefill_worker_id=request.resume.prefill_worker if request.resume is not None else None)
         try:
             await publish_once(self._js, subjects.USAGE_SUBJECT, encode(record), request.request_id, within_s=30.0)
         except Exception:

@@ -35,8 +35,8 @@ log = logging.getLogger("switchyard.usage")
 INSERT_SQL = """
 INSERT INTO requests (request_id, model, tier, tenant_id, api_key_id, prompt_tokens, completion_tokens,
                       cached_tokens, finish_reason, queue_ms, first_token_ms, total_ms, worker_id, created_at,
-                      end_user, metadata, cost_usd)
-SELECT $1, $2, $3, $4, $5, $6::int, $7::int, $8, $9, $10, $11, $12, $13, $14, $15, $16::jsonb,
+                      end_user, metadata, prefill_worker_id, kv_loaded_bytes, cost_usd)
+SELECT $1, $2, $3, $4, $5, $6::int, $7::int, $8, $9, $10, $11, $12, $13, $14, $15, $16::jsonb, $17, $18,
        coalesce((SELECT ($6::int * p.input_per_mtok + $7::int * p.output_per_mtok) / 1000000
                         * (CASE WHEN $3::text = 'batch' THEN 1 - p.batch_discount ELSE 1 END)
                  FROM model_prices p WHERE p.model IN ($2, '*') ORDER BY p.model = '*' LIMIT 1), 0)
@@ -49,11 +49,12 @@ def _row(r: UsageRecord) -> tuple:
     return (
         r.request_id, r.model, r.tier, r.tenant_id, r.api_key_id, r.prompt_tokens, r.completion_tokens,
         r.cached_tokens, r.finish_reason, r.queue_ms, r.first_token_ms, r.total_ms, r.worker_id, created,
-        r.end_user, None if r.metadata is None else json.dumps(r.metadata),
+        r.end_user, None if r.metadata is None else json.dumps(r.metadata), r.prefill_worker_id, r.kv_loaded_bytes,
     )
 
 
 _MAX_INT = 2**31 - 1  # the token columns' range
+_MAX_BIGINT = 2**63 - 1
 
 
 def salvaged(r: UsageRecord) -> UsageRecord:
@@ -70,6 +71,7 @@ def salvaged(r: UsageRecord) -> UsageRecord:
     return msgspec.structs.replace(
         r, request_id=storable(r.request_id), model=storable(r.model), tier=storable(r.tier),
         tenant_id=storable(r.tenant_id), api_key_id=storable(r.api_key_id), worker_id=storable(r.worker_id),
+        prefill_worker_id=storable(r.prefill_worker_id), kv_loaded_bytes=min(max(r.kv_loaded_bytes, 0), _MAX_BIGINT),
         finish_reason=storable(r.finish_reason),
         prompt_tokens=count(r.prompt_tokens), completion_tokens=count(r.completion_tokens),
         cached_tokens=count(r.cached_tokens), created_at=created, queue_ms=ms(r.queue_ms) or 0.0,

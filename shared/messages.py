@@ -183,6 +183,9 @@ class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # KV bytes the worker loaded into its pool for the prompt (from a KV tier or another host) instead of computing
+    # them: on a decode worker, what a prefill worker's hand-over moved. Not a client's field.
+    kv_loaded_bytes: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -296,6 +299,8 @@ class UsageRecord(msgspec.Struct):
     worker_id: str | None = None
     end_user: str | None = None
     metadata: dict[str, str] | None = None
+    prefill_worker_id: str | None = None  # disaggregated: the worker that prefilled it (``worker_id`` decoded it)
+    kv_loaded_bytes: int = 0  # Usage.kv_loaded_bytes: the KV the request's worker loaded rather than computed
 
 
 class ConversationTurn(msgspec.Struct):

@@ -79,6 +79,8 @@ async def test_requests_table_shape(database_url):
             "cost_usd": ("numeric", False),
             "end_user": ("text", True),
             "metadata": ("jsonb", True),
+            "prefill_worker_id": ("text", True),
+            "kv_loaded_bytes": ("bigint", False),
         }
     finally:
         await conn.close()

@@ -75,9 +75,17 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_decoded_on_t
         assert r.status_code == 200, r.text
         assert streamed == r.json()["choices"][0]["text"]
 
-        (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens, finish_reason, worker_id")
+        (row,) = await usage_rows(database_url, nats_url, request_id,
+                                  "completion_tokens, finish_reason, worker_id, prefill_worker_id, kv_loaded_bytes")
         assert (row["completion_tokens"], row["finish_reason"]) == (40, "length")
-        assert row["worker_id"] == by_role["decode"].worker_id  # billed once, by the worker that finished it
+        # Billed once, by the worker that finished it, naming the one that prefilled it and the KV that moved: the
+        # prompt's full blocks, every one the same size.
+        assert (row["worker_id"], row["prefill_worker_id"]) == (by_role["decode"].worker_id,
+                                                                by_role["prefill"].worker_id)
+        assert row["kv_loaded_bytes"] > 0 and row["kv_loaded_bytes"] % (prompt_tokens // BLOCK) == 0, dict(row)
+        (whole,) = await usage_rows(database_url, nats_url, r.headers["X-Request-Id"],
+                                    "prefill_worker_id, kv_loaded_bytes")
+        assert (whole["prefill_worker_id"], whole["kv_loaded_bytes"]) == (None, 0)
     finally:
         await http.aclose()
         await nc.close()
@@ -121,8 +129,9 @@ async def test_a_decode_worker_killed_mid_stream_is_replaced_by_another_and_a_de
             **{k: v for k, v in body.items() if k != "stream_options"}, "model": TINY, "stream": False})
         assert streamed == reference.json()["choices"][0]["text"]
         (survivor,) = [w for w in infos if w.role == "decode" and w.worker_id != killed[0].worker_id]
-        (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens, worker_id")
-        assert (row["completion_tokens"], row["worker_id"]) == (1000, survivor.worker_id)
+        (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens, worker_id, prefill_worker_id")
+        assert (row["completion_tokens"], row["worker_id"], row["prefill_worker_id"]) == \
+            (1000, survivor.worker_id, prefill_info.worker_id)
 
         os.kill(prefill_info.pid, signal.SIGKILL)
         short = {**body, "max_tokens": 8, "stream": False}

@@ -46,6 +46,9 @@ def test_a_prefill_part_ends_at_the_first_token_and_a_decode_worker_goes_on_from
     assert decode.tiers.num_loaded_blocks == num_prompt // 16  # the prompt's full blocks, none computed again
     assert rest.final.finish_reason == "length"
     assert (rest.final.usage.prompt_tokens, rest.final.usage.completion_tokens) == (num_prompt, 20)
+    # What the hand-over moved, for the usage record: the loaded blocks' bytes (the prefill's part loaded none).
+    assert rest.final.usage.kv_loaded_bytes == num_prompt // 16 * decode.tiers.layout.block_bytes > 0
+    assert part.final.usage.kv_loaded_bytes == 0
     prefill.shutdown()
     decode.shutdown()
 

@@ -281,8 +281,10 @@ class Engine:
         self._drop_in_flight = False
         if self.tiers is not None:
             outputs += self.tiers.release_handovers()
-            for request_id in self.tiers.take_ready():  # prefixes loaded into the pool: their requests may start
-                self.scheduler.add_request(self._requests[request_id].held.pop(0))
+            for request_id, loaded_bytes in self.tiers.take_ready():  # prefixes loaded: their requests may start
+                state = self._requests[request_id]
+                state.kv_loaded_bytes += loaded_bytes
+                self.scheduler.add_request(state.held.pop(0))
         if self._in_flight is None:
             self.scheduler.set_background_limit(background_limit)
             plan = self.scheduler.schedule()

@@ -108,18 +108,19 @@ class TieredPrefixes:
         """Wait up to ``timeout`` for a load to finish (a step with nothing else to run)."""
         self.tiers.load_ready.wait(timeout)
 
-    def take_ready(self) -> list[str]:
-        """The requests whose loads finished, their blocks imported into the pool."""
+    def take_ready(self) -> list[tuple[str, int]]:
+        """The requests whose loads finished, their blocks imported into the pool, each with the bytes of the
+        blocks it imported (0: none were, and its prompt is computed)."""
         ready = []
         for loaded in self.tiers.take_loaded():
             entry = self._loading.pop(loaded.key, None)
             if entry is None:
                 continue  # aborted while it loaded
-            ready.append(loaded.key)
             chain, start = entry
             now = self._kv.num_cached_prefix_blocks(chain)
             if now < start or not loaded.blocks:
-                continue  # its head evicted meanwhile (the load is unreachable), or nothing found: computed instead
+                ready.append((loaded.key, 0))  # its head evicted meanwhile (the load is unreachable), or nothing
+                continue  # found: computed instead
             skip = now - start  # blocks another request computed meanwhile
             ids = self._kv.import_blocks(chain[: start + len(loaded.blocks)], now)
             if ids and loaded.kv is not None:
@@ -127,6 +128,7 @@ class TieredPrefixes:
                 self._runner.write_blocks(ids, kv.view(self._runner.dtype).view(len(ids), *self.layout.shape),
                                           loaded.ready)
                 self.num_loaded_blocks += len(ids)
+            ready.append((loaded.key, len(ids) * self.layout.block_bytes if loaded.kv is not None else 0))
         return ready
 
     def store_new(self) -> None:

@@ -39,6 +39,7 @@ class Tracked:
     dropped_messages: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    kv_loaded_bytes: int = 0
     choices: dict[int, BatchChoice] = field(default_factory=dict)  # batch lines only: the text so far
     prepared: Prepared | None = None  # its prompt, as the engine prepared it at intake
     superseded: bool = False  # a gateway took this worker for dead and continued it elsewhere: not billed here

@@ -171,6 +171,8 @@ class Publisher:
             worker_id=self.worker_id,
             end_user=req.end_user,
             metadata=req.metadata,
+            prefill_worker_id=req.resume.prefill_worker if req.resume is not None else None,
+            kv_loaded_bytes=tracked.kv_loaded_bytes,
         )
         try:
             await publish_once(self._js, subjects.USAGE_SUBJECT, encode(record), req.request_id,

@@ -215,6 +215,7 @@ class StepLoop:
                 if delta.usage is not None:
                     running.completion_tokens = delta.usage.completion_tokens
                     running.cached_tokens = delta.usage.cached_tokens
+                    running.kv_loaded_bytes = delta.usage.kv_loaded_bytes
                 held.active.pop(req.request_id, None)
                 self._intake.queues.finished(req.tier, req.tenant_id, running.prompt_tokens, running.completion_tokens)
                 metrics.finished(req.tier, delta.finish_reason)

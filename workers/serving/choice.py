@@ -43,12 +43,13 @@ class RequestState:
     num_finished: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    kv_loaded_bytes: int = 0  # its prompt's KV loaded from a tier or another host (Usage.kv_loaded_bytes)
     handover: bool = False  # a prefill worker's part: it ends with its first token (GenerateRequest.handover)
 
     def usage(self) -> Usage:
         """The request's usage so far, over every choice."""
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.completion_tokens,
-                     cached_tokens=self.cached_tokens)
+                     cached_tokens=self.cached_tokens, kv_loaded_bytes=self.kv_loaded_bytes)
 
 
 @dataclass(slots=True)
