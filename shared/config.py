@@ -136,10 +136,12 @@ class GatewayConfig(BaseModel):
     # Disaggregated serving (workers with ``role`` prefill and decode): a request whose prompt is estimated at this
     # many tokens or more, of a model with a live prefill worker, is offered to the prefill pool for
     # prefill_wait_s (then to every whole-request worker); a shorter one is prefilled where it decodes, since
-    # handing it over would cost more than computing it there (docs/operating/disaggregation.md). The wait
-    # outlasts a busy prefill worker's step: its first message goes out after the step that started the request,
-    # and a fallback sent before it would start the request twice.
-    prefill_min_prompt_tokens: int = Field(256, ge=1)
+    # handing it over would cost more than computing it there. 64: twice where bench/disagg_threshold.py measured
+    # the two to cross on a CPU host (docs/operating/disaggregation.md, "Choosing the threshold"); a GPU's
+    # prefill is a hundred times faster, and its threshold in the hundreds or thousands. The wait outlasts a busy
+    # prefill worker's step: its first message goes out after the step that started the request, and a fallback
+    # sent before it would start the request twice.
+    prefill_min_prompt_tokens: int = Field(64, ge=1)
     prefill_wait_s: float = Field(3.0, gt=0)
     # ``model`` names that route by ``routes`` (first rule whose model a worker serves); empty routes: no routing.
     route_names: list[str] = Field(default_factory=lambda: ["auto"])

@@ -86,6 +86,16 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_decoded_on_t
         (whole,) = await usage_rows(database_url, nats_url, r.headers["X-Request-Id"],
                                     "prefill_worker_id, kv_loaded_bytes")
         assert (whole["prefill_worker_id"], whole["kv_loaded_bytes"]) == (None, 0)
+
+        # A prompt under the threshold is not worth a hand-over: the decode worker prefills it itself.
+        short = "Say something."
+        assert len(short) // 4 < e2e.config.gateway.prefill_min_prompt_tokens
+        r = await http.post(f"{system}/v1/completions", headers=auth, timeout=120, json={
+            "model": name, "prompt": short, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        (row,) = await usage_rows(database_url, nats_url, r.headers["X-Request-Id"], "worker_id, prefill_worker_id")
+        assert (row["worker_id"], row["prefill_worker_id"]) == (by_role["decode"].worker_id, None)
+        assert await _handovers(http, by_role["prefill"].metrics_url) == 1
     finally:
         await http.aclose()
         await nc.close()
