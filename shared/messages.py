@@ -376,6 +376,9 @@ class WorkerInfo(msgspec.Struct):
     aliases: list[str] = msgspec.field(default_factory=list)  # more names of ``model`` (domain/registry.py)
     engine: str = ""  # the engine it runs (workers/service/engines.py)
     role: str = "both"  # WorkerConfig.role: a prefill worker takes only its model's prefill queue
+    # Stopped pulling (SIGTERM, /drain), finishing what runs: the gateways send it nothing new (no offer, no
+    # prefill, no continuation). Beaten at once when the drain starts.
+    draining: bool = False
     test_double: bool = False  # that engine is a test double (``simulated``): its text is made up
 
 

@@ -66,6 +66,12 @@ class Liveness:
             with contextlib.suppress(Exception):
                 await self._kv.delete(self._key)
 
+    async def beat_on(self, event: asyncio.Event) -> None:
+        """Beat as soon as ``event`` is set (a drain: the gateways should know before the next heartbeat)."""
+        await event.wait()
+        with contextlib.suppress(Exception):  # NATS away: the next heartbeat says it
+            await self._beat()
+
     async def _beat(self) -> None:
         assert self._kv is not None  # opened by start before the first beat
         await self._kv.put(self._key, encode(self._info()))

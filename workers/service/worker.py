@@ -83,10 +83,12 @@ class Worker:
         self._capacity = Capacity(engine.capacity(), self._held, background_policy(config.worker, engine.device_type))
         self._intake: Intake | None = None
         self._steps: StepLoop | None = None
+        self._stop: asyncio.Event | None = None  # run's: set, the worker drains (its heartbeat says so)
 
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         """Connect, serve until ``stop``, drain, and leave the worker registry."""
         liveness: Liveness | None = None
+        self._stop = stop
 
         async def on_reconnect() -> None:
             if liveness is not None:
@@ -121,6 +123,7 @@ class Worker:
             liveness = Liveness(nc, js, self.model_name, self.worker_id, config.worker.heartbeat_s,
                                 config.nats_replicas, self._info, self._state_summary, intake.mark_in_progress)
             await liveness.start()
+            announcing = asyncio.create_task(liveness.beat_on(stop))
             pulling = asyncio.create_task(intake.run(stop))
             log.info("worker %s serving %s as %s (context %d) with the %s engine (%s)%s", self.worker_id,
                      self.model_name, self.role, self.engine.max_context, config.worker.engine,
@@ -130,9 +133,10 @@ class Worker:
             if ready is not None:
                 ready.set()
             await self._steps.run(stop)
-            pulling.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pulling
+            for task in (pulling, announcing):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await liveness.stop()
             await kv_events.stop()
             await kv_blocks.stop()
@@ -153,7 +157,8 @@ class Worker:
                           self._held.running_by_tier(), steps.num_steps, steps.step_s, steps.gap_s,
                           host=socket.gethostname(), pid=os.getpid(), metrics_url=self._metrics_url,
                           aliases=list(self.config.worker.aliases), engine=self.config.worker.engine,
-                          test_double=is_test_double(self.config.worker.engine), role=self.role)
+                          test_double=is_test_double(self.config.worker.engine), role=self.role,
+                          draining=self._stop is not None and self._stop.is_set())
 
     def _state_summary(self) -> str:
         assert self._intake is not None  # made by run before the liveness that asks for this line
