@@ -1,7 +1,8 @@
 """What a request is promised holds across a hand-over (issue 39's part 2), on real processes: a structured output
 goes on under its grammar on the decode worker, the output filter halts a reply that turns offensive after the
-prefill worker's first token, and each pool drains on its own: a draining decode worker finishes the handed-over
-stream it holds, a draining prefill worker is offered nothing more (long prompts then run whole).
+prefill worker's first token, a client that leaves stops the decode worker, and each pool drains on its own: a
+draining decode worker finishes the handed-over stream it holds, a draining prefill worker is offered nothing more
+(long prompts then run whole).
 
 The tenant's safety policy is the deployment's default (``block``); the tiny model's replies are random, so
 ``logit_bias`` makes every token " a" or "s" (tests/e2e/test_safety.py), and a reply soon spells "ass"."""
@@ -47,7 +48,8 @@ async def pools(e2e, system):
             worker.stop()
 
 
-async def test_a_structured_output_and_the_output_filter_go_on_across_the_hand_over(pools, system, auth):
+async def test_a_structured_output_the_output_filter_and_a_cancel_hold_across_the_hand_over(
+        pools, system, auth, nats_url, database_url):
     name, by_role, http = pools
     messages = [{"role": "system", "content": long_prompt(300)}, {"role": "user", "content": "Answer in JSON."}]
     body = {"messages": messages, "max_tokens": 60, "temperature": 0,
@@ -72,6 +74,24 @@ async def test_a_structured_output_and_the_output_filter_go_on_across_the_hand_o
     finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1]
     assert finish == "content_filter", text
     assert set(text) <= {" ", "a", "s"} and not BAD_WORD.search(text), text  # not even a part of the word
+
+    # The client leaves mid-stream, after the hand-over: the cancel reaches the decode worker, which stops and
+    # bills what it streamed.
+    body = {"model": name, "prompt": long_prompt(300), "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    async with http.stream("POST", f"{system}/v1/completions", json=body, headers=auth) as resp:
+        assert resp.status_code == 200
+        request_id = resp.headers["x-request-id"]
+        seen = 0
+        async for line in resp.aiter_lines():
+            seen += line.startswith("data: ") and '"text":""' not in line.replace(" ", "")
+            if seen >= 5:
+                break  # leaving the block closes the connection mid-stream
+    (row,) = await usage_rows(database_url, nats_url, request_id,
+                              "finish_reason, completion_tokens, worker_id, prefill_worker_id")
+    assert (row["finish_reason"], row["worker_id"], row["prefill_worker_id"]) == \
+        ("cancelled", by_role["decode"].worker_id, by_role["prefill"].worker_id)
+    assert 5 <= row["completion_tokens"] < 3000
 
 
 async def test_each_pool_drains_on_its_own(e2e, system, auth, nats_url, database_url):
