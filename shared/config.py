@@ -139,8 +139,8 @@ class GatewayConfig(BaseModel):
     # handing it over would cost more than computing it there. 64: twice where bench/disagg_threshold.py measured
     # the two to cross on a CPU host (docs/operating/disaggregation.md, "Choosing the threshold"); a GPU's
     # prefill is a hundred times faster, and its threshold in the hundreds or thousands. The wait outlasts a busy
-    # prefill worker's step: its first message goes out after the step that started the request, and a fallback
-    # sent before it would start the request twice.
+    # prefill worker's step: it takes new requests between steps (and says so at once, before the step that
+    # starts them), and a fallback sent before then would start the request twice.
     prefill_min_prompt_tokens: int = Field(64, ge=1)
     prefill_wait_s: float = Field(3.0, gt=0)
     # ``model`` names that route by ``routes`` (first rule whose model a worker serves); empty routes: no routing.

@@ -3,12 +3,17 @@ the next one runs, and the drain.
 
     event loop                                         step thread (the only one that touches the engine)
     ──────────                                         ──────────────────────────────────────────────────
-    held.hand_over() ─ adds, aborts, batch limit ────▶ add_request / abort_request ─▶ step() ─▶ capacity, stats
-    publish step N-1 (acks, deltas, usage)  ◀─ overlap ─┤
+    held.hand_over() ─ adds, aborts ─────────────────▶ add_request / abort_request ─▶ Admission
+    batch limit ──────────────────────────────────────▶ step() ─▶ capacity, stats
+    publish step N-1 (deltas, usage)        ◀─ overlap ─┤
+    publish the admission (acks, first messages) ◀──────┤
     capacity.update(step N's) ◀────────────────────────┘ StepResult
     seats freed? let the intake refill them (≤ 20 ms) before step N+1
 
-The publishing of one step always ends before the next step's starts, so a request's deltas stay in order. On
+A request's first message goes out before the step that starts it runs, not after: a gateway waiting on an offer
+(a prefill worker's, a worker holding the prefix) learns at once that it was taken, rather than a step later (a
+long prompt's step lasts seconds on a CPU), and does not give it to another worker meanwhile. The publishing of
+one step always ends before the next step's starts, so a request's deltas stay in order. On
 ``stop`` the loop drains: the intake stops pulling, running requests get ``drain_timeout_s`` to finish, and what
 is left then ends with ``worker_shutdown``.
 """
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,12 +49,18 @@ REFILL_WAIT_S = 0.02  # how long a step waits for the intake to refill freed sea
 
 
 @dataclass(slots=True)
-class StepResult:
-    """What one step on the step thread hands back to the event loop."""
+class Admission:
+    """What adding requests to the engine, before a step, hands back to the event loop."""
 
     admitted: list[tuple[Tracked, Msg]] = field(default_factory=list)  # (tracked, its JetStream message)
     rejected: list[tuple[Tracked, Msg, ErrorInfo]] = field(default_factory=list)
     dropped: list[tuple[Tracked, Msg]] = field(default_factory=list)  # offers past their time: acked, no answer
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step on the step thread hands back to the event loop."""
+
     deltas: list[TokenDelta] = field(default_factory=list)
     capacity: EngineCapacity | None = None  # the engine after the step: what may be pulled now
     has_unfinished: bool = False  # whether the engine has more to do without new work
@@ -105,14 +117,21 @@ class StepLoop:
             started_at = time.perf_counter()
             if ended_at is not None:
                 self.gap_s += started_at - ended_at
-            step = asyncio.get_running_loop().run_in_executor(
-                self._step_thread, self._step_sync, adds, aborts, self._capacity.background_limit())
-            if publishing is not None:
-                await _published(publishing)
-                publishing = None
+            loop = asyncio.get_running_loop()
             try:
+                admission = (await loop.run_in_executor(self._step_thread, self._admit_sync, adds, aborts)
+                             if adds or aborts else None)
+                step = loop.run_in_executor(self._step_thread, self._step_sync, self._capacity.background_limit())
+                if publishing is not None:
+                    await _published(publishing)
+                    publishing = None
+                if admission is not None:  # while the step runs, and before its deltas
+                    await _published(self._publish_admission(admission))
                 result = await step
             except Exception:
+                if publishing is not None:  # the previous step's deltas before the errors
+                    await _published(publishing)
+                    publishing = None
                 held.num_admitting = 0
                 log.exception("engine step failed; failing %d running requests", len(held.active))
                 await self._fail_all()
@@ -123,7 +142,8 @@ class StepLoop:
                 continue
             held.num_admitting = 0
             self._engine_busy = result.has_unfinished
-            freed = bool(result.rejected) or bool(result.dropped) or any(d.finish_reason for d in result.deltas)
+            freed = (admission is not None and bool(admission.rejected or admission.dropped)) or any(
+                d.finish_reason for d in result.deltas)
             # Freed seats, or admissions that change who may take one.
             self._capacity.update(result.capacity, moved=freed or bool(adds) or bool(aborts))
             ended_at = time.perf_counter()
@@ -137,11 +157,10 @@ class StepLoop:
                 self._intake.idle.clear()
                 await first_of(self._intake.idle, timeout=REFILL_WAIT_S)
 
-    def _step_sync(self, adds: list[tuple[Tracked, Msg]], aborts: dict[str, ErrorInfo | None],
-                   background_limit: int | None) -> StepResult:
-        """Runs on the step thread: the only place the engine is touched (but ``prepare``)."""
+    def _admit_sync(self, adds: list[tuple[Tracked, Msg]], aborts: dict[str, ErrorInfo | None]) -> Admission:
+        """Runs on the step thread, before a step: ``adds`` into the engine (or refused), ``aborts`` out of it."""
         engine = self._engine
-        result = StepResult()
+        result = Admission()
         for tracked, msg in adds:
             if tracked.request.request_id in aborts:
                 result.rejected.append((tracked, msg, aborts[tracked.request.request_id] or CANCELLED))
@@ -167,6 +186,12 @@ class StepLoop:
             result.admitted.append((tracked, msg))
         for request_id, error in aborts.items():
             engine.abort_request(request_id, error)
+        return result
+
+    def _step_sync(self, background_limit: int | None) -> StepResult:
+        """Runs on the step thread: the only place the engine is touched (but ``prepare`` and ``_admit_sync``)."""
+        engine = self._engine
+        result = StepResult()
         if engine.has_unfinished_requests():
             result.deltas = engine.step(background_limit)
         result.has_unfinished = engine.has_unfinished_requests()
@@ -176,25 +201,33 @@ class StepLoop:
         result.kv_changes = engine.take_kv_changes()
         return result
 
-    async def _publish(self, result: StepResult) -> None:
-        """A step's outcome, out: rejections, admissions, deltas (together: one message per gateway), then the
-        records of what finished."""
+    async def _publish_admission(self, admission: Admission) -> None:
+        """An admission's outcome, out: the refused requests' errors and the admitted ones' first messages
+        (together: one message per gateway)."""
         held, out, metrics = self._held, self._out, self._metrics
-        metrics.safety_flagged(result.safety_events)  # counted before a client can see the halt
-        # Acks are confirmed round trips, retried through an outage: all of a step's at once, not one after another.
-        await asyncio.gather(*(self._intake.ack(msg) for _, msg, _ in result.rejected),
-                             *(self._intake.ack(msg) for _, msg in (*result.admitted, *result.dropped)))
-        for tracked, _ in result.dropped:
-            held.active.pop(tracked.request.request_id, None)
+        # Acks are confirmed round trips, retried through an outage: all at once, not one after another.
+        await asyncio.gather(*(self._intake.ack(msg) for _, msg, _ in admission.rejected),
+                             *(self._intake.ack(msg) for _, msg in (*admission.admitted, *admission.dropped)))
         step = StepDeltas()
-        for tracked, _, error in result.rejected:
+        for tracked, _, error in admission.rejected:
             held.active.pop(tracked.request.request_id, None)
             await out.error(tracked.request, error, step)
-        for tracked, _ in result.admitted:
+        for tracked, _ in admission.dropped:
+            held.active.pop(tracked.request.request_id, None)
+        for tracked, _ in admission.admitted:
             req = tracked.request
             metrics.started(req.tier, tracked.admitted_at - req.created_at, tracked.prompt_tokens)
             self._intake.queues.charge(req.tier, req.tenant_id, prompt_tokens=tracked.prompt_tokens)
             await out.started(tracked, step)
+        await out.send(step)
+        if admission.rejected:
+            self._capacity.changed.set()  # their seats were counted as held until now
+
+    async def _publish(self, result: StepResult) -> None:
+        """A step's outcome, out: its deltas (one message per gateway), then the records of what finished."""
+        held, out, metrics = self._held, self._out, self._metrics
+        metrics.safety_flagged(result.safety_events)  # counted before a client can see the halt
+        step = StepDeltas()
         now = time.time()
         generated: dict[str, int] = {}
         ended: list[tuple[Tracked, str]] = []
@@ -229,7 +262,7 @@ class StepLoop:
             record_request_trace(tracked, out.worker_id, finish_reason, now)
             await out.finished(tracked, finish_reason, now)
         metrics.generated(generated)
-        if ended or result.rejected:
+        if ended:
             self._capacity.changed.set()  # their seats were counted as held until now
 
     async def _fail_all(self) -> None:
@@ -260,10 +293,11 @@ class StepLoop:
             return None, True
 
 
-async def _published(task: asyncio.Task) -> None:
-    """Wait for a step's publishing; a failure there (NATS gone) is logged, never taken for a failed step."""
+async def _published(publishing: Awaitable[None]) -> None:
+    """Wait for a step's (or an admission's) publishing; a failure there (NATS gone) is logged, never taken for a
+    failed step."""
     try:
-        await task
+        await publishing
     except Exception:
         log.exception("publishing a step's outcome failed")
 
