@@ -231,6 +231,35 @@ def test_a_continuation_goes_on_from_the_resumed_tokens_exactly(engine, request_
     assert finals(steps)[(rest.request_id, 0)].usage.completion_tokens == 30  # the whole request, billed once
 
 
+def test_an_engine_without_a_kv_connector_serves_whole_requests_and_refuses_a_prefill(engine, request_of):
+    assert engine.info["roles"] == ["both"]
+    prefill = request_of(prompt="Once upon a time", max_tokens=30, temperature=0, handover=True)
+    error = engine.add(prefill)
+    assert isinstance(error, ErrorInfo) and (error.code, error.status) == ("handover_unsupported", 500)
+    assert not engine.run()  # nothing left behind to run, or to wait for
+
+
+def test_a_continuation_naming_a_vllm_prefills_blocks_computes_its_prompt_without_a_connector(engine, request_of):
+    whole = request_of(prompt="Once upon a time", max_tokens=20, ignore_eos=True, temperature=0)
+    engine.add(whole)
+    steps = engine.run()
+    ids = [t for step in steps for d in step for t in d.token_ids or ()]
+    text = text_of(steps, whole.request_id)
+    first = request_of(prompt="Once upon a time", max_tokens=1, ignore_eos=True, temperature=0)
+    engine.add(first)
+    first_text = text_of(engine.run(), first.request_id)
+    # What a vLLM prefill worker would have named, on a prefill instance that is not there.
+    blocks = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "gone",
+              "remote_request_id": "p-1", "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+    rest = request_of(prompt="Once upon a time", max_tokens=20, ignore_eos=True, temperature=0,
+                      resume=Resume(ids[:1], len(first_text), handovers=1, prefill_worker="w-p", kv_transfer=blocks))
+    engine.add(rest)
+    steps = engine.run()
+    assert first_text + text_of(steps, rest.request_id) == text
+    assert finals(steps)[(rest.request_id, 0)].usage.completion_tokens == 20
+    assert "has no KV connector" in engine.log_path.read_text()  # computed, and said so
+
+
 def test_the_output_filter_halts_a_reply_before_the_flagged_word(engine, request_of):
     policy = SafetyPolicy("block", rules={"places": [r"\bparis\b"]})
     req = request_of(max_tokens=30, temperature=0, safety=policy)

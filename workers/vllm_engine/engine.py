@@ -51,6 +51,7 @@ from switchyard.workers.serving.stats import EngineCapacity, EngineStats
 from switchyard.workers.serving.token_texts import TokenTexts
 from switchyard.workers.vllm_engine import args as vllm_args
 from switchyard.workers.vllm_engine import kv_transfer
+from switchyard.workers.vllm_engine.environment import require_kv_connector_package
 from switchyard.workers.vllm_engine.kv_events import VllmKVEvents
 from switchyard.workers.vllm_engine.load import StepStats, capacity_of, stat_logger_factory, stats_of
 from switchyard.workers.vllm_engine.outputs import ERROR, ChoiceRun, Ending
@@ -153,6 +154,7 @@ class VllmEngine:
             kwargs = vllm_args.engine_kwargs(worker, model_path, on_gpu, native_bf16=not on_gpu and has_native_bf16(),
                                              kv_events_endpoint=f"ipc://{events_dir}/events.sock")
             log.info("vLLM engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+            require_kv_connector_package(kwargs)  # before the model loads, not minutes into its start
             t0 = time.monotonic()
             stats = StepStats()
             llm = LLMEngine.from_engine_args(EngineArgs(**kwargs), stat_loggers=[stat_logger_factory(stats)])
