@@ -104,3 +104,11 @@ def test_a_prefill_an_engine_cannot_hand_over_is_refused_with_a_server_error():
         with pytest.raises(RequestRejected) as refused:
             kv_transfer.check_request(req, roles)
         assert (refused.value.error.code, refused.value.error.status) == ("handover_unsupported", 500)
+
+
+def test_the_prefill_role_is_refused_for_a_model_whose_prefill_vllm_cuts_short():
+    kv_transfer.check_prefill_model(("both", "prefill"), is_hybrid=False, lookahead_tokens=0)
+    kv_transfer.check_prefill_model(("both", "decode"), is_hybrid=True, lookahead_tokens=3)  # decode: unaffected
+    for hybrid, lookahead in ((True, 0), (False, 2)):
+        with pytest.raises(ValueError, match="serve this model with role both"):
+            kv_transfer.check_prefill_model(("both", "prefill"), is_hybrid=hybrid, lookahead_tokens=lookahead)

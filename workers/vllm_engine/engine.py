@@ -101,6 +101,8 @@ class VllmEngine:
         self.tokenizer = tokenizer  # the step thread's (detokenizing); prepare() has a copy of its own
         self._max_num_seqs = max_num_seqs
         self._step_stats = stats
+        kv_transfer.check_prefill_model(roles, bool(llm.vllm_config.model_config.is_hybrid),
+                                        int(getattr(llm.vllm_config, "num_prefill_lookahead_tokens", 0)))
         self._roles = roles
         self._warned_no_consumer = False
         model_config = llm.vllm_config.model_config

@@ -84,6 +84,20 @@ def connector_roles(kwargs: dict) -> tuple[str, ...]:
     return _ROLES_OF.get(str(config.get("kv_role")), ("both",))
 
 
+def check_prefill_model(roles: tuple[str, ...], is_hybrid: bool, lookahead_tokens: int) -> None:
+    """Refuse the prefill role for a model whose prompt vLLM's connector cuts short on the prefill side: a Mamba
+    hybrid's (``is_hybrid``: the decode side recomputes the last token to rebuild its state) or one whose drafter
+    reads ahead (``lookahead_tokens``, vLLM's ``num_prefill_lookahead_tokens``: multi-token prediction). vLLM's
+    own proxy discards the prefill's token; here it is the client's first, and it would not follow the whole
+    prompt."""
+    if "prefill" not in roles:
+        return
+    if is_hybrid or lookahead_tokens > 1:
+        raise ValueError("role prefill: vLLM's KV connector stops this model's prefill short of its prompt's last "
+                         "tokens (a Mamba hybrid, or a drafter that reads ahead), so the first token could not be "
+                         "sent from the prefill worker; serve this model with role both")
+
+
 def prefill_max_tokens(max_tokens: int) -> int:
     """The tokens a prefill request runs to, of the ``max_tokens`` it may have: ``PREFILL_TOKENS``, or the one
     allowed (the request then ends here, whole: nothing is left to hand over)."""
