@@ -112,3 +112,17 @@ def test_the_prefill_role_is_refused_for_a_model_whose_prefill_vllm_cuts_short()
     for hybrid, lookahead in ((True, 0), (False, 2)):
         with pytest.raises(ValueError, match="serve this model with role both"):
             kv_transfer.check_prefill_model(("both", "prefill"), is_hybrid=hybrid, lookahead_tokens=lookahead)
+
+
+def test_a_continuation_taken_up_after_two_thirds_of_the_prefills_lease_computes_its_prompt():
+    """The prefill's vLLM frees unread blocks when its lease runs out (30 s unless kv_lease_duration says otherwise):
+    a continuation that waited in the queue longer than that must not read them."""
+    handed = kv_transfer.stamp(PREFILL_PARAMS, now=1000.0)
+    assert handed == {**PREFILL_PARAMS, kv_transfer.HANDED_OVER_AT: 1000.0} and kv_transfer.stamp(None, 1.0) is None
+    req = request(resume=Resume([2229], 3, handovers=1, kv_transfer=handed))
+    assert kv_transfer.request_params(req, 99, consumes_kv=True, lease=30.0, now=1019.0) == handed
+    assert kv_transfer.request_params(req, 99, consumes_kv=True, lease=30.0, now=1021.0) is None
+    assert kv_transfer.request_params(req, 99, consumes_kv=True, lease=90.0, now=1021.0) == handed
+    assert kv_transfer.lease_s(engine_kwargs(WorkerConfig(engine="vllm", role="decode"), "/m", on_gpu=True)) == 30.0
+    longer = WorkerConfig(engine="vllm", role="decode", vllm={"kv_connector_extra_config": {"kv_lease_duration": 90}})
+    assert kv_transfer.lease_s(engine_kwargs(longer, "/m", on_gpu=True)) == 90.0

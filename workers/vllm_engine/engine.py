@@ -91,10 +91,12 @@ class VllmEngine:
     """See the module docstring. Built by ``from_settings`` (or around an ``LLMEngine`` by tests)."""
 
     def __init__(self, llm, tokenizer, max_num_seqs: int, stats: StepStats,
-                 kv_events: tuple[str, str] | None = None, roles: tuple[str, ...] = ("both",)) -> None:
+                 kv_events: tuple[str, str] | None = None, roles: tuple[str, ...] = ("both",),
+                 kv_lease_s: float = kv_transfer.DEFAULT_LEASE_S) -> None:
         """``kv_events``: the ZMQ endpoint and topic ``llm`` publishes its KV events at (None: it publishes none, and
         this engine hands out none either); ``roles``: what ``llm``'s KV connector lets it serve as
-        (``kv_transfer.connector_roles``)."""
+        (``kv_transfer.connector_roles``); ``kv_lease_s``: how long a prefill's blocks wait to be read
+        (``kv_transfer.lease_s``)."""
         from vllm.platforms import current_platform
 
         self._llm = llm
@@ -104,6 +106,7 @@ class VllmEngine:
         kv_transfer.check_prefill_model(roles, bool(llm.vllm_config.model_config.is_hybrid),
                                         int(getattr(llm.vllm_config, "num_prefill_lookahead_tokens", 0)))
         self._roles = roles
+        self._kv_lease_s = kv_lease_s
         self._warned_no_consumer = False
         model_config = llm.vllm_config.model_config
         self.max_context = int(model_config.max_model_len)
@@ -163,7 +166,7 @@ class VllmEngine:
             log.info("vLLM engine ready in %.1f s", time.monotonic() - t0)
             tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
             engine = cls(llm, tokenizer, worker.max_num_seqs, stats, vllm_args.kv_events_subscription(kwargs),
-                         kv_transfer.connector_roles(kwargs))
+                         kv_transfer.connector_roles(kwargs), kv_transfer.lease_s(kwargs))
         except BaseException:
             shutil.rmtree(events_dir, ignore_errors=True)
             raise
@@ -210,9 +213,14 @@ class VllmEngine:
         if req.handover:
             kv_transfer.check_request(req, self._roles)  # prepared elsewhere: checked here too
             max_tokens = kv_transfer.prefill_max_tokens(max_tokens)
-        transfer = kv_transfer.request_params(req, max_tokens, "decode" in self._roles)
+        consumes_kv = "decode" in self._roles
+        transfer = kv_transfer.request_params(req, max_tokens, consumes_kv, self._kv_lease_s, time.time())
         if req.resume is not None and req.resume.kv_transfer and transfer is None:
-            self._warn_no_consumer()
+            if consumes_kv:  # taken up too late: the prefill's blocks may be freed before they are read
+                log.info("request %s: its prefill's KV lease (%g s) has run out while it waited: computing its "
+                         "prompt", req.request_id, self._kv_lease_s)
+            else:
+                self._warn_no_consumer()
         state = RequestState(req.request_id, req.sampling, len(prompt_ids), seq_ids=[], handover=req.handover)
         salt = cache_salt(req)
         runs = []
@@ -375,7 +383,7 @@ class VllmEngine:
                       cached_tokens=state.cached_tokens)
         delta = run.delta(state.request_id, text + final_text, (calls or []) + (final_calls or []), reason, usage,
                           error)
-        delta.kv_transfer = ending.kv_transfer
+        delta.kv_transfer = kv_transfer.stamp(ending.kv_transfer, time.time())
         if state.num_finished == len(state.seq_ids):
             self._requests.pop(state.request_id, None)
             delta.is_last = True

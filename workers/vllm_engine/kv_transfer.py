@@ -24,6 +24,12 @@ prefill side puts t1's KV in the prefill's blocks, so they hold exactly the deco
 client saw is the one the decode worker goes on from, at any temperature, and for any L. The price is one decode
 step of the prefill worker per request (one token in its batch), after t1 has gone out.
 
+How long the blocks wait. The prefill's vLLM keeps them for ``kv_lease_duration`` (30 s by default), renewed by the
+decode side's heartbeats once its vLLM has the request, and then frees them whether or not they were read; a read
+after that would take whatever the blocks hold by then. The continuation may wait longer than that in the model's
+queue (a busy decode pool), so the hand-over is stamped with the time it left the prefill worker, and a decode
+worker that takes it up after two thirds of the lease computes the prompt instead (as after a failover).
+
 Pure (no vLLM import): the settings and the requests' parameters are tested where vLLM is not installed.
 """
 
@@ -45,6 +51,9 @@ _ROLES_OF = {"kv_producer": ("both", "prefill"), "kv_consumer": ("both", "decode
 # Tokens a prefill request runs to (see the module docstring): the first is the client's, the second puts the
 # first's KV in the blocks the decode side loads, and is dropped.
 PREFILL_TOKENS = 2
+# Our key in a hand-over's kv_transfer_params (vLLM ignores keys it does not read): when it left the prefill worker.
+HANDED_OVER_AT = "switchyard_handed_over_at"
+DEFAULT_LEASE_S = 30.0  # vLLM's kv_lease_duration
 
 
 def connector_config(worker: WorkerConfig) -> dict[str, Any] | None:
@@ -104,17 +113,37 @@ def prefill_max_tokens(max_tokens: int) -> int:
     return min(PREFILL_TOKENS, max_tokens)
 
 
-def request_params(req: GenerateRequest, max_tokens: int, consumes_kv: bool) -> dict[str, Any] | None:
+def lease_s(kwargs: dict) -> float:
+    """How long a prefill's vLLM keeps a request's blocks unread: the ``kv_lease_duration`` of the connector
+    ``kwargs`` configure (both pools are configured alike: the decode side reads its own)."""
+    config = kwargs.get("kv_transfer_config")
+    extra = (config.get("kv_connector_extra_config") or {}) if isinstance(config, dict) else {}
+    return float(extra.get("kv_lease_duration", DEFAULT_LEASE_S))
+
+
+def stamp(params: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
+    """A prefill's ``kv_transfer_params`` as its hand-over carries them: stamped with when it left (``now``, unix
+    time), for the decode side's ``request_params``."""
+    return None if params is None else {**params, HANDED_OVER_AT: now}
+
+
+def request_params(req: GenerateRequest, max_tokens: int, consumes_kv: bool, lease: float = DEFAULT_LEASE_S,
+                   now: float = 0.0) -> dict[str, Any] | None:
     """The ``kv_transfer_params`` a request goes to vLLM with (``SamplingParams.extra_args``), or None:
     a prefill (``req.handover``) with more than one token to run asks vLLM to keep its blocks for a remote decode;
     a continuation after a vLLM prefill (``req.resume.kv_transfer``) on an engine that consumes KV pulls the blocks
-    it names (a copy: vLLM marks the dict as it goes). Anything else computes its prompt here."""
+    it names (a copy: vLLM marks the dict as it goes), unless it comes after two thirds of the prefill's ``lease``
+    (``now``: unix time), when the blocks may be freed before they are read. Anything else computes its prompt
+    here."""
     if req.handover:
         return {"do_remote_decode": True} if max_tokens > 1 else None
     resume = req.resume
-    if resume is not None and resume.kv_transfer and consumes_kv:
-        return dict(resume.kv_transfer)
-    return None
+    if resume is None or not resume.kv_transfer or not consumes_kv:
+        return None
+    handed_over_at = resume.kv_transfer.get(HANDED_OVER_AT)
+    if isinstance(handed_over_at, (int, float)) and now - handed_over_at > lease * 2 / 3:
+        return None
+    return dict(resume.kv_transfer)
 
 
 def check_request(req: GenerateRequest, roles: tuple[str, ...]) -> None:
