@@ -28,7 +28,7 @@ def test_a_prefill_or_decode_worker_gets_the_nixl_connector_in_its_kv_role():
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         kwargs = engine_kwargs(WorkerConfig(engine="vllm", role=role), "/m", on_gpu=True)
         assert kwargs["kv_transfer_config"] == {"kv_connector": "NixlConnector", "kv_role": kv_role,
-                                                "kv_connector_extra_config": {}}
+                                                "kv_connector_extra_config": {}, "kv_load_failure_policy": "recompute"}
         assert kv_transfer.connector_roles(kwargs) == ("both", role)
 
 
@@ -39,7 +39,8 @@ def test_a_both_worker_has_no_connector_unless_it_names_one():
                                               "kv_connector_extra_config": {"backends": ["UCX"]}})
     kwargs = engine_kwargs(named, "/m", on_gpu=True)
     assert kwargs["kv_transfer_config"] == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                                            "kv_connector_extra_config": {"backends": ["UCX"]}}
+                                            "kv_connector_extra_config": {"backends": ["UCX"]},
+                                            "kv_load_failure_policy": "recompute"}
     assert kv_transfer.connector_roles(kwargs) == ("both", "prefill", "decode")
 
 

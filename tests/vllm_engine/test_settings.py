@@ -105,7 +105,7 @@ def worker(role):
 for role in ("prefill", "decode"):
     config = EngineArgs(**engine_kwargs(worker(role), model, on_gpu=False)).create_engine_config().kv_transfer_config
     out[role] = [config.kv_connector, config.kv_role, config.is_kv_producer, config.is_kv_consumer,
-                 config.kv_buffer_device]
+                 config.kv_buffer_device, config.kv_load_failure_policy]
 kwargs = engine_kwargs(worker("decode"), model, on_gpu=False)
 try:
     EngineArgs(**{**kwargs, "kv_transfer_config": {**kwargs["kv_transfer_config"], "kv_role": "kv_decoder"}}
@@ -137,8 +137,8 @@ def test_a_prefill_and_a_decode_workers_connector_pass_vllms_validation_up_to_ni
                           text=True, timeout=600, env={**os.environ, **process_env(WorkerConfig())})
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["prefill"] == ["NixlConnector", "kv_producer", True, False, "cpu"]
-    assert out["decode"] == ["NixlConnector", "kv_consumer", False, True, "cpu"]
+    assert out["prefill"] == ["NixlConnector", "kv_producer", True, False, "cpu", "recompute"]
+    assert out["decode"] == ["NixlConnector", "kv_consumer", False, True, "cpu", "recompute"]
     assert "kv_decoder" in out["bad_role"]
     if out["nixl"]:
         assert out["ours"] == ["both", "prefill"]

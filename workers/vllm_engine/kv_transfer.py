@@ -69,8 +69,10 @@ def connector_config(worker: WorkerConfig) -> dict[str, Any] | None:
         return None
     if not connector:
         raise ValueError(f"vllm.kv_connector is empty: a {worker.role} worker needs one (None: {DEFAULT_CONNECTOR})")
+    # A load that fails (the prefill's worker died, its blocks were freed) recomputes what it could not load, as a
+    # continuation does after a failover, instead of failing the request (vLLM's default).
     return {"kv_connector": connector, "kv_role": KV_ROLES[worker.role],
-            "kv_connector_extra_config": dict(v.kv_connector_extra_config)}
+            "kv_connector_extra_config": dict(v.kv_connector_extra_config), "kv_load_failure_policy": "recompute"}
 
 
 def check_offloading(kwargs: dict) -> None:
