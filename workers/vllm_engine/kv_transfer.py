@@ -16,8 +16,9 @@ holds (all but those it already has cached), into as many blocks, and asserts th
 that many; it never reads ``remote_num_tokens`` for this. A continuation's prompt is the prompt and the first token
 (L + 1: that is how any continuation here goes on, and the client has that token). A prefill stopped at its first
 token has KV for L tokens only: the decode side would then ask for one block more than was sent whenever L is a
-multiple of the block size (vLLM's assertion: the engine step fails), and take one slot it was never sent
-otherwise. vLLM's own proxy avoids this by giving the decode side the very same prompt and letting it sample the
+multiple of the block size (vLLM's assertion fails the step; or, where it has the prompt's first blocks cached, it
+lines the blocks it reads up by their end, each a block off: wrong KV, silently), and take one slot it was never
+sent otherwise. vLLM's own proxy avoids this by giving the decode side the very same prompt and letting it sample the
 first token again; here the client already has the prefill's first token, and a decode worker sampling its own
 (another draw at a temperature above 0) would go on from a token the client never saw. A second token on the
 prefill side puts t1's KV in the prefill's blocks, so they hold exactly the decode request's prompt: the token the
