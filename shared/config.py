@@ -178,6 +178,13 @@ class VllmSettings(BaseModel):
     # while the worker publishes. Off by default: a worker killed outright (SIGKILL, the OOM killer) leaves that
     # process behind holding its memory, and its stats arrive a step late (admission then counts on older ones).
     engine_core_process: bool = False
+    # Disaggregated serving (a worker's ``role`` prefill or decode; workers/vllm_engine/kv_transfer.py): vLLM's KV
+    # connector, which moves a prompt's KV blocks from the prefill worker's vLLM to the decode worker's, and its
+    # ``kv_connector_extra_config`` as vLLM takes it (e.g. {"backends": ["UCX"]}, "kv_lease_duration"). None:
+    # NixlConnector for a prefill or decode worker, none for a both worker (which then serves whole requests only).
+    # vLLM's kv_role follows the worker's role: prefill kv_producer, decode kv_consumer, both kv_both.
+    kv_connector: str | None = None
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
     engine_args: dict[str, Any] = Field(default_factory=dict)  # any other EngineArgs field, passed as given (wins)
     # The interpreter of the environment vLLM is installed in (`make vllm-env`: .venv-vllm), for the launcher's
     # vLLM workers. None: this one when it imports vllm, else the checkout's .venv-vllm.

@@ -18,7 +18,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from switchyard.shared.config import GatewayConfig, VllmSettings, WorkerConfig
+from switchyard.deploy import k8s_scaling
+from switchyard.shared.config import GatewayConfig, SwitchyardConfig, VllmSettings, WorkerConfig
+from switchyard.shared.subjects import prefill_queue
+from switchyard.workers.vllm_engine import kv_transfer
+from switchyard.workers.vllm_engine.args import engine_kwargs
 from tests.deploy.manifest_checks import (
     K8S,
     by_kind,
@@ -34,7 +38,7 @@ from tests.deploy.manifest_checks import (
     validate_object,
 )
 
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-disagg")
 
 
 def _render(name: str, tmp_path_factory) -> list[dict]:
@@ -250,6 +254,64 @@ def test_monitors_and_services_select_pods_that_exist(rendered):
         ports = {p["name"] for s in services.values() if monitor["spec"]["selector"]["matchLabels"].items()
                  <= s["metadata"].get("labels", {}).items() for p in s["spec"]["ports"]}
         assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory) -> list[dict]:
+    return _render("gpu-disagg", tmp_path_factory)
+
+
+def _worker_config(container: dict, monkeypatch) -> WorkerConfig:
+    """The worker's settings as the pod's own environment gives them (the ConfigMap's are the base's)."""
+    for e in container["env"]:
+        if e["name"].startswith("SWITCHYARD_WORKER__") and "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    return SwitchyardConfig().worker
+
+
+def test_the_disaggregated_overlay_runs_a_prefill_and_a_decode_pool_with_vllms_connector(disaggregated,
+                                                                                         monkeypatch):
+    """Each pool's settings parse as our WorkerConfig with its role, give vLLM the NIXL connector in that role (and
+    nothing the connector refuses beside it, as KV offloading), with the same tensor parallel size on both sides, and
+    NIXL's side channel on the pod's own address and a port it declares."""
+    deployments = by_kind(disaggregated, "Deployment")
+    pools = {}
+    for role in ("prefill", "decode"):
+        c = next(c for c in pod_spec(deployments[f"switchyard-worker-llama-70b-{role}"])["containers"]
+                 if c["name"] == "worker")
+        with monkeypatch.context() as env:
+            worker = _worker_config(c, env)
+        assert (worker.role, worker.engine, worker.served_name) == (role, "vllm", "llama-70b")
+        kwargs = engine_kwargs(worker, worker.model, on_gpu=True)
+        assert kwargs["kv_transfer_config"]["kv_connector"] == "NixlConnector"
+        assert kwargs["kv_transfer_config"]["kv_role"] == kv_transfer.KV_ROLES[role]
+        assert role in kv_transfer.connector_roles(kwargs)
+        assert "kv_offloading_size" not in kwargs and "speculative_config" not in kwargs
+        # vLLM 0.32 reads these two (vllm/envs.py); localhost, its default, reaches no other pod.
+        host = next(e for e in c["env"] if e["name"] == "VLLM_NIXL_SIDE_CHANNEL_HOST")
+        assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert int(env_value(c, "VLLM_NIXL_SIDE_CHANNEL_PORT")) == container_port(c, "nixl")
+        pools[role] = worker
+    assert pools["prefill"].vllm.tensor_parallel_size == pools["decode"].vllm.tensor_parallel_size
+    assert pools["prefill"].vllm.kv_cache_dtype == pools["decode"].vllm.kv_cache_dtype  # blocks read as they are
+
+
+def test_the_pools_reach_each_other_for_the_kv_and_scale_on_their_own_queues(disaggregated):
+    deployments = by_kind(disaggregated, "Deployment")
+    policy = by_kind(disaggregated, "NetworkPolicy")["switchyard-worker-kv-transfer-llama-70b"]["spec"]
+    selected = {name for name, d in deployments.items()
+                if policy["podSelector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()}
+    assert selected == {"switchyard-worker-llama-70b-prefill", "switchyard-worker-llama-70b-decode"}
+    assert policy["ingress"] == [{"from": [{"podSelector": policy["podSelector"]}]}]  # one another only, any port
+    # KEDA per pool: the prefill pool on its model's prefill queue, the decode pool on the model's own queue, each
+    # as deploy/k8s_scaling.py renders it.
+    scaled = by_kind(disaggregated, "ScaledObject")
+    for role, model in (("prefill", prefill_queue("llama-70b")), ("decode", "llama-70b")):
+        name = f"switchyard-worker-llama-70b-{role}"
+        committed = K8S / "components" / "vllm-disagg" / f"worker-scaledobject-llama-70b-{role}.yaml"
+        rendered = k8s_scaling.render(model, name, ["--model", model, "--deployment", name])
+        assert committed.read_text() == rendered, f"stale: render {committed.name} again"
+        assert scaled[name]["spec"]["scaleTargetRef"]["name"] == name and name in deployments
 
 
 def test_cnpg_component_points_every_database_user_at_the_operators_secret(with_cnpg):

@@ -29,11 +29,14 @@ def smollm2_path() -> Path:
     return pull("smollm2", model_cache_dir())
 
 
-def start_engine(python: str, model: Path, **settings) -> tuple[EngineProcess, Path]:
-    """A harness engine with ``settings`` (WorkerConfig fields); returns it and its scratch dir (for its log)."""
+def start_engine(python: str, model: Path, env: dict[str, str] | None = None, **settings,
+                 ) -> tuple[EngineProcess, Path]:
+    """A harness engine with ``settings`` (WorkerConfig fields) and ``env`` (its process's variables besides this
+    one's); returns it and its scratch dir (for its log)."""
     work = Path(tempfile.mkdtemp(prefix="switchyard-vllm-engine-"))
     try:
-        engine = EngineProcess(python, {"model": str(model), "dtype": "float32", **settings}, work / "engine.log")
+        engine = EngineProcess(python, {"model": str(model), "dtype": "float32", **settings}, work / "engine.log",
+                               env)
     except BaseException:
         print((work / "engine.log").read_text()[-4000:] if (work / "engine.log").exists() else "")
         shutil.rmtree(work, ignore_errors=True)

@@ -30,11 +30,13 @@ from switchyard.workers.serving.kv_changes import KVChanges
 class EngineProcess:
     """A harness child (stopped by PID in ``close``) and the calls a test makes of its engine."""
 
-    def __init__(self, python: str, settings: dict, log_path) -> None:
-        """``settings``: the ``WorkerConfig`` fields the engine is built with (model, max_num_seqs, ...)."""
+    def __init__(self, python: str, settings: dict, log_path, env: dict[str, str] | None = None) -> None:
+        """``settings``: the ``WorkerConfig`` fields the engine is built with (model, max_num_seqs, ...); ``env``:
+        variables its process gets besides this one's (vLLM reads some settings only from there)."""
         self._log = open(log_path, "ab")
         self._proc = subprocess.Popen([python, __file__, json.dumps(settings)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._log, start_new_session=True)
+                                      stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
+                                      env={**os.environ, **(env or {})})
         self.info = self._read()  # sent once the engine is built
         self.log_path = log_path
 
@@ -118,7 +120,7 @@ def _serve(settings: dict) -> None:
         answers.flush()
 
     answer({"max_context": engine.max_context, "device_type": engine.device_type,
-            "kv_block_size": engine.kv_block_size})
+            "kv_block_size": engine.kv_block_size, "roles": list(engine.capabilities.roles)})
     added: list[str] = []  # request ids, for a reset
     for line in sys.stdin.buffer:
         command = json.loads(line)

