@@ -1,6 +1,7 @@
 """The gateway's gauges of what waits in JetStream and Postgres, refreshed every few seconds: per model and tier the
-queue's depth, oldest wait and token backlog (read by domain/queues.py, as the CLI reads them), the billing
-writer's lag, batch lines by state.
+queue's depth, oldest wait and token backlog (read by domain/queues.py, as the CLI reads them), a prefill pool's
+queue as a model of its own (``<model>~prefill``, what KEDA scales that pool on), the billing writer's lag, batch
+lines by state.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from switchyard.domain.database import Database, DatabaseUnavailable
 from switchyard.domain.queues import billing_lag, queue_state
 from switchyard.domain.registry import ModelRegistry
 from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.shared import subjects
 from switchyard.shared.tiers import TIER_NAMES
 
 log = logging.getLogger("switchyard.gateway")
@@ -31,6 +33,9 @@ class QueuePoller:
         self._metrics, self._js, self._registry, self._db, self._batches = metrics, js, registry, db, batches
         self._interval_s = interval_s
         self._task: asyncio.Task | None = None
+        # The prefill queues of the models a prefill worker was seen for: kept once seen, so a pool scaled to zero
+        # reads an empty queue rather than the last depth.
+        self._prefill_queues: set[str] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -56,7 +61,9 @@ class QueuePoller:
         served = await self._registry.models()
         # Configured models too: a queue gauge exists before any worker does (KEDA wakes the first one on it).
         m.served_models.update(served, self._registry.catalog_models)
-        for model in sorted(m.served_models):
+        self._prefill_queues.update(subjects.prefill_queue(model) for model, workers in served.items()
+                                    if any(w.role == "prefill" for w in workers))
+        for model in sorted(m.served_models | self._prefill_queues):
             for tier in TIER_NAMES:
                 state = await queue_state(self._js, model, tier)
                 m.queue_depth.labels(model, tier).set(state.depth)

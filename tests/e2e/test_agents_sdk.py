@@ -9,19 +9,11 @@ turn answers freely from the tool's output. Everything else is the SDK's default
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-import httpx
 import pytest
 
 from switchyard.workers.model_store import pull
-from tests.support.system import free_port, model_cache_dir
+from tests.support.system import model_cache_dir
+from tests.support.up import running_up
 
 pytestmark = pytest.mark.model
 
@@ -29,48 +21,12 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module")
 def up():
     """``switchyard up`` in a data dir of its own (embedded NATS and Postgres), serving SmolLM2 and the default
-    embedding model from the test model cache; yields (base URL, API key). Stopped by PID, its dir removed."""
+    embedding model from the test model cache; yields (base URL, API key)."""
     cache = model_cache_dir()
     chat, embed = pull("smollm2", cache), pull("all-minilm-l6-v2", cache)
-    data = Path(tempfile.mkdtemp(prefix="switchyard-up-"))
-    data.chmod(0o755)  # Postgres runs as nobody under root: it must enter the data dir
-    port = free_port()
-    log = open(data / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "switchyard", "up", "--data-dir", str(data), "--port", str(port),
-                             "--model", f"smollm2={chat}", "--embedding-model", str(embed), "--max-num-seqs", "4"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        key = _wait_ready(proc, data, base, ["smollm2", "all-minilm-l6-v2"])
-        yield base, key
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # up stops its children in order
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-        subprocess.run(["rm", "-rf", str(data)], check=False)
-
-
-def _wait_ready(proc, data: Path, base: str, models: list[str], timeout_s: float = 300) -> str:
-    deadline = time.monotonic() + timeout_s
-    key_file = data / "default-api-key"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"switchyard up exited:\n{(data / 'up.log').read_text()[-4000:]}")
-        if key_file.exists():
-            key = key_file.read_text().strip()
-            try:
-                listed = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5)
-                if listed.status_code == 200 and set(models) <= {m["id"] for m in listed.json()["data"]}:
-                    return key
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.5)
-    raise AssertionError(f"switchyard up not ready in {timeout_s} s:\n{(data / 'up.log').read_text()[-4000:]}")
+    with running_up(["--model", f"smollm2={chat}", "--embedding-model", str(embed), "--max-num-seqs", "4"],
+                    ["smollm2", "all-minilm-l6-v2"]) as system:
+        yield system.base_url, system.api_key
 
 
 def _agent(base: str, key: str, calls: list[str], stream: bool = False):

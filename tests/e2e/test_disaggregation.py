@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchyard.deploy.services import wait_until_ready
 from tests.e2e.conftest import TINY
 from tests.e2e.test_kv_tiers import BLOCK, HITS, TIERS, long_prompt, num_tokens, registered, tier_samples
+from tests.e2e.test_metrics import scrape
 from tests.support.system import free_port, poll, stream_completion, usage_rows, worker_running
 
 
@@ -86,6 +87,13 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_decoded_on_t
         (whole,) = await usage_rows(database_url, nats_url, r.headers["X-Request-Id"],
                                     "prefill_worker_id, kv_loaded_bytes")
         assert (whole["prefill_worker_id"], whole["kv_loaded_bytes"]) == (None, 0)
+
+        # The gateway gauges the prefill pool's queue as a model of its own: what KEDA scales that pool on.
+        def prefill_queue_gauged(samples: dict) -> bool:
+            return any(metric == "switchyard:queue_depth" and ("model", f"{name}~prefill") in labels
+                       for metric, labels in samples)
+        await poll(lambda: scrape(http, f"{system}/metrics", headers=auth), prefill_queue_gauged, timeout_s=30,
+                   what="the prefill queue's depth gauge")
 
         # A prompt under the threshold is not worth a hand-over: the decode worker prefills it itself.
         short = "Say something."

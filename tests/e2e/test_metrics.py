@@ -19,9 +19,9 @@ from tests.support.system import poll
 MAX_TOKENS = 8
 
 
-async def scrape(http: httpx.AsyncClient, url: str) -> dict[tuple[str, frozenset], float]:
+async def scrape(http: httpx.AsyncClient, url: str, headers: dict | None = None) -> dict[tuple[str, frozenset], float]:
     """Every sample at ``url``: (name, labels) -> value."""
-    response = await http.get(url)
+    response = await http.get(url, headers=headers)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")
     return {(s.name, frozenset(s.labels.items())): s.value

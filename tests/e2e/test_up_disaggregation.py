@@ -7,13 +7,8 @@ with all its tokens, billed once. (``up`` restarts what was killed; the test is 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import httpx
 import nats
@@ -23,8 +18,8 @@ from switchyard.shared import subjects
 from switchyard.shared.jetstream import live_workers
 from switchyard.shared.messages import TokenDelta, decode, decode_routed
 from switchyard.workers.model_store import pull
-from tests.e2e.test_agents_sdk import _wait_ready
-from tests.support.system import free_port, model_cache_dir, poll, stream_completion, usage_rows, worker_running
+from tests.support.system import model_cache_dir, poll, stream_completion, usage_rows, worker_running
+from tests.support.up import running_up
 
 pytestmark = pytest.mark.model
 
@@ -40,32 +35,12 @@ def long_prompt(seed: int, words: int) -> str:
 @pytest.fixture(scope="module")
 def up():
     """``switchyard up`` with a prefill pool and a decode pool of SmolLM2, in a data dir of its own (its host KV
-    tier too); yields (base URL, API key, the run file's URLs). Stopped by PID, its dir removed."""
+    tier too); yields (base URL, API key, the run file's URLs)."""
     chat = pull(MODEL, model_cache_dir())
-    data = Path(tempfile.mkdtemp(prefix="switchyard-up-disagg-"))
-    data.chmod(0o755)  # Postgres runs as nobody under root: it must enter the data dir
-    port = free_port()
-    log = open(data / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "switchyard", "up", "--data-dir", str(data), "--port", str(port),
-                             "--model", f"{MODEL}={chat}", "--no-embeddings", "--prefill-workers", "1",
-                             "--decode-workers", "2", "--max-num-seqs", "4", "--kv-cache-gib", "0.5",
-                             "--kv-offload-host-dir", str(data / "kv-host")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        key = _wait_ready(proc, data, base, [MODEL])
-        urls = json.loads((data / "run.json").read_text())
-        yield base, key, urls
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # up stops its children in order
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-        subprocess.run(["rm", "-rf", str(data)], check=False)
+    with running_up(lambda data: ["--model", f"{MODEL}={chat}", "--no-embeddings", "--prefill-workers", "1",
+                                  "--decode-workers", "2", "--max-num-seqs", "4", "--kv-cache-gib", "0.5",
+                                  "--kv-offload-host-dir", str(data / "kv-host")], [MODEL]) as system:
+        yield system.base_url, system.api_key, system.urls
 
 
 async def test_up_serves_the_default_model_across_two_pools_through_a_decode_and_a_prefill_worker_killed(up):
