@@ -4,6 +4,8 @@ it has one, a missing environment fails them (``make test`` creates it), so CI c
 
 from __future__ import annotations
 
+import getpass
+import os
 import shutil
 import tempfile
 import uuid
@@ -34,9 +36,14 @@ def start_engine(python: str, model: Path, env: dict[str, str] | None = None, **
     """A harness engine with ``settings`` (WorkerConfig fields) and ``env`` (its process's variables besides this
     one's); returns it and its scratch dir (for its log)."""
     work = Path(tempfile.mkdtemp(prefix="switchyard-vllm-engine-"))
+    # Its temporary files in its scratch dir (as the launcher gives each vLLM worker its own): vLLM's file store
+    # (vllm_dist_*) and KV events socket stay behind when an engine is killed. Torch's compile cache stays shared.
+    (work / "tmp").mkdir()
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
+        Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
     try:
         engine = EngineProcess(python, {"model": str(model), "dtype": "float32", **settings}, work / "engine.log",
-                               env)
+                               {"TMPDIR": str(work / "tmp"), "TORCHINDUCTOR_CACHE_DIR": inductor, **(env or {})})
     except BaseException:
         print((work / "engine.log").read_text()[-4000:] if (work / "engine.log").exists() else "")
         shutil.rmtree(work, ignore_errors=True)
@@ -55,7 +62,10 @@ def engine(vllm_env_python, smollm2_path):
         yield engine
     finally:
         engine.close()
+        # A clean shutdown leaves nothing but a compile cache (torchinductor_<user>: torch puts one there anyway).
+        left = sorted(p.name for p in (work / "tmp").iterdir() if not p.name.startswith("torchinductor_"))
         shutil.rmtree(work, ignore_errors=True)
+        assert not left, f"the vLLM engine left {left} in its temporary directory"
 
 
 @pytest.fixture(autouse=True)
