@@ -83,8 +83,8 @@ def default_models(config: SwitchyardConfig) -> list[ModelEntry]:
     ``--engine vllm`` both run on vLLM (the embedding model on its pooling runner); under any other engine the
     embedding model runs on ours (``embeddings``: the simulated test double embeds nothing)."""
     models = [ModelEntry(model=config.worker.model, served_model_name=config.worker.served_name,
-                         aliases=config.worker.aliases, prefill_workers=config.prefill_workers,
-                         decode_workers=config.decode_workers)]
+                         aliases=config.worker.aliases, workers=config.workers,
+                         prefill_workers=config.prefill_workers, decode_workers=config.decode_workers)]
     if config.embedding_model:
         engine = "vllm" if config.worker.engine == "vllm" else "embeddings"
         models.append(ModelEntry(model=config.embedding_model, engine=engine, max_num_seqs=EMBEDDING_INPUTS_PER_STEP))
@@ -92,10 +92,10 @@ def default_models(config: SwitchyardConfig) -> list[ModelEntry]:
 
 
 def worker_roles(entry: ModelEntry) -> list[tuple[str, str]]:
-    """(role, process name suffix) of each worker ``entry`` runs: one of whole requests, or its prefill and decode
-    workers (``-prefill-0``, ``-decode-0``, ...)."""
+    """(role, process name suffix) of each worker ``entry`` runs: its workers of whole requests (``""``, ``-1``,
+    ``-2``, ...), or its prefill and decode workers (``-prefill-0``, ``-decode-0``, ...)."""
     if not (entry.prefill_workers or entry.decode_workers):
-        return [("both", "")]
+        return [("both", f"-{i}" if i else "") for i in range(entry.workers)]
     return ([("prefill", f"-prefill-{i}") for i in range(entry.prefill_workers)]
             + [("decode", f"-decode-{i}") for i in range(entry.decode_workers)])
 

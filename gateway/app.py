@@ -22,6 +22,7 @@ from switchyard.gateway.client_watch import passing_stream_starts
 from switchyard.gateway.drain import CountInFlight
 from switchyard.gateway.errors import install_error_handlers
 from switchyard.gateway.gatekeeper import Gatekeeper
+from switchyard.gateway.identity import GatewayIdentity
 from switchyard.gateway.rate_headers import RateLimitHeaders
 from switchyard.gateway.request_ids import RequestIds
 from switchyard.gateway.routes import all_routers
@@ -76,6 +77,7 @@ def create_app(config: SwitchyardConfig, services: GatewayServices | None = None
     app.add_middleware(CountInFlight, counter=services.in_flight)
 
     app.add_middleware(RateLimitHeaders)
+    app.add_middleware(GatewayIdentity)  # every response, errors of the middlewares below included
     # Outermost, added last: everything below, and uvicorn's access line, carry the request id.
     app.add_middleware(RequestIds)
     for router in all_routers(services):

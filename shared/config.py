@@ -295,8 +295,11 @@ class ModelEntry(BaseModel):
     output_per_mtok: float | None = Field(None, ge=0)
     max_num_seqs: int | None = Field(None, ge=1)  # this model's worker only (default: worker.max_num_seqs)
     engine: EngineName | None = None  # this model's worker only (default: worker.engine)
+    # Workers of whole requests (role both) on this machine: several share the model's queues, each its own
+    # process and seats.
+    workers: int = Field(1, ge=1)
     # Disaggregated serving (docs/operating/disaggregation.md): this many prefill workers and decode workers
-    # instead of one worker of whole requests. Both 0 (the default): one worker, role both.
+    # instead of workers of whole requests. Both 0 (the default): ``workers`` workers, role both.
     prefill_workers: int = Field(0, ge=0)
     decode_workers: int = Field(0, ge=0)
 
@@ -305,6 +308,9 @@ class ModelEntry(BaseModel):
         if self.prefill_workers and not self.decode_workers:
             raise ValueError("prefill_workers needs decode_workers too: a prefill worker hands every request over "
                              "to one")
+        if self.workers > 1 and (self.prefill_workers or self.decode_workers):
+            raise ValueError("workers counts whole-request workers, and with prefill_workers and decode_workers "
+                             "the decode workers serve whole requests: set decode_workers instead")
         return self
 
     @property
@@ -316,7 +322,9 @@ class SwitchyardConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="ignore")
 
     data_dir: Path = Field(default_factory=default_data_dir)
-    # ``switchyard up``'s chat model when no ``models`` are listed: prefill and decode workers (ModelEntry's).
+    # ``switchyard up``'s chat model when no ``models`` are listed: its workers, or prefill and decode workers
+    # (ModelEntry's).
+    workers: int = Field(1, ge=1)
     prefill_workers: int = Field(0, ge=0)
     decode_workers: int = Field(0, ge=0)
     # None: start an embedded nats-server. Several servers of one cluster: comma-separated, tried in turn.

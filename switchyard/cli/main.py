@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_embedding_flags(p)
     p.add_argument("--gateways", dest="processes", type=int,
                    help="gateway processes on the one port (default 1; SO_REUSEPORT spreads connections)")
+    p.add_argument("--workers", type=int,
+                   help="workers of the chat model on this machine (default 1), each its own process and seats")
     p.add_argument("--prefill-workers", type=int,
                    help="disaggregated serving of the chat model: this many prefill workers (needs --decode-workers)")
     p.add_argument("--decode-workers", type=int,

@@ -93,8 +93,8 @@ def load_config(args: argparse.Namespace) -> SwitchyardConfig:
         else:
             models = specs
     return config.model_copy(update={
-        **given(("data_dir", "nats_url", "database_url", "log_format", "embedding_model", "prefill_workers",
-                 "decode_workers")),
+        **given(("data_dir", "nats_url", "database_url", "log_format", "embedding_model", "workers",
+                 "prefill_workers", "decode_workers")),
         "worker": config.worker.model_copy(update=worker),
         "gateway": config.gateway.model_copy(update=given(type(config.gateway).model_fields)),
         "models": models,

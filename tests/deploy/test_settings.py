@@ -195,7 +195,7 @@ def test_up_serves_the_embedding_model_beside_the_chat_model_unless_told_not_to(
     assert engine_for("smollm2", "vllm") == "vllm" and engine_for("/models/x", "switchyard") == "switchyard"
 
 
-def test_up_runs_prefill_and_decode_workers_of_the_chat_model_or_of_a_listed_one(clean_env, tmp_path):
+def test_up_runs_workers_or_prefill_and_decode_workers_of_the_chat_model_or_of_a_listed_one(clean_env, tmp_path):
     from switchyard.deploy.up import default_models, worker_roles
 
     def roles(*argv: str) -> list[list[str]]:
@@ -203,6 +203,9 @@ def test_up_runs_prefill_and_decode_workers_of_the_chat_model_or_of_a_listed_one
         return [[role for role, _ in worker_roles(m)] for m in config.models or default_models(config)]
 
     assert roles() == [["both"]]
+    assert roles("--workers", "3") == [["both", "both", "both"]]
+    with pytest.raises(ValueError, match="set decode_workers instead"):
+        roles("--workers", "2", "--decode-workers", "2")
     assert roles("--prefill-workers", "1", "--decode-workers", "2") == [["prefill", "decode", "decode"]]
     assert roles("--decode-workers", "1") == [["decode"]]
     with pytest.raises(ValueError, match="prefill_workers needs decode_workers"):
@@ -212,6 +215,7 @@ def test_up_runs_prefill_and_decode_workers_of_the_chat_model_or_of_a_listed_one
     assert roles("--config", str(settings)) == [["prefill", "decode"], ["both"]]
     assert [s for _, s in worker_roles(ModelEntry(model="m", prefill_workers=1, decode_workers=1))] == [
         "-prefill-0", "-decode-0"]
+    assert [s for _, s in worker_roles(ModelEntry(model="m", workers=3))] == ["", "-1", "-2"]
 
 
 def test_up_refuses_prefill_workers_without_decode_workers_before_starting_anything(clean_env, tmp_path):

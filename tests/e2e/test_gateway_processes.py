@@ -1,9 +1,11 @@
 """Several gateway processes on one port (``switchyard up --gateways N``): the kernel spreads connections over them
-(SO_REUSEPORT), and a tenant's limits hold across them, since every limit lives in NATS and Postgres."""
+(SO_REUSEPORT), each response names the process that answered (``x-switchyard-gateway``), and a tenant's limits
+hold across them, since every limit lives in NATS and Postgres."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import httpx
 
@@ -23,8 +25,15 @@ async def test_two_processes_share_the_port_and_a_key_s_request_limit(e2e, new_k
         processes = set()
         for _ in range(40):  # a new connection each time: the kernel picks a process per connection
             async with httpx.AsyncClient(timeout=10) as http:
-                processes.add((await http.get(f"{base}/healthz")).json()["process"])
+                r = await http.get(f"{base}/healthz")
+                processes.add(r.json()["process"])
+                # Every response names the process that answered it, as <host>:<pid>.
+                assert r.headers["x-switchyard-gateway"] == f"{socket.gethostname()}:{r.json()['process']}"
         assert processes == {s.pid for s in pair}
+        async with httpx.AsyncClient(timeout=10) as http:  # an error answered before any route, too
+            refused = await http.post(f"{base}/v1/completions", json={"model": TINY, "prompt": "hi"})
+        assert refused.status_code == 401
+        assert int(refused.headers["x-switchyard-gateway"].rsplit(":", 1)[1]) in processes
 
         _, secret = await new_key(rpm_limit=4)
 
