@@ -127,6 +127,7 @@ async def test_a_decode_worker_killed_mid_stream_is_replaced_by_another_and_a_de
         wait_until_ready(system, name, timeout_s=120, watch=[prefill, *decoders])
         infos = await registered(js, name, count=3)
         (prefill_info,) = [w for w in infos if w.role == "prefill"]
+        await sees_prefill_pool(http, system, name)  # else the first prompt may run whole (a second-old view)
         body = {"model": name, "prompt": long_prompt(300), "max_tokens": 1000, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         killed = []
