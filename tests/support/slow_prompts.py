@@ -134,12 +134,22 @@ async def measure_pairs(victim: httpx.AsyncClient, attacker: httpx.AsyncClient, 
                         args=(str(attacker.base_url), secret, model, attack, on, stop, spans, in_flight))
     child.start()
     out = Pairs()
+
+    async def until(holds, what: str) -> None:
+        """Poll ``holds()``; a loop that stopped (its request failed: the child's log says how) or an attack that
+        never gets there fails the test instead of hanging it."""
+        deadline = time.monotonic() + answer_timeout_s
+        while not holds():
+            assert child.is_alive(), f"the attacker process exited ({child.exitcode}) while waiting for {what}"
+            assert time.monotonic() < deadline, f"{what}: not within {answer_timeout_s} s (in flight: " \
+                                                f"{in_flight.value} of {LOOPS})"
+            await asyncio.sleep(poll_s)
+
     try:
         for _ in range(pairs):
             on.set()
             began = time.monotonic()
-            while in_flight.value < LOOPS:  # every loop has sent one
-                await asyncio.sleep(poll_s)
+            await until(lambda: in_flight.value >= LOOPS, "every attacker loop sending")
             # One answered since the attack began (not a late one of the last pair): the attacker's work is
             # reaching the worker, and its loops keep it supplied.
             while True:
@@ -147,12 +157,11 @@ async def measure_pairs(victim: httpx.AsyncClient, attacker: httpx.AsyncClient, 
                 out.attacks.append(span)
                 if span[1] > began:
                     break
-            while in_flight.value < LOOPS - 1:
-                await asyncio.sleep(poll_s)
+            await until(lambda: in_flight.value >= LOOPS - 1, "the attacker loops sending again")
             out.attacked.append(await first_token_s(victim, model))
             on.clear()
-            while in_flight.value:  # every attacker request answered: the worker is the victim's alone
-                await asyncio.sleep(poll_s)
+            # Every attacker request answered: the worker is the victim's alone.
+            await until(lambda: not in_flight.value, "every attacker request answered")
             out.idle.append((await first_token_s(victim, model))[1])
     finally:
         on.set()
