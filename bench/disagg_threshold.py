@@ -27,6 +27,7 @@ import random
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -61,8 +62,6 @@ def prompts_of(model_dir: Path, lengths: list[int], count: int) -> dict[int, lis
 async def measure(urls: dict[str, str], key: str, prompts: dict[int, list[str]], tokens: int) -> dict:
     """Per (length, path): a list of (TTFT, second-token gap, median later gap, total) in s. Each length's
     prompts alternate between the paths."""
-    import time
-
     out: dict[tuple[int, str], list[tuple[float, float, float, float]]] = {}
     async with httpx.AsyncClient(timeout=600) as http:
         for length, texts in prompts.items():

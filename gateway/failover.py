@@ -110,8 +110,8 @@ class Failover:
         except Exception:  # NATS unreadable: nowhere to send it
             return False
         # A prefill worker takes only its pool's queue: a continuation needs a whole-request (decode) worker.
-        return any(w.worker_id != dead_worker and w.role != "prefill" and not w.draining
-                   and not self._liveness.is_dead(w.worker_id) for w in workers)
+        return any(w.worker_id != dead_worker and w.takes_whole_requests and not self._liveness.is_dead(w.worker_id)
+                   for w in workers)
 
     async def bill_lost(self, request: GenerateRequest, worker_id: str | None, prompt_tokens: int,
                         completion_tokens: int, taken_at: float | None, first_token_at: float | None) -> None:

@@ -169,7 +169,7 @@ class CompletionService:
         if worker is None:
             return None
         live = (await self._registry.models()).get(request.model, [])
-        return worker if any(w.worker_id == worker and w.role != "prefill" and not w.draining for w in live) else None
+        return worker if any(w.worker_id == worker and w.takes_whole_requests for w in live) else None
 
     async def _worth_prefilling_apart(self, request: GenerateRequest) -> bool:
         """Whether ``request`` goes to its model's prefill pool (disaggregated serving): a live prefill worker, a
@@ -182,7 +182,7 @@ class CompletionService:
         if prompt_tokens_estimate(request) < self._config.prefill_min_prompt_tokens:
             return False
         live = (await self._registry.models()).get(request.model, [])
-        return any(w.role == "prefill" and not w.draining for w in live)
+        return any(w.takes_prefills for w in live)
 
     async def _remember(self, relayed, outcome: Outcome) -> None:
         """Where this reply's conversation is cached now (for its next turn)."""

@@ -379,6 +379,17 @@ class WorkerInfo(msgspec.Struct):
     # Stopped pulling (SIGTERM, /drain), finishing what runs: the gateways send it nothing new (no offer, no
     # prefill, no continuation). Beaten at once when the drain starts.
     draining: bool = False
+
+    @property
+    def takes_prefills(self) -> bool:
+        """Whether a gateway may send it a prompt to prefill apart: a prefill worker, not draining."""
+        return self.role == "prefill" and not self.draining
+
+    @property
+    def takes_whole_requests(self) -> bool:
+        """Whether a gateway may offer it a request or a continuation to run whole: not a prefill worker, not
+        draining."""
+        return self.role != "prefill" and not self.draining
     test_double: bool = False  # that engine is a test double (``simulated``): its text is made up
 
 

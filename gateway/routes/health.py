@@ -36,7 +36,7 @@ def router(services: GatewayServices) -> APIRouter:
         checks["models"] = sorted(listing)
         # The models this gateway sends long prompts apart for: it sees a live prefill worker of each, not draining.
         checks["prefill_pools"] = sorted(m for m, workers in listing.items()
-                                         if any(w.role == "prefill" and not w.draining for w in workers))
+                                         if any(w.takes_prefills for w in workers))
         checks["draining"] = services.draining
         # Postgres away degrades the gateway (known keys served, limits local) but does not stop it: a load
         # balancer pulling every gateway out for it would turn a degradation into an outage.
