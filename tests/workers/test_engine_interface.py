@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,8 +52,11 @@ def test_each_engine_states_its_capabilities_and_the_kv_exchange_follows_them(ti
     finally:
         plain.shutdown()
         tiered.shutdown()
-    # vLLM runs every sequence it holds in each step: the batch limit is the worker's pulls alone.
-    assert not VllmEngine.capabilities.fget(None).background_limit  # type: ignore[attr-defined]
+    # vLLM runs every sequence it holds in each step: the batch limit is the worker's pulls alone. Its roles are
+    # its KV connector's; the property reads them off the engine, which needs vLLM to build, so a stand-in holds them.
+    vllm_caps = VllmEngine.capabilities.fget(SimpleNamespace(_roles=("both", "prefill")))  # type: ignore[attr-defined]
+    assert not vllm_caps.background_limit and not vllm_caps.kv_exchange
+    assert vllm_caps.roles == ("both", "prefill")
     assert SimulatedEngine.capabilities.fget(None).describe() == "roles both"  # type: ignore[attr-defined]
     assert tiered.capabilities.describe() == "roles both, prefill, decode; KV exchange; batch limit per step"
 
