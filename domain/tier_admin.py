@@ -18,7 +18,7 @@ from switchyard.domain.queues import queue_state
 from switchyard.shared import subjects
 from switchyard.shared.messages import WorkerInfo
 from switchyard.shared.tier_store import read_policies, write_policy
-from switchyard.shared.tiers import TIER_NAMES, TierPolicy
+from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, TierPolicy
 
 
 class TierChangeError(ValueError):
@@ -29,10 +29,17 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
                       max_queued: int | None = None, max_wait_s: float | None = None,
                       weight: float | None = None, max_queued_per_tenant: int | None = None,
                       max_streams: int | None = None, max_sequences: int | None = None,
+                      hedge_after_ms: int | str | None = None, hedge_budget: float | None = None,
                       ) -> tuple[TierPolicy, TierPolicy]:
-    """Apply the given fields to ``tier``'s policy live; returns ``(old, new)``."""
+    """Apply the given fields to ``tier``'s policy live; returns ``(old, new)``. ``hedge_after_ms``: milliseconds,
+    ``"auto"`` or ``"off"`` (or 0)."""
     if tier not in TIER_NAMES:
         raise TierChangeError(f"unknown tier {tier!r}; known: {', '.join(TIER_NAMES)}")
+    hedge_after_ms = _hedge_after(hedge_after_ms)
+    if tier == BATCH_TIER and hedge_after_ms not in (None, 0):
+        raise TierChangeError("the batch tier is never hedged: its requests wait for idle seats by design")
+    if hedge_budget is not None and not 0 < hedge_budget <= 1:
+        raise TierChangeError("hedge_budget must be a share of the tier's requests, above 0 and at most 1")
     if max_queued is not None and max_queued < 1:
         raise TierChangeError("max_queued must be at least 1")
     if max_queued_per_tenant is not None and max_queued_per_tenant < 0:
@@ -46,7 +53,8 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
     old = (await read_policies(js))[tier]
     changes = {k: v for k, v in (("max_queued", max_queued), ("max_wait_s", max_wait_s), ("weight", weight),
                                  ("max_queued_per_tenant", max_queued_per_tenant), ("max_streams", max_streams),
-                                 ("max_sequences", max_sequences)) if v is not None}
+                                 ("max_sequences", max_sequences), ("hedge_after_ms", hedge_after_ms),
+                                 ("hedge_budget", hedge_budget)) if v is not None}
     new = msgspec.structs.replace(old, **changes)
     await write_policy(js, tier, new)
     async with pool.acquire() as conn:
@@ -54,6 +62,21 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
             "INSERT INTO tier_changes (tier, changed_by, old_policy, new_policy) VALUES ($1, $2, $3, $4)",
             tier, who, json.dumps(msgspec.to_builtins(old)), json.dumps(msgspec.to_builtins(new)))
     return old, new
+
+
+def _hedge_after(value: int | str | None) -> int | str | None:
+    """``tiers set --hedge-after-ms`` as the policy holds it: milliseconds, "auto", or 0 for off."""
+    if value is None or value == "auto":
+        return value
+    if value == "off":
+        return 0
+    try:
+        ms = int(value)
+    except (TypeError, ValueError):
+        raise TierChangeError(f"hedge_after_ms must be milliseconds, 'auto' or 'off', not {value!r}") from None
+    if ms < 0:
+        raise TierChangeError("hedge_after_ms must be 0 (off) or more milliseconds")
+    return ms
 
 
 async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]]) -> list[dict[str, Any]]:
@@ -82,6 +105,7 @@ async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]])
                 "max_queued_per_tenant": policy.tenant_cap,
                 "max_wait_s": policy.max_wait_s,
                 "weight": policy.weight,
+                "hedge_after_ms": policy.describe_hedging(),
                 "workers": len(workers),
                 "rejected_5m": rejected.get(subjects.rejected_subject(model, tier), 0),
             })

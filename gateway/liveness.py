@@ -3,7 +3,8 @@
 Every worker publishes ``llm.alive.<worker_id>`` each ``ALIVE_INTERVAL_S`` from its event loop (a step running in
 its thread does not hold them up). One subscription per gateway records when each worker was last heard; a relayed
 request asks about the worker that took it. The heartbeat in the ``workers`` bucket is too slow for this: its TTL
-is 10 s and a killed worker never deletes its entry.
+is 10 s and a killed worker never deletes its entry. A ping's body is the seats the worker has free (requests it
+would pull now): where a hedge may go (gateway/hedging.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class WorkerLiveness:
 
     def __init__(self) -> None:
         self._last_heard: dict[str, float] = {}
+        self._free_seats: dict[str, int] = {}  # as of each worker's last ping
         self._listening_since = time.monotonic()
         self._nc = None
         self._num_reconnects = 0
@@ -28,7 +30,12 @@ class WorkerLiveness:
 
     async def start(self, nc) -> None:
         async def heard(msg) -> None:
-            self._last_heard[msg.subject.rsplit(".", 1)[-1]] = time.monotonic()
+            worker_id = msg.subject.rsplit(".", 1)[-1]
+            self._last_heard[worker_id] = time.monotonic()
+            try:
+                self._free_seats[worker_id] = int(msg.data) if msg.data else 0
+            except ValueError:
+                self._free_seats[worker_id] = 0
 
         self._nc = nc
         self._num_reconnects = nc.stats["reconnects"]
@@ -51,3 +58,11 @@ class WorkerLiveness:
                 self._listening_since = time.monotonic()
         last = max(self._last_heard.get(worker_id, 0.0), self._listening_since)
         return time.monotonic() - last > DEAD_AFTER_S
+
+    def free_seats(self, worker_id: str) -> int:
+        """The seats ``worker_id`` said it had free at its last ping, if that ping is recent (within one interval
+        and a half: a worker that missed one is stalled or busy beyond its pings), else 0."""
+        last = self._last_heard.get(worker_id)
+        if last is None or time.monotonic() - last > 1.5 * ALIVE_INTERVAL_S:
+            return 0
+        return self._free_seats.get(worker_id, 0)

@@ -64,6 +64,17 @@ class GatewayMetrics:
                                   "How late a timer fires on the gateway's event loop (gateway/loop_lag.py): every "
                                   "await of every request it serves is late by as much.", buckets=LOOP_LAG_BUCKETS,
                                   registry=r)
+        self.hedges_started = Counter(name("hedges_started"),
+                                      "Requests offered to a second worker for want of a first token "
+                                      "(gateway/hedging.py).", _LABELS, registry=r)
+        self.hedges_won = Counter(name("hedges_won"), "Hedged requests whose first token came from the second worker.",
+                                  _LABELS, registry=r)
+        self.hedges_lost = Counter(name("hedges_lost"), "Hedged requests whose first token came from the first worker.",
+                                   _LABELS, registry=r)
+        self.hedges_skipped = Counter(name("hedges_skipped"),
+                                      "Requests due a hedge that got none, by reason: budget (the tier's share "
+                                      "spent), no_free_seat (no other worker had a seat free).",
+                                      (*_LABELS, "reason"), registry=r)
         self.gc_pauses = pause_histogram(r)
         self.served_models: set[str] = set()  # names a model label may take (the registry's), see model_label
 

@@ -22,8 +22,10 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from switchyard.domain.errors import OpenAIError, service_unavailable
 from switchyard.domain.publish import QueueFull, RequestPublisher
 from switchyard.gateway.failover import Failover
+from switchyard.gateway.hedging import Hedging
 from switchyard.gateway.liveness import WorkerLiveness
-from switchyard.gateway.token_router import DeltaInbox, TokenRouter
+from switchyard.gateway.relay_state import RelayState
+from switchyard.gateway.token_router import IDLE_TICK_S, DeltaInbox, TokenRouter
 from switchyard.shared import subjects
 from switchyard.shared.messages import HANDOVER, ErrorInfo, GenerateRequest, TokenDelta, decode
 
@@ -42,27 +44,28 @@ OFFER_GRACE_S = 0.1
 class RelayedRequest:
     """One published request: await ``first()``, then iterate the remaining deltas until the final one.
 
-    It keeps what a continuation and a lost request's bill need (see gateway/failover.py): the worker running it,
-    the prompt's token count, choice 0's token ids and text length so far, and every choice's token count.
+    Which worker runs it and which deltas the client gets is its state machine's (gateway/relay_state.py); this
+    carries out what that decides (dismissals, continuations, hedges) and keeps what a continuation and a lost
+    request's bill need (see gateway/failover.py): the prompt's token count, choice 0's token ids and text length
+    so far, and every choice's token count.
     """
 
     def __init__(self, nc: NATS, request: GenerateRequest, inbox: DeltaInbox, stall_timeout_s: float,
                  retry_after_s: int,
-                 liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
+                 liveness: WorkerLiveness | None = None, failover: Failover | None = None,
+                 hedging: Hedging | None = None, hedge_at: float | None = None) -> None:
+        """``hedge_at``: unix time at which, with no token yet, ``hedging`` offers it to a second worker."""
         self._nc = nc
         self._liveness = liveness
         self._failover = failover
-        self.worker_id: str | None = None  # who runs it (None: not taken yet, or a continuation not taken yet)
-        # Workers told to stop running it by name: one it was taken from (failover), or a second one that started
-        # it too (JetStream redelivered it while the first was stalled). Their deltas are ignored.
-        self._dismissed: set[str] = set()
-        self._stale: set[tuple[str, int]] = set()  # (worker, attempt) runs told to stop, of attempts moved on from
+        self._hedging = hedging
+        self._hedge_at = hedge_at if hedging is not None else None
         self.request = request
+        self.state = RelayState(request.resume.attempt if request.resume is not None else 0)
+        self._ran_on: str | None = None  # the last worker the client was on (a lost request's bill names it)
         self._inbox = inbox
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
-        self._next_seq = 0
-        self.is_finished = False
         self._prompt_tokens = 0
         self._num_tokens = 0  # every choice's, as streamed
         self._token_ids: list[int] = []  # choice 0's, as streamed
@@ -71,6 +74,16 @@ class RelayedRequest:
         self._first_token_at: float | None = None
         self._reconnects_at_last_delta = liveness.num_reconnects if liveness is not None else 0
         self._fallback: tuple[float, Callable[[], Awaitable[object]]] | None = None  # see fall_back
+        self._failed_over = False  # went on elsewhere after a failure: an error then still bills what streamed
+
+    @property
+    def worker_id(self) -> str | None:
+        """The worker the client is on (None: not taken yet, or a continuation not taken yet)."""
+        return self.state.worker_id
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state.is_finished
 
     async def _next(self, timeout: float | None) -> TokenDelta:
         """The next delta to stream; raises TimeoutError when none came within ``timeout`` (None: by the token
@@ -85,39 +98,34 @@ class RelayedRequest:
                 return await self._abandon(ErrorInfo("The worker sent a message that could not be read; please "
                                                      "retry.", code="bad_worker_message", type="server_error",
                                                      status=502))
-            attempt = 0 if self.request.resume is None else self.request.resume.attempt
-            if delta.attempt != attempt:  # a late delta of a run this request was taken from
-                if delta.attempt < attempt and delta.worker_id is not None:
-                    await self._dismiss_stale(delta.worker_id, delta.attempt)
-                continue
-            if self.worker_id is None or delta.worker_id in (None, self.worker_id):
-                break
-            if delta.worker_id not in self._dismissed:
-                log.warning("request %s: worker %s runs it too (it runs on %s); telling it to stop",
-                            self.request.request_id, delta.worker_id, self.worker_id)
-                await self._dismiss(delta.worker_id)
-        if delta.seq != self._next_seq:
-            # A delta was lost on the way (a slow consumer's messages are dropped; a NATS node died and this
-            # gateway reconnected to another): the text would have a hole. The request goes on from what the client
-            # has, as after a worker's death (any live worker, this one too, takes the continuation); when it
-            # cannot, it ends with an error rather than stream a text with a hole.
-            log.warning("request %s: delta %d arrived where %d was due", self.request.request_id, delta.seq,
-                        self._next_seq)
-            if await self._continue_elsewhere(delta.worker_id, exclude_it=False):
-                return await self._next(None if timeout is None else max(timeout, DEADLINE_GRACE_S))
-            if self._failover is not None:
+            verdict = self.state.on_delta(delta)
+            if verdict.stale is not None:
+                await self._cancel_on(*verdict.stale)
+            for worker in verdict.dismiss:
+                log.warning("request %s: telling worker %s to stop: %s", self.request.request_id, worker, verdict.why)
+                await self._cancel_on(worker)
+            if verdict.hedge_won is not None and self._hedging is not None:
+                self._hedging.decided(self.request, verdict.hedge_won)
+            if verdict.broken:
+                # A delta was lost on the way (a slow consumer's messages are dropped; a NATS node died and this
+                # gateway reconnected to another): the text would have a hole. The request goes on from what the
+                # client has, as after a worker's death (any live worker, this one too, takes the continuation);
+                # when it cannot, it ends with an error rather than stream a text with a hole.
+                log.warning("request %s: delta %d of worker %s arrived out of order", self.request.request_id,
+                            delta.seq, delta.worker_id)
+                if await self._continue_elsewhere(None):
+                    return await self._next(None if timeout is None else max(timeout, DEADLINE_GRACE_S))
                 await self._bill_lost()  # the dismissed worker bills nothing: the streamed tokens are billed here
-            return await self._abandon(ErrorInfo(
-                f"Part of the response was lost in transit (message {self._next_seq} of the stream never "
-                "arrived); please retry.", code="stream_gap", type="server_error", status=502))
-        self._next_seq += 1
+                return await self._abandon(ErrorInfo(
+                    "Part of the response was lost in transit (a message of the stream never arrived); please "
+                    "retry.", code="stream_gap", type="server_error", status=502))
+            if verdict.deliver:
+                break
         self._account(delta)
         if delta.finish_reason == HANDOVER and delta.error is None:
             return await self._hand_over(delta)
-        if delta.is_last or delta.error is not None:  # the engine counts a request's choices, nobody else
-            self.is_finished = True
-            if delta.error is not None and self._dismissed:
-                await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
+        if self.is_finished and delta.error is not None and self._failed_over:
+            await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
         return delta
 
     async def _hand_over(self, delta: TokenDelta) -> TokenDelta:
@@ -131,19 +139,25 @@ class RelayedRequest:
             await self._bill_lost()
             return await self._abandon(ErrorInfo("The request could not go on after its prefill; please retry.",
                                                  code="worker_lost", type="server_error", status=503))
-        self.request, self.worker_id, self._next_seq = continuation, None, 0
+        self._go_on_as(continuation)
         return msgspec.structs.replace(delta, finish_reason=None, is_last=False, usage=None)
+
+    def _go_on_as(self, continuation: GenerateRequest) -> None:
+        assert continuation.resume is not None  # a continuation says where it resumes
+        self.request = continuation
+        self.state.continued(continuation.resume.attempt)
 
     def _account(self, delta: TokenDelta) -> None:
         if self._liveness is not None:
             self._reconnects_at_last_delta = self._liveness.num_reconnects
-        if self.worker_id is None:
-            self.worker_id = delta.worker_id
-            self._taken_at = self._taken_at or time.time()
+        self._ran_on = self.state.worker_id or self._ran_on
+        self._taken_at = self._taken_at or time.time()
         self._prompt_tokens = delta.prompt_tokens or self._prompt_tokens
         self._num_tokens += delta.num_tokens
         if delta.num_tokens and self._first_token_at is None:
             self._first_token_at = time.time()
+            if self._hedging is not None:
+                self._hedging.first_token(self.request, self._first_token_at - self.request.created_at)
         if delta.index == 0:
             self._token_ids += delta.token_ids or ()
             self._text_len += len(delta.text)
@@ -151,7 +165,7 @@ class RelayedRequest:
     async def _abandon(self, error: ErrorInfo) -> TokenDelta:
         """Give up on the request: the worker is told to stop, and the client gets ``error`` as the last delta."""
         await self.cancel()
-        self.is_finished = True
+        self.state.finish()
         return TokenDelta(self.request.request_id, error=error)
 
     def fall_back(self, at: float, publish: Callable[[], Awaitable[object]]) -> None:
@@ -195,16 +209,22 @@ class RelayedRequest:
         return {"Retry-After": str(self._retry_after_s)} if status in (429, 503) else {}
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:
-        """Deltas after the first, ending with the final one(s). A dead worker's request goes on on another
-        worker when it can (gateway/failover.py), else ends with an error delta within seconds; a silent one
-        ends with an error after ``stall_timeout_s``."""
+        """Deltas after the first, ending with the final one(s). A request with no token by its hedge time is
+        offered to a second worker too (gateway/hedging.py); a dead worker's request goes on on another worker when
+        it can (gateway/failover.py), else ends with an error delta within seconds; a silent one ends with an error
+        after ``stall_timeout_s``."""
         heard_at = time.monotonic()
         while not self.is_finished:
             try:
                 # Woken at least every idle tick (a second), so a dead worker is noticed without a message from it.
-                delta = await self._next(None)
+                delta = await self._next(self._hedge_wait())
                 heard_at = time.monotonic()
             except (TimeoutError, NatsTimeoutError):
+                await self._hedge_if_due()
+                for worker in self.state.drop_gone(self._is_dead, time.time()):
+                    log.warning("request %s: hedged worker %s is gone; it goes on on %s", self.request.request_id,
+                                worker, self.worker_id)
+                    await self._cancel_on(worker)
                 error = self._silence_error(time.monotonic() - heard_at)
                 if error is None:
                     continue
@@ -214,12 +234,30 @@ class RelayedRequest:
                         continue
                     await self._bill_lost()
                 elif error.code == "stream_gap":
-                    if await self._continue_elsewhere(self.worker_id, exclude_it=False):
+                    if await self._continue_elsewhere(None):
                         heard_at = time.monotonic()
                         continue
                     await self._bill_lost()  # the dismissed worker bills nothing: the streamed tokens are billed here
                 delta = await self._abandon(error)
             yield delta
+
+    def _hedge_wait(self) -> float | None:
+        """How long to wait for a delta before hedging (None: no hedge is due, wait for the idle tick)."""
+        if self._hedge_at is None or not self.state.may_hedge:
+            return None
+        return min(IDLE_TICK_S, max(0.001, self._hedge_at - time.time()))
+
+    async def _hedge_if_due(self) -> None:
+        if self._hedge_at is None or not self.state.may_hedge or time.time() < self._hedge_at:
+            return
+        assert self._hedging is not None  # hedge_at is set only with it
+        self._hedge_at = None  # one hedge per request: a second would only add load
+        placed = await self._hedging.offer(self.request, list(self.state.runs))
+        if placed is not None:
+            self.state.hedged(*placed)
+
+    def _is_dead(self, worker_id: str) -> bool:
+        return self._liveness is not None and self._liveness.is_dead(worker_id)
 
     def _silence_error(self, silent_s: float) -> ErrorInfo | None:
         """Why a request whose worker has said nothing for ``silent_s`` is given up on, or None to wait on."""
@@ -227,7 +265,7 @@ class RelayedRequest:
                          type="server_error", status=503)
         if self.worker_id is None:  # a continuation no worker has taken yet
             return lost if time.time() > self.request.deadline_at + DEADLINE_GRACE_S else None
-        if self._liveness is not None and self._liveness.is_dead(self.worker_id):
+        if self._is_dead(self.worker_id) or self.state.offer_unused(time.time()):
             return lost
         if (self._liveness is not None and self._liveness.num_reconnects != self._reconnects_at_last_delta
                 and silent_s > RECONNECT_SILENCE_S):
@@ -240,43 +278,33 @@ class RelayedRequest:
                              type="server_error", status=503)
         return None
 
-    async def _continue_elsewhere(self, worker_id: str | None, exclude_it: bool = True) -> bool:
-        """Dismiss ``worker_id`` and have the request go on from what the client has on another worker (or any,
-        this one included, unless ``exclude_it``); whether a continuation was published."""
-        if worker_id is not None:
-            await self._dismiss(worker_id)  # taken for dead, or its stream has a hole: it must not run on
+    async def _continue_elsewhere(self, dead_worker: str | None) -> bool:
+        """Dismiss every run (taken for dead, or a stream with a hole: none may run on) and have the request go on
+        from what the client has on a worker other than ``dead_worker`` (None: any, the broken stream's too);
+        whether a continuation was published."""
+        for worker in self.state.lost():
+            await self._cancel_on(worker)
         if self._failover is None:
             return False
-        continuation = await self._failover.continue_elsewhere(
-            self.request, worker_id if exclude_it else None, self._token_ids, self._text_len)
+        continuation = await self._failover.continue_elsewhere(self.request, dead_worker, self._token_ids,
+                                                               self._text_len)
         if continuation is None:
             return False
-        self.request, self.worker_id, self._next_seq = continuation, None, 0
+        self._go_on_as(continuation)
+        self._failed_over = True
         return True
 
-    async def _dismiss(self, worker_id: str) -> None:
-        """Tell one worker, by name, to stop running this request and bill none of it (see Intake.on_cancel)."""
-        self._dismissed.add(worker_id)
-        await self._cancel_on(worker_id)
-
-    async def _dismiss_stale(self, worker_id: str, attempt: int) -> None:
-        """Tell one worker to stop its run of an earlier ``attempt`` of this request, unbilled (a prefill offer's
-        fallback copy that started after the prefill did): its later attempt, if it runs one, goes on."""
-        if (worker_id, attempt) not in self._stale:
-            self._stale.add((worker_id, attempt))
-            await self._cancel_on(worker_id, attempt)
-
     async def _cancel_on(self, worker_id: str, attempt: int | None = None) -> None:
-        """A cancel addressed to one worker (``<worker id>[:<attempt>]``, see Intake.on_cancel)."""
+        """A cancel addressed to one worker (``<worker id>[:<attempt>]``, see Intake.on_cancel): it stops running
+        this request (that attempt's run of it) and bills none of it."""
         if self._nc.is_connected:
             target = worker_id if attempt is None else f"{worker_id}:{attempt}"
             await self._nc.publish(subjects.cancel_subject(self.request.request_id), target.encode())
 
     async def _bill_lost(self) -> None:
         if self._failover is not None:
-            await self._failover.bill_lost(self.request, self.worker_id or next(iter(self._dismissed), None),
-                                           self._prompt_tokens, self._num_tokens, self._taken_at,
-                                           self._first_token_at)
+            await self._failover.bill_lost(self.request, self.worker_id or self._ran_on, self._prompt_tokens,
+                                           self._num_tokens, self._taken_at, self._first_token_at)
 
     @property
     def buffered_bytes(self) -> int:
@@ -299,13 +327,15 @@ class Relay:
     """Submits requests; one per gateway process, shared by all handlers."""
 
     def __init__(self, nc: NATS, router: TokenRouter, publisher: RequestPublisher, stall_timeout_s: float,
-                 retry_after_s: int, liveness: WorkerLiveness | None = None, failover: Failover | None = None) -> None:
+                 retry_after_s: int, liveness: WorkerLiveness | None = None, failover: Failover | None = None,
+                 hedging: Hedging | None = None) -> None:
         """``router``: this process's token subject, started (its deltas come there)."""
         self._nc = nc
         self._router = router
         self._publisher = publisher
         self._liveness = liveness
         self._failover = failover
+        self._hedging = hedging
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
 
@@ -321,9 +351,11 @@ class Relay:
         decode worker after its first token (disaggregated serving)."""
         request = msgspec.structs.replace(request, reply_subject=self._router.subject)
         payload = self._publisher.encode(request)
+        delay = None if prefill or self._hedging is None else await self._hedging.delay(request)
         inbox = self._router.open(request.request_id)
         relayed = RelayedRequest(self._nc, request, inbox, self._stall_timeout_s, self._retry_after_s,
-                                 self._liveness, self._failover)
+                                 self._liveness, self._failover, self._hedging,
+                                 None if delay is None else request.created_at + delay)
         try:
             if not prefill and offer_to is None:
                 await self._publish(request, payload)

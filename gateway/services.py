@@ -4,7 +4,7 @@
         nats ─┬─ registry ── router ─┐
               ├─ tier policies ──────┼─▶ admission (domain/admission/policies.py) ─┐
         postgres ─ database ─────────┘        authenticator                        ├─▶ completions (serving.py)
-              publisher ── relay (token router, liveness, failover) ── placement ───┘
+              publisher ── relay (token router, liveness, failover, hedging) ── placement ───┘
         nats ─ llm.kv.* ─ the fleet's KV index (kv_index.py): placement by what workers hold
         stores: conversations, responses, files, batches, usage      queue gauges (poller), loop lag probe, GC pauses
         responses (responses_service.py), embeddings (embeddings.py): over completions (and the stores)
@@ -40,6 +40,7 @@ from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.drain import InFlightCounter
 from switchyard.gateway.embeddings import EmbeddingService
 from switchyard.gateway.failover import Failover
+from switchyard.gateway.hedging import Hedging
 from switchyard.gateway.kv_index import KVIndex
 from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.loop_lag import LoopLagProbe
@@ -123,7 +124,8 @@ class GatewayServices:
         elif gateway.affinity:
             affinity = AffinityIndex(self.js, config.nats_replicas)
         relay = Relay(self.nc, self._tokens, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
-                      Failover(self.js, publisher, self.registry, liveness, kv_index=self.kv_index))
+                      Failover(self.js, publisher, self.registry, liveness, kv_index=self.kv_index),
+                      Hedging(self.tier_policies, self.registry, liveness, publisher, self.metrics))
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
                                              self.metrics, affinity=affinity)
         self.conversations = Conversations(pool, self.js)

@@ -9,6 +9,7 @@ the gateway's deadline and the worker's check, the weight by every worker's pull
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 
@@ -28,10 +29,22 @@ class TierPolicy(msgspec.Struct, frozen=True):
     # generating (streamed or not) and their sequences, every choice of each (0: no cap).
     max_streams: int = 0
     max_sequences: int = 0
+    # Hedged requests (gateway/hedging.py): a request with no token this long after it was accepted is offered to a
+    # second worker with a spare seat, and whichever produces a token first serves it. 0: off; "auto": the tier's
+    # recent TTFT p95 on the request's model. Never for the batch tier.
+    hedge_after_ms: int | Literal["auto"] = 0
+    # Hedges at most this share of the tier's requests (each gateway counts its own): a hedge costs a second
+    # prefill, and hedging everything would double the load it is meant to route around.
+    hedge_budget: float = 0.05
 
     @property
     def tenant_cap(self) -> int:
         return self.max_queued_per_tenant or max(1, self.max_queued // 4)
+
+    def describe_hedging(self) -> str:
+        """As ``tiers set`` takes it: ``off``, ``auto`` or a number of milliseconds, and the budget."""
+        after = "off" if self.hedge_after_ms == 0 else str(self.hedge_after_ms)
+        return after if after == "off" else f"{after} (budget {self.hedge_budget:.0%})"
 
 
 @dataclass(frozen=True, slots=True)

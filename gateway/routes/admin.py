@@ -6,6 +6,7 @@ Disabled (every route answers 404) unless the gateway is configured with an admi
 from __future__ import annotations
 
 import hmac
+from typing import Literal
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -25,6 +26,8 @@ class TierUpdate(BaseModel):
     weight: float | None = Field(None, gt=0)
     max_streams: int | None = Field(None, ge=0)  # 0: no cap
     max_sequences: int | None = Field(None, ge=0)
+    hedge_after_ms: int | Literal["auto", "off"] | None = None  # 0 or "off": no hedging
+    hedge_budget: float | None = Field(None, gt=0, le=1)
 
 
 def router(services: GatewayServices) -> APIRouter:

@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     tset.add_argument("--weight", type=float, help="share of worker pulls when several tiers have work")
     tset.add_argument("--max-streams", type=int, help="requests one tenant may have generating at once (0: no cap)")
     tset.add_argument("--max-sequences", type=int, help="their sequences, every choice of each (0: no cap)")
+    tset.add_argument("--hedge-after-ms", metavar="N|auto|off",
+                      help="offer a request with no token after N ms (auto: the tier's recent TTFT p95) to a second "
+                           "worker; the first to produce a token serves it")
+    tset.add_argument("--hedge-budget", type=float, metavar="SHARE",
+                      help="hedge at most this share of the tier's requests (default 0.05)")
     p.set_defaults(func=cmd_tiers)
 
     p = sub.add_parser("top", help="live view per model and tier: queued, oldest wait, running, TTFT p95, tokens/s, "

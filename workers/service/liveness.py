@@ -2,8 +2,9 @@
 
     heartbeat  every heartbeat_s, and at once after a reconnect ──▶ KV workers/<model>.<worker_id>: WorkerInfo
                (which model, what runs per tier, step counters); the bucket made again if a restart lost it
-    pings      every ALIVE_INTERVAL_S ──▶ llm.alive.<worker_id> (a relay whose worker is silent for 3 s ends its
-               stream, gateway/liveness.py), and pulled-but-not-started requests marked in progress
+    pings      every ALIVE_INTERVAL_S ──▶ llm.alive.<worker_id>, its body the seats free now (a relay whose worker
+               is silent for 3 s ends its stream, gateway/liveness.py; a hedge goes where a seat is free,
+               gateway/hedging.py), and pulled-but-not-started requests marked in progress
     state      a one-line summary logged whenever it changes: what an operator (or a failing test's log) needs to
                see a stall
 
@@ -30,11 +31,12 @@ log = logging.getLogger("switchyard.worker")
 
 class Liveness:
     """See the module docstring. ``info`` makes the heartbeat's ``WorkerInfo``, ``state`` the summary line, and
-    ``mark_in_progress`` marks the requests pulled but not started."""
+    ``mark_in_progress`` marks the requests pulled but not started, ``free_seats`` counts the requests it could
+    take now."""
 
     def __init__(self, nc, js, model_name: str, worker_id: str, heartbeat_s: float, nats_replicas: int,
                  info: Callable[[], WorkerInfo], state: Callable[[], str],
-                 mark_in_progress: Callable[[], Awaitable[None]]) -> None:
+                 mark_in_progress: Callable[[], Awaitable[None]], free_seats: Callable[[], int] = lambda: 0) -> None:
         self._nc = nc
         self._js = js
         self._key = subjects.worker_key(model_name, worker_id)
@@ -44,6 +46,7 @@ class Liveness:
         self._info = info
         self._state = state
         self._mark_in_progress = mark_in_progress
+        self._free_seats = free_seats
         self.reconnected = asyncio.Event()  # set by the NATS client's reconnect callback
         self._done = asyncio.Event()
         self._kv: KeyValue | None = None  # the heartbeat bucket, opened by start
@@ -79,7 +82,7 @@ class Liveness:
     async def _alive_loop(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # NATS away: the gateways' relays time out on their own
-                await self._nc.publish(self._alive_subject, b"")
+                await self._nc.publish(self._alive_subject, str(max(0, self._free_seats())).encode())
                 await self._mark_in_progress()
             if await set_within(self._done, subjects.ALIVE_INTERVAL_S):
                 return

@@ -37,6 +37,9 @@ class WorkerMetrics:
         self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated.", labels, registry=r)
         self.request_success = Counter(name("request_success"), "Requests finished, by finish reason.",
                                        (*labels, "finished_reason"), registry=r)
+        self.dismissed_tokens = Counter(name("worker_dismissed_tokens"),
+                                        "Prompt and generated tokens of runs a gateway dismissed, billed to no one: "
+                                        "a hedge's loser, or a run taken for dead that was not.", labels, registry=r)
         self.gc_pauses = pause_histogram(r)
         self.step_time = Histogram(name("engine_step_seconds"), "Time inside one engine step.", ("model",),
                                    buckets=TOKEN_INTERVAL_BUCKETS, registry=r)
@@ -59,6 +62,9 @@ class WorkerMetrics:
 
     def finished(self, tier: str, finish_reason: str) -> None:
         self.request_success.labels(self.model, tier, finish_reason).inc()
+
+    def dismissed(self, tier: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.dismissed_tokens.labels(self.model, tier).inc(prompt_tokens + completion_tokens)
 
     def safety_flagged(self, events) -> None:
         """Count and log the output filter's verdicts of a step (``SafetyEvent``s): ids and category, never text."""

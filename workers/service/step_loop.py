@@ -252,6 +252,8 @@ class StepLoop:
                 held.active.pop(req.request_id, None)
                 self._intake.queues.finished(req.tier, req.tenant_id, running.prompt_tokens, running.completion_tokens)
                 metrics.finished(req.tier, delta.finish_reason)
+                if running.superseded:
+                    metrics.dismissed(req.tier, running.prompt_tokens, running.completion_tokens)
                 ended.append((running, delta.finish_reason))
         if self._kv_events is not None:
             # Before the deltas: a client that reads a request's end and sends its next turn at once must find the

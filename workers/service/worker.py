@@ -121,7 +121,8 @@ class Worker:
             self._steps = StepLoop(self.engine, self._step_thread, self._held, self._capacity, intake, out,
                                    self.metrics, config.worker.drain_timeout_s, kv_events)
             liveness = Liveness(nc, js, self.model_name, self.worker_id, config.worker.heartbeat_s,
-                                config.nats_replicas, self._info, self._state_summary, intake.mark_in_progress)
+                                config.nats_replicas, self._info, self._state_summary, intake.mark_in_progress,
+                                self._free_seats)
             await liveness.start()
             announcing = asyncio.create_task(liveness.beat_on(stop))
             pulling = asyncio.create_task(intake.run(stop))
@@ -159,6 +160,11 @@ class Worker:
                           aliases=list(self.config.worker.aliases), engine=self.config.worker.engine,
                           test_double=is_test_double(self.config.worker.engine), role=self.role,
                           draining=self._stop is not None and self._stop.is_set())
+
+    def _free_seats(self) -> int:
+        """Requests it would pull now (none while draining): where a gateway may send a hedge."""
+        assert self._stop is not None  # set by run before liveness pings
+        return 0 if self._stop.is_set() else self._capacity.allowance().num_free_seats
 
     def _state_summary(self) -> str:
         assert self._intake is not None  # made by run before the liveness that asks for this line

@@ -1,0 +1,180 @@
+"""A relayed request's lifecycle: one state machine says which worker runs it, which of the deltas that arrive the
+client gets, and what the relay must do when a delta comes or a worker goes. Pure: no I/O, no clock of its own.
+
+    WAITING ──── a worker's first message (it took the request) ───────────────────────▶ RUNNING on A
+    RUNNING on A ──── no token by the hedge delay, a seat free elsewhere (gateway/hedging.py) ──▶ HEDGED on A, B
+    HEDGED on A, B ──── the first of them to produce a token (the other is dismissed) ──────────▶ RUNNING on it
+                   ──── one of them gone (dead, its stream broken, its offer never taken) ────▶ RUNNING on the other
+                   ──── both gone ─────────────────────────────────────────────────────────────▶ CONTINUING
+    RUNNING on A ──── A dead or its stream broken (failover), or a prefill's part done (hand-over) ──▶ CONTINUING
+    CONTINUING ──── published again from what the client has; a worker's first message ─────▶ RUNNING on it
+    any state ──── the last delta, an error, or the relay giving up (abandon, cancel) ─────────▶ FINISHED
+
+Every run is one worker's run of one attempt (``Resume.attempt``: a continuation is the next attempt). A delta of
+an attempt moved on from is dropped and its worker told to stop that attempt (``stale``); a delta of the current
+attempt from a worker the request was not given to (JetStream delivered it twice) or from one dismissed is dropped,
+the former told to stop (``dismiss``). Hedged, the two runs' deltas are held back until one produces a token: the
+client never sees two streams, and the loser is dismissed, so it bills nothing (workers/service/intake.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from switchyard.shared.messages import TokenDelta
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # published; no worker has taken it yet
+    RUNNING = "running"  # one worker runs it
+    HEDGED = "hedged"  # two workers run it (the second perhaps not yet taken), neither has produced a token
+    CONTINUING = "continuing"  # published again after a failure or a hand-over; no worker has taken it yet
+    FINISHED = "finished"
+
+
+@dataclass
+class Run:
+    """One worker's run of the current attempt."""
+
+    next_seq: int = 0  # the sequence number its next delta must carry (a lower or higher one: a hole)
+    taken: bool = True  # it has sent a message (a hedge offered but not taken yet has not)
+    offer_until: float = float("inf")  # unix time: an untaken offer is dropped by its worker after this
+
+
+@dataclass
+class Verdict:
+    """What to do with one arriving delta."""
+
+    deliver: bool = False  # the client gets it
+    dismiss: list[str] = field(default_factory=list)  # workers to tell, by name, to stop and bill nothing
+    why: str = ""  # why they are dismissed, for the log
+    stale: tuple[str, int] | None = None  # a worker to tell to stop one earlier attempt
+    broken: bool = False  # the run the client is on has a hole: go on elsewhere or end the request
+    hedge_won: bool | None = None  # a hedge was decided: True when the second worker won
+
+
+DROP = Verdict()
+
+
+class RelayState:
+    """The state of one relayed request; the relay feeds it every delta and every liveness check, and carries
+    out the verdicts (gateway/relay.py)."""
+
+    def __init__(self, attempt: int = 0) -> None:
+        self.phase = Phase.WAITING
+        self.attempt = attempt
+        self.runs: dict[str, Run] = {}  # worker -> its run of ``attempt`` (RUNNING: one, HEDGED: two)
+        self.worker_id: str | None = None  # the run the client is on (HEDGED: the first worker)
+        self.hedge_worker: str | None = None  # HEDGED: the second
+        self.has_output = False  # the client has had a token of this request (from any attempt)
+        self._dismissed: set[tuple[str, int]] = set()
+        self._stale: set[tuple[str, int]] = set()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def may_hedge(self) -> bool:
+        """Running on one worker with nothing streamed yet: a second worker could still win."""
+        return self.phase is Phase.RUNNING and not self.has_output
+
+    # -- deltas ---------------------------------------------------------------------------------------------
+    def on_delta(self, delta: TokenDelta) -> Verdict:
+        """Judge one arriving delta, and move on the state it implies."""
+        if self.phase is Phase.FINISHED:
+            return DROP
+        worker = delta.worker_id
+        if delta.attempt != self.attempt:
+            told = (worker, delta.attempt) in self._stale or (worker, delta.attempt) in self._dismissed
+            if delta.attempt < self.attempt and worker is not None and not told:
+                self._stale.add((worker, delta.attempt))
+                return Verdict(stale=(worker, delta.attempt))
+            return DROP
+        # A delta naming no worker (a test's, or an engine's that names none) is the run of the worker it is on.
+        key = worker if worker is not None else (self.worker_id or "")
+        if (key, self.attempt) in self._dismissed:
+            return DROP
+        run = self.runs.get(key)
+        if run is None and self.phase in (Phase.WAITING, Phase.CONTINUING):
+            run = self.runs[key] = Run()
+            self.worker_id, self.phase = key or None, Phase.RUNNING
+        if run is None:  # a worker it was not given to runs it too (delivered twice): only the first goes on
+            if not key:
+                return DROP  # unnamed, it cannot be told apart (nor told to stop)
+            self._dismissed.add((key, self.attempt))
+            return Verdict(dismiss=[key], why=f"it runs on {self.worker_id} (delivered twice)")
+        if delta.seq != run.next_seq:
+            return self._broken(key)
+        run.next_seq += 1
+        run.taken = True
+        produced = bool(delta.num_tokens or delta.text or delta.is_last or delta.error is not None)
+        verdict = Verdict(deliver=True)
+        if self.phase is Phase.HEDGED:
+            if not produced:
+                return DROP  # its taking or a step without a token: the client already has the request's start
+            verdict.hedge_won = key == self.hedge_worker
+            verdict.dismiss, verdict.why = [w for w in self.runs if w != key], f"{key} produced a token first"
+            self._keep_only(key)
+        self.has_output = self.has_output or produced
+        if delta.is_last or delta.error is not None:
+            self.phase = Phase.FINISHED
+        return verdict
+
+    def _broken(self, worker: str) -> Verdict:
+        """``worker``'s stream has a hole: hedged, the other run goes on alone; else the relay continues the
+        request elsewhere (``lost``, ``continued``) or ends it."""
+        if self.phase is Phase.HEDGED:
+            self._dismissed.add((worker, self.attempt))
+            self._keep_only(next(w for w in self.runs if w != worker))
+            return Verdict(dismiss=[worker], why="its stream has a hole")
+        return Verdict(broken=True)
+
+    def _keep_only(self, worker: str) -> None:
+        for other in [w for w in self.runs if w != worker]:
+            self._dismissed.add((other, self.attempt))
+            del self.runs[other]
+        self.worker_id, self.hedge_worker, self.phase = worker or None, None, Phase.RUNNING
+
+    # -- workers going ----------------------------------------------------------------------------------------
+    def drop_gone(self, is_dead, now: float) -> list[str]:
+        """Hedged: forget a run whose worker ``is_dead(worker)`` or whose offer ended untaken, the other going on
+        alone; returns the workers to dismiss. A lone run's loss is the relay's to judge (its silence rules)."""
+        if self.phase is not Phase.HEDGED:
+            return []
+        gone = [w for w, run in self.runs.items() if is_dead(w) or (not run.taken and now > run.offer_until)]
+        if len(gone) != 1:
+            return []  # both gone: the first one's loss (the relay's rules) continues the request
+        self._dismissed.add((gone[0], self.attempt))
+        self._keep_only(next(w for w in self.runs if w != gone[0]))
+        return gone
+
+    def offer_unused(self, now: float) -> bool:
+        """The run the client is on is an offer its worker never took, and its time is over (a hedge whose first
+        worker went): no one runs the request."""
+        run = self.runs.get(self.worker_id) if self.worker_id is not None else None
+        return run is not None and not run.taken and now > run.offer_until
+
+    # -- the relay's moves ------------------------------------------------------------------------------------
+    def hedged(self, worker: str, offer_until: float) -> None:
+        """The request was offered to ``worker`` too, until unix time ``offer_until``."""
+        assert self.may_hedge and worker not in self.runs, (self.phase, worker)
+        self.runs[worker] = Run(taken=False, offer_until=offer_until)
+        self.hedge_worker, self.phase = worker, Phase.HEDGED
+
+    def lost(self) -> list[str]:
+        """Every run is taken for lost (the relay will continue the request or end it): the workers to dismiss."""
+        workers = list(self.runs)
+        for w in workers:
+            self._dismissed.add((w, self.attempt))
+        self.runs, self.worker_id, self.hedge_worker = {}, None, None
+        return [w for w in workers if w]  # an unnamed run cannot be told to stop by name
+
+    def continued(self, attempt: int) -> None:
+        """Published again as ``attempt`` (a failover or a hand-over): the next worker to take it runs it."""
+        self.runs, self.worker_id, self.hedge_worker = {}, None, None
+        self.attempt, self.phase = attempt, Phase.CONTINUING
+
+    def finish(self) -> None:
+        self.phase = Phase.FINISHED
