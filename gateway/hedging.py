@@ -8,7 +8,7 @@ second worker too, and whichever produces a token first serves it (the state mac
                      yes: the same attempt offered to B alone (llm.aff.<B>.<tier>), for HEDGE_OFFER_S
                      no:  not hedged (with no seat free anywhere a hedge only adds load)
              ──▶ the first token of A or B: the other is dismissed (it bills nothing; the worker counts what it
-                 computed in switchyard_worker_dismissed_tokens_total), hedges_won or hedges_lost counted
+                 computed in switchyard:worker_dismissed_tokens_total), hedges_won or hedges_lost counted
 
 What a stalled worker (a GC pause, a noisy neighbour, a stuck host) costs a premium request becomes the hedge
 delay plus a prefill elsewhere, not the stall. The budget is per gateway: each gateway hedges at most that share of
