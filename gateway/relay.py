@@ -67,14 +67,19 @@ class RelayedRequest:
         self._stall_timeout_s = stall_timeout_s
         self._retry_after_s = retry_after_s
         self._prompt_tokens = 0
-        self._num_tokens = 0  # every choice's, as streamed
-        self._token_ids: list[int] = []  # choice 0's, as streamed
-        self._text_len = 0  # choice 0's text streamed, in characters
+        # What the client has had of choice 0 (a stream taken over starts from what earlier runs streamed).
+        resumed = request.resume
+        self._num_tokens = len(resumed.token_ids) if resumed is not None else 0  # every choice's, as streamed
+        self._token_ids: list[int] = list(resumed.token_ids) if resumed is not None else []  # choice 0's
+        self._text_len = resumed.text_len if resumed is not None else 0  # choice 0's text, in characters
         self._taken_at: float | None = None
         self._first_token_at: float | None = None
         self._reconnects_at_last_delta = liveness.num_reconnects if liveness is not None else 0
         self._fallback: tuple[float, Callable[[], Awaitable[object]]] | None = None  # see fall_back
         self._failed_over = False  # went on elsewhere after a failure: an error then still bills what streamed
+        # Whether this gateway has every token streamed so far (not so for a stream taken over whose first deltas
+        # its worker no longer kept): a continuation goes on from them.
+        self.continuable = True
 
     @property
     def worker_id(self) -> str | None:
@@ -173,8 +178,9 @@ class RelayedRequest:
         puts it in the shared queue (see Relay.submit)."""
         self._fallback = (at, publish)
 
-    async def first(self) -> TokenDelta:
-        """The worker's first message; raises OpenAIError (503) if no worker takes it before the deadline."""
+    async def first(self, timeout_s: float | None = None) -> TokenDelta:
+        """The worker's first message; raises OpenAIError (503) if no worker takes it before the deadline (or
+        within ``timeout_s``, when given)."""
         if self._fallback is not None:
             at, publish = self._fallback
             self._fallback = None
@@ -182,7 +188,7 @@ class RelayedRequest:
                 return self._checked(await self._next(max(0.01, at - time.time())))
             except (TimeoutError, NatsTimeoutError):
                 await publish()  # the preferred worker did not take it soon: any worker may
-        timeout = max(0.1, self.request.deadline_at + DEADLINE_GRACE_S - time.time())
+        timeout = timeout_s or max(0.1, self.request.deadline_at + DEADLINE_GRACE_S - time.time())
         try:
             delta = await self._next(timeout)
         except (TimeoutError, NatsTimeoutError):
@@ -284,7 +290,7 @@ class RelayedRequest:
         whether a continuation was published."""
         for worker in self.state.lost():
             await self._cancel_on(worker)
-        if self._failover is None:
+        if self._failover is None or not self.continuable:
             return False
         continuation = await self._failover.continue_elsewhere(self.request, dead_worker, self._token_ids,
                                                                self._text_len)
@@ -370,6 +376,24 @@ class Relay:
             await relayed.close()
             raise
         return relayed
+
+    def taken_over(self, request: GenerateRequest, inbox: DeltaInbox, worker_id: str, first_seq: int
+                   ) -> RelayedRequest:
+        """A stream this gateway took over (gateway/stream_resume.py): ``worker_id`` runs ``request`` and resends
+        its deltas from ``first_seq`` to ``inbox``; it goes on (failovers included) as if it had started here."""
+        request = msgspec.structs.replace(request, reply_subject=self._router.subject)
+        relayed = RelayedRequest(self._nc, request, inbox, self._stall_timeout_s, self._retry_after_s,
+                                 self._liveness, self._failover)
+        relayed.state.taken_over(worker_id, first_seq)
+        relayed.continuable = first_seq == 0
+        return relayed
+
+    @property
+    def token_subject(self) -> str:
+        return self._router.subject
+
+    def open_inbox(self, request_id: str) -> DeltaInbox:
+        return self._router.open(request_id)
 
     async def _publish(self, request: GenerateRequest, payload: bytes | None = None, **where) -> None:
         try:

@@ -163,6 +163,12 @@ class RelayState:
         self.runs[worker] = Run(taken=False, offer_until=offer_until)
         self.hedge_worker, self.phase = worker, Phase.HEDGED
 
+    def taken_over(self, worker: str, next_seq: int) -> None:
+        """This gateway took over a stream another relayed (gateway/stream_resume.py): ``worker`` runs it and
+        resends its deltas from ``next_seq``. Its client has had the request's start: it is not hedged."""
+        self.runs = {worker: Run(next_seq=next_seq)}
+        self.worker_id, self.phase, self.has_output = worker, Phase.RUNNING, True
+
     def lost(self) -> list[str]:
         """Every run is taken for lost (the relay will continue the request or end it): the workers to dismiss."""
         workers = list(self.runs)

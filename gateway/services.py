@@ -49,6 +49,7 @@ from switchyard.gateway.queue_metrics import QueuePoller
 from switchyard.gateway.relay import Relay
 from switchyard.gateway.responses_service import ResponseService
 from switchyard.gateway.serving import CompletionService
+from switchyard.gateway.stream_resume import StreamResumer
 from switchyard.gateway.token_router import TokenRouter
 from switchyard.shared import nats_client
 from switchyard.shared.config import SwitchyardConfig
@@ -127,7 +128,7 @@ class GatewayServices:
                       Failover(self.js, publisher, self.registry, liveness, kv_index=self.kv_index),
                       Hedging(self.tier_policies, self.registry, liveness, publisher, self.metrics))
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
-                                             self.metrics, affinity=affinity)
+                                             self.metrics, affinity=affinity, resumer=StreamResumer(self.nc, relay))
         self.conversations = Conversations(pool, self.js)
         self.embeddings = EmbeddingService(self.completions)
         self.response_store = Responses(pool, self.js)

@@ -22,6 +22,7 @@ from switchyard.domain.admission.ticket import ServiceTier, Ticket
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.api.shapes import CHAT, TEXT
+from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.limits import text_tokens
 from switchyard.domain.registry import ModelRegistry
@@ -32,6 +33,8 @@ from switchyard.gateway.fanout import MergedRelay
 from switchyard.gateway.kv_index import KVIndex
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.relay import Relay, RelayedRequest
+from switchyard.gateway.stream_ids import BEFORE_ALL, EventIds, Position
+from switchyard.gateway.stream_resume import StreamResumer
 from switchyard.shared.config import GatewayConfig
 from switchyard.shared.messages import ChatMessage, GenerateRequest, TokenDelta, ToolCall, Usage
 from switchyard.shared.tier_store import PolicyCache
@@ -80,10 +83,12 @@ CLIENT_GONE = 499  # the status of an answer nobody reads (nginx's "client close
 class CompletionService:
     def __init__(self, relay: Relay, registry: ModelRegistry, tier_policies: PolicyCache, admission: Pipeline,
                  config: GatewayConfig, metrics: GatewayMetrics | None = None,
-                 affinity: AffinityIndex | KVIndex | None = None) -> None:
+                 affinity: AffinityIndex | KVIndex | None = None, resumer: StreamResumer | None = None) -> None:
         """``admission``: settles each ticket once its request ended. ``affinity``: which worker holds a
-        conversation's prefix (None: every request to the shared queue)."""
+        conversation's prefix (None: every request to the shared queue). ``resumer``: takes over streams whose
+        gateway died (None: Last-Event-ID is refused)."""
         self._relay = relay
+        self._resumer = resumer
         self._affinity = affinity
         self._metrics = metrics or GatewayMetrics()
         self._registry = registry
@@ -101,14 +106,17 @@ class CompletionService:
         fields = body.wire_fields()
         if messages is not None:
             fields["messages"] = messages
-        request = await self.wire_request(body, ticket, truncate_history=messages is not None, **fields)
+        request = await self.wire_request(body, ticket, truncate_history=messages is not None,
+                                          resumable_s=self._resumable_s(body.stream), **fields)
         shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, admitted_service(ticket).label,
                       extra=extra or {})
         return await self._serve(request, [request], shape, ticket, on_finish, left_out=left_out, gone=gone)
 
     async def completion(self, body: CompletionRequest, ticket: Ticket, gone: Gone | None = None):
         prompts = body.prompts
-        outer = await self.wire_request(body, ticket, **body.wire_fields(prompts[0]))
+        # Several prompts stream as one: their parts' deltas interleave, and no position says where a client is.
+        outer = await self.wire_request(body, ticket, resumable_s=self._resumable_s(body.stream and len(prompts) == 1),
+                                        **body.wire_fields(prompts[0]))
         parts = [outer] if len(prompts) == 1 else [
             msgspec.structs.replace(outer, request_id=f"{outer.request_id}-p{i}", **body.wire_fields(p))
             for i, p in enumerate(prompts)]
@@ -119,6 +127,32 @@ class CompletionService:
                       returned_per_prompt=body.n if body.num_generated > body.n else None,
                       generated_per_prompt=body.num_generated)
         return await self._serve(outer, parts, shape, ticket, logprobs_asked=body.logprobs is not None, gone=gone)
+
+    async def resume_chat(self, body: ChatCompletionRequest, auth: AuthContext, last_event_id: str):
+        """A chat stream resumed from ``last_event_id`` (gateway/stream_resume.py): nothing admitted again."""
+        label = body.service_tier if body.service_tier in ("flex", "priority") else "default"
+        shape = Shape(CHAT, True, body.include_usage, body.include_obfuscation, label)
+        return await self._resume(shape, auth, last_event_id)
+
+    async def resume_completion(self, body: CompletionRequest, auth: AuthContext, last_event_id: str):
+        shape = Shape(TEXT, True, body.include_usage, body.include_obfuscation)
+        return await self._resume(shape, auth, last_event_id)
+
+    async def _resume(self, shape: Shape, auth: AuthContext, last_event_id: str):
+        if self._resumer is None or not self._config.stream_resume_window_s:
+            raise OpenAIError(400, "This gateway does not resume streams (stream_resume_window_s is 0).",
+                              code="unsupported_parameter", param="Last-Event-ID")
+        relayed, first, position = await self._resumer.take_over(last_event_id, auth.tenant_id)
+        request_id = relayed.request.request_id
+        return BoundedStream(self._stream(relayed, first, shape, None, Outcome(request_id=request_id), None, position),
+                             send_timeout_s=self._config.stream_send_timeout_s,
+                             max_buffered_bytes=self._config.stream_max_buffered_bytes,
+                             buffered=lambda: relayed.buffered_bytes, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+
+    def _resumable_s(self, stream: bool) -> float:
+        """How long a stream whose gateway dies waits at its worker to be resumed (0: not resumable)."""
+        return self._config.stream_resume_window_s if stream else 0.0
 
     async def wire_request(self, body, ticket: Ticket, **fields) -> GenerateRequest:
         """The wire request of an admitted ``ticket``: its ids, tier, deadline and tenant, ``body``'s end user and
@@ -217,7 +251,7 @@ class CompletionService:
             raise flex_refusal(exc, self._config.retry_after_s) from exc
         return relayed, first
 
-    async def end(self, relayed, ticket: Ticket, outcome: Outcome, used_tokens: int | None,
+    async def end(self, relayed, ticket: Ticket | None, outcome: Outcome, used_tokens: int | None,
                   on_finish: OnFinish | None = None) -> None:
         """After a request's last delta, or when its client went away: stop the worker if it still runs, settle
         the ticket (``used_tokens`` None: unknown here, the worker bills them), hand ``outcome`` on, remember
@@ -226,14 +260,15 @@ class CompletionService:
         level-triggered), so steps awaited one by one would stop at the first."""
         await asyncio.shield(self._end(relayed, ticket, outcome, used_tokens, on_finish))
 
-    async def _end(self, relayed, ticket: Ticket, outcome: Outcome, used_tokens: int | None,
+    async def _end(self, relayed, ticket: Ticket | None, outcome: Outcome, used_tokens: int | None,
                    on_finish: OnFinish | None) -> None:
         try:
             if not relayed.is_finished:
                 await relayed.cancel()
             await relayed.close()
         finally:
-            await self._admission.settle(ticket, used_tokens)
+            if ticket is not None:  # None: a stream taken over from a gateway that died (it held the ticket)
+                await self._admission.settle(ticket, used_tokens)
             if on_finish is not None:
                 await on_finish(outcome)
             await self._remember(relayed, outcome)
@@ -288,32 +323,39 @@ class CompletionService:
             yield delta
         timer.finished()
 
-    async def _stream(self, relayed, first: TokenDelta, shape: Shape, ticket: Ticket, outcome: Outcome,
-                      on_finish: OnFinish | None) -> AsyncIterator[bytes]:
+    async def _stream(self, relayed, first: TokenDelta, shape: Shape, ticket: Ticket | None, outcome: Outcome,
+                      on_finish: OnFinish | None, after: Position = BEFORE_ALL) -> AsyncIterator[bytes]:
+        """The SSE body. A resumable stream's events carry ids (gateway/stream_ids.py); ``after``: a stream taken
+        over, whose client has every event up to there."""
         req = relayed.request
         chunks = ChunkBuilder(shape, req)
+        ids = EventIds(req.request_id, after) if req.resumable_s else None
         usage: Usage | None = None
         reply = BodyBuilder(shape, req, logprobs=False)  # choice 0, for on_finish and the affinity index
         try:
             # Chunks already here are written together, one send and so one socket write instead of one each:
             # deltas that arrived together, and the last delta's chunks with the usage chunk and [DONE] (a
             # one-token stream: headers, the opening, the rest, the end of the body).
-            ready: list[bytes] = [chunks.opening(i) for i in range(req.sampling.n)] if shape.kind.is_chat else []
+            ready: list[bytes] = []
+            opening = [chunks.opening(i) for i in range(req.sampling.n)] if shape.kind.is_chat else []
             async for delta in self.deltas(relayed, first):
                 if delta.usage is not None:
                     usage = delta.usage
                 if delta.error is not None:
-                    ready.append(sse(OpenAIError.from_info(delta.error).body()))
+                    error = [sse(OpenAIError.from_info(delta.error).body())]
+                    ready += ids.more(error) if ids is not None else error
                     break
                 if delta.index == 0:
                     reply.add(delta)
-                ready += chunks.from_delta(delta)
+                made = opening + chunks.from_delta(delta)
+                opening = []
+                ready += ids.of_delta(delta, made) if ids is not None else made
                 if ready and relayed.next_delta_waits:
                     yield b"".join(ready)
                     ready.clear()
-            if shape.include_usage and usage is not None:
-                ready.append(chunks.usage(usage))
-            ready.append(sse("[DONE]"))
+            end = [chunks.usage(usage)] if shape.include_usage and usage is not None else []
+            end.append(sse("[DONE]"))
+            ready += ids.more(end) if ids is not None else end
             yield b"".join(ready)
         finally:
             # Reached on normal end, and on client disconnect (the response task is cancelled): a worker still

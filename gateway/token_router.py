@@ -9,6 +9,9 @@ message per step to each gateway it serves, and the router hands each delta, sti
 inbox: a dict lookup and, when the reader waits, one wake-up. The reader decodes it on its own turn, and what
 waits for a slow reader is counted in bytes (gateway/client_watch.py bounds it).
 
+Every idle tick the router also says the gateway lives (``llm.gw.alive.<gateway_id>``): a worker whose stream's
+gateway stops saying so keeps the stream for another gateway to take over (gateway/stream_resume.py).
+
 An inbox is registered before its request is published, and the subscription exists from the gateway's start, so
 no delta can come before there is somewhere for it to go. A delta for a request no longer relayed (its client left,
 a superseded worker's late one) is dropped here.
@@ -106,7 +109,8 @@ class TokenRouter:
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
-        self.subject = subjects.gateway_token_subject(uuid.uuid4().hex)  # this process's alone
+        self.gateway_id = uuid.uuid4().hex
+        self.subject = subjects.gateway_token_subject(self.gateway_id)  # this process's alone
         self._inboxes: dict[str, DeltaInbox] = {}
         self._sub: Subscription | None = None
         self._ticking: asyncio.Task | None = None
@@ -119,7 +123,10 @@ class TokenRouter:
         self._ticking = self.loop.create_task(self._tick())
 
     async def _tick(self) -> None:
+        alive = subjects.gateway_alive_subject(self.gateway_id)
         while True:
+            with contextlib.suppress(Exception):  # NATS away: the workers judge this gateway by what they hear
+                await self._nc.publish(alive, b"")
             await asyncio.sleep(IDLE_TICK_S)
             for inbox in list(self._inboxes.values()):
                 inbox.tick()

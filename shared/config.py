@@ -108,6 +108,10 @@ class GatewayConfig(BaseModel):
     # deltas waiting behind it over this many bytes, ends the stream and stops its work.
     stream_send_timeout_s: float = Field(30.0, gt=0)
     stream_max_buffered_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # A chat or completions stream whose gateway dies goes on for this long at its worker, for the client to resume
+    # it on any gateway with Last-Event-ID (gateway/stream_resume.py); then it is cancelled, billed for what ran.
+    # 0: streams are not resumable.
+    stream_resume_window_s: float = Field(30.0, ge=0)
     # Until API keys carry a tier, a trusted deployment (tests, benchmarks) may let clients pick one by header.
     allow_tier_header: bool = False
     admin_key: str | None = None  # enables /admin/* for `Authorization: Bearer <admin_key>`

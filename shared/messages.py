@@ -173,6 +173,9 @@ class GenerateRequest(msgspec.Struct):
     # Disaggregated serving: in its model's prefill queue, a prefill worker runs it to its first token and ends it
     # with finish_reason HANDOVER, billing nothing; the gateway continues it on a decode worker (gateway/relay.py).
     handover: bool = False
+    # A resumable stream (gateway/stream_resume.py): the worker keeps the deltas it sent, and if the gateway
+    # relaying them dies it goes on for this long for a client to resume on another gateway. 0: not resumable.
+    resumable_s: float = 0.0
 
 
 # The finish reason of a prefill worker's part of a request (``GenerateRequest.handover``): never a client's.
@@ -355,6 +358,30 @@ class BatchResult(msgspec.Struct):
     choices: list[BatchChoice] = msgspec.field(default_factory=list)
     usage: Usage | None = None
     error: ErrorInfo | None = None
+
+
+class StreamResume(msgspec.Struct):
+    """A gateway asks for a stream whose gateway died (``llm.resume.<request_id>``): the worker holding it answers
+    (``ResumeAnswer``), sends every delta of its run it still holds to ``reply_subject``, then the later ones."""
+
+    request_id: str
+    tenant_id: str | None  # only the tenant that made the request may resume it
+    reply_subject: str
+    # The last delta the client has events of (gateway/stream_ids.py): one the worker never sent is refused.
+    attempt: int = 0
+    seq: int = 0
+
+
+class ResumeAnswer(msgspec.Struct):
+    """The holder's answer to a ``StreamResume``. ``status``: ``ok`` (its deltas follow, from ``first_seq``; it had
+    sent ``next_seq`` of them), ``gone`` (it ended or was cancelled, its window over, or the deltas after the
+    client's are no longer kept: nothing to resume), or ``ahead`` (the client names a delta never sent)."""
+
+    status: str
+    request: GenerateRequest | None = None  # ok: the request as the worker runs it (its attempt, its resume)
+    worker_id: str = ""
+    first_seq: int = 0
+    next_seq: int = 0
 
 
 class WorkerInfo(msgspec.Struct):

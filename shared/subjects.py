@@ -8,6 +8,8 @@
 | llm.tok.gw.<gateway_id>    | core NATS                    | RoutedDelta list: a step's deltas of one gateway |
 | llm.tok.<request_id>       | core NATS                    | TokenDelta, for a request that names no reply subject |
 | llm.cancel.<request_id>    | core NATS                    | empty body: stop this request             |
+| llm.gw.alive.<gateway_id>  | core NATS                    | empty: a gateway reads its token subject (each second) |
+| llm.resume.<request_id>    | core NATS request            | StreamResume → ResumeAnswer, from the worker holding it |
 | llm.usage                  | JetStream USAGE, limits      | UsageRecord (one per finished request)    |
 | llm.events.rejected.<m>.<t>| JetStream EVENTS, 5 min      | empty: one 429 queue_full, for ops counts |
 | llm.result.<batch_id>      | JetStream BATCH_RESULTS, 7 d | BatchResult (a batch line's outcome)      |
@@ -37,6 +39,8 @@ BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCH_RESULTS_CONSUMER = "batch-runner"
 ALIVE_PREFIX = "llm.alive"  # llm.alive.<worker_id>: a worker's liveness ping, its seats free (core NATS)
 ALIVE_INTERVAL_S = 1.0
+GATEWAY_ALIVE_PREFIX = "llm.gw.alive"  # llm.gw.alive.<gateway_id>: a gateway's liveness ping (core NATS)
+RESUME_PREFIX = "llm.resume"  # llm.resume.<request_id>: a gateway asks for a stream whose gateway died
 HELD_WRITES_STREAM = "HELD_WRITES"
 HELD_PREFIX = "llm.held"
 HELD_TURN_SUBJECT = "llm.held.turn"  # a conversation turn Postgres could not take when it ended (jobs/held_writes.py)
@@ -115,6 +119,20 @@ def gateway_token_subject(gateway_id: str) -> str:
     """One gateway process's token subject: the deltas of every request it relays, a worker's step of them per
     message (``RoutedDelta`` lists; gateway/token_router.py)."""
     return f"{TOKEN_PREFIX}.gw.{gateway_id}"
+
+
+def gateway_of(token_subject: str) -> str | None:
+    """The gateway id of a gateway's token subject (None: not one, e.g. a wire client's own subject)."""
+    prefix = f"{TOKEN_PREFIX}.gw."
+    return token_subject[len(prefix):] if token_subject.startswith(prefix) else None
+
+
+def gateway_alive_subject(gateway_id: str) -> str:
+    return f"{GATEWAY_ALIVE_PREFIX}.{gateway_id}"
+
+
+def resume_subject(request_id: str) -> str:
+    return f"{RESUME_PREFIX}.{request_id}"
 
 
 def cancel_subject(request_id: str) -> str:

@@ -1,5 +1,5 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: read the body, admit it, serve it
-(gateway/serving.py)."""
+(gateway/serving.py); a stream sent again with ``Last-Event-ID`` is resumed instead (gateway/stream_resume.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,16 @@ def router(services: GatewayServices) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         check_bounds(body, limits)
+        if body.stream and (last_event_id := request.headers.get("last-event-id")):
+            return await services.completions.resume_chat(body, auth, last_event_id)
         ticket = await admit(services, request, request_ticket(auth, body))
         return await services.completions.chat(body, ticket, gone=until_gone(request))
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         check_bounds(body, limits)
+        if body.stream and (last_event_id := request.headers.get("last-event-id")):
+            return await services.completions.resume_completion(body, auth, last_event_id)
         ticket = await admit(services, request, request_ticket(auth, body))
         return await services.completions.completion(body, ticket, gone=until_gone(request))
 

@@ -4,6 +4,7 @@
     relay(tracked, d)  each step's delta of a request (a batch line's text is gathered for its result)
     finished(tracked)  after the request's last delta: its usage record, then a batch line's whole result
     error(request, e)  instead of any of these, or of the rest: the request ends with ``e``
+    take_over(ask)     another gateway takes a resumable stream over: its kept deltas again, then the rest there
 
 A step's deltas go out together (``StepDeltas``, then ``send``): one message per gateway, holding the deltas of
 every request that gateway relays (``GenerateRequest.reply_subject``). A message per delta would cost the worker,
@@ -13,7 +14,10 @@ second); this way it is one per step and gateway (bench/streams.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -25,12 +29,14 @@ from switchyard.shared.messages import (
     ErrorInfo,
     GenerateRequest,
     RoutedDelta,
+    StreamResume,
     TokenDelta,
     Usage,
     UsageRecord,
     encode,
 )
 from switchyard.workers.service.held import Tracked
+from switchyard.workers.service.stream_replay import StreamReplays
 
 log = logging.getLogger("switchyard.worker")
 
@@ -82,33 +88,62 @@ class Publisher:
     """Publishes one worker's outputs; every method is safe to call whatever NATS is doing (errors are logged
     where a retry happens elsewhere)."""
 
-    def __init__(self, nc, js, worker_id: str) -> None:
+    def __init__(self, nc, js, worker_id: str, replays: StreamReplays | None = None) -> None:
+        """``replays``: where a resumable request's deltas are kept, and where they go after another gateway took
+        its stream over (workers/service/stream_replay.py)."""
         self._nc = nc
         self._js = js
         self.worker_id = worker_id
+        self._replays = replays
         self._next_seq: dict[str, int] = {}  # per request still publishing: the seq its next delta gets
+        # A stream taken over is sent its kept deltas while no step's go out, so that none comes before them.
+        self._sending = asyncio.Lock()
 
     async def delta(self, request: GenerateRequest, delta: TokenDelta, step: StepDeltas | None = None) -> None:
         """Number ``delta`` and send it, or add it to ``step`` (sent with the step's others by ``send``)."""
         delta.seq = self._next_seq.get(delta.request_id, 0)
         delta.worker_id = self.worker_id
         self._next_seq[delta.request_id] = delta.seq + 1
-        if request.reply_subject is None:  # a wire client subscribed to the request's own subject
-            await self._nc.publish(subjects.token_subject(delta.request_id), encode(delta))
+        data = encode(delta)
+        route = request.reply_subject
+        if self._replays is not None:
+            self._replays.record(request, delta.seq, data)
+            route = self._replays.route(request)
+        if route is None:  # a wire client subscribed to the request's own subject
+            await self._nc.publish(subjects.token_subject(delta.request_id), data)
         elif step is not None:
-            step.add(request.reply_subject, delta.request_id, encode(delta))
+            step.add(route, delta.request_id, data)
         else:  # outside a step (a refusal from the intake): alone, at once
             alone = StepDeltas()
-            alone.add(request.reply_subject, delta.request_id, encode(delta))
+            alone.add(route, delta.request_id, data)
             await self.send(alone)
 
     async def send(self, step: StepDeltas) -> None:
         """Every delta added to ``step``: a message per gateway (more where one would pass NATS's max_payload)."""
+        async with self._sending:
+            await self._send(step)
+
+    async def _send(self, step: StepDeltas) -> None:
         max_bytes = self._nc.max_payload - HEADER_ROOM
         for subject, deltas in step.by_subject.items():
             for data in messages_of(deltas, max_bytes):
                 await self._nc.publish(subject, data)
         step.by_subject.clear()
+
+    async def take_over(self, ask: StreamResume, respond: Callable[[bytes], Awaitable[object]]) -> None:
+        """Another gateway asks for a stream (gateway/stream_resume.py). While no step's deltas go out, its route
+        moves there, ``respond`` gets the answer, and the deltas kept of it follow, before any later one."""
+        assert self._replays is not None  # asked only of a worker that keeps them
+        async with self._sending:
+            taken = self._replays.resume(ask)
+            if taken is None:
+                return  # not ours, or not the asker's: no answer, as for an unknown request
+            answer, deltas = taken
+            await respond(encode(answer))
+            again = StepDeltas()
+            for data in deltas:
+                again.add(ask.reply_subject, ask.request_id, data)
+            await self._send(again)
 
     async def started(self, tracked: Tracked, step: StepDeltas | None = None) -> None:
         """``tracked`` is in the engine: its first delta, and a batch line's hint for the batch runner."""
@@ -130,6 +165,8 @@ class Publisher:
         await self.delta(request, TokenDelta(request.request_id, error=error, attempt=attempt_of(request),
                                              is_last=True), step)
         self._next_seq.pop(request.request_id, None)
+        if self._replays is not None:
+            self._replays.finished(request.request_id, time.monotonic())
         if request.result_subject:
             await self.batch_result(request, BatchResult(request.request_id, self.worker_id, error=error))
 
@@ -152,6 +189,8 @@ class Publisher:
         continued it bills every token and answers."""
         req = tracked.request
         self._next_seq.pop(req.request_id, None)  # its last delta is out
+        if self._replays is not None:
+            self._replays.finished(req.request_id, time.monotonic(), cancelled=finish_reason == "cancelled")
         if tracked.superseded or finish_reason == HANDOVER:
             return
         record = UsageRecord(

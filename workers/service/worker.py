@@ -49,6 +49,8 @@ from switchyard.workers.service.liveness import Liveness
 from switchyard.workers.service.metrics import WorkerMetrics
 from switchyard.workers.service.publisher import Publisher
 from switchyard.workers.service.step_loop import StepLoop
+from switchyard.workers.service.stream_replay import StreamReplays
+from switchyard.workers.service.stream_takeover import StreamTakeover
 from switchyard.workers.serving.interface import EngineUnavailable, ServingEngine
 
 log = logging.getLogger("switchyard.worker")
@@ -99,7 +101,8 @@ class Worker:
         nc = await nats_client.connect(config.nats_url, f"switchyard-worker-{self.worker_id}",
                                        tls_ca=config.nats_tls_ca, reconnected_cb=on_reconnect)
         js = nc.jetstream()
-        out = Publisher(nc, js, self.worker_id)
+        replays = StreamReplays(self.worker_id, time.monotonic())
+        out = Publisher(nc, js, self.worker_id, replays)
         intake = self._intake = Intake(self.engine, nc, js, self._queue, self.worker_id, self._held,
                                        self._capacity, out, config.worker.prepare_threads)
         try:
@@ -115,6 +118,8 @@ class Worker:
             node = node_id(w.kv_offload_host_dir, w.kv_offload_dir)
             kv_events = KVEventPublisher(nc, self.engine, self.model_name, self.worker_id, node, self.role)
             await kv_events.start()
+            takeover = StreamTakeover(nc, replays, out, self._held)
+            await takeover.start()
             kv_blocks = KVBlockExchange(nc, self.model_name, node)
             if self.engine.capabilities.kv_exchange:
                 await kv_blocks.start(self.engine.connect_kv_peers(kv_blocks))
@@ -139,6 +144,7 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await liveness.stop()
+            await takeover.stop()
             await kv_events.stop()
             await kv_blocks.stop()
             for sub in subscriptions:

@@ -1,0 +1,77 @@
+"""Streams that outlive their gateway, a gateway's side: a client whose stream broke sends its request again, to any
+gateway, with the ``Last-Event-ID`` of the last event it got; the worker running it hands the stream over, and the
+client gets every later event once (the worker's side: workers/service/stream_replay.py).
+
+    POST /v1/chat/completions or /v1/completions, "stream": true, Last-Event-ID: <request>.<attempt>.<seq>.<n>
+      ──▶ not an id of ours: 404 ──▶ this gateway's inbox for the request opened, then
+          llm.resume.<request> (StreamResume: the caller's tenant, this gateway's token subject, the position)
+      ──▶ no answer within RESUME_ASK_S: 404 (unknown, another tenant's, or its worker gone too)
+          gone:  410 (it ended, was cancelled, or waited past stream_resume_window_s with no gateway)
+          ahead: 404 (the id names an event never sent)
+          ok:    the worker resends its run's deltas, then the later ones; they are formatted as the first gateway
+                 did and only the events after the client's are written (gateway/stream_ids.py)
+
+Nothing is admitted or billed again: the request was admitted once, and its worker bills it when it ends. A
+stream whose client closed the connection itself was cancelled then (as OpenAI's API does), so it is gone.
+"""
+
+from __future__ import annotations
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from switchyard.domain.errors import OpenAIError
+from switchyard.gateway.relay import Relay, RelayedRequest
+from switchyard.gateway.stream_ids import Position, parse_event_id
+from switchyard.shared import subjects
+from switchyard.shared.messages import ResumeAnswer, StreamResume, TokenDelta, decode, encode
+
+RESUME_ASK_S = 1.0  # a worker holding the stream answers at once; silence means none does
+_FIRST_DELTA_S = 10.0  # its resent deltas follow the answer at once; this only bounds a NATS hiccup
+
+
+def _not_found() -> OpenAIError:
+    return OpenAIError(404, "No stream to resume for this Last-Event-ID: it is not one of your streams, or it "
+                       "names an event that was never sent.", code="stream_not_found", param="Last-Event-ID")
+
+
+class StreamResumer:
+    """Takes streams over for this gateway; one per gateway process."""
+
+    def __init__(self, nc: NATS, relay: Relay) -> None:
+        self._nc = nc
+        self._relay = relay
+
+    async def take_over(self, last_event_id: str, tenant_id: str | None
+                        ) -> tuple[RelayedRequest, TokenDelta, Position]:
+        """The relayed request, its first resent delta, and where the client is; raises OpenAIError 404/410."""
+        try:
+            request_id, position = parse_event_id(last_event_id)
+        except ValueError:
+            raise _not_found() from None
+        inbox = self._relay.open_inbox(request_id)  # before asking: the resent deltas come right after the answer
+        try:
+            ask = StreamResume(request_id, tenant_id, self._relay.token_subject, position.attempt, position.seq)
+            try:
+                reply = await self._nc.request(subjects.resume_subject(request_id), encode(ask),
+                                               timeout=RESUME_ASK_S)
+                answer = decode(reply.data, ResumeAnswer)
+            except (NatsTimeoutError, NoRespondersError, TimeoutError):
+                raise _not_found() from None
+            if answer.status == "gone":
+                raise OpenAIError(410, "This stream can no longer be resumed: it ended, was cancelled when its "
+                                  "client left, or waited longer than the resume window with no gateway.",
+                                  code="stream_expired", param="Last-Event-ID")
+            if answer.status != "ok" or answer.request is None:
+                raise _not_found()
+            relayed = self._relay.taken_over(answer.request, inbox, answer.worker_id, answer.first_seq)
+        except BaseException:
+            await inbox.close()
+            raise
+        try:
+            first = await relayed.first(_FIRST_DELTA_S)
+        except BaseException:
+            await relayed.close()
+            raise
+        return relayed, first, position

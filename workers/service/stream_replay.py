@@ -1,0 +1,145 @@
+"""Streams that outlive their gateway: the deltas a worker sent of each resumable request, kept so that another
+gateway can take the stream over when the one relaying it dies (gateway/stream_resume.py).
+
+    every delta of a resumable request ──▶ record: kept (at most MAX_BYTES_PER_REQUEST; the oldest go first while
+                                           its gateway reads, the request is cancelled once they would while none
+                                           does), sent to the request's route: its gateway's token subject
+    gateways' pings (llm.gw.alive.<id>) ─▶ heard: a request whose gateway is silent for DEAD_AFTER_S is orphaned
+    sweep, every second              ──▶ an orphan past its window (``GenerateRequest.resumable_s``): cancelled,
+                                           billed for what ran; a finished one's deltas dropped after FINISHED_KEEP_S
+                                           (kept until its window ends if its gateway died meanwhile)
+    llm.resume.<request_id>          ──▶ resume: the owner tenant's ask answered ok (the route moves to the asking
+                                           gateway, every kept delta is sent there again, then the later ones),
+                                           or gone (a recent request ended, for its tenant only); anyone else's
+                                           ask is not answered, so the asker cannot tell it from an unknown id
+
+Pure bookkeeping: the worker's event loop calls it (workers/service/publisher.py sends, worker.py subscribes).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from switchyard.shared import subjects
+from switchyard.shared.messages import GenerateRequest, ResumeAnswer, StreamResume
+
+# A gateway is taken for dead after missing this many of its pings (as the gateways judge workers).
+DEAD_AFTER_S = 3 * subjects.ALIVE_INTERVAL_S
+# A finished request's deltas are kept this long in case its gateway dies before it wrote the last of them.
+FINISHED_KEEP_S = DEAD_AFTER_S + 2 * subjects.ALIVE_INTERVAL_S
+MAX_BYTES_PER_REQUEST = 4 << 20
+GONE_REMEMBERED = 10_000  # ended requests whose owner is told "gone" rather than nothing
+
+
+@dataclass
+class Replay:
+    """One resumable request's sent deltas and where they go."""
+
+    request: GenerateRequest
+    route: str  # the token subject its deltas go to: its gateway's, or the one that took the stream over
+    deltas: list[bytes] = field(default_factory=list)  # encoded TokenDeltas, seq first_seq onward
+    first_seq: int = 0
+    size: int = 0
+    orphaned_at: float | None = None  # when its gateway was found gone (None: one reads it)
+    finished_at: float | None = None  # when its last delta went out
+    overflowed: bool = False  # its kept deltas passed the cap while no gateway read them
+
+
+class StreamReplays:
+    """Every resumable request of one worker; see the module docstring. Times are ``time.monotonic()``."""
+
+    def __init__(self, worker_id: str, started_at: float, max_bytes: int = MAX_BYTES_PER_REQUEST) -> None:
+        self._worker_id = worker_id
+        self._max_bytes = max_bytes
+        self._replays: dict[str, Replay] = {}
+        self._gone: OrderedDict[str, str | None] = OrderedDict()  # request id -> its tenant
+        self._heard: dict[str, float] = {}  # gateway id -> last ping
+        self._listening_since = started_at
+
+    def __len__(self) -> int:
+        return len(self._replays)
+
+    def route(self, request: GenerateRequest) -> str | None:
+        """Where ``request``'s deltas go now."""
+        replay = self._replays.get(request.request_id)
+        return replay.route if replay is not None else request.reply_subject
+
+    def record(self, request: GenerateRequest, seq: int, data: bytes) -> None:
+        """``request``'s delta ``seq`` (encoded) goes out now. A run's first delta starts its replay; a new
+        attempt's (a continuation that came back here) starts it again."""
+        if not request.resumable_s or request.reply_subject is None:
+            return
+        replay = self._replays.get(request.request_id)
+        if replay is None or seq == 0:
+            route = replay.route if replay is not None else request.reply_subject
+            replay = self._replays[request.request_id] = Replay(request, route, first_seq=seq)
+        replay.deltas.append(data)
+        replay.size += len(data)
+        while replay.size > self._max_bytes and len(replay.deltas) > 1:
+            if replay.orphaned_at is not None:
+                replay.overflowed = True  # no one reads it and it would lose what a resume needs: the sweep ends it
+                return
+            replay.size -= len(replay.deltas.pop(0))
+            replay.first_seq += 1
+
+    def finished(self, request_id: str, now: float, cancelled: bool = False) -> None:
+        """Its last delta is out; ``cancelled``, a gateway stopped it (its client left): nothing to resume."""
+        replay = self._replays.get(request_id)
+        if replay is not None:
+            replay.finished_at = now
+            if cancelled:
+                self._forget(request_id)
+
+    def heard(self, gateway_id: str, now: float) -> None:
+        self._heard[gateway_id] = now
+
+    def _gateway_gone(self, route: str, now: float) -> bool:
+        gateway = subjects.gateway_of(route)
+        if gateway is None:
+            return False
+        return now - max(self._heard.get(gateway, 0.0), self._listening_since) > DEAD_AFTER_S
+
+    def sweep(self, now: float) -> list[str]:
+        """Orphan the requests whose gateway went, drop what need not be kept; returns the requests to cancel
+        (orphans past their window, or whose kept deltas overflowed)."""
+        cancel: list[str] = []
+        for request_id, replay in list(self._replays.items()):
+            if self._gateway_gone(replay.route, now):
+                replay.orphaned_at = replay.orphaned_at or now
+            else:
+                replay.orphaned_at = None
+            if replay.orphaned_at is None:
+                if replay.finished_at is not None and now - replay.finished_at > FINISHED_KEEP_S:
+                    self._forget(request_id)
+                continue
+            if replay.overflowed or now - replay.orphaned_at > replay.request.resumable_s:
+                if replay.finished_at is None:
+                    cancel.append(request_id)
+                self._forget(request_id)
+        return cancel
+
+    def _forget(self, request_id: str) -> None:
+        replay = self._replays.pop(request_id)
+        self._gone[request_id] = replay.request.tenant_id
+        while len(self._gone) > GONE_REMEMBERED:
+            self._gone.popitem(last=False)
+
+    def resume(self, ask: StreamResume) -> tuple[ResumeAnswer, list[bytes]] | None:
+        """Answer a gateway's ask to take a stream over: the answer and the deltas to send it (the route moves to
+        it first), or None when this worker has nothing of it for that tenant (the ask goes unanswered)."""
+        replay = self._replays.get(ask.request_id)
+        if replay is None or replay.request.tenant_id != ask.tenant_id:
+            if ask.request_id in self._gone and self._gone[ask.request_id] == ask.tenant_id:
+                return ResumeAnswer("gone", worker_id=self._worker_id), []
+            return None
+        attempt = replay.request.resume.attempt if replay.request.resume is not None else 0
+        next_seq = replay.first_seq + len(replay.deltas)
+        if ask.attempt > attempt or (ask.attempt == attempt and ask.seq >= next_seq):
+            return ResumeAnswer("ahead", worker_id=self._worker_id), []
+        if ask.attempt == attempt and ask.seq + 1 < replay.first_seq:
+            return ResumeAnswer("gone", worker_id=self._worker_id), []  # what follows the client's was let go
+        replay.route = ask.reply_subject
+        replay.orphaned_at = None
+        answer = ResumeAnswer("ok", replay.request, self._worker_id, replay.first_seq, next_seq)
+        return answer, list(replay.deltas)
