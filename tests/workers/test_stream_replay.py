@@ -110,3 +110,17 @@ def test_kept_deltas_are_bounded_the_oldest_go_while_read_and_an_orphan_overflow
     replays.sweep(10.0)  # g1 never heard: orphaned
     sent(replays, req, 1, start=10)
     assert replays.sweep(10.5) == ["r"]  # no room left for what a resume needs: ended
+
+
+def test_a_superseded_run_lets_go_without_a_trace_so_only_the_run_that_goes_on_answers():
+    replays = StreamReplays("w", started_at=0.0)
+    req = request()
+    sent(replays, req, 3)
+    replays.drop("r", attempt=0)  # a gateway dismissed it: the winner of a hedge, or a continuation, answers
+    assert replays.resume(StreamResume("r", "t", G2)) is None  # not even "gone": another worker has it
+    sent(replays, req, 1, start=3)  # its last deltas before the cancel took effect
+    assert replays.resume(StreamResume("r", "t", G2)) is None
+    continuation = request(resume=Resume([1], 1, attempt=1))
+    sent(replays, continuation, 2)  # a later attempt here starts afresh
+    replays.drop("r", attempt=0)  # the old run's end: it does not take the new one with it
+    assert replays.resume(StreamResume("r", "t", G2, attempt=1, seq=0))[0].status == "ok"

@@ -147,6 +147,7 @@ class Intake:
         log.warning("request %s: attempt %d here is stale (attempt %d is queued): stopping it", request_id,
                     attempt_of(tracked.request), attempt)
         tracked.superseded = True
+        self._out.drop_stream(tracked.request)
         if self._held.holds(request_id):
             self._held.abort(request_id)
         else:  # still being prepared: it is refused once it is
@@ -167,6 +168,7 @@ class Intake:
                 return
             if tracked is not None:
                 tracked.superseded = True
+                self._out.drop_stream(tracked.request)
             elif not self._held.has_taken(request_id):
                 return  # the run it addresses ended here already: a continuation of it arriving later must run
         if self._held.holds(request_id):

@@ -130,6 +130,11 @@ class Publisher:
                 await self._nc.publish(subject, data)
         step.by_subject.clear()
 
+    def drop_stream(self, request: GenerateRequest) -> None:
+        """This run of ``request`` no longer answers for its stream (superseded, or handed over): another does."""
+        if self._replays is not None:
+            self._replays.drop(request.request_id, attempt_of(request))
+
     async def take_over(self, ask: StreamResume, respond: Callable[[bytes], Awaitable[object]]) -> None:
         """Another gateway asks for a stream (gateway/stream_resume.py). While no step's deltas go out, its route
         moves there, ``respond`` gets the answer, and the deltas kept of it follow, before any later one."""
@@ -189,10 +194,11 @@ class Publisher:
         continued it bills every token and answers."""
         req = tracked.request
         self._next_seq.pop(req.request_id, None)  # its last delta is out
+        if tracked.superseded or finish_reason == HANDOVER:
+            self.drop_stream(req)
+            return
         if self._replays is not None:
             self._replays.finished(req.request_id, time.monotonic(), cancelled=finish_reason == "cancelled")
-        if tracked.superseded or finish_reason == HANDOVER:
-            return
         record = UsageRecord(
             request_id=req.request_id,
             model=req.model,

@@ -71,9 +71,11 @@ class StreamReplays:
         if not request.resumable_s or request.reply_subject is None:
             return
         replay = self._replays.get(request.request_id)
-        if replay is None or seq == 0:
+        if seq == 0:
             route = replay.route if replay is not None else request.reply_subject
-            replay = self._replays[request.request_id] = Replay(request, route, first_seq=seq)
+            replay = self._replays[request.request_id] = Replay(request, route)
+        elif replay is None:
+            return  # a run let go of (superseded): nothing of it is kept again
         replay.deltas.append(data)
         replay.size += len(data)
         while replay.size > self._max_bytes and len(replay.deltas) > 1:
@@ -90,6 +92,13 @@ class StreamReplays:
             replay.finished_at = now
             if cancelled:
                 self._forget(request_id)
+
+    def drop(self, request_id: str, attempt: int) -> None:
+        """Let go of run ``attempt`` of ``request_id``, with no trace: it was superseded (a gateway dismissed it,
+        a later attempt runs) or handed over, and the run that goes on elsewhere answers for the stream."""
+        replay = self._replays.get(request_id)
+        if replay is not None and _attempt(replay.request) == attempt:
+            del self._replays[request_id]
 
     def heard(self, gateway_id: str, now: float) -> None:
         self._heard[gateway_id] = now
@@ -133,7 +142,7 @@ class StreamReplays:
             if ask.request_id in self._gone and self._gone[ask.request_id] == ask.tenant_id:
                 return ResumeAnswer("gone", worker_id=self._worker_id), []
             return None
-        attempt = replay.request.resume.attempt if replay.request.resume is not None else 0
+        attempt = _attempt(replay.request)
         next_seq = replay.first_seq + len(replay.deltas)
         if ask.attempt > attempt or (ask.attempt == attempt and ask.seq >= next_seq):
             return ResumeAnswer("ahead", worker_id=self._worker_id), []
@@ -143,3 +152,7 @@ class StreamReplays:
         replay.orphaned_at = None
         answer = ResumeAnswer("ok", replay.request, self._worker_id, replay.first_seq, next_seq)
         return answer, list(replay.deltas)
+
+
+def _attempt(request: GenerateRequest) -> int:
+    return request.resume.attempt if request.resume is not None else 0
