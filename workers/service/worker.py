@@ -7,8 +7,10 @@
     ├─ Capacity (capacity.py)   the engine's capacity after its last step + what is held ─▶ Allowance,
     │                           asked by the intake (what to pull) and the step loop (batch per step)
     ├─ StepLoop (step_loop.py)  step thread: add, abort, engine.step(); publishes step N while N+1 runs; drains
-    ├─ Publisher (publisher.py) deltas (llm.tok.gw.<gateway>, a step's at once), llm.usage records, batch lines
-    ├─ Liveness (liveness.py)   KV workers/<model>.<me> heartbeats, llm.alive.<me> pings, the state line
+    ├─ Publisher (publisher.py) deltas (llm.tok.gw.<gateway>, a step's at once), llm.usage records, batch lines;
+    │                           a resumable stream's deltas kept (stream_replay.py)
+    ├─ StreamTakeover (stream_takeover.py)  llm.gw.alive.* heard, llm.resume.* answered, orphans ended
+    ├─ Liveness (liveness.py)   KV workers/<model>.<me> heartbeats, llm.alive.<me> pings (seats free), the state line
     ├─ KVEventPublisher (kv_events.py)  what the KV cache holds, per step, on llm.kv.<model>; snapshots
     └─ KVBlockExchange (kv_blocks.py)   this node's KV tiers served to other nodes, theirs fetched (llm.kvblk.*)
              │
