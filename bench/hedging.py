@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.local import cpu_name, lscpu  # noqa: E402
+from bench.overload import ms, pct  # noqa: E402
 from bench.results import append_section, command_line, markdown_table  # noqa: E402
 
 ADMIN_KEY = "bench-hedging-admin"
@@ -157,11 +158,6 @@ async def set_hedging(url: str, after: str) -> None:
         r.raise_for_status()
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 async def run(args) -> None:
     from bench.local import unlimited_keys
     from switchyard.shared.jetstream import live_workers
@@ -194,8 +190,8 @@ async def run(args) -> None:
             await asyncio.sleep(2)  # the losers hear they lost and count it
             after = await scrape(system, urls)
             started, won, dismissed = (a - b for a, b in zip(after, before))
-            rows.append((phase, len(ttfts), failed, f"{quantile(ttfts, 0.5) * 1000:.0f}",
-                         f"{quantile(ttfts, 0.99) * 1000:.0f}", f"{max(ttfts) * 1000:.0f}", f"{started:.0f}",
+            rows.append((phase, len(ttfts), failed, ms(pct(ttfts, 50)), ms(pct(ttfts, 99)),
+                         ms(max(ttfts, default=None)), f"{started:.0f}",
                          f"{won:.0f}", f"{dismissed:.0f}", f"{100 * dismissed / max(1, billed):.1f}%"))
             print(rows[-1], flush=True)
         healthy_p99, hedged_p99 = float(rows[0][4]), float(rows[2][4])

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.local import cpu_name, lscpu  # noqa: E402
+from bench.overload import ms, pct  # noqa: E402
 from bench.results import append_section, command_line, markdown_table  # noqa: E402
 
 MODEL = "sim"
@@ -109,11 +110,6 @@ class Client:
                 self.error = f"resume failed: {exc!r}"
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 async def run(args) -> None:
     import httpx
 
@@ -145,8 +141,8 @@ async def run(args) -> None:
                 ("completed whole", sum(c.done and not c.error for c in clients)),
                 ("failed", f"{len(failed)} {sorted(set(map(str, failed)))[:3]}"),
                 ("tokens lost", lost), ("tokens received twice", doubled),
-                ("added gap p50 / p99 / max (ms)", f"{quantile(gaps, 0.5) * 1000:.0f} / "
-                 f"{quantile(gaps, 0.99) * 1000:.0f} / {max(gaps, default=float('nan')) * 1000:.0f}"),
+                ("added gap p50 / p99 / max (ms)",
+                 f"{ms(pct(gaps, 50))} / {ms(pct(gaps, 99))} / {ms(max(gaps, default=None))}"),
                 ("first resume after the kill (ms)",
                  f"{(min((c.resumed_at for c in clients if c.resumed_at), default=killed_at) - killed_at) * 1000:.0f}")]
         table = markdown_table(("measure", "value"), rows)

@@ -153,6 +153,15 @@ async def _hedges(system: str) -> tuple[float, float]:
                  for metric in ("switchyard:hedges_started_total", "switchyard:hedges_won_total"))
 
 
+async def _served_whole_and_billed_once_by(worker: str, streamed: tuple[str, dict, str], system: str, key: str,
+                                           name: str, database_url: str, nats_url: str) -> None:
+    text, usage, request_id = streamed
+    assert usage["completion_tokens"] == MAX_TOKENS
+    assert text == await _reference_text(system, key, _body(name))  # nothing missing or doubled
+    (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens, worker_id")
+    assert row["worker_id"] == worker and row["completion_tokens"] == MAX_TOKENS
+
+
 async def test_a_request_on_a_stalled_worker_is_served_by_its_hedge_whole_and_billed_once(
         e2e, system, nats_url, database_url, hedged_enterprise):
     name = f"sim-hedge-{uuid.uuid4().hex[:6]}"
@@ -174,12 +183,10 @@ async def test_a_request_on_a_stalled_worker_is_served_by_its_hedge_whole_and_bi
         text, usage, request_id = await _stream(system, key, _body(name), stall_the_first_then_see_the_hedge,
                                                 got_text)
         first, second = stalled
-        assert first != second and usage["completion_tokens"] == MAX_TOKENS
         started, won = await _hedges(system)
-        assert (started - hedges_before[0], won - hedges_before[1]) == (1, 1)
-        assert text == await _reference_text(system, key, _body(name))  # whole: nothing missing or doubled
-        (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens, worker_id")
-        assert row["worker_id"] == second and row["completion_tokens"] == MAX_TOKENS
+        assert first != second and (started - hedges_before[0], won - hedges_before[1]) == (1, 1)
+        await _served_whole_and_billed_once_by(second, (text, usage, request_id), system, key, name, database_url,
+                                               nats_url)
         # The stalled worker, resumed, was told it lost: it stops, bills nothing, and counts what it computed.
         assert await poll(lambda: fleet.dismissed_tokens(first), until=lambda n: n > 0, timeout_s=20,
                           what="the loser's dismissed tokens")
@@ -200,12 +207,8 @@ async def test_a_hedge_whose_worker_dies_leaves_the_request_to_the_first(
             fleet.signal(first, signal.SIGCONT)
             order.extend([first, second])
 
-        text, usage, request_id = await _stream(system, key, _body(name), stall_the_first_and_kill_the_hedge)
-        first, _second = order
-        assert usage["completion_tokens"] == MAX_TOKENS
-        assert text == await _reference_text(system, key, _body(name))
-        (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens, worker_id")
-        assert row["worker_id"] == first and row["completion_tokens"] == MAX_TOKENS
+        streamed = await _stream(system, key, _body(name), stall_the_first_and_kill_the_hedge)
+        await _served_whole_and_billed_once_by(order[0], streamed, system, key, name, database_url, nats_url)
 
 
 async def test_a_hedged_request_whose_two_workers_die_goes_on_on_a_third(
@@ -223,9 +226,7 @@ async def test_a_hedged_request_whose_two_workers_die_goes_on_on_a_third(
             fleet.signal(first, signal.SIGKILL)
             order.extend([first, second, await fleet.next_taker()])  # the continuation's worker
 
-        text, usage, request_id = await _stream(system, key, _body(name), stall_the_first_then_kill_both)
+        streamed = await _stream(system, key, _body(name), stall_the_first_then_kill_both)
         first, second, third = order
-        assert third not in (first, second) and usage["completion_tokens"] == MAX_TOKENS
-        assert text == await _reference_text(system, key, _body(name))
-        (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens, worker_id")
-        assert row["worker_id"] == third and row["completion_tokens"] == MAX_TOKENS
+        assert third not in (first, second)
+        await _served_whole_and_billed_once_by(third, streamed, system, key, name, database_url, nats_url)
