@@ -124,3 +124,22 @@ def test_a_superseded_run_lets_go_without_a_trace_so_only_the_run_that_goes_on_a
     sent(replays, continuation, 2)  # a later attempt here starts afresh
     replays.drop("r", attempt=0)  # the old run's end: it does not take the new one with it
     assert replays.resume(StreamResume("r", "t", G2, attempt=1, seq=0))[0].status == "ok"
+
+
+def test_every_streams_kept_deltas_together_are_bounded_too():
+    replays = StreamReplays("w", started_at=0.0, max_bytes=1000, max_bytes_total=40)
+    a, b = request("a"), request("b")
+    sent(replays, a, 4)  # 24 bytes
+    sent(replays, b, 4)  # 48 in all: b, growing, lets its oldest go
+    assert replays.resume(StreamResume("b", "t", G1, seq=3))[0].first_seq == 2
+    assert replays.resume(StreamResume("a", "t", G1, seq=3))[0].first_seq == 0
+
+
+def test_gateways_missed_while_the_worker_itself_was_away_are_not_taken_for_dead():
+    replays = StreamReplays("w", started_at=0.0)
+    req = request(window_s=5.0)
+    sent(replays, req, 1)
+    replays.heard("g1", 1.0)
+    replays.reconnected(100.0)  # NATS came back after a long outage: g1's pings were lost, not missing
+    assert replays.sweep(101.0) == [] and replays.sweep(100.0 + DEAD_AFTER_S + 5.5) == []
+    assert replays.resume(StreamResume("r", "t", G2))[0].status == "ok"  # still there: g1 was never orphaning it

@@ -29,6 +29,9 @@ DEAD_AFTER_S = 3 * subjects.ALIVE_INTERVAL_S
 # A finished request's deltas are kept this long in case its gateway dies before it wrote the last of them.
 FINISHED_KEEP_S = DEAD_AFTER_S + 2 * subjects.ALIVE_INTERVAL_S
 MAX_BYTES_PER_REQUEST = 4 << 20
+# Every stream's together: a tenant asking for long outputs with many logprobs must not grow the worker's memory
+# by max_num_seqs times the per-request cap. Past it, each stream that grows lets its oldest deltas go.
+MAX_BYTES_TOTAL = 256 << 20
 GONE_REMEMBERED = 10_000  # ended requests whose owner is told "gone" rather than nothing
 
 
@@ -49,9 +52,12 @@ class Replay:
 class StreamReplays:
     """Every resumable request of one worker; see the module docstring. Times are ``time.monotonic()``."""
 
-    def __init__(self, worker_id: str, started_at: float, max_bytes: int = MAX_BYTES_PER_REQUEST) -> None:
+    def __init__(self, worker_id: str, started_at: float, max_bytes: int = MAX_BYTES_PER_REQUEST,
+                 max_bytes_total: int = MAX_BYTES_TOTAL) -> None:
         self._worker_id = worker_id
         self._max_bytes = max_bytes
+        self._max_bytes_total = max_bytes_total
+        self._total = 0  # bytes kept, every stream's
         self._replays: dict[str, Replay] = {}
         self._gone: OrderedDict[str, str | None] = OrderedDict()  # request id -> its tenant
         self._heard: dict[str, float] = {}  # gateway id -> last ping
@@ -73,16 +79,22 @@ class StreamReplays:
         replay = self._replays.get(request.request_id)
         if seq == 0:
             route = replay.route if replay is not None else request.reply_subject
+            if replay is not None:
+                self._total -= replay.size
             replay = self._replays[request.request_id] = Replay(request, route)
         elif replay is None:
             return  # a run let go of (superseded): nothing of it is kept again
         replay.deltas.append(data)
         replay.size += len(data)
-        while replay.size > self._max_bytes and len(replay.deltas) > 1:
+        self._total += len(data)
+        while ((replay.size > self._max_bytes or self._total > self._max_bytes_total)
+               and len(replay.deltas) > 1):
             if replay.orphaned_at is not None:
                 replay.overflowed = True  # no one reads it and it would lose what a resume needs: the sweep ends it
                 return
-            replay.size -= len(replay.deltas.pop(0))
+            dropped = len(replay.deltas.pop(0))
+            replay.size -= dropped
+            self._total -= dropped
             replay.first_seq += 1
 
     def finished(self, request_id: str, now: float, cancelled: bool = False) -> None:
@@ -99,9 +111,14 @@ class StreamReplays:
         replay = self._replays.get(request_id)
         if replay is not None and _attempt(replay.request) == attempt:
             del self._replays[request_id]
+            self._total -= replay.size
 
     def heard(self, gateway_id: str, now: float) -> None:
         self._heard[gateway_id] = now
+
+    def reconnected(self, now: float) -> None:
+        """This worker's NATS connection came back: pings missed meanwhile say nothing of the gateways."""
+        self._listening_since = now
 
     def _gateway_gone(self, route: str, now: float) -> bool:
         gateway = subjects.gateway_of(route)
@@ -130,6 +147,7 @@ class StreamReplays:
 
     def _forget(self, request_id: str) -> None:
         replay = self._replays.pop(request_id)
+        self._total -= replay.size
         self._gone[request_id] = replay.request.tenant_id
         while len(self._gone) > GONE_REMEMBERED:
             self._gone.popitem(last=False)

@@ -93,17 +93,18 @@ class Worker:
         """Connect, serve until ``stop``, drain, and leave the worker registry."""
         liveness: Liveness | None = None
         self._stop = stop
+        replays = StreamReplays(self.worker_id, time.monotonic())  # resumable streams' deltas (stream_replay.py)
 
         async def on_reconnect() -> None:
             if liveness is not None:
                 liveness.reconnected.set()
+            replays.reconnected(time.monotonic())
 
         config = self.config
         assert config.nats_url is not None  # a worker is started only with one (switchyard/cli/serve.py)
         nc = await nats_client.connect(config.nats_url, f"switchyard-worker-{self.worker_id}",
                                        tls_ca=config.nats_tls_ca, reconnected_cb=on_reconnect)
         js = nc.jetstream()
-        replays = StreamReplays(self.worker_id, time.monotonic())
         out = Publisher(nc, js, self.worker_id, replays)
         intake = self._intake = Intake(self.engine, nc, js, self._queue, self.worker_id, self._held,
                                        self._capacity, out, config.worker.prepare_threads)
