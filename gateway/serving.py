@@ -337,7 +337,10 @@ class CompletionService:
             # deltas that arrived together, and the last delta's chunks with the usage chunk and [DONE] (a
             # one-token stream: headers, the opening, the rest, the end of the body).
             ready: list[bytes] = []
-            opening = [chunks.opening(i) for i in range(req.sampling.n)] if shape.kind.is_chat else []
+            # A chat's opening chunks go with the request's very first delta; a stream taken over from later on
+            # (a continuation's run, or one whose first deltas its worker let go) has a client that had them.
+            from_start = (first.attempt, first.seq) == (0, 0)
+            opening = [chunks.opening(i) for i in range(req.sampling.n)] if shape.kind.is_chat and from_start else []
             async for delta in self.deltas(relayed, first):
                 if delta.usage is not None:
                     usage = delta.usage

@@ -30,9 +30,15 @@ def sim_model(e2e, system):
         worker.stop()
 
 
-def _body(model: str, **kw) -> dict:
-    return {"model": model, "prompt": f"resume me {uuid.uuid4().hex}", "max_tokens": TOKENS, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, **kw}
+def _body(model: str, chat: bool = False, **kw) -> dict:
+    asked = ({"messages": [{"role": "user", "content": f"resume me {uuid.uuid4().hex}"}]} if chat
+             else {"prompt": f"resume me {uuid.uuid4().hex}"})
+    return {"model": model, **asked, "max_tokens": TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **kw}
+
+
+def _path(body: dict) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
 
 
 class Events:
@@ -43,6 +49,7 @@ class Events:
         self.text = ""
         self.usage: dict | None = None
         self.done = False
+        self.roles = 0  # a chat stream's opening chunks
 
     async def read(self, response: httpx.Response, stop_after_texts: int | None = None) -> None:
         event_id, texts = None, 0
@@ -59,8 +66,11 @@ class Events:
                 event = json.loads(line[6:])
                 assert "error" not in event, event
                 self.usage = event.get("usage") or self.usage
-                if event["choices"] and event["choices"][0]["text"]:
-                    self.text += event["choices"][0]["text"]
+                choice = event["choices"][0] if event["choices"] else {}
+                if (choice.get("delta") or {}).get("role"):
+                    self.roles += 1
+                if text := choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    self.text += text
                     texts += 1
                     if stop_after_texts is not None and texts == stop_after_texts:
                         return
@@ -68,10 +78,11 @@ class Events:
 
 async def _reference_text(url: str, auth: dict, body: dict) -> str:
     async with httpx.AsyncClient(timeout=60) as http:
-        r = await http.post(f"{url}/v1/completions", headers=auth, json={**body, "stream": False,
-                                                                          "stream_options": None})
+        r = await http.post(f"{url}{_path(body)}", headers=auth, json={**body, "stream": False,
+                                                                         "stream_options": None})
         assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
 async def _stream_then_kill_its_gateway(e2e, auth: dict, body: dict, texts: int, **gateway) -> Events:
@@ -82,7 +93,7 @@ async def _stream_then_kill_its_gateway(e2e, auth: dict, body: dict, texts: int,
     try:
         wait_until_ready(f"http://127.0.0.1:{port}", body["model"], timeout_s=60, watch=[gw])
         async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions", headers=auth,
+            async with http.stream("POST", f"http://127.0.0.1:{port}{_path(body)}", headers=auth,
                                    json=body) as r:
                 assert r.status_code == 200
                 await events.read(r, stop_after_texts=texts)
@@ -95,23 +106,24 @@ async def _stream_then_kill_its_gateway(e2e, auth: dict, body: dict, texts: int,
 
 async def _resume(url: str, auth: dict, body: dict, last_event_id: str) -> httpx.Response:
     async with httpx.AsyncClient(timeout=60) as http:
-        return await http.post(f"{url}/v1/completions", headers={**auth, "Last-Event-ID": last_event_id},
+        return await http.post(f"{url}{_path(body)}", headers={**auth, "Last-Event-ID": last_event_id},
                                json=body)
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 async def test_a_client_whose_gateway_died_resumes_on_another_and_gets_every_later_event_once_billed_once(
-        e2e, system, auth, sim_model, nats_url, database_url):
-    body = _body(sim_model)
+        e2e, system, auth, sim_model, nats_url, database_url, chat):
+    body = _body(sim_model, chat)
     before = await _stream_then_kill_its_gateway(e2e, auth, body, texts=10)
     after = Events()
     async with httpx.AsyncClient(timeout=60) as http:
-        async with http.stream("POST", f"{system}/v1/completions", json=body,
+        async with http.stream("POST", f"{system}{_path(body)}", json=body,
                                headers={**auth, "Last-Event-ID": before.ids[-1]}) as r:
             assert r.status_code == 200, await r.aread()
             request_id = r.headers["X-Request-Id"]
             await after.read(r)
     assert after.done and after.usage is not None and after.usage["completion_tokens"] == TOKENS
-    assert not set(before.ids) & set(after.ids)  # nothing twice
+    assert not set(before.ids) & set(after.ids) and before.roles + after.roles == chat  # nothing twice
     assert before.text + after.text == await _reference_text(system, auth, body)  # nothing missing
     assert request_id == before.ids[0].split(".")[0]
     (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens")
