@@ -158,56 +158,48 @@ async def set_hedging(url: str, after: str) -> None:
         r.raise_for_status()
 
 
-async def run(args) -> None:
+async def run(args, system, workers: list, report: str) -> None:
     from bench.local import unlimited_keys
     from switchyard.shared.jetstream import live_workers
 
-    report = lscpu()
-    work = Path(tempfile.mkdtemp(prefix="switchyard-bench-hedging-"))
-    os.chmod(work, 0o755)
-    system, workers = start_system(work, args)
-    try:
-        (key,) = await unlimited_keys(system.config.database_url, TIER, "hedging")
-        import nats
+    (key,) = await unlimited_keys(system.config.database_url, TIER, "hedging")
+    import nats
 
-        nc = await nats.connect(system.config.nats_url)
-        infos = [w for w in await live_workers(nc.jetstream()) if w.model == MODEL]
-        await nc.close()
-        stalled_pid = workers[0].pid
-        urls = [w.metrics_url for w in infos]
-        rows = []
-        for phase, stall, hedge in (("healthy", False, "off"), ("stalled, no hedging", True, "off"),
-                                    (f"stalled, hedged after {args.hedge_after_ms}", True, args.hedge_after_ms)):
-            await set_hedging(system.url(), hedge)
-            await asyncio.sleep(1.5)  # every gateway cache has the policy
-            before = await scrape(system, urls)
-            staller = Staller(stalled_pid) if stall else None
-            try:
-                ttfts, billed, failed = await load(system.url(), key, args.seconds, args.rate, args.tokens)
-            finally:
-                if staller is not None:
-                    staller.stop()
-            await asyncio.sleep(2)  # the losers hear they lost and count it
-            after = await scrape(system, urls)
-            started, won, dismissed = (a - b for a, b in zip(after, before))
-            rows.append((phase, len(ttfts), failed, ms(pct(ttfts, 50)), ms(pct(ttfts, 99)),
-                         ms(max(ttfts, default=None)), f"{started:.0f}",
-                         f"{won:.0f}", f"{dismissed:.0f}", f"{100 * dismissed / max(1, billed):.1f}%"))
-            print(rows[-1], flush=True)
-        healthy_p99, hedged_p99 = float(rows[0][4]), float(rows[2][4])
-        table = markdown_table(("phase", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "TTFT max ms",
-                                "hedges started", "hedges won", "tokens dismissed", "extra tokens"), rows)
-        section = (f"## Hedged requests against a stalled worker ({time.strftime('%Y-%m-%d')}, {cpu_name(report)}, "
-                   f"{os.cpu_count()} cores)\n\n`{command_line()}`\n\n3 simulated workers, {args.seats} seats "
-                   f"each, prefill {args.prefill_ms:g} ms, {args.tokens} tokens at {args.token_rate:g}/s; "
-                   f"enterprise streams at {args.rate:g}/s; worker 0 stopped {STALL_S:g} s in every {EVERY_S:g} s "
-                   f"in the stalled phases.\n\n{table}\n\nHedged p99 / healthy p99: "
-                   f"{hedged_p99 / max(1.0, healthy_p99):.2f}x (target at most 1.5x).\n")
-        print(section)
-        append_section(section, args.results)
-    finally:
-        system.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    nc = await nats.connect(system.config.nats_url)
+    infos = [w for w in await live_workers(nc.jetstream()) if w.model == MODEL]
+    await nc.close()
+    stalled_pid = workers[0].pid
+    urls = [w.metrics_url for w in infos]
+    rows = []
+    for phase, stall, hedge in (("healthy", False, "off"), ("stalled, no hedging", True, "off"),
+                                (f"stalled, hedged after {args.hedge_after_ms}", True, args.hedge_after_ms)):
+        await set_hedging(system.url(), hedge)
+        await asyncio.sleep(1.5)  # every gateway cache has the policy
+        before = await scrape(system, urls)
+        staller = Staller(stalled_pid) if stall else None
+        try:
+            ttfts, billed, failed = await load(system.url(), key, args.seconds, args.rate, args.tokens)
+        finally:
+            if staller is not None:
+                staller.stop()
+        await asyncio.sleep(2)  # the losers hear they lost and count it
+        after = await scrape(system, urls)
+        started, won, dismissed = (a - b for a, b in zip(after, before))
+        rows.append((phase, len(ttfts), failed, ms(pct(ttfts, 50)), ms(pct(ttfts, 99)),
+                     ms(max(ttfts, default=None)), f"{started:.0f}",
+                     f"{won:.0f}", f"{dismissed:.0f}", f"{100 * dismissed / max(1, billed):.1f}%"))
+        print(rows[-1], flush=True)
+    healthy_p99, hedged_p99 = float(rows[0][4]), float(rows[2][4])
+    table = markdown_table(("phase", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "TTFT max ms",
+                            "hedges started", "hedges won", "tokens dismissed", "extra tokens"), rows)
+    section = (f"## Hedged requests against a stalled worker ({time.strftime('%Y-%m-%d')}, {cpu_name(report)}, "
+               f"{os.cpu_count()} cores)\n\n`{command_line()}`\n\n3 simulated workers, {args.seats} seats "
+               f"each, prefill {args.prefill_ms:g} ms, {args.tokens} tokens at {args.token_rate:g}/s; "
+               f"enterprise streams at {args.rate:g}/s; worker 0 stopped {STALL_S:g} s in every {EVERY_S:g} s "
+               f"in the stalled phases.\n\n{table}\n\nHedged p99 / healthy p99: "
+               f"{hedged_p99 / max(1.0, healthy_p99):.2f}x (target at most 1.5x).\n")
+    print(section)
+    append_section(section, args.results)
 
 
 def main() -> None:
@@ -225,7 +217,15 @@ def main() -> None:
         from bench.results import RESULTS
 
         args.results = RESULTS
-    asyncio.run(run(args))
+    report = lscpu()
+    work = Path(tempfile.mkdtemp(prefix="switchyard-bench-hedging-"))
+    os.chmod(work, 0o755)
+    system, workers = start_system(work, args)
+    try:
+        asyncio.run(run(args, system, workers, report))
+    finally:
+        system.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -110,51 +110,43 @@ class Client:
                 self.error = f"resume failed: {exc!r}"
 
 
-async def run(args) -> None:
+async def run(args, system, second_url: str, report: str) -> None:
     import httpx
 
     from bench.local import unlimited_keys
 
-    report = lscpu()
-    work = Path(tempfile.mkdtemp(prefix="switchyard-bench-resume-"))
-    os.chmod(work, 0o755)
-    system, _, second_url = start_system(work, args)
     first_gateway = next(s for s in system.services if s.name == "gateway")
-    try:
-        (key,) = await unlimited_keys(system.config.database_url, "enterprise", "resume")
-        clients = [Client(i, args.tokens) for i in range(args.streams)]
-        for c in clients:
-            c.key = key
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.streams * 2)) as http:
-            tasks = [asyncio.create_task(c.run(http, system.url(), second_url)) for c in clients]
-            await asyncio.sleep(args.kill_after)
-            os.kill(first_gateway.pid, signal.SIGKILL)
-            killed_at = time.perf_counter()
-            await asyncio.gather(*tasks)
-        interval = 1.0 / args.rate
-        gaps = [c.resumed_at - c.broke_at - interval for c in clients if c.resumed_at and c.broke_at]
-        lost = sum(max(0, (c.billed or args.tokens) - c.texts) for c in clients)
-        doubled = sum(len(c.ids) - len(set(c.ids)) + max(0, c.texts - args.tokens) for c in clients)
-        failed = [c.error for c in clients if c.error or not c.done]
-        rows = [("streams", args.streams),
-                ("broken by the kill, then resumed", sum(bool(c.resumed_at) for c in clients)),
-                ("completed whole", sum(c.done and not c.error for c in clients)),
-                ("failed", f"{len(failed)} {sorted(set(map(str, failed)))[:3]}"),
-                ("tokens lost", lost), ("tokens received twice", doubled),
-                ("added gap p50 / p99 / max (ms)",
-                 f"{ms(pct(gaps, 50))} / {ms(pct(gaps, 99))} / {ms(max(gaps, default=None))}"),
-                ("first resume after the kill (ms)",
-                 f"{(min((c.resumed_at for c in clients if c.resumed_at), default=killed_at) - killed_at) * 1000:.0f}")]
-        table = markdown_table(("measure", "value"), rows)
-        section = (f"## Streams resumed on another gateway ({time.strftime('%Y-%m-%d')}, {cpu_name(report)}, "
-                   f"{os.cpu_count()} cores)\n\n`{command_line()}`\n\n{args.streams} streams of {args.tokens} "
-                   f"tokens at {args.rate:g}/s through gateway 1, killed (SIGKILL) {args.kill_after:g} s in; each "
-                   f"client resumes on gateway 2 with its last event id.\n\n{table}\n")
-        print(section)
-        append_section(section, args.results)
-    finally:
-        system.stop()  # the second gateway too
-        shutil.rmtree(work, ignore_errors=True)
+    (key,) = await unlimited_keys(system.config.database_url, "enterprise", "resume")
+    clients = [Client(i, args.tokens) for i in range(args.streams)]
+    for c in clients:
+        c.key = key
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.streams * 2)) as http:
+        tasks = [asyncio.create_task(c.run(http, system.url(), second_url)) for c in clients]
+        await asyncio.sleep(args.kill_after)
+        os.kill(first_gateway.pid, signal.SIGKILL)
+        killed_at = time.perf_counter()
+        await asyncio.gather(*tasks)
+    interval = 1.0 / args.rate
+    gaps = [c.resumed_at - c.broke_at - interval for c in clients if c.resumed_at and c.broke_at]
+    lost = sum(max(0, (c.billed or args.tokens) - c.texts) for c in clients)
+    doubled = sum(len(c.ids) - len(set(c.ids)) + max(0, c.texts - args.tokens) for c in clients)
+    failed = [c.error for c in clients if c.error or not c.done]
+    rows = [("streams", args.streams),
+            ("broken by the kill, then resumed", sum(bool(c.resumed_at) for c in clients)),
+            ("completed whole", sum(c.done and not c.error for c in clients)),
+            ("failed", f"{len(failed)} {sorted(set(map(str, failed)))[:3]}"),
+            ("tokens lost", lost), ("tokens received twice", doubled),
+            ("added gap p50 / p99 / max (ms)",
+             f"{ms(pct(gaps, 50))} / {ms(pct(gaps, 99))} / {ms(max(gaps, default=None))}"),
+            ("first resume after the kill (ms)",
+             f"{(min((c.resumed_at for c in clients if c.resumed_at), default=killed_at) - killed_at) * 1000:.0f}")]
+    table = markdown_table(("measure", "value"), rows)
+    section = (f"## Streams resumed on another gateway ({time.strftime('%Y-%m-%d')}, {cpu_name(report)}, "
+               f"{os.cpu_count()} cores)\n\n`{command_line()}`\n\n{args.streams} streams of {args.tokens} "
+               f"tokens at {args.rate:g}/s through gateway 1, killed (SIGKILL) {args.kill_after:g} s in; each "
+               f"client resumes on gateway 2 with its last event id.\n\n{table}\n")
+    print(section)
+    append_section(section, args.results)
 
 
 def main() -> None:
@@ -169,7 +161,15 @@ def main() -> None:
         from bench.results import RESULTS
 
         args.results = RESULTS
-    asyncio.run(run(args))
+    report = lscpu()
+    work = Path(tempfile.mkdtemp(prefix="switchyard-bench-resume-"))
+    os.chmod(work, 0o755)
+    system, _, second_url = start_system(work, args)
+    try:
+        asyncio.run(run(args, system, second_url, report))
+    finally:
+        system.stop()  # the second gateway too
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

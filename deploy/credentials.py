@@ -7,8 +7,10 @@ NATS gets one user per role, each allowed only the subjects its processes use (n
     role      publishes                                              subscribes
     gateway   llm.req.> llm.aff.> llm.cancel.> llm.events.>          llm.tok.> llm.alive.> llm.kv.> (KV events)
               llm.kvsnap.> llm.usage llm.held.> llm.dead.>           (and hosts the jobs: billing, batches)
+              llm.gw.alive.> llm.resume.> (streams taken over)
     worker    llm.tok.> llm.usage llm.result.> llm.alive.> llm.kv.>  llm.req.> llm.aff.> (doorbells) llm.cancel.>
               llm.kvblk.> (other nodes' KV blocks)                   llm.kvsnap.> (snapshot requests) llm.kvblk.>
+                                                                     llm.gw.alive.> llm.resume.> (streams taken over)
     admin     everything (the CLI: tiers, tenants, usage)
 
 Neither service role holds the JetStream API (``$JS.API.>``): each may create the streams and buckets it sets up
@@ -57,7 +59,8 @@ _SETUP = [f"{_API}.INFO", f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.*",
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "gateway": {  # the gateways and the jobs (billing writer, batch runner, housekeeping)
         "publish": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.events.>", "llm.kvsnap.>", "llm.usage",
-                    "llm.held.>", "llm.dead.>", "$KV.tiers.>", "$KV.affinity.>", *_SETUP,
+                    "llm.held.>", "llm.dead.>", "llm.gw.alive.>", "llm.resume.>", "$KV.tiers.>", "$KV.affinity.>",
+                    *_SETUP,
                     f"{_API}.STREAM.CREATE.KV_affinity",
                     *(f"{_API}.STREAM.UPDATE.{name}" for name in _TIER_STREAMS),  # the tiers' queue caps
                     f"{_API}.STREAM.UPDATE.AFFINITY",  # its consumer limit (shared/jetstream.py)
@@ -72,7 +75,8 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "publish": ["llm.tok.>", "llm.usage", "llm.result.>", "llm.alive.>", "llm.kv.>", "llm.kvblk.>",
                     "$KV.workers.>", *_SETUP,
                     *_consumes(*_TIER_STREAMS, "AFFINITY"), *_reads_buckets("tiers", "workers")],
-        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.kvsnap.>", "llm.kvblk.>", "_INBOX.>"],
+        "subscribe": ["llm.req.>", "llm.aff.>", "llm.cancel.>", "llm.kvsnap.>", "llm.kvblk.>", "llm.gw.alive.>",
+                      "llm.resume.>", "_INBOX.>"],
     },
     "admin": {"publish": [">"], "subscribe": [">"]},
 }

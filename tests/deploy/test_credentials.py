@@ -94,6 +94,19 @@ async def test_nats_refuses_anonymous_clients_and_holds_each_role_to_its_subject
             await gateway.flush()
             await worker.flush()
             assert await _received(requests, 5) and await _received(tokens, 5)
+            # A stream taken over (gateway/stream_resume.py): the worker hears the gateways' pings and answers
+            # their asks, the gateway gets the answer.
+            async def answer(msg) -> None:
+                await msg.respond(b"answer")
+
+            pings = await worker.subscribe("llm.gw.alive.>")
+            asks = await worker.subscribe("llm.resume.>", cb=answer)
+            await worker.flush()
+            await gateway.publish("llm.gw.alive.g1", b"")
+            assert (await gateway.request("llm.resume.r1", b"ask", timeout=5)).data == b"answer"
+            assert await _received(pings, 5)
+            await asks.unsubscribe()
+            assert len(violations) == 2, violations
         finally:
             for client in (admin, gateway, worker):
                 await client.close()
