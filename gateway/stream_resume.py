@@ -27,7 +27,9 @@ from switchyard.gateway.stream_ids import Position, parse_event_id
 from switchyard.shared import subjects
 from switchyard.shared.messages import ResumeAnswer, StreamResume, TokenDelta, decode, encode
 
-RESUME_ASK_S = 1.0  # a worker holding the stream answers at once; silence means none does
+# The worker holding the stream answers within milliseconds, unless it is answering a gateway's whole load of
+# streams at once (its gateway died); silence this long means none holds it, so an unknown id waits this long.
+RESUME_ASK_S = 5.0
 _FIRST_DELTA_S = 10.0  # its resent deltas follow the answer at once; this only bounds a NATS hiccup
 
 
