@@ -138,7 +138,9 @@ class BodyBuilder:
 class ChunkBuilder:
     """Stream chunks, one delta at a time."""
 
-    def __init__(self, shape: Shape, request: GenerateRequest) -> None:
+    def __init__(self, shape: Shape, request: GenerateRequest, text_before: int = 0) -> None:
+        """``text_before``: characters of choice 0 its client had before (a stream taken over mid-way), where its
+        logprobs' ``text_offset`` counts on from."""
         self._shape = shape
         self._head = header(shape, request, chunk=True)
         # A chunk's fields around its choice are the same in every chunk: written once, and each chunk's JSON is
@@ -146,8 +148,8 @@ class ChunkBuilder:
         head = msgspec.json.encode(self._head)
         self._before_choice = b"data: " + head[:-1] + (b"," if len(head) > 2 else b"") + b'"choices":['
         self._after_choice = b"]" + (b',"usage":null' if shape.include_usage else b"")
-        self._formatters = [LogprobsFormatter(shape.kind.is_chat, request.sampling.logprobs)
-                            for _ in range(request.sampling.n)]
+        self._formatters = [LogprobsFormatter(shape.kind.is_chat, request.sampling.logprobs, text_before if i == 0
+                                              else 0) for i in range(request.sampling.n)]
 
     def opening(self, index: int) -> bytes:
         """A chat choice's first chunk: its role."""

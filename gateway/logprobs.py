@@ -40,10 +40,11 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> tu
 class LogprobsFormatter:
     """Formats one choice's entries, chunk after chunk, for the request's endpoint; None when not requested."""
 
-    def __init__(self, is_chat: bool, requested: bool):
+    def __init__(self, is_chat: bool, requested: bool, text_offset: int = 0):
+        """``text_offset``: where the choice's next token starts (a stream taken over mid-way: what came before)."""
         self.is_chat = is_chat
         self.requested = requested
-        self._text_offset = 0
+        self._text_offset = text_offset
 
     def format(self, entries: list[TokenLogprob] | None) -> dict | None:
         if not self.requested:

@@ -27,7 +27,7 @@ from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.relay_state import RelayState
 from switchyard.gateway.token_router import IDLE_TICK_S, DeltaInbox, TokenRouter
 from switchyard.shared import subjects
-from switchyard.shared.messages import HANDOVER, ErrorInfo, GenerateRequest, TokenDelta, decode
+from switchyard.shared.messages import HANDOVER, ErrorInfo, GenerateRequest, ResumeAnswer, TokenDelta, decode
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -77,9 +77,17 @@ class RelayedRequest:
         self._reconnects_at_last_delta = liveness.num_reconnects if liveness is not None else 0
         self._fallback: tuple[float, Callable[[], Awaitable[object]]] | None = None  # see fall_back
         self._failed_over = False  # went on elsewhere after a failure: an error then still bills what streamed
-        # Whether this gateway has every token streamed so far (not so for a stream taken over whose first deltas
-        # its worker no longer kept): a continuation goes on from them.
-        self.continuable = True
+
+    def had_before(self, token_ids: list[int], text_len: int) -> None:
+        """The client had these of choice 0 before the first delta this gateway relays (a stream taken over)."""
+        self._token_ids += token_ids
+        self._num_tokens += len(token_ids)
+        self._text_len += text_len
+
+    @property
+    def text_len(self) -> int:
+        """Choice 0's text the client has had, in characters."""
+        return self._text_len
 
     @property
     def worker_id(self) -> str | None:
@@ -290,7 +298,7 @@ class RelayedRequest:
         whether a continuation was published."""
         for worker in self.state.lost():
             await self._cancel_on(worker)
-        if self._failover is None or not self.continuable:
+        if self._failover is None:
             return False
         continuation = await self._failover.continue_elsewhere(self.request, dead_worker, self._token_ids,
                                                                self._text_len)
@@ -377,15 +385,15 @@ class Relay:
             raise
         return relayed
 
-    def taken_over(self, request: GenerateRequest, inbox: DeltaInbox, worker_id: str, first_seq: int
-                   ) -> RelayedRequest:
-        """A stream this gateway took over (gateway/stream_resume.py): ``worker_id`` runs ``request`` and resends
-        its deltas from ``first_seq`` to ``inbox``; it goes on (failovers included) as if it had started here."""
+    def taken_over(self, request: GenerateRequest, inbox: DeltaInbox, answer: ResumeAnswer) -> RelayedRequest:
+        """A stream this gateway took over (gateway/stream_resume.py): the answering worker runs ``request`` and
+        resends its deltas from ``answer.first_seq`` to ``inbox``, after ``answer.token_ids`` of its run; it goes
+        on (failovers included) as if it had started here."""
         request = msgspec.structs.replace(request, reply_subject=self._router.subject)
         relayed = RelayedRequest(self._nc, request, inbox, self._stall_timeout_s, self._retry_after_s,
                                  self._liveness, self._failover)
-        relayed.state.taken_over(worker_id, first_seq)
-        relayed.continuable = first_seq == 0
+        relayed.state.taken_over(answer.worker_id, answer.first_seq)
+        relayed.had_before(answer.token_ids, answer.text_len)
         return relayed
 
     @property

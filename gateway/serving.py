@@ -142,9 +142,10 @@ class CompletionService:
         if self._resumer is None or not self._config.stream_resume_window_s:
             raise OpenAIError(400, "This gateway does not resume streams (stream_resume_window_s is 0).",
                               code="unsupported_parameter", param="Last-Event-ID")
-        relayed, first, position = await self._resumer.take_over(last_event_id, auth.tenant_id)
+        relayed, first, position, text_before = await self._resumer.take_over(last_event_id, auth.tenant_id)
         request_id = relayed.request.request_id
-        return BoundedStream(self._stream(relayed, first, shape, None, Outcome(request_id=request_id), None, position),
+        return BoundedStream(self._stream(relayed, first, shape, None, Outcome(request_id=request_id), None, position,
+                                          text_before),
                              send_timeout_s=self._config.stream_send_timeout_s,
                              max_buffered_bytes=self._config.stream_max_buffered_bytes,
                              buffered=lambda: relayed.buffered_bytes, media_type="text/event-stream",
@@ -324,11 +325,13 @@ class CompletionService:
         timer.finished()
 
     async def _stream(self, relayed, first: TokenDelta, shape: Shape, ticket: Ticket | None, outcome: Outcome,
-                      on_finish: OnFinish | None, after: Position = BEFORE_ALL) -> AsyncIterator[bytes]:
+                      on_finish: OnFinish | None, after: Position = BEFORE_ALL, text_before: int = 0
+                      ) -> AsyncIterator[bytes]:
         """The SSE body. A resumable stream's events carry ids (gateway/stream_ids.py); ``after``: a stream taken
-        over, whose client has every event up to there."""
+        over, whose client has every event up to there, and ``text_before`` characters of choice 0 before
+        ``first``."""
         req = relayed.request
-        chunks = ChunkBuilder(shape, req)
+        chunks = ChunkBuilder(shape, req, text_before)
         ids = EventIds(req.request_id, after) if req.resumable_s else None
         usage: Usage | None = None
         reply = BodyBuilder(shape, req, logprobs=False)  # choice 0, for on_finish and the affinity index

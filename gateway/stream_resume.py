@@ -8,8 +8,9 @@ client gets every later event once (the worker's side: workers/service/stream_re
       ──▶ no answer within RESUME_ASK_S: 404 (unknown, another tenant's, or its worker gone too)
           gone:  410 (it ended, was cancelled, or waited past stream_resume_window_s with no gateway)
           ahead: 404 (the id names an event never sent)
-          ok:    the worker resends its run's deltas, then the later ones; they are formatted as the first gateway
-                 did and only the events after the client's are written (gateway/stream_ids.py)
+          ok:    the worker resends its run's deltas from the client's on, then the later ones, and says what the
+                 client had before them; they are formatted as the first gateway did and only the events after the
+                 client's are written (gateway/stream_ids.py)
 
 Nothing is admitted or billed again: the request was admitted once, and its worker bills it when it ends. A
 stream whose client closed the connection itself was cancelled then (as OpenAI's API does), so it is gone.
@@ -46,8 +47,9 @@ class StreamResumer:
         self._relay = relay
 
     async def take_over(self, last_event_id: str, tenant_id: str | None
-                        ) -> tuple[RelayedRequest, TokenDelta, Position]:
-        """The relayed request, its first resent delta, and where the client is; raises OpenAIError 404/410."""
+                        ) -> tuple[RelayedRequest, TokenDelta, Position, int]:
+        """The relayed request, its first resent delta, where the client is, and how much of choice 0's text it
+        had before that delta; raises OpenAIError 404/410."""
         try:
             request_id, position = parse_event_id(last_event_id)
         except ValueError:
@@ -67,13 +69,14 @@ class StreamResumer:
                                   code="stream_expired", param="Last-Event-ID")
             if answer.status != "ok" or answer.request is None:
                 raise _not_found()
-            relayed = self._relay.taken_over(answer.request, inbox, answer.worker_id, answer.first_seq)
+            relayed = self._relay.taken_over(answer.request, inbox, answer)
         except BaseException:
             await inbox.close()
             raise
+        text_before = relayed.text_len  # the client's choice 0 text before the first delta resent
         try:
             first = await relayed.first(_FIRST_DELTA_S)
         except BaseException:
             await relayed.close()
             raise
-        return relayed, first, position
+        return relayed, first, position, text_before

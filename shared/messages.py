@@ -373,15 +373,19 @@ class StreamResume(msgspec.Struct):
 
 
 class ResumeAnswer(msgspec.Struct):
-    """The holder's answer to a ``StreamResume``. ``status``: ``ok`` (its deltas follow, from ``first_seq``; it had
-    sent ``next_seq`` of them), ``gone`` (it ended or was cancelled, its window over, or the deltas after the
-    client's are no longer kept: nothing to resume), or ``ahead`` (the client names a delta never sent)."""
+    """The holder's answer to a ``StreamResume``. ``status``: ``ok`` (its deltas follow, from ``first_seq``, the
+    client's own; it had sent ``next_seq`` of them), ``gone`` (it ended or was cancelled, its window over, or the
+    deltas after the client's are no longer kept: nothing to resume), or ``ahead`` (the client names a delta never
+    sent)."""
 
     status: str
     request: GenerateRequest | None = None  # ok: the request as the worker runs it (its attempt, its resume)
     worker_id: str = ""
-    first_seq: int = 0
+    first_seq: int = 0  # the first delta sent again: the client's own
     next_seq: int = 0
+    # Choice 0's token ids and text length in this run before ``first_seq`` (what a continuation goes on from).
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    text_len: int = 0
 
 
 class WorkerInfo(msgspec.Struct):

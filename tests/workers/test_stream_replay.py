@@ -8,7 +8,7 @@ import time
 import msgspec
 
 from switchyard.shared import subjects
-from switchyard.shared.messages import GenerateRequest, Resume, SamplingParams, StreamResume
+from switchyard.shared.messages import GenerateRequest, Resume, SamplingParams, StreamResume, TokenDelta
 from switchyard.workers.service.stream_replay import DEAD_AFTER_S, FINISHED_KEEP_S, StreamReplays
 
 G1 = subjects.gateway_token_subject("g1")
@@ -22,8 +22,10 @@ def request(request_id: str = "r", window_s: float = 30.0, tenant: str = "t", **
 
 
 def sent(replays: StreamReplays, req: GenerateRequest, count: int, start: int = 0) -> None:
+    """Deltas ``start``.. of one token each (id = seq, text "t<seq>"), encoded as b"delta<seq>"."""
     for seq in range(start, start + count):
-        replays.record(req, seq, f"delta{seq}".encode())
+        replays.record(req, TokenDelta(req.request_id, text=f"t{seq}", token_ids=[seq], num_tokens=1, seq=seq),
+                       f"delta{seq}".encode())
 
 
 def test_the_owner_takes_a_stream_over_and_gets_every_kept_delta_then_the_later_ones_go_to_it():
@@ -32,8 +34,9 @@ def test_the_owner_takes_a_stream_over_and_gets_every_kept_delta_then_the_later_
     sent(replays, req, 3)
     assert replays.route(req) == G1
     answer, deltas = replays.resume(StreamResume("r", "t", G2, attempt=0, seq=1))
-    assert answer.status == "ok" and answer.first_seq == 0 and answer.next_seq == 3 and answer.worker_id == "w"
-    assert deltas == [b"delta0", b"delta1", b"delta2"] and answer.request.request_id == "r"
+    assert answer.status == "ok" and answer.first_seq == 1 and answer.next_seq == 3 and answer.worker_id == "w"
+    assert deltas == [b"delta1", b"delta2"] and answer.request.request_id == "r"  # from the client's own delta
+    assert (answer.token_ids, answer.text_len) == ([0], 2)  # what the client had before it
     assert replays.route(req) == G2  # the next delta goes to the gateway that took it over
 
 
@@ -53,7 +56,7 @@ def test_a_position_never_sent_is_ahead_and_an_earlier_attempt_resumes_from_the_
     assert replays.resume(StreamResume("r", "t", G2, attempt=1, seq=2))[0].status == "ahead"
     assert replays.resume(StreamResume("r", "t", G2, attempt=2, seq=0))[0].status == "ahead"
     answer, deltas = replays.resume(StreamResume("r", "t", G2, attempt=0, seq=7))  # the client was on the last run
-    assert answer.status == "ok" and len(deltas) == 2
+    assert answer.status == "ok" and len(deltas) == 2 and answer.first_seq == 0 and answer.token_ids == []
 
 
 def test_an_orphan_is_cancelled_after_its_window_and_its_owner_then_hears_it_is_gone():
@@ -105,8 +108,9 @@ def test_kept_deltas_are_bounded_the_oldest_go_while_read_and_an_orphan_overflow
     req = request()
     sent(replays, req, 10)  # 6 bytes each: the 5 newest kept
     answer, deltas = replays.resume(StreamResume("r", "t", G1, seq=8))
-    assert answer.first_seq == 5 and deltas[0] == b"delta5"
-    assert replays.resume(StreamResume("r", "t", G1, seq=2))[0].status == "gone"  # the client needs 3 and 4
+    assert answer.first_seq == 8 and deltas == [b"delta8", b"delta9"] and answer.token_ids == list(range(8))
+    assert replays.resume(StreamResume("r", "t", G1, seq=4))[0].status == "gone"  # the client needs 4 again
+    assert replays.resume(StreamResume("r", "t", G1, seq=5))[0].first_seq == 5
     replays.sweep(10.0)  # g1 never heard: orphaned
     sent(replays, req, 1, start=10)
     assert replays.sweep(10.5) == ["r"]  # no room left for what a resume needs: ended
@@ -131,8 +135,9 @@ def test_every_streams_kept_deltas_together_are_bounded_too():
     a, b = request("a"), request("b")
     sent(replays, a, 4)  # 24 bytes
     sent(replays, b, 4)  # 48 in all: b, growing, lets its oldest go
-    assert replays.resume(StreamResume("b", "t", G1, seq=3))[0].first_seq == 2
-    assert replays.resume(StreamResume("a", "t", G1, seq=3))[0].first_seq == 0
+    assert replays.resume(StreamResume("b", "t", G1, seq=1))[0].status == "gone"  # b let its first two go
+    assert replays.resume(StreamResume("b", "t", G1, seq=2))[0].first_seq == 2
+    assert replays.resume(StreamResume("a", "t", G1, seq=0))[0].first_seq == 0
 
 
 def test_gateways_missed_while_the_worker_itself_was_away_are_not_taken_for_dead():

@@ -107,7 +107,7 @@ class Publisher:
         data = encode(delta)
         route = request.reply_subject
         if self._replays is not None:
-            self._replays.record(request, delta.seq, data)
+            self._replays.record(request, delta, data)
             route = self._replays.route(request)
         if route is None:  # a wire client subscribed to the request's own subject
             await self._nc.publish(subjects.token_subject(delta.request_id), data)

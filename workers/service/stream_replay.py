@@ -9,7 +9,8 @@ gateway can take the stream over when the one relaying it dies (gateway/stream_r
                                            billed for what ran; a finished one's deltas dropped after FINISHED_KEEP_S
                                            (kept until its window ends if its gateway died meanwhile)
     llm.resume.<request_id>          ──▶ resume: the owner tenant's ask answered ok (the route moves to the asking
-                                           gateway, every kept delta is sent there again, then the later ones),
+                                           gateway, the deltas from the client's on are sent there again, then the
+                                           later ones; the answer says what the client had before them),
                                            or gone (a recent request ended, for its tenant only); anyone else's
                                            ask is not answered, so the asker cannot tell it from an unknown id
 
@@ -22,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from switchyard.shared import subjects
-from switchyard.shared.messages import GenerateRequest, ResumeAnswer, StreamResume
+from switchyard.shared.messages import GenerateRequest, ResumeAnswer, StreamResume, TokenDelta
 
 # A gateway is taken for dead after missing this many of its pings (as the gateways judge workers).
 DEAD_AFTER_S = 3 * subjects.ALIVE_INTERVAL_S
@@ -42,6 +43,11 @@ class Replay:
     request: GenerateRequest
     route: str  # the token subject its deltas go to: its gateway's, or the one that took the stream over
     deltas: list[bytes] = field(default_factory=list)  # encoded TokenDeltas, seq first_seq onward
+    # Before each kept delta: how many of ``tokens`` and how much of choice 0's text its client had, so that a
+    # gateway taking the stream over from the middle is sent only what follows, and knows what precedes it.
+    marks: list[tuple[int, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # choice 0's token ids of this run, every one
+    text_len: int = 0  # choice 0's text of this run, in characters
     first_seq: int = 0
     size: int = 0
     orphaned_at: float | None = None  # when its gateway was found gone (None: one reads it)
@@ -71,11 +77,12 @@ class StreamReplays:
         replay = self._replays.get(request.request_id)
         return replay.route if replay is not None else request.reply_subject
 
-    def record(self, request: GenerateRequest, seq: int, data: bytes) -> None:
-        """``request``'s delta ``seq`` (encoded) goes out now. A run's first delta starts its replay; a new
+    def record(self, request: GenerateRequest, delta: TokenDelta, data: bytes) -> None:
+        """``request``'s ``delta`` (``data`` encoded) goes out now. A run's first delta starts its replay; a new
         attempt's (a continuation that came back here) starts it again."""
         if not request.resumable_s or request.reply_subject is None:
             return
+        seq = delta.seq
         replay = self._replays.get(request.request_id)
         if seq == 0:
             route = replay.route if replay is not None else request.reply_subject
@@ -85,6 +92,10 @@ class StreamReplays:
         elif replay is None:
             return  # a run let go of (superseded): nothing of it is kept again
         replay.deltas.append(data)
+        replay.marks.append((len(replay.tokens), replay.text_len))
+        if delta.index == 0:
+            replay.tokens += delta.token_ids or ()
+            replay.text_len += len(delta.text)
         replay.size += len(data)
         self._total += len(data)
         while ((replay.size > self._max_bytes or self._total > self._max_bytes_total)
@@ -93,6 +104,7 @@ class StreamReplays:
                 replay.overflowed = True  # no one reads it and it would lose what a resume needs: the sweep ends it
                 return
             dropped = len(replay.deltas.pop(0))
+            replay.marks.pop(0)
             replay.size -= dropped
             self._total -= dropped
             replay.first_seq += 1
@@ -164,12 +176,18 @@ class StreamReplays:
         next_seq = replay.first_seq + len(replay.deltas)
         if ask.attempt > attempt or (ask.attempt == attempt and ask.seq >= next_seq):
             return ResumeAnswer("ahead", worker_id=self._worker_id), []
-        if ask.attempt == attempt and ask.seq + 1 < replay.first_seq:
+        # The client's delta itself is sent again (some of its events may not have reached it), then the rest; a
+        # client on an earlier run needs this one whole.
+        start = ask.seq if ask.attempt == attempt else 0
+        if start < replay.first_seq:
             return ResumeAnswer("gone", worker_id=self._worker_id), []  # what follows the client's was let go
         replay.route = ask.reply_subject
         replay.orphaned_at = None
-        answer = ResumeAnswer("ok", replay.request, self._worker_id, replay.first_seq, next_seq)
-        return answer, list(replay.deltas)
+        i = start - replay.first_seq
+        tokens_before, text_before = replay.marks[i]
+        answer = ResumeAnswer("ok", replay.request, self._worker_id, start, next_seq, replay.tokens[:tokens_before],
+                              text_before)
+        return answer, replay.deltas[i:]
 
 
 def _attempt(request: GenerateRequest) -> int:
