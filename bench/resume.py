@@ -60,7 +60,8 @@ class Client:
         self.body = {"model": MODEL, "prompt": f"stream {index}", "max_tokens": tokens, "ignore_eos": True,
                      "stream": True, "stream_options": {"include_usage": True}}
         self.ids: list[str] = []
-        self.texts = 0
+        self.texts = 0  # text events
+        self.text = ""
         self.billed: int | None = None
         self.broke_at: float | None = None
         self.resumed_at: float | None = None
@@ -95,6 +96,7 @@ class Client:
                         self.billed = event["usage"]["completion_tokens"]
                     if event["choices"] and event["choices"][0]["text"]:
                         self.texts += 1
+                        self.text += event["choices"][0]["text"]
 
     async def run(self, http, first: str, second: str) -> None:
         try:
@@ -132,8 +134,9 @@ async def run(args, system, second_url: str, report: str) -> None:
         await asyncio.gather(*tasks)
     interval = 1.0 / args.rate
     gaps = [c.resumed_at - c.broke_at - interval for c in clients if c.resumed_at and c.broke_at]
-    lost = sum(max(0, (c.billed or args.tokens) - c.texts) for c in clients)
-    doubled = sum(len(c.ids) - len(set(c.ids)) + max(0, c.texts - args.tokens) for c in clients)
+    # The simulated engine's tokens are words, each with its space before it: a client's tokens are its spaces.
+    lost = sum(max(0, (c.billed or args.tokens) - c.text.count(" ")) for c in clients)
+    doubled = sum(len(c.ids) - len(set(c.ids)) + max(0, c.text.count(" ") - args.tokens) for c in clients)
     failed = [c.error for c in clients if c.error or not c.done]
     rows = [("streams", args.streams),
             ("broken by the kill, then resumed", sum(bool(c.resumed_at) for c in clients)),
