@@ -21,34 +21,39 @@ answer, and ``abandoned`` (if given) undoes what the statement did for it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 import asyncpg
 
 from switchyard.domain.database import Database
 
+Key = TypeVar("Key", bound=Hashable)
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 MAX_GROUP = 512  # calls per statement, at most: a statement's arrays stay small, and its run well within its bound
 
-Statement = Callable[[asyncpg.Pool, str, list[Item]], Awaitable[Sequence[Result]]]
+Statement = Callable[[asyncpg.Pool, Key, list[Item]], Awaitable[Sequence[Result]]]
 
 
-class GroupedCalls(Generic[Item, Result]):
+class GroupedCalls(Generic[Key, Item, Result]):
     """``call(key, item)``: the result of ``statement(pool, key, items)`` for ``item`` (the statement answers one
-    result per item, in order), raising what the statement raised (``DatabaseUnavailable`` included)."""
+    result per item, in order), raising what the statement raised (``DatabaseUnavailable`` included).
+    ``rows_of(key)``: whose rows the key's statements touch, for ``Database.run``'s one call at a time (default: the
+    key itself; a key of several parts, e.g. a rate window's (API key, minute), names its API key)."""
 
-    def __init__(self, db: Database, statement: Statement[Item, Result],
-                 abandoned: Callable[[str, Item, Result], Awaitable[None]] | None = None) -> None:
+    def __init__(self, db: Database, statement: Statement[Key, Item, Result],
+                 abandoned: Callable[[Key, Item, Result], Awaitable[None]] | None = None,
+                 rows_of: Callable[[Key], str] = str) -> None:
         self._db = db
         self._statement = statement
         self._abandoned = abandoned
-        self._waiting: dict[str, list[tuple[Item, asyncio.Future[Result]]]] = {}  # keys with a statement running
+        self._rows_of = rows_of
+        self._waiting: dict[Key, list[tuple[Item, asyncio.Future[Result]]]] = {}  # keys with a statement running
         self._tasks: set[asyncio.Task[None]] = set()  # referenced until done (the loop keeps weak references)
 
-    async def call(self, key: str, item: Item) -> Result:
+    async def call(self, key: Key, item: Item) -> Result:
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         waiting = self._waiting.get(key)
         if waiting is None:
@@ -59,7 +64,7 @@ class GroupedCalls(Generic[Item, Result]):
         waiting.append((item, future))
         return await future
 
-    async def _run(self, key: str, waiting: list[tuple[Item, asyncio.Future[Result]]]) -> None:
+    async def _run(self, key: Key, waiting: list[tuple[Item, asyncio.Future[Result]]]) -> None:
         """Statements for ``key`` until nobody waits (no await between the last look and leaving: a call that
         comes after finds no entry and starts the next run)."""
         try:
@@ -74,10 +79,10 @@ class GroupedCalls(Generic[Item, Result]):
             for _, future in waiting:  # only when this task was cancelled (the loop closing)
                 future.cancel()
 
-    async def _one(self, key: str, group: list[tuple[Item, asyncio.Future[Result]]]) -> None:
+    async def _one(self, key: Key, group: list[tuple[Item, asyncio.Future[Result]]]) -> None:
         items = [item for item, _ in group]
         try:
-            results = await self._db.run(lambda pool: self._statement(pool, key, items), key=key)
+            results = await self._db.run(lambda pool: self._statement(pool, key, items), key=self._rows_of(key))
         except BaseException as exc:
             for _, future in group:
                 if not future.done():

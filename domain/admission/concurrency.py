@@ -36,7 +36,7 @@ RETRY_AFTER_S = 1  # a seat frees when one of the tenant's own requests ends: so
 _LOCK_SEED = 0x5359_434F_4E43
 _ADMIT_SQL = ("SELECT admit_open_requests($1, $2::text[], $3::int[], $4::bigint[], $5::bigint[], $6::float8, "
               "$7::bigint)")
-_CLOSE_SQL = "DELETE FROM open_requests WHERE request_id = $1"
+_CLOSE_SQL = "DELETE FROM open_requests WHERE request_id = ANY($1::text[])"
 
 
 class _Asked(NamedTuple):
@@ -56,6 +56,12 @@ async def _admit(pool: asyncpg.Pool, tenant_id: str, asked: list[_Asked]) -> lis
     return [a.request_id in admitted for a in asked]
 
 
+async def _close(pool: asyncpg.Pool, tenant_id: str, request_ids: list[str]) -> list[None]:
+    """One statement for the ended requests of one tenant (its count's row is updated once, by the trigger)."""
+    await pool.execute(_CLOSE_SQL, request_ids)
+    return [None] * len(request_ids)
+
+
 def _refusal(what: str) -> OpenAIError:
     return OpenAIError(429, f"Too many {what} at once for your organization. Wait for one of your requests to "
                        "end, then retry.", type="rate_limit_error", code="concurrency_limit_exceeded",
@@ -67,6 +73,7 @@ class Concurrency(Policy):
         """``local_share``: the part of each tenant's caps this gateway holds alone while Postgres is away."""
         self._db = db
         self._admissions = GroupedCalls(db, _admit, abandoned=self._abandoned)
+        self._closes = GroupedCalls(db, _close)
         self._tier_policies = tier_policies
         self._local_share = local_share
         self._held: dict[str, str] = {}  # request id -> tenant id: this gateway's open requests
@@ -112,7 +119,7 @@ class Concurrency(Policy):
         """A request whose caller went away while its admission statement ran: its seat, if it got one, is freed
         (nobody would settle it)."""
         if admitted:
-            await self._db.run(lambda pool: pool.execute(_CLOSE_SQL, asked.request_id))
+            await self._closes.call(tenant_id, asked.request_id)
 
     async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
         if not ticket.holds_seat:
@@ -124,7 +131,7 @@ class Concurrency(Policy):
             return
         self._held.pop(ticket.request_id, None)
         try:
-            await self._db.run(lambda pool: pool.execute(_CLOSE_SQL, ticket.request_id))
+            await self._closes.call(ticket.auth.tenant_id, ticket.request_id)
         except DatabaseUnavailable:
             pass  # its lease expires
 
