@@ -137,7 +137,7 @@ def burst(system, keys: list[str], args) -> tuple[list, float, float, dict[str, 
     if args.profile:
         pid = cpu.pids[args.profile]
         spy = threading.Timer(max(0.0, start_at - time.time()),
-                              lambda: spied.append(profile(pid, args.profile_seconds, top=25)[0]))
+                              lambda: spied.append(profile(pid, args.profile_seconds, top=args.profile_top)[0]))
         spy.start()
     time.sleep(max(0.0, start_at - time.time()))
     before = cpu.read()
@@ -173,6 +173,7 @@ def main() -> None:
                    help="py-spy this process over the burst (its sampling takes CPU: a profiled run's times are not "
                         "the measurement)")
     p.add_argument("--profile-seconds", type=float, default=8.0)
+    p.add_argument("--profile-top", type=int, default=25, help="functions listed, self and inclusive")
     p.add_argument("--label", default="", help="what this run is (e.g. the commit), for the section's heading")
     p.add_argument("--results", default=str(RESULTS), help="'-' to skip")
     args = p.parse_args()
