@@ -132,7 +132,8 @@ def test_a_tenant_preparing_only_cheap_requests_is_pulled_for_until_it_has_many(
     that may be slow to prepare (by its size: a grammar, tools, many or long messages) waits for it, as does one
     with ``CHEAP_PREPARING`` in preparation."""
     from switchyard.shared.messages import ChatMessage, ResponseFormat
-    from switchyard.workers.service.capacity import CHEAP_PREPARING, is_cheap_to_prepare
+    from switchyard.workers.service.capacity import CHEAP_PREPARING
+    from switchyard.workers.service.prepare_cost import is_cheap_to_prepare
 
     def preparing(requests: list[Tracked]) -> frozenset[str]:
         held = holding([])

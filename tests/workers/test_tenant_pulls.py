@@ -114,7 +114,7 @@ async def test_a_pulled_message_is_jetstreams_own_nak_redelivers_and_in_progress
     await pulls.close()
 
 
-async def test_free_seats_are_filled_from_the_least_served_tenants_one_request_each_first(nc):
+async def test_free_seats_are_filled_from_the_least_served_tenants_one_request_each(nc):
     js = nc.jetstream()
     tenants = [f"t{i:02d}" for i in range(12)]
     for tenant in tenants:
@@ -126,13 +126,9 @@ async def test_free_seats_are_filled_from_the_least_served_tenants_one_request_e
         queues.charge(TIER, tenant, prompt_tokens=100)
     first = await queues.take_many(TIER, 8, timeout_s=5.0)
     assert sorted(m.data.decode() for m in first) == [f"{t}/0" for t in tenants[4:]]  # 8 tenants, one each
-    second = await queues.take_many(TIER, 11, timeout_s=5.0, excluded={subjects.tenant_token("t00")})
-    assert sorted(m.data.decode() for m in second) == sorted(
+    rest = await queues.take_many(TIER, 100, timeout_s=5.0, excluded={subjects.tenant_token("t00")})
+    assert sorted(m.data.decode() for m in rest) == sorted(
         [f"{t}/1" for t in tenants[4:]] + [f"{t}/0" for t in tenants[1:4]])  # t00 excluded; one each again
-    # Seats to spare after one each: the tenants that said they had more give it.
-    rest = await queues.take_many(TIER, 100, timeout_s=5.0)
-    assert sorted(m.data.decode() for m in rest) == ["t00/0", "t00/1", "t01/1", "t02/1", "t03/1"]
-    rest += second
     for msg in first + rest:
         await msg.ack_sync()
     await queues.close()
@@ -296,30 +292,41 @@ async def test_a_tenant_that_rings_while_a_pull_is_out_is_asked_next_not_after_t
 
 
 async def test_one_tenants_burst_fills_free_seats_a_batch_per_pull_within_its_bytes(nc):
-    """A tenant with many requests queued is asked for more at once (no_wait: nothing held open, nothing to hand
-    back), as many as the seats to fill; large requests come one a pull (a batch's bytes are bounded, and so what
-    it hands the worker to prepare)."""
+    """A tenant with many cheap requests queued is asked for more at once (no_wait: nothing held open, nothing to
+    hand back), as many as the seats to fill; after a costly request (a grammar) it is not, and a batch's bytes are
+    bounded (so is what it hands the worker to prepare)."""
+    from switchyard.shared.messages import GenerateRequest, ResponseFormat, SamplingParams, decode, encode
     from switchyard.workers.service.pulls import MORE_MAX_BYTES
+
+    def request(n: int, prompt: str = "", **fields) -> bytes:
+        return encode(GenerateRequest(f"r{n}", MODEL, TIER, SamplingParams(), created_at=0.0, deadline_at=1e18,
+                                      prompt=prompt or f"burst {n}", **fields))
+
+    def number(msg) -> int:
+        return int(decode(msg.data, GenerateRequest).prompt.split()[1])
 
     js = nc.jetstream()
     for n in range(40):
-        await js.publish(subjects.request_subject(MODEL, TIER, "burst"), f"burst/{n}".encode())
+        await js.publish(subjects.request_subject(MODEL, TIER, "burst"), request(n))
     queues = TenantQueues(nc, js, MODEL, [TIER])
     await queues.sweep()
     pulled = CountedPulls(queues)
     first = await queues.take_many(TIER, 16, timeout_s=5.0)
-    assert [m.data.decode() for m in first] == [f"burst/{n}" for n in range(16)]  # in order, none twice
+    assert [number(m) for m in first] == list(range(16))  # in order, none twice
     assert pulled.count == 1  # one pull for the first, one `more` for the other 15
     rest = await queues.take_many(TIER, 100, timeout_s=5.0)
-    assert [m.data.decode() for m in rest] == [f"burst/{n}" for n in range(16, 40)]
+    assert [number(m) for m in rest] == list(range(16, 40))
     await ack_and_close(queues, *first, *rest)
 
-    big = b"x" * (MORE_MAX_BYTES // 2)
-    for _ in range(4):
-        await js.publish(subjects.request_subject(MODEL, TIER, "big"), big)
+    costly = ResponseFormat(type="json_object")
+    for n in range(4):
+        await js.publish(subjects.request_subject(MODEL, TIER, "costly"), request(n, response_format=costly))
+    long = "burst 0 " + "x" * (MORE_MAX_BYTES * 2 // 3)  # cheap to prepare, but two are over a batch's bytes
+    for n in range(4):
+        await js.publish(subjects.request_subject(MODEL, TIER, "long"), request(n, prompt=long))
     queues = TenantQueues(nc, js, MODEL, [TIER])
     await queues.sweep()
     taken = await queues.take_many(TIER, 16, timeout_s=5.0)
-    assert 1 <= len(taken) <= 2  # the first, and what fits in a batch's bytes beside nothing else
+    by_tenant = {t: sum(m.subject.endswith(subjects.tenant_token(t)) for m in taken) for t in ("costly", "long")}
+    assert by_tenant == {"costly": 1, "long": 2}
     await ack_and_close(queues, *taken)
-    assert (await js.stream_info(subjects.request_stream(TIER))).state.messages == 4 - len(taken)  # still queued

@@ -11,7 +11,7 @@ its step loop (how many batch sequences the next step runs) both ask for.
 A request being prepared (tokenized, its grammar compiled) takes a seat already, and its tenant is not pulled for
 until it is ready: one tenant's slow prompts hold one prepare thread and that tenant's own backlog, which stays
 in JetStream, never the other tenants' turns. Unless every request it has in preparation is cheap by its size (no
-grammar, no tools, a few short messages: ``is_cheap_to_prepare``), and fewer than ``CHEAP_PREPARING`` of them:
+grammar, no tools, a few short messages: prepare_cost.py), and fewer than ``CHEAP_PREPARING`` of them:
 then it is pulled for meanwhile, since what it can put ahead of another tenant's prepare is a few milliseconds,
 and one tenant's burst is no longer taken one request per pull and prepare (bench/burst.py).
 
@@ -32,16 +32,14 @@ from switchyard.scheduler.background import BackgroundPolicy
 from switchyard.scheduler.seats import TenantSeats, outranks
 from switchyard.shared import subjects
 from switchyard.shared.config import WorkerConfig
-from switchyard.shared.messages import GenerateRequest
 from switchyard.shared.tiers import BATCH_TIER, get_tier, tiers_by_priority
 from switchyard.workers.service.held import HeldRequests
+from switchyard.workers.service.prepare_cost import is_cheap_to_prepare
 from switchyard.workers.serving.interface import EngineCapacity
 
-# A tenant whose requests in preparation are all cheap (is_cheap_to_prepare) is pulled for until it has this many:
-# what it then puts ahead of another tenant's prepare is a few milliseconds.
+# A tenant whose requests in preparation are all cheap (prepare_cost.py) is pulled for until it has this many: what
+# it then puts ahead of another tenant's prepare is a few milliseconds.
 CHEAP_PREPARING = 32
-CHEAP_MESSAGES = 16
-CHEAP_CHARS = 16_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,19 +75,6 @@ def allowance(engine: EngineCapacity, held: HeldRequests, background: Background
         if not background.may_take_background(num_batch, interactive_running):
             del pull[BATCH_TIER]  # its seats while interactive traffic is about are taken
     return Allowance(num_free, pull, background.step_limit(interactive_running))
-
-
-def is_cheap_to_prepare(request: GenerateRequest) -> bool:
-    """Whether ``request``'s preparation is bounded by its size to about a millisecond: no grammar to compile, no
-    tools in its template, at most ``CHEAP_MESSAGES`` messages and ``CHEAP_CHARS`` characters to render and tokenize.
-    What a hostile tenant sends to be slow (a huge schema, thousands of messages) is none of these."""
-    if request.response_format is not None or request.tool_use is not None or request.embed is not None:
-        return False
-    if request.prompt_token_ids is not None:
-        return len(request.prompt_token_ids) <= CHEAP_CHARS // 4
-    messages = request.messages or ()
-    return len(messages) <= CHEAP_MESSAGES and (
-        len(request.prompt or "") + sum(len(m.content) for m in messages) <= CHEAP_CHARS)
 
 
 def _interactive_running(held: HeldRequests) -> bool:

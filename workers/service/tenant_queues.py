@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 from switchyard.scheduler.tenant_share import TenantShare
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_affinity_consumer, ensure_request_consumer, queued_tenants
+from switchyard.workers.service.prepare_cost import is_cheap_message
 from switchyard.workers.service.pulls import ConsumerGone, ConsumerPulls
 
 log = logging.getLogger("switchyard.worker")
@@ -151,7 +152,10 @@ class TenantQueues:
             for tenant, msg in zip(asked, answers):
                 if msg is not None:
                     got.append(msg)
-                    with_more[tenant] = _num_pending(msg) or 0
+                    # More of a tenant only after a cheap request: what the batch holds then is bounded by its
+                    # bytes (pulls.MORE_MAX_BYTES), and the tenant is taken one at a time again once it has a
+                    # costly one in preparation (capacity.py).
+                    with_more[tenant] = (_num_pending(msg) or 0) if is_cheap_message(msg.data) else 0
                     if self._took_last(tier, tenant, msg) and self._rung.get((tier, tenant), 0) < rung_before:
                         self._emptied(tier, tenant)
                 elif self._rung.get((tier, tenant), 0) < rung_before:
