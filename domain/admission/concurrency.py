@@ -12,7 +12,9 @@ and their sequences, every choice of each. Beyond either cap: 429 ``concurrency_
               for a few statements, not a thousand round trips one after another
     outage    while Postgres is away each gateway holds its share of every tenant's caps in memory
 
-Why not a counter: a counter a crashed gateway never decrements locks its tenants out for good; a lease cannot.
+Why not a bare counter: a counter a crashed gateway never decrements locks its tenants out for good; a lease
+cannot. The count the admission reads is kept from the leases' own rows (by triggers, migration 0019), so it falls
+when a lease expires as when a request ends.
 """
 
 from __future__ import annotations
