@@ -42,6 +42,14 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def machine_busy_seconds() -> float:
+    """The machine's busy CPU seconds so far, every core and every process (user, nice, system, irq, softirq,
+    steal: /proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(v) / _TICKS for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
 def io_calls(pid: int) -> tuple[int, int]:
     """Write and read system calls ``pid`` has made so far (``/proc/<pid>/io``: ``syscw``, ``syscr``): sockets,
     pipes and files alike."""

@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.local import cpu_name, lscpu  # noqa: E402
-from bench.proc import cpu_seconds, profile, rss_bytes, tree_cpu_seconds  # noqa: E402
+from bench.proc import cpu_seconds, machine_busy_seconds, profile, rss_bytes, tree_cpu_seconds  # noqa: E402
 from bench.results import RESULTS, append_section, command_line, markdown_table  # noqa: E402
 from bench.tenants_load import LoadReport, run_load  # noqa: E402
 
@@ -192,19 +192,12 @@ class CpuShares:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         out = {part: tree_cpu_seconds(pid) for part, pid in self._pids.items() if pid is not None}
         out["clients and py-spy"] = usage.ru_utime + usage.ru_stime
-        out["machine"] = sum(_machine_busy())
+        out["machine"] = machine_busy_seconds()
         return out
 
     def line(self) -> str:
         parts = " / ".join(f"{part} {self.cores[part]:.2f}" for part in self.cores if part != "machine")
         return f"{parts}; whole machine {self.cores['machine']:.2f} of {os.cpu_count()}"
-
-
-def _machine_busy() -> tuple[float, ...]:
-    """The machine's busy CPU seconds so far (every core; user, nice, system, irq, softirq, steal)."""
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (
-        int(v) / os.sysconf("SC_CLK_TCK") for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9])
-    return user, nice, system, irq, softirq, steal
 
 
 async def usage_rows(database_url: str, request_ids: list[str]) -> dict[str, dict]:

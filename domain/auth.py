@@ -17,6 +17,7 @@ import asyncpg
 from switchyard.domain.database import Database, DatabaseUnavailable, database_unavailable
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.tenancy import hash_key
+from switchyard.shared.single_flight import SingleFlight
 
 CACHE_S = 5.0
 STALE_OK_S = 3600.0
@@ -50,6 +51,7 @@ class Authenticator:
         self._db = db
         self._cache: dict[bytes, tuple[AuthContext | None, float]] = {}
         self._last_used: dict[str, float] = {}
+        self._lookups: SingleFlight[AuthContext | None] = SingleFlight()
 
     async def authenticate(self, header: str) -> AuthContext:
         """The caller of a request whose ``Authorization`` header is ``header``; raises 401 or 503."""
@@ -62,7 +64,8 @@ class Authenticator:
         now = time.monotonic()
         if cached is None or now - cached[1] > CACHE_S:
             try:
-                cached = (await self._db.run(lambda pool: self._lookup(pool, digest)), now)
+                # One lookup per key at a time: a burst on a key whose entry just expired waits for one query.
+                cached = (await self._lookups.run(digest, lambda: self._read(digest)), now)
             except DatabaseUnavailable:
                 if cached is None or now - cached[1] > STALE_OK_S:
                     raise database_unavailable() from None
@@ -81,6 +84,9 @@ class Authenticator:
             except DatabaseUnavailable:
                 pass
         return auth
+
+    async def _read(self, digest: bytes) -> AuthContext | None:
+        return await self._db.run(lambda pool: self._lookup(pool, digest))
 
     @staticmethod
     async def _lookup(pool: asyncpg.Pool, digest: bytes) -> AuthContext | None:

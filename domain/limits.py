@@ -1,11 +1,12 @@
 """Per-key rate limits: requests and tokens per minute, over a sliding minute (the admission policy that applies
 them is domain/admission/rate_limits.py).
 
-Shared state is Postgres: one atomic upsert per request on a (key, minute) row admits or refuses it, so the
-limits hold across any number of gateways without a lock or a read-then-write race; Postgres is already on the
-request path's host and durable. Tokens are reserved at admission (estimated prompt tokens
-+ n x max_tokens) and settled to what was really used when the request ends: the unused part returned, use beyond
-the reservation charged.
+Shared state is Postgres: one statement on a (key, minute) row admits or refuses the requests of that key that
+reached this gateway together (while its last statement ran: domain/grouped_calls.py, migration 0020), each in turn
+as if alone, so the limits hold across any number of gateways without a read-then-write race, and a burst on one
+key waits for a few statements rather than one round trip per request; Postgres is already on the request path's
+host and durable. Tokens are reserved at admission (estimated prompt tokens + n x max_tokens) and settled to what
+was really used when the request ends (grouped too): the unused part returned, use beyond the reservation charged.
 
 While Postgres is away, each gateway enforces its share of every key's limits in memory (domain/local_limits.py).
 
@@ -18,10 +19,14 @@ import datetime as dt
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import asyncpg
 
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.database import Database, DatabaseUnavailable
 from switchyard.domain.errors import OpenAIError
+from switchyard.domain.grouped_calls import GroupedCalls
 from switchyard.domain.local_limits import LocalLimiter
 from switchyard.shared.tiers import TierPolicy
 
@@ -29,29 +34,43 @@ UNLIMITED = 1 << 62
 DEFAULT_COMPLETION_RESERVE = 1024  # reserved when a request sets no max_tokens
 
 # A sliding minute, approximated from two fixed ones: the previous minute's counts weigh by how much of it still
-# lies within the last 60 s ($6, rounded up), so a key cannot spend its limit at 0:59 and again at 1:00 (a 2x
-# burst). The previous minute's row no longer changes, so the one statement stays atomic per key.
-ADMIT_SQL = """
-WITH prev AS (
-    SELECT ceil(coalesce(max(requests), 0) * $6::float8)::bigint AS requests,
-           ceil(coalesce(max(tokens), 0) * $6::float8)::bigint AS tokens
-    FROM rate_windows WHERE key_id = $1 AND window_start = $2::timestamptz - interval '1 minute'
-)
-INSERT INTO rate_windows AS w (key_id, window_start, requests, tokens)
-SELECT $1, $2, 1, $3 FROM prev WHERE prev.requests + 1 <= $4 AND prev.tokens + $3 <= $5
-ON CONFLICT (key_id, window_start) DO UPDATE
-    SET requests = w.requests + 1, tokens = w.tokens + EXCLUDED.tokens
-    WHERE w.requests + 1 + (SELECT requests FROM prev) <= $4
-      AND w.tokens + EXCLUDED.tokens + (SELECT tokens FROM prev) <= $5
-RETURNING requests + (SELECT requests FROM prev) AS requests, tokens + (SELECT tokens FROM prev) AS tokens
-"""
-USED_SQL = """
-SELECT coalesce(max(requests) FILTER (WHERE window_start = $2), 0)
-           + ceil(coalesce(max(requests) FILTER (WHERE window_start < $2), 0) * $3::float8)::bigint AS requests,
-       coalesce(max(tokens) FILTER (WHERE window_start = $2), 0)
-           + ceil(coalesce(max(tokens) FILTER (WHERE window_start < $2), 0) * $3::float8)::bigint AS tokens
-FROM rate_windows WHERE key_id = $1 AND window_start IN ($2::timestamptz, $2::timestamptz - interval '1 minute')
-"""
+# lies within the last 60 s (rounded up), so a key cannot spend its limit at 0:59 and again at 1:00 (a 2x burst).
+# The previous minute's row no longer changes, so each statement stays atomic per key (migration 0020).
+ADMIT_SQL = ("SELECT admitted, held_requests, held_tokens FROM admit_rate_window($1, $2::timestamptz, "
+             "$3::bigint[], $4::bigint[], $5::bigint[], $6::float8)")
+SETTLE_SQL = "SELECT settle_rate_windows($1, $2::timestamptz[], $3::bigint[])"
+
+
+class _Asked(NamedTuple):
+    """One request asking for its key's window, as the admission statement takes it."""
+
+    tokens: int
+    rpm: int
+    tpm: int
+    previous_weight: float  # how much of the previous minute still counts, when it asked
+
+
+class _Held(NamedTuple):
+    admitted: bool
+    requests: int  # the key's requests and tokens in the sliding minute after this request was judged
+    tokens: int
+
+
+Window = tuple[str, dt.datetime]  # (API key id, the minute's start)
+
+
+async def _admit(pool: asyncpg.Pool, window: Window, asked: list[_Asked]) -> list[_Held]:
+    """One statement for ``asked`` (one key's, in arrival order, in one minute). The previous minute is weighed as
+    when the first of them asked: the largest weight of the group, so the limit errs on the safe side."""
+    key_id, window_start = window
+    rows = await pool.fetch(ADMIT_SQL, key_id, window_start, [a.tokens for a in asked], [a.rpm for a in asked],
+                            [a.tpm for a in asked], asked[0].previous_weight)
+    return [_Held(*row) for row in rows]
+
+
+async def _settle(pool: asyncpg.Pool, key_id: str, differences: list[tuple[dt.datetime, int]]) -> list[None]:
+    await pool.execute(SETTLE_SQL, key_id, [w for w, _ in differences], [d for _, d in differences])
+    return [None] * len(differences)
 
 
 def text_tokens(text_chars: int) -> int:
@@ -109,6 +128,8 @@ class Limiter:
         """``local_share``: the part of each key's limits this gateway enforces alone while Postgres is away."""
         self._db = db
         self._local = LocalLimiter(local_share)
+        self._admissions = GroupedCalls(db, _admit, rows_of=lambda window: window[0])
+        self._settles = GroupedCalls(db, _settle)
 
     async def admit(self, auth: AuthContext, policy: TierPolicy, tokens: int) -> Reservation:
         """Count the request and reserve ``tokens``; raises 429 ``rate_limit_exceeded``."""
@@ -120,25 +141,19 @@ class Limiter:
                               "tokens per minute. Lower max_tokens or the prompt.", type="rate_limit_error",
                               code="rate_limit_exceeded", headers=_headers(rpm, tpm, 0, 0, reset_s))
         try:
-            weight = _previous_weight(reset_s)
-            row = await self._db.run(lambda pool: pool.fetchrow(ADMIT_SQL, auth.key_id, window_start, tokens, rpm,
-                                                                tpm, weight), key=auth.key_id)
-            if row is None:
-                used = await self._db.run(lambda pool: pool.fetchrow(USED_SQL, auth.key_id, window_start, weight),
-                                          key=auth.key_id)
+            held = await self._admissions.call((auth.key_id, window_start),
+                                               _Asked(tokens, rpm, tpm, _previous_weight(reset_s)))
         except DatabaseUnavailable:
             return self._admit_locally(auth, rpm, tpm, tokens, window_start)
-        if row is None:
-            assert used is not None  # an aggregate without GROUP BY answers one row, even over no rows
-            which = "requests" if used["requests"] + 1 > rpm else "tokens"
+        if not held.admitted:
+            which = "requests" if held.requests + 1 > rpm else "tokens"
             limit = rpm if which == "requests" else tpm
-            headers = _headers(rpm, tpm, used["requests"], used["tokens"], reset_s)
+            headers = _headers(rpm, tpm, held.requests, held.tokens, reset_s)
             headers["Retry-After"] = str(max(1, math.ceil(reset_s)))
             raise OpenAIError(429, f"Rate limit reached for {which} per minute: limit {limit}. Please try again in "
                               f"{reset_s:.0f}s.", type="rate_limit_error", code="rate_limit_exceeded",
                               headers=headers)
-        return Reservation(auth.key_id, window_start, tokens, _headers(rpm, tpm, row["requests"], row["tokens"],
-                                                                      reset_s))
+        return Reservation(auth.key_id, window_start, tokens, _headers(rpm, tpm, held.requests, held.tokens, reset_s))
 
     def _admit_locally(self, auth: AuthContext, rpm: int, tpm: int, tokens: int,
                        window_start: dt.datetime) -> Reservation:
@@ -162,10 +177,7 @@ class Limiter:
         difference = used_tokens - reservation.reserved_tokens
         if difference != 0:
             try:
-                await self._db.run(lambda pool: pool.execute(
-                    "UPDATE rate_windows SET tokens = greatest(tokens + $3, 0) WHERE key_id = $1 "
-                    "AND window_start = $2", reservation.key_id, reservation.window_start, difference),
-                    key=reservation.key_id)
+                await self._settles.call(reservation.key_id, (reservation.window_start, difference))
             except DatabaseUnavailable:  # the window keeps its reservation: a limit errs on the safe side
                 pass
 

@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from switchyard.domain.errors import service_unavailable
 from switchyard.shared.jetstream import live_workers
 from switchyard.shared.messages import WorkerInfo
+from switchyard.shared.single_flight import SingleFlight
 
 _CACHE_S = 1.0
 # While the registry cannot be read (a NATS node lost and a new leader being elected, a reconnect), the last
@@ -35,6 +36,7 @@ class ModelRegistry:
         self._nc, self._js = nc, nc.jetstream()
         self._cached: dict[str, list[WorkerInfo]] = {}
         self._cached_at = 0.0
+        self._reads: SingleFlight[list[WorkerInfo]] = SingleFlight()  # one read for every request waiting on it
         self._last_served: dict[str, float] = {}  # model -> when a listing last had it
         self._catalog = catalog or {}
         self._catalog_aliases = {alias: model for model, aliases in self._catalog.items() for alias in aliases}
@@ -48,7 +50,7 @@ class ModelRegistry:
         try:
             if not self._nc.is_connected:  # every read would wait out its timeout: the same as failing now
                 raise ConnectionError("not connected to NATS")
-            workers = await live_workers(self._js)
+            workers = await self._reads.run(None, lambda: live_workers(self._js))
         except Exception as exc:
             log.warning("cannot read the worker registry: %r", exc)
             if self._cached and time.monotonic() - self._cached_at < _STALE_OK_S:

@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode, encode
+from switchyard.shared.single_flight import SingleFlight
 from switchyard.shared.tiers import DEFAULT_POLICIES, TIER_NAMES, TierPolicy
 
 TIERS_BUCKET = "tiers"
@@ -113,6 +114,7 @@ class PolicyCache:
         self._js = js
         self._policies: dict[str, TierPolicy] = dict(DEFAULT_POLICIES)
         self._read_at = float("-inf")
+        self._reads: SingleFlight[None] = SingleFlight()  # a burst's requests wait for one read, not one each
 
     def invalidate(self) -> None:
         """Read afresh next time (this process just changed a policy)."""
@@ -122,9 +124,12 @@ class PolicyCache:
         """The policies; while NATS cannot be read (restarting, unreachable) the last ones read, so a request is
         judged by yesterday's limits rather than failed."""
         if time.monotonic() - self._read_at >= CACHE_S:
-            try:
-                self._policies = await read_policies(self._js)
-            except Exception as exc:
-                log.warning("cannot read the tier policies, keeping the last ones: %r", exc)
-            self._read_at = time.monotonic()
+            await self._reads.run(None, self._read)
         return self._policies
+
+    async def _read(self) -> None:
+        try:
+            self._policies = await read_policies(self._js)
+        except Exception as exc:
+            log.warning("cannot read the tier policies, keeping the last ones: %r", exc)
+        self._read_at = time.monotonic()

@@ -2,9 +2,11 @@
 
 A month's row (``budget_months``) holds the tokens billed (the usage writer adds each row it inserts, in the same
 statement: jobs/usage_writer.py) and the tokens reserved by requests admitted and not yet ended. An API request
-reserves what it may use (its estimate, as the rate window reserves it) in one atomic upsert that refuses it when
-billed + reserved + its estimate would pass the budget, so a burst of concurrent requests cannot overrun it; the
-reservation goes when the request ends (its tokens then arrive as billed, within the writer's lag). A batch, and
+reserves what it may use (its estimate, as the rate window reserves it) under the row's lock, refused when
+billed + reserved + its estimate would pass the budget, so a burst of concurrent requests cannot overrun it; a
+tenant's requests that reach a gateway together are judged in one statement, each in turn as if alone
+(domain/grouped_calls.py, migration 0021). The reservation goes when the request ends (its tokens then arrive as
+billed, within the writer's lag). A batch, and
 each of its lines (paced by the batch runner, at most a few hundred queued), is judged by what is billed and
 reserved, without a reservation of its own.
 
@@ -16,21 +18,32 @@ from __future__ import annotations
 
 import datetime as dt
 
+import asyncpg
+
 from switchyard.domain.admission.pipeline import Policy
 from switchyard.domain.admission.ticket import Origin, Ticket
 from switchyard.domain.database import Database, DatabaseUnavailable
 from switchyard.domain.errors import OpenAIError
+from switchyard.domain.grouped_calls import GroupedCalls
 
-RESERVE_SQL = """
-INSERT INTO budget_months AS b (tenant_id, month, reserved)
-    SELECT $1, $4::date, $2::bigint WHERE $2::bigint <= $3::bigint
-ON CONFLICT (tenant_id, month) DO UPDATE SET reserved = b.reserved + EXCLUDED.reserved
-    WHERE b.billed + b.reserved + EXCLUDED.reserved <= $3::bigint
-RETURNING billed + reserved
-"""
+RESERVE_SQL = "SELECT reserved, spent FROM reserve_budget($1, $2::date, $3::bigint[], $4::bigint[])"
 SPENT_SQL = "SELECT billed + reserved FROM budget_months WHERE tenant_id = $1 AND month = $2"
-RELEASE_SQL = ("UPDATE budget_months SET reserved = greatest(reserved - $3, 0) WHERE tenant_id = $1 "
-               "AND month = $2")
+RELEASE_SQL = "SELECT release_budget($1, $2::date[], $3::bigint[])"
+
+Month = tuple[str, dt.date]  # (tenant id, the month's first day)
+
+
+async def _reserve(pool: asyncpg.Pool, month: Month, asked: list[tuple[int, int]]) -> list[int | None]:
+    """One statement for ``asked`` ((tokens, budget) of one tenant's requests, in arrival order): each one's billed
+    + reserved after it, or None when it did not fit."""
+    tenant_id, first_day = month
+    rows = await pool.fetch(RESERVE_SQL, tenant_id, first_day, [t for t, _ in asked], [b for _, b in asked])
+    return [row["spent"] if row["reserved"] else None for row in rows]
+
+
+async def _release(pool: asyncpg.Pool, tenant_id: str, reserved: list[tuple[dt.date, int]]) -> list[None]:
+    await pool.execute(RELEASE_SQL, tenant_id, [m for m, _ in reserved], [t for _, t in reserved])
+    return [None] * len(reserved)
 
 
 def _month_start() -> dt.date:
@@ -49,6 +62,8 @@ class MonthlyBudget(Policy):
 
     def __init__(self, db: Database) -> None:
         self._db = db
+        self._reserves = GroupedCalls(db, _reserve, rows_of=lambda month: month[0])
+        self._releases = GroupedCalls(db, _release)
         self._spent: dict[str, int] = {}  # tenant id -> billed + reserved at the last reading (the outage fallback)
 
     async def check(self, ticket: Ticket) -> None:
@@ -59,9 +74,7 @@ class MonthlyBudget(Policy):
         reserve = ticket.origin is Origin.REQUEST
         try:
             if reserve:
-                spent = await self._db.run(lambda pool: pool.fetchval(RESERVE_SQL, tenant_id,
-                                                                      ticket.estimated_tokens, budget, month),
-                                           key=tenant_id)
+                spent = await self._reserves.call((tenant_id, month), (ticket.estimated_tokens, budget))
             else:
                 spent = await self._db.run(lambda pool: pool.fetchval(SPENT_SQL, tenant_id, month),
                                            key=tenant_id) or 0
@@ -78,10 +91,9 @@ class MonthlyBudget(Policy):
 
     async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
         reserved, ticket.budget_reserved = ticket.budget_reserved, 0
-        if not reserved:
+        if not reserved or ticket.budget_month is None:  # a reservation always has its month
             return
         try:
-            await self._db.run(lambda pool: pool.execute(RELEASE_SQL, ticket.auth.tenant_id, ticket.budget_month,
-                                                         reserved), key=ticket.auth.tenant_id)
+            await self._releases.call(ticket.auth.tenant_id, (ticket.budget_month, reserved))
         except DatabaseUnavailable:
             pass  # held until the month ends: a budget errs on the safe side, as the rate window does

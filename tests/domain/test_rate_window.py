@@ -55,3 +55,36 @@ async def test_a_limit_spent_at_the_end_of_a_minute_is_not_spent_again_at_the_st
     assert await _admitted(limiter, auth, minute + 30, 8) == 5
     # Half-way through the minute after, the burst has slid out and those five count for half (3, rounded up).
     assert await _admitted(limiter, auth, minute + 90, 10) == 7
+
+
+async def test_a_burst_on_one_key_is_admitted_exactly_to_its_limits(limiter_and_key):
+    """Hundreds at once on one key (gathered into a few statements, migration 0020), of mixed sizes: no more than
+    the limits allow, none refused that would still fit, and each answer's headers count what it left; the
+    settles, gathered too, give back every unused token."""
+    import asyncio
+
+    limiter, auth = limiter_and_key
+    policy = TierPolicy(max_queued=10, max_wait_s=10, weight=1, rpm=50, tpm=120)
+    minute = 60 * 29_000_100
+
+    async def one(tokens: int):
+        try:
+            return await limiter.admit(auth, policy, tokens)
+        except OpenAIError as exc:
+            assert exc.status == 429 and exc.code == "rate_limit_exceeded"
+            return None
+
+    sizes = [1 + i % 4 for i in range(300)]
+    with mock.patch("switchyard.domain.limits.time.time", return_value=minute + 1):
+        results = await asyncio.gather(*(one(t) for t in sizes))
+    admitted = [(t, r) for t, r in zip(sizes, results) if r is not None]
+    requests, tokens = len(admitted), sum(t for t, _ in admitted)
+    assert requests <= 50 and tokens <= 120
+    for t, r in zip(sizes, results):
+        assert r is not None or requests == 50 or tokens + t > 120
+    remaining = sorted(int(r.headers["x-ratelimit-remaining-tokens"]) for _, r in admitted)
+    assert remaining[0] == 120 - tokens and remaining[-1] == 120 - admitted[0][0]
+    await asyncio.gather(*(limiter.settle(r, 0) for _, r in admitted))
+    row = await limiter._db.pool.fetchrow("SELECT requests, tokens FROM rate_windows WHERE key_id = $1 AND "
+                                          "window_start = $2", auth.key_id, admitted[0][1].window_start)
+    assert tuple(row) == (requests, 0)  # every token given back; the requests stay counted

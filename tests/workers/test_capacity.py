@@ -125,3 +125,30 @@ def test_a_steps_batch_limit_is_the_allowances_without_counting_by_tenant():
     batch_only = Capacity(engine(free=4, running=4), holding([tracked(0, "batch"), tracked(1, "batch")]), limited)
     assert mixed.background_limit() == mixed.allowance().background_limit == 2
     assert batch_only.background_limit() is None and batch_only.allowance().background_limit is None
+
+
+def test_a_tenant_preparing_only_cheap_requests_is_pulled_for_until_it_has_many():
+    """One tenant's burst of small prompts is not taken one request per pull and prepare; a tenant with a request
+    that may be slow to prepare (by its size: a grammar, tools, many or long messages) waits for it, as does one
+    with ``CHEAP_PREPARING`` in preparation."""
+    from switchyard.shared.messages import ChatMessage, ResponseFormat
+    from switchyard.workers.service.capacity import CHEAP_PREPARING
+    from switchyard.workers.service.prepare_cost import is_cheap_to_prepare
+
+    def preparing(requests: list[Tracked]) -> frozenset[str]:
+        held = holding([])
+        held.preparing = {t.request.request_id: t for t in requests}
+        return allowance(engine(free=64, running=0, seats=64), held, no_batch_limit()).pull["pro"]
+
+    cheap = [tracked(i, "pro", "burst") for i in range(CHEAP_PREPARING - 1)]
+    assert all(is_cheap_to_prepare(t.request) for t in cheap)
+    assert preparing(cheap) == frozenset()
+    assert preparing([*cheap, tracked(99, "pro", "burst")]) == {subjects.tenant_token("burst")}
+    schema = tracked(100, "pro", "schema")
+    schema.request.response_format = ResponseFormat(type="json_object")
+    many = tracked(101, "pro", "many")
+    many.request.messages = [ChatMessage("user", "hi")] * 1000
+    long = tracked(102, "pro", "long")
+    long.request.prompt = "x" * 100_000
+    assert not any(is_cheap_to_prepare(t.request) for t in (schema, many, long))
+    assert preparing([schema, many, long, *cheap]) == {subjects.tenant_token(t) for t in ("schema", "many", "long")}

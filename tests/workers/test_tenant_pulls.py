@@ -289,3 +289,44 @@ async def test_a_tenant_that_rings_while_a_pull_is_out_is_asked_next_not_after_t
     assert pulls.count == 2  # one stale tenant asked, then the light one: not the nineteen others first
     await msg.ack_sync()
     await queues.close()
+
+
+async def test_one_tenants_burst_fills_free_seats_a_batch_per_pull_within_its_bytes(nc):
+    """A tenant with many cheap requests queued is asked for more at once (no_wait: nothing held open, nothing to
+    hand back), as many as the seats to fill; after a costly request (a grammar) it is not, and a batch's bytes are
+    bounded (so is what it hands the worker to prepare)."""
+    from switchyard.shared.messages import GenerateRequest, ResponseFormat, SamplingParams, decode, encode
+    from switchyard.workers.service.pulls import MORE_MAX_BYTES
+
+    def request(n: int, prompt: str = "", **fields) -> bytes:
+        return encode(GenerateRequest(f"r{n}", MODEL, TIER, SamplingParams(), created_at=0.0, deadline_at=1e18,
+                                      prompt=prompt or f"burst {n}", **fields))
+
+    def number(msg) -> int:
+        return int(decode(msg.data, GenerateRequest).prompt.split()[1])
+
+    js = nc.jetstream()
+    for n in range(40):
+        await js.publish(subjects.request_subject(MODEL, TIER, "burst"), request(n))
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    await queues.sweep()
+    pulled = CountedPulls(queues)
+    first = await queues.take_many(TIER, 16, timeout_s=5.0)
+    assert [number(m) for m in first] == list(range(16))  # in order, none twice
+    assert pulled.count == 1  # one pull for the first, one `more` for the other 15
+    rest = await queues.take_many(TIER, 100, timeout_s=5.0)
+    assert [number(m) for m in rest] == list(range(16, 40))
+    await ack_and_close(queues, *first, *rest)
+
+    costly = ResponseFormat(type="json_object")
+    for n in range(4):
+        await js.publish(subjects.request_subject(MODEL, TIER, "costly"), request(n, response_format=costly))
+    long = "burst 0 " + "x" * (MORE_MAX_BYTES * 2 // 3)  # cheap to prepare, but two are over a batch's bytes
+    for n in range(4):
+        await js.publish(subjects.request_subject(MODEL, TIER, "long"), request(n, prompt=long))
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    await queues.sweep()
+    taken = await queues.take_many(TIER, 16, timeout_s=5.0)
+    by_tenant = {t: sum(m.subject.endswith(subjects.tenant_token(t)) for m in taken) for t in ("costly", "long")}
+    assert by_tenant == {"costly": 1, "long": 2}
+    await ack_and_close(queues, *taken)

@@ -10,11 +10,15 @@ its step loop (how many batch sequences the next step runs) both ask for.
 
 A request being prepared (tokenized, its grammar compiled) takes a seat already, and its tenant is not pulled for
 until it is ready: one tenant's slow prompts hold one prepare thread and that tenant's own backlog, which stays
-in JetStream, never the other tenants' turns. With free seats every tier may be pulled. With every seat taken,
-only what the engine would give a running request's seat to (the same seat rule its scheduler follows): a tier
-more important than the least important one running, and in that tier the tenants two seats behind the one
-holding the most, so a pro request never waits in JetStream for a free one to finish and one tenant's flood cannot
-keep the others out of the batch; at most
+in JetStream, never the other tenants' turns. Unless every request it has in preparation is cheap by its size (no
+grammar, no tools, a few short messages: prepare_cost.py), and fewer than ``CHEAP_PREPARING`` of them:
+then it is pulled for meanwhile, since what it can put ahead of another tenant's prepare is a few milliseconds,
+and one tenant's burst is no longer taken one request per pull and prepare (bench/burst.py).
+
+With free seats every tier may be pulled. With every seat taken, only what the engine would give a running
+request's seat to (the same seat rule its scheduler follows): a tier more important than the least important one
+running, and in that tier the tenants two seats behind the one holding the most, so a pro request never waits in
+JetStream for a free one to finish and one tenant's flood cannot keep the others out of the batch; at most
 ``max_num_seqs // 8`` of them wait in the engine at once. Batch requests are pulled only while the background
 policy lets batch hold another seat.
 """
@@ -30,7 +34,12 @@ from switchyard.shared import subjects
 from switchyard.shared.config import WorkerConfig
 from switchyard.shared.tiers import BATCH_TIER, get_tier, tiers_by_priority
 from switchyard.workers.service.held import HeldRequests
+from switchyard.workers.service.prepare_cost import is_cheap_to_prepare
 from switchyard.workers.serving.interface import EngineCapacity
+
+# A tenant whose requests in preparation are all cheap (prepare_cost.py) is pulled for until it has this many: what
+# it then puts ahead of another tenant's prepare is a few milliseconds.
+CHEAP_PREPARING = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +61,14 @@ def allowance(engine: EngineCapacity, held: HeldRequests, background: Background
         pull = {t.name: frozenset() for t in tiers_by_priority()}
     else:
         pull = _seat_takers(engine, held)
-    for tracked in held.preparing.values():
-        tier = tracked.request.tier
-        if tier in pull:
-            pull[tier] = pull[tier] | {subjects.tenant_token(tracked.request.tenant_id)}
+    preparing: dict[tuple[str, str], int] = {}  # (tier, tenant token) -> its requests in preparation, or a
+    for tracked in held.preparing.values():     # number past the limit when one of them may be slow
+        request = tracked.request
+        key = (request.tier, subjects.tenant_token(request.tenant_id))
+        preparing[key] = preparing.get(key, 0) + (1 if is_cheap_to_prepare(request) else CHEAP_PREPARING)
+    for (tier, tenant), count in preparing.items():
+        if tier in pull and count >= CHEAP_PREPARING:
+            pull[tier] = pull[tier] | {tenant}
     if BATCH_TIER in pull:
         num_batch = (sum(t.request.tier == BATCH_TIER for t in held.active.values())
                      + sum(t.request.tier == BATCH_TIER for t, _ in held.pending))

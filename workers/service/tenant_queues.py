@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 from switchyard.scheduler.tenant_share import TenantShare
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_affinity_consumer, ensure_request_consumer, queued_tenants
+from switchyard.workers.service.prepare_cost import is_cheap_message
 from switchyard.workers.service.pulls import ConsumerGone, ConsumerPulls
 
 log = logging.getLogger("switchyard.worker")
@@ -123,7 +124,9 @@ class TenantQueues:
                         offers: bool = True) -> list:
         """Up to ``count`` request messages of ``tier``, one each from the least served tenants that have one, in
         that order (pulled side by side: a worker with many free seats fills them at the pace of NATS, not of one
-        round trip per request); an offer to this worker first when ``offers``."""
+        round trip per request); then, with seats still to fill, more from those that said they have more (least
+        served first, shared evenly: one tenant's burst fills free seats a batch per round trip); an offer to this
+        worker first when ``offers``."""
         got = []
         if tier in self._offered and offers:  # a request whose prefix this worker holds comes first
             msg = await self._fetch(("offer", tier), timeout_s)
@@ -134,6 +137,7 @@ class TenantQueues:
         share = self._shares[tier]
         tenants = self._pending[tier]
         asked_before: set[str] = set()
+        with_more: dict[str, int] = {}  # tenant -> what its consumer said it had left after its last message here
         while len(got) < count:
             # The order again each round: a tenant that rang while the last round's pulls were out (a light one,
             # ranked first) is asked now, not after every tenant the first order named.
@@ -148,9 +152,32 @@ class TenantQueues:
             for tenant, msg in zip(asked, answers):
                 if msg is not None:
                     got.append(msg)
+                    # More of a tenant only after a cheap request: what the batch holds then is bounded by its
+                    # bytes (pulls.MORE_MAX_BYTES), and the tenant is taken one at a time again once it has a
+                    # costly one in preparation (capacity.py).
+                    with_more[tenant] = (_num_pending(msg) or 0) if is_cheap_message(msg.data) else 0
                     if self._took_last(tier, tenant, msg) and self._rung.get((tier, tenant), 0) < rung_before:
                         self._emptied(tier, tenant)
                 elif self._rung.get((tier, tenant), 0) < rung_before:
+                    self._emptied(tier, tenant)
+        more = [(tenant, left) for tenant, left in with_more.items() if left > 0 and tenant not in excluded]
+        if len(got) < count and more:
+            got += await self._take_more(tier, more, count - len(got), timeout_s)
+        return got
+
+    async def _take_more(self, tier: str, tenants: list[tuple[str, int]], count: int, timeout_s: float) -> list:
+        """Up to ``count`` more messages from ``tenants`` ((tenant, what it has left), least served first), shared
+        evenly, each tenant's in one pull that the server answers at once."""
+        share, extra = divmod(count, len(tenants))
+        asks = [(tenant, min(left, share + (i < extra))) for i, (tenant, left) in enumerate(tenants)]
+        asks = [(tenant, n) for tenant, n in asks if n > 0]
+        rung_before = next(self._rings)
+        answers = await asyncio.gather(*(self._fetch_more((tier, tenant), n, timeout_s) for tenant, n in asks))
+        got = []
+        for (tenant, _), msgs in zip(asks, answers):
+            for msg in msgs:
+                got.append(msg)
+                if self._took_last(tier, tenant, msg) and self._rung.get((tier, tenant), 0) < rung_before:
                     self._emptied(tier, tenant)
         return got
 
@@ -191,6 +218,18 @@ class TenantQueues:
                 self._consumers.pop(key, None)
                 return None
         return None
+
+    async def _fetch_more(self, key: tuple[str, str], count: int, timeout_s: float) -> list:
+        """Up to ``count`` more messages from a queue's consumer that answered a pull just now (none, on a
+        failure: the next round asks again)."""
+        known = self._consumers.get(key)
+        if known is None:
+            return []
+        try:
+            return await self._pulls.more(*known, count, timeout_s)
+        except Exception as exc:
+            log.warning("fetch from %s failed: %r", "/".join(key), exc)
+            return []
 
     def charge(self, tier: str, tenant: str | None, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
         """Service given to a tenant of ``tier`` (admission: its prompt; each step: what it generated)."""
