@@ -125,3 +125,45 @@ def test_a_steps_batch_limit_is_the_allowances_without_counting_by_tenant():
     batch_only = Capacity(engine(free=4, running=4), holding([tracked(0, "batch"), tracked(1, "batch")]), limited)
     assert mixed.background_limit() == mixed.allowance().background_limit == 2
     assert batch_only.background_limit() is None and batch_only.allowance().background_limit is None
+
+
+def _one_seat_each(n: int, tier: str = "pro", tokens: int = 0) -> list[Tracked]:
+    out = [tracked(i, tier, f"t{i}") for i in range(n)]
+    for t in out:
+        t.completion_tokens = tokens
+    return out
+
+
+def test_with_every_seat_held_by_one_tenant_each_a_pause_pull_is_offered_past_the_quantum():
+    running = _one_seat_each(8, tokens=300)
+    allowed = allowance(engine(free=0, running=8), holding(running), no_batch_limit(), {"pro": 256})
+    tokens = frozenset(subjects.tenant_token(f"t{i}") for i in range(8))
+    # A tenant holding none of the tier's seats may be pulled, to pause one of theirs (the intake checks the share).
+    assert allowed.pull["pro"] == tokens and allowed.pause_over == {"pro": tokens}
+    # Off, or nobody past the quantum: the tier waits for a seat to free, as before.
+    assert "pro" not in allowance(engine(free=0, running=8), holding(running), no_batch_limit()).pull
+    young = allowance(engine(free=0, running=8), holding(_one_seat_each(8, tokens=100)), no_batch_limit(), {"pro": 256})
+    assert "pro" not in young.pull and not young.pause_over
+
+
+def test_pause_pulls_go_one_at_a_time_and_stop_while_many_are_paused():
+    running = _one_seat_each(16, tokens=300)
+    on_its_way = holding(running, pending=[tracked(99, "pro", "light")])
+    assert not allowance(engine(free=0, running=16, seats=16), on_its_way, no_batch_limit(), {"pro": 8}).pause_over
+    # 16 seats: at most 2 waiting inside the engine (paused ones included) before pause pulls stop.
+    two_paused = EngineCapacity(16, 0, 16, 2, 0, 0.9)
+    assert not allowance(two_paused, holding(running), no_batch_limit(), {"pro": 8}).pause_over
+    one_paused = EngineCapacity(16, 0, 16, 1, 0, 0.9)
+    assert allowance(one_paused, holding(running), no_batch_limit(), {"pro": 8}).pause_over
+
+
+def test_an_engine_that_does_not_pause_gets_no_quanta_and_no_pause_pulls():
+    held = holding(_one_seat_each(8, tokens=300))
+    plain = Capacity(engine(free=0, running=8), held, no_batch_limit())
+    plain.set_pause_after({"pro": 64})
+    assert plain.take_pause_rules() is None and not plain.allowance().pause_over
+    pausing = Capacity(engine(free=0, running=8), held, no_batch_limit(), pausing=True)
+    pausing.set_pause_after({"pro": 64, "enterprise": 0})
+    assert pausing.changed.is_set() and pausing.take_pause_rules() == {"pro": 64}
+    assert pausing.take_pause_rules() is None  # once per change
+    assert pausing.allowance().pause_over
