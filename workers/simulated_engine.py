@@ -19,9 +19,10 @@ drains and fails over like a real one; only the tokens are made up. Nothing here
   text on any worker (a continuation after a failover goes on with the very words the first worker would have
   sent) and a different prompt gives a different text. Prompt tokens are counted as about four bytes each.
 * seats: a request added with every seat taken runs anyway (the worker pulls beyond the seats only what the seat
-  rule lets take one), unless its tier pauses (``set_pause_rules``): then, by the rule the real engine's scheduler
-  follows (scheduler/pausing.py), it pauses a running choice of its tier past the quantum whose tenant holds more
-  seats; the paused choice sends nothing until a seat frees, then resumes where it was, first of those paused.
+  rule lets take one: where the real engine preempts, this one runs a seat over), unless the seat rule would give it
+  none and its tier pauses (``set_pause_rules``): then, by the rule the real engine's scheduler follows
+  (scheduler/pausing.py), it pauses a running choice of its tier past the quantum whose tenant holds more seats; the
+  paused choice sends nothing until a seat frees, then resumes where it was, first of those paused.
 * limits: ``max_tokens`` (or ``output_tokens`` when unset, ending with ``stop``), stop strings, ``n`` choices and
   resumed requests behave as on the real engine; what it cannot imitate honestly (logprobs, tools, response
   formats, echo) is refused with a 400 naming the parameter; sampling parameters do not change its text.
@@ -191,6 +192,8 @@ class SimulatedEngine:
         running = [c for state in self._requests.values() if state.request.tier == request.tier
                    for c in state.choices if not c.finished and not c.paused]
         seats = TenantSeats(_tenant(c) for c in running)
+        if seats.may_take(request.tenant_id or ""):
+            return  # the seat rule gives it a seat (here: one beyond them, as without pausing), as it comes first
         victim = pause_victim(running, seats, request.tenant_id or "", rule, _tenant,
                               lambda c: (c.position - c.started_at, c.num_pauses))
         if victim is None:

@@ -157,3 +157,18 @@ def test_without_a_rule_or_a_tenant_holding_fewer_seats_nothing_is_paused():
     third = msgspec.structs.replace(request("c", max_tokens=3), tenant_id="busy")  # holds one already: no pause
     engine.add_request(third, engine.prepare(third))
     assert engine.stats().num_pauses == 0
+
+
+def test_a_newcomer_the_seat_rule_seats_runs_a_seat_over_rather_than_pausing_anyone():
+    import msgspec
+
+    engine = SimulatedEngine(max_num_seqs=2, tokens_per_s=400)
+    engine.set_pause_rules({"pro": 1})
+    for rid in ("a", "b"):  # one tenant holds both seats: two apart from one holding none
+        r = msgspec.structs.replace(request(rid, max_tokens=40), tenant_id="busy")
+        engine.add_request(r, engine.prepare(r))
+    for _ in range(20):
+        engine.step()
+    newcomer = msgspec.structs.replace(request("c", max_tokens=3), tenant_id="light")
+    engine.add_request(newcomer, engine.prepare(newcomer))
+    assert engine.stats().num_pauses == 0 and engine.capacity().num_running == 3  # as without pausing
