@@ -155,6 +155,9 @@ def test_pause_pulls_go_one_at_a_time_and_stop_while_many_are_paused():
     assert not allowance(two_paused, holding(running), no_batch_limit(), {"pro": 8}).pause_over
     one_paused = EngineCapacity(16, 0, 16, 1, 0, 0.9)
     assert allowance(one_paused, holding(running), no_batch_limit(), {"pro": 8}).pause_over
+    # A request running a seat over (the simulated engine's seat taker) is not one on its way in.
+    one_over = EngineCapacity(16, 0, 17, 0, 0, 0.9)
+    assert allowance(one_over, holding(running), no_batch_limit(), {"pro": 8}).pause_over
 
 
 def test_an_engine_that_does_not_pause_gets_no_quanta_and_no_pause_pulls():

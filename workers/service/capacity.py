@@ -103,10 +103,12 @@ def _seat_takers(engine: EngineCapacity, held: HeldRequests, pause_after: dict[s
         pull[least_tier] = frozenset(excluded)
     pause_over: dict[str, frozenset[str]] = {}
     after = pause_after.get(least_tier, 0)
-    # Pausing: one at a time (nothing else on its way in beyond the seats), and while few are paused. Who holds a
-    # pausable request is judged by its whole completion here (the engine counts since its last start, and its
-    # pauses): where the engine then finds nobody to pause, the request waits for a free seat, first in line.
-    if after > 0 and least_tier not in pull and beyond < 1 and engine.num_waiting - engine.num_waiting_new < cap:
+    # Pausing: one at a time (nothing new waiting in the engine or on its way in), and while few are paused. Who
+    # holds a pausable request is judged by its whole completion here (the engine counts since its last start, and
+    # its pauses): where the engine then finds nobody to pause, the request waits for a free seat, first in line
+    # (or takes one by the seat rule, where the seat takers above had reached their bound).
+    arriving = engine.num_waiting_new + len(held.pending) + held.num_admitting + len(held.preparing)
+    if after > 0 and least_tier not in pull and arriving == 0 and engine.num_waiting - engine.num_waiting_new < cap:
         over = frozenset(subjects.tenant_token(t.request.tenant_id) for t in held.active.values()
                          if t.request.tier == least_tier and t.completion_tokens >= after)
         if over:
