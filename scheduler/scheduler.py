@@ -417,6 +417,8 @@ class Scheduler:
             if victim is None:
                 none_for.add(held)
                 continue
+            if self.kv_cache.is_prefix_in_flight(seq, self._running):
+                continue  # it would not start this step (_admit_waiting): pausing for it would waste the pause
             self._running.remove(victim)
             victim.status = RequestStatus.PAUSED
             victim.num_pauses += 1
