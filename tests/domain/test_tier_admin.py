@@ -49,3 +49,14 @@ def test_the_quantum_defaults_and_reads_back_from_a_policy_written_before_it_exi
     policy = msgspec.structs.replace(DEFAULT_POLICIES["pro"], pause_after_tokens=64)
     assert decode(encode(policy), TierPolicy) == policy
     assert policy.describe_pausing() == "after 64 tokens" and DEFAULT_POLICIES["batch"].describe_pausing() == "off"
+
+
+def test_tiers_set_takes_the_quantum_as_a_whole_number(capsys):
+    from switchyard.cli.main import build_parser
+
+    args = build_parser().parse_args(["tiers", "set", "pro", "--pause-after-tokens", "64"])
+    assert args.pause_after_tokens == 64 and args.hedge_after_ms is None
+    assert build_parser().parse_args(["tiers", "set", "pro"]).pause_after_tokens is None  # unchanged
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tiers", "set", "pro", "--pause-after-tokens", "lots"])
+    assert "--pause-after-tokens: invalid int value: 'lots'" in capsys.readouterr().err
