@@ -4,6 +4,7 @@ worker and NATS, and what does an idle tenant cost?
     .venv/bin/python bench/tenants.py                        # 10,000 tenants, 1,000 active at once, 60 s
     .venv/bin/python bench/tenants.py --tenants 2000 --active 200 --seconds 30
     .venv/bin/python bench/tenants.py --tokens 400 --tokens-per-delta 20    # on a 2-core machine (see below)
+    .venv/bin/python bench/tenants.py --tokens 400 --tokens-per-delta 20 --pause-after-tokens 256  # off vs on
 
 The engine is the simulated one (workers/simulated_engine.py, a test double): ``--seats`` sequences at ``--rate``
 tokens/s (20), each request about ``--tokens`` (40: 2 s; each 0.5-1.5x that, as real lengths vary),
@@ -33,6 +34,12 @@ cores: on a small machine everything shares, and a loop that waits for a core sh
 of their own, L's apart from the closed loops (whose thousand streams would otherwise delay L's on one event loop);
 the closed loops run at ``--client-nice`` 10, standing for clients on other machines. ``lscpu`` is printed and the
 CPU named with the table.
+
+Pausing (scheduler/pausing.py): the tier's ``pause_after_tokens`` is left at its default unless
+``--pause-after-tokens N`` is given; then the whole measure runs twice, on a fresh system each, with pausing off (0)
+and at N, and a table compares them: L's TTFT p95 loaded against its idle figure, and the tier's output tokens a
+second over the loaded phase (the worker's ``generation_tokens``; target: with pausing at least 90% of without),
+with the pauses the worker made.
 """
 
 from __future__ import annotations
@@ -81,16 +88,20 @@ def start_system(work: Path, seats: int, rate: float = 20.0, tokens_per_delta: i
     return system
 
 
-async def make_tenants(database_url: str, base_url: str, count: int) -> list[str]:
-    """``count`` tenants on the tier, a key each, without per-key limits; the tier's queues opened wide."""
+async def make_tenants(database_url: str, base_url: str, count: int, pause_after: int | None = None) -> list[str]:
+    """``count`` tenants on the tier, a key each, without per-key limits; the tier's queues opened wide, and its
+    pausing quantum set to ``pause_after`` (None: left as it is)."""
     import asyncpg
     import httpx
 
     from switchyard.domain.tenancy import create_key, create_tenant
 
+    policy: dict[str, float] = {"max_queued": 100_000, "max_queued_per_tenant": 1_000, "max_wait_s": 600}
+    if pause_after is not None:
+        policy["pause_after_tokens"] = pause_after
     async with httpx.AsyncClient(timeout=30) as http:
         r = await http.put(f"{base_url}/admin/tiers/{TIER}", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                           json={"max_queued": 100_000, "max_queued_per_tenant": 1_000, "max_wait_s": 600})
+                           json=policy)
         r.raise_for_status()
     conn = await asyncpg.connect(database_url)
     keys = []
@@ -263,6 +274,19 @@ def histogram(text: str, metric: str, **labels: str) -> tuple[list[tuple[float, 
     return sorted(buckets.items()), total
 
 
+def counter_total(text: str, metric: str, **labels: str) -> float:
+    """A counter in Prometheus text, its series with ``labels`` added up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (metric, f"{metric}_total") and all(sample.labels.get(k) == v
+                                                                    for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
 def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
     """The ``q`` quantile's bucket bound of the observations made between two reads of the histogram."""
     counts = [(le, n - dict(before).get(le, 0.0)) for le, n in sorted(after)]
@@ -296,15 +320,49 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=2, help="client processes for the closed loops (L has its own)")
     p.add_argument("--client-nice", type=int, default=10,
                    help="nice value of the closed loops' processes (0: compete with the platform for its cores)")
+    p.add_argument("--pause-after-tokens", type=int, default=None, metavar="N",
+                   help="run twice, pausing off and at N tokens (the tier's pause_after_tokens), and compare; "
+                        "unset: once, at the tier's default")
     p.add_argument("--results", default=str(RESULTS), help="'-' to skip")
     args = p.parse_args()
-    cpu = cpu_name(lscpu())
+    cpu = cpu_name(lscpu())  # printed
+    arms = [None] if args.pause_after_tokens is None else [0, args.pause_after_tokens]
+    sections, outcomes = [], []
+    for pause_after in arms:
+        text, outcome = run_arm(args, cpu, pause_after)
+        print(text, flush=True)
+        sections.append(text)
+        outcomes.append(outcome)
+    if len(arms) == 2:
+        (off, on) = outcomes
+        ratio = on["tok_s"] / max(1e-9, off["tok_s"])
+        table = markdown_table(
+            ("pausing", "L TTFT p95 alone (ms)", "L p95 loaded after the first round (ms)", "p95 loaded / alone",
+             "second half p95 / alone", "output tok/s loaded (tier)", "pauses", "requests served: L / H / active"),
+            [(name, f"{o['alone_p95']:.0f}", f"{o['loaded_p95']:.0f}", f"{o['ratio']:.2f}x", f"{o['late_ratio']:.2f}x",
+              f"{o['tok_s']:,.0f}", f"{o['pauses']:.0f}", o["served"])
+             for name, o in (("off", off), (f"after {args.pause_after_tokens} tokens", on))])
+        summary = (f"## Tenants in one tier, pausing off vs on (simulated engine), {cpu}, {os.cpu_count()} cores\n\n"
+                   f"`{command_line()}`\n\n" + table
+                   + f"\n\n- light tenant with pausing: p95 loaded {on['ratio']:.2f}x its idle figure (target <= 3x): "
+                   + ("MET" if on["ratio"] <= 3 else "NOT MET")
+                   + f"\n- output tok/s with pausing / without: {ratio:.1%} (target >= 90%): "
+                   + ("MET" if ratio >= 0.9 else "NOT MET") + "\n")
+        print(summary)
+        sections = [summary] + [t.replace("## Tenants in one tier", "### Tenants in one tier", 1) for t in sections]
+    for text in sections:
+        append_section(text, args.results)
+
+
+def run_arm(args, cpu: str, pause_after: int | None) -> tuple[str, dict]:
+    """One whole measure on a fresh system, the tier's pausing at ``pause_after`` tokens (0: off; None: its
+    default): its section for RESULTS.md, and the figures the comparison of arms reads."""
     work = Path(tempfile.mkdtemp(prefix="switchyard-bench-tenants-"))
     os.chmod(work, 0o755)
     system = start_system(work, args.seats, args.rate, args.tokens_per_delta, args.engine_step_ms)
     try:
         t0 = time.perf_counter()
-        all_keys = asyncio.run(make_tenants(system.config.database_url, system.url(), args.tenants + 2))
+        all_keys = asyncio.run(make_tenants(system.config.database_url, system.url(), args.tenants + 2, pause_after))
         made_s = time.perf_counter() - t0
         light, heavy, rest = all_keys[0], all_keys[1], all_keys[2:]
         worker = next(s.pid for s in system.services if s.name == "worker-sim")
@@ -323,9 +381,11 @@ def main() -> None:
         spying.start()
         loaded_at = time.time()
         metrics_before = read_metrics(system)
+        loaded_started = time.perf_counter()
         with CpuShares(system) as cpu_loaded:
             loaded = load(system, {"light": [light], "heavy": [heavy] * args.heavy, "active": rest[:args.active]},
                           args.seconds, args.clients, args.tokens, args.client_nice)
+        loaded_s = time.perf_counter() - loaded_started
         metrics_after = read_metrics(system)
         spying.join()
         print("loaded:", loaded.summary(), flush=True)
@@ -351,6 +411,11 @@ def main() -> None:
     # come about as a Poisson stream, so that wait's p95 is about 3 (ln 20) times their mean interval.
     free_every_ms = 1e3 * args.seconds / max(1, sum(loaded.served.values()))
     ratio = loaded.light_ttft(95, "steady") / max(1e-9, alone.light_ttft(95))
+    generated, pauses = ((counter_total(metrics_after["worker"], metric, **labels)
+                          - counter_total(metrics_before["worker"], metric, **labels))
+                         for metric, labels in (("switchyard:generation_tokens", {"tier": TIER}),
+                                                ("switchyard:num_pauses", {})))
+    tok_s = generated / max(1e-9, loaded_s)
     first_round_s = (loaded.first_round_end or float("nan")) - loaded_at
     settled_s = loaded.settled_at() - loaded_at
     table = markdown_table(
@@ -366,6 +431,9 @@ def main() -> None:
          (f"L TTFT p50 / p95 loaded, after it ({loaded.light_count('steady')} requests, ms)",
           f"{1e3 * loaded.light_ttft(50, 'steady'):.0f} / {1e3 * loaded.light_ttft(95, 'steady'):.0f}"),
          ("L p95 loaded after the first round / alone (target <= 3x)", f"{ratio:.2f}x"),
+         ("pausing (the tier's pause_after_tokens) / pauses loaded",
+          f"{'default' if pause_after is None else pause_after or 'off'} / {pauses:.0f}"),
+         ("the tier's output tokens a second, loaded (the worker's generation_tokens)", f"{tok_s:,.0f}"),
          (f"L TTFT p50 / p95 loaded, second half of the phase ({loaded.light_count('late')} requests, ms; p95 / "
           "alone)", f"{1e3 * loaded.light_ttft(50, 'late'):.0f} / {1e3 * loaded.light_ttft(95, 'late'):.0f} "
           f"({loaded.light_ttft(95, 'late') / max(1e-9, alone.light_ttft(95)):.2f}x)"),
@@ -391,8 +459,10 @@ def main() -> None:
          ("worker CPU while idle, with them", f"{idle_cpu:.1%} of a core")])
     text = (f"## Tenants in one tier (simulated engine), {cpu}, {os.cpu_count()} cores\n\n`{command_line()}`\n\n"
             + table + f"\n\nWorker profile, loaded phase:\n\n```\n{report}\n```\n")
-    print(text)
-    append_section(text, args.results)
+    late_ratio = loaded.light_ttft(95, "late") / max(1e-9, alone.light_ttft(95))
+    return text, {"alone_p95": 1e3 * alone.light_ttft(95), "loaded_p95": 1e3 * loaded.light_ttft(95, "steady"),
+                  "ratio": ratio, "late_ratio": late_ratio, "tok_s": tok_s, "pauses": pauses,
+                  "served": loaded.served_line()}
 
 
 if __name__ == "__main__":

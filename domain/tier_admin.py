@@ -30,9 +30,11 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
                       weight: float | None = None, max_queued_per_tenant: int | None = None,
                       max_streams: int | None = None, max_sequences: int | None = None,
                       hedge_after_ms: int | str | None = None, hedge_budget: float | None = None,
+                      pause_after_tokens: int | None = None,
                       ) -> tuple[TierPolicy, TierPolicy]:
     """Apply the given fields to ``tier``'s policy live; returns ``(old, new)``. ``hedge_after_ms``: milliseconds,
-    ``"auto"`` or ``"off"`` (or 0)."""
+    ``"auto"`` or ``"off"`` (or 0). ``pause_after_tokens``: tokens, 0 for off."""
+    _check_pause_after(tier, pause_after_tokens)
     if tier not in TIER_NAMES:
         raise TierChangeError(f"unknown tier {tier!r}; known: {', '.join(TIER_NAMES)}")
     hedge_after_ms = _hedge_after(hedge_after_ms)
@@ -54,7 +56,8 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
     changes = {k: v for k, v in (("max_queued", max_queued), ("max_wait_s", max_wait_s), ("weight", weight),
                                  ("max_queued_per_tenant", max_queued_per_tenant), ("max_streams", max_streams),
                                  ("max_sequences", max_sequences), ("hedge_after_ms", hedge_after_ms),
-                                 ("hedge_budget", hedge_budget)) if v is not None}
+                                 ("hedge_budget", hedge_budget), ("pause_after_tokens", pause_after_tokens))
+               if v is not None}
     new = msgspec.structs.replace(old, **changes)
     await write_policy(js, tier, new)
     async with pool.acquire() as conn:
@@ -62,6 +65,23 @@ async def change_tier(js: JetStreamContext, pool: asyncpg.Pool, tier: str, who: 
             "INSERT INTO tier_changes (tier, changed_by, old_policy, new_policy) VALUES ($1, $2, $3, $4)",
             tier, who, json.dumps(msgspec.to_builtins(old)), json.dumps(msgspec.to_builtins(new)))
     return old, new
+
+
+# A quantum longer than any context would never pause anything: a typo, not a setting.
+MAX_PAUSE_AFTER_TOKENS = 1_000_000
+
+
+def _check_pause_after(tier: str, value: int | None) -> None:
+    """``tiers set --pause-after-tokens``: a whole number of tokens, 0 for off; never on for the batch tier."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TierChangeError(f"pause_after_tokens must be a whole number of tokens (0: off), not {value!r}")
+    if not 0 <= value <= MAX_PAUSE_AFTER_TOKENS:
+        raise TierChangeError(f"pause_after_tokens must be 0 (off) or a number of tokens up to "
+                              f"{MAX_PAUSE_AFTER_TOKENS:,}, not {value}")
+    if tier == BATCH_TIER and value:
+        raise TierChangeError("the batch tier is never paused for: its requests wait for idle seats by design")
 
 
 def _hedge_after(value: int | str | None) -> int | str | None:
@@ -106,6 +126,7 @@ async def tier_status(js: JetStreamContext, served: dict[str, list[WorkerInfo]])
                 "max_wait_s": policy.max_wait_s,
                 "weight": policy.weight,
                 "hedge_after_ms": policy.describe_hedging(),
+                "pause_after_tokens": policy.describe_pausing(),
                 "workers": len(workers),
                 "rejected_5m": rejected.get(subjects.rejected_subject(model, tier), 0),
             })

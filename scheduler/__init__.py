@@ -13,7 +13,8 @@ The worker intake's (``workers/service/`` asks them what to pull from JetStream)
     tenant_share.py     which tenant of a tier next: token-weighted fair share
     background.py       how much batch work may run while interactive work is about
 
-And one both follow: ``seats.py``, who may take a running request's seat when every seat is taken.
+And two both follow: ``seats.py``, who may take a running request's seat when every seat is taken, and
+``pausing.py``, whose long generation may be paused (its KV kept) for a waiting tenant far below its share.
 """
 
 from switchyard.scheduler.block_pool import Block, BlockPool

@@ -20,6 +20,7 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    PAUSED = enum.auto()  # gave its seat to a waiting tenant (scheduler/pausing.py): KV and tokens kept, waiting
     PREEMPTED = enum.auto()
     # Finished states: keep them after PREEMPTED, is_finished() relies on the order.
     FINISHED_STOPPED = enum.auto()
@@ -77,6 +78,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (hits included)
     num_cached_tokens: int = 0  # prefix-cache hit on first admission, for usage reporting
     num_preemptions: int = 0
+    num_pauses: int = 0  # times it gave its seat up to a waiting tenant, its KV kept (scheduler/pausing.py)
+    num_output_at_start: int = 0  # output tokens when it last started running: its turn's progress is counted from it
     last_scheduled_step: int = -1  # the scheduler's step count when it last ran: background seats take turns
     token_ids: list[int] = field(init=False, repr=False)
     num_prompt_tokens: int = field(init=False)
@@ -117,6 +120,11 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens still without KV: the rest of the prompt, or 1 for a decoding sequence."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_tokens_since_start(self) -> int:
+        """Tokens generated since it last started running (admitted, or resumed after a pause)."""
+        return self.num_output_tokens - self.num_output_at_start
 
     @property
     def is_finished(self) -> bool:

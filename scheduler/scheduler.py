@@ -15,9 +15,11 @@ from __future__ import annotations
 import sys
 from bisect import insort
 
+from switchyard.scheduler.block_pool import Block
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.kv_cache_manager import KVCacheManager
 from switchyard.scheduler.output import ScheduledSeq, SchedulerOutput
+from switchyard.scheduler.pausing import PauseRule, pause_victim
 from switchyard.scheduler.request import RequestStatus, Sequence
 from switchyard.scheduler.request_queue import WaitingQueue
 from switchyard.scheduler.seats import TenantSeats, outranks
@@ -25,6 +27,14 @@ from switchyard.scheduler.seats import TenantSeats, outranks
 
 def _sort_key(seq: Sequence) -> tuple[int, float, str]:
     return seq.sort_key
+
+
+def _tenant_of(seq: Sequence) -> str:
+    return seq.tenant
+
+
+def _progress_of(seq: Sequence) -> tuple[int, int]:
+    return seq.num_tokens_since_start, seq.num_pauses
 
 
 class Scheduler:
@@ -43,11 +53,13 @@ class Scheduler:
         self._background_max_seqs: int | None = None
         # After the device ran out of memory: at most this many running until a sequence finishes (shed_one).
         self._memory_seats: int | None = None
+        self._pause_rules: dict[int, PauseRule] = {}  # priority -> its pausing (scheduler/pausing.py); absent: off
         # Since start, for the worker's metrics (vLLM's meanings): prompt tokens looked up in the prefix cache at a
         # sequence's first admission, how many of them were found there, and preemptions.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        self.num_pauses = 0
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -143,6 +155,12 @@ class Scheduler:
             raise ValueError("a background limit needs SchedulerConfig.background_priority")
         self._background_max_seqs = max_seqs
 
+    def set_pause_rules(self, rules: dict[int, PauseRule]) -> None:
+        """Pausing per priority (scheduler/pausing.py): with every seat taken, a new request of a priority whose
+        rule is on may pause a long-running one of that priority held by a tenant with more seats. Applies from the
+        next step; requests paused meanwhile still resume into the next free seats."""
+        self._pause_rules = {p: r for p, r in rules.items() if r.is_on}
+
     def _background_turns(self) -> tuple[set[str], int]:
         """(ids of the running background sequences that run this step, seats left for admitting more)."""
         if self._background_max_seqs is None:
@@ -162,12 +180,13 @@ class Scheduler:
     def can_admit(self, num_prompt_tokens: int) -> bool:
         """Whether a new prompt fits in free blocks next to what is already queued.
 
-        Counts the prompt, every waiting sequence in full, and for each running sequence the rest of its
-        prompt or at least one block of decode headroom. Prefix-cache hits are ignored: conservative.
+        Counts the prompt, every waiting sequence in full (less the blocks a paused one keeps), and for each running
+        sequence the rest of its prompt or at least one block of decode headroom. Prefix-cache hits are ignored:
+        conservative.
         """
         kv = self.kv_cache
         needed = kv.num_blocks_for(num_prompt_tokens)
-        needed += sum(kv.num_blocks_for(seq.num_tokens) for seq in self._waiting)
+        needed += sum(kv.num_blocks_for(seq.num_tokens) - kv.get_num_blocks(seq.seq_id) for seq in self._waiting)
         for seq in self._running:
             needed += max(1, kv.num_blocks_for(seq.num_tokens) - kv.get_num_blocks(seq.seq_id))
         return needed <= kv.num_free_blocks
@@ -194,6 +213,9 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget, self._chunk_cap)
             block_table = self.kv_cache.allocate_slots(seq, num_new)
             while block_table is None:
+                if self._drop_paused_kv():  # a paused sequence's KV goes before a running one's
+                    block_table = self.kv_cache.allocate_slots(seq, num_new)
+                    continue
                 victim = self._running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -271,25 +293,39 @@ class Scheduler:
             if len(self._running) >= self.config.max_num_seqs:
                 # Seats full: a strictly more important request takes the least important one's seat, so a pro
                 # request never waits for a free one to finish; at equal priority, a tenant holding far fewer
-                # seats takes one from the tenant holding the most (_victim_for).
-                refund = self._yield_to(seq, scheduled, preempted)
+                # seats takes one from the tenant holding the most (_victim_for). A paused one waits for a free
+                # seat: it takes none by force.
+                refund = None if seq.status == RequestStatus.PAUSED else self._yield_to(seq, scheduled, preempted)
                 if refund is None:
                     # Its tenant has its share of the seats: another tenant's request behind it may not.
-                    seq = self._under_share(seq, preempted)
-                    if seq is None:
-                        break
-                    refund = self._yield_to(seq, scheduled, preempted)
-                    # _under_share picked seq because its tenant may take a seat: _victim_for finds it one.
-                    assert refund is not None
+                    taker = self._under_share(seq, preempted)
+                    if taker is not None:
+                        seq = taker
+                        refund = self._yield_to(seq, scheduled, preempted)
+                        # _under_share picked seq because its tenant may take a seat: _victim_for finds it one.
+                        assert refund is not None
+                    else:
+                        # Or a new request pauses a long generation of a tenant holding more (pausing.py).
+                        taker, refund = self._pause_for_waiting(seq, scheduled)
+                        if taker is None or refund is None:
+                            break
+                        seq = taker
                 budget += refund  # seq takes the seat now (the one preempted for it waits, perhaps ahead of it)
-            if self.kv_cache.is_prefix_in_flight(seq, self._running):
+            is_paused = seq.status == RequestStatus.PAUSED
+            if not is_paused and self.kv_cache.is_prefix_in_flight(seq, self._running):
                 break  # one step later its next blocks are cache hits instead of computed twice
+            computed_blocks: list[Block]
             while True:
-                computed_blocks, num_hit = self.kv_cache.get_computed_blocks(seq)
+                if is_paused:  # resuming: its blocks are its own still, nothing to look up
+                    computed_blocks, num_hit = [], seq.num_computed_tokens
+                else:
+                    computed_blocks, num_hit = self.kv_cache.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit, budget, self._chunk_cap)
                 block_table = self.kv_cache.allocate_slots(seq, num_new, computed_blocks)
                 if block_table is not None:
                     break
+                if self._drop_paused_kv(keep=seq):
+                    continue
                 refund = self._yield_to(seq, scheduled, preempted)  # blocks short: same rule
                 if refund is None:
                     break
@@ -307,6 +343,7 @@ class Scheduler:
                     self.prefix_cache_hits += num_hit
             seq.num_computed_tokens = num_hit
             seq.status = RequestStatus.RUNNING
+            seq.num_output_at_start = seq.num_output_tokens
             insort(self._running, seq, key=_sort_key)
             scheduled[seq.seq_id] = self._scheduled(seq, num_new, block_table)
             budget -= num_new
@@ -342,7 +379,7 @@ class Scheduler:
             return None
         seats = self._tenant_seats(head.priority)
         others = sorted((s for s in self._waiting if s.priority == head.priority and s.tenant != head.tenant
-                         and s not in preempted), key=_sort_key)
+                         and s not in preempted and s.status != RequestStatus.PAUSED), key=_sort_key)
         return next((s for s in others if seats.may_take(s.tenant)), None)
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
@@ -359,6 +396,51 @@ class Scheduler:
             return None
         holder = seats.holder()
         return max((s for s in self._running if s.priority == seq.priority and s.tenant == holder), key=_sort_key)
+
+    def _pause_for_waiting(self, head: Sequence, scheduled: dict[str, ScheduledSeq],
+                           ) -> tuple[Sequence | None, int | None]:
+        """With every seat taken and nobody yielding by the seat rule: the first new waiting sequence of ``head``'s
+        priority that may pause a running one (scheduler/pausing.py), and the tokens the paused one's cancelled
+        schedule gives back; (None, None) when there is none."""
+        rule = self._pause_rules.get(head.priority)
+        if rule is None or not self._running or self._running[-1].priority != head.priority:
+            return None, None
+        seats = self._tenant_seats(head.priority)
+        running = [s for s in self._running if s.priority == head.priority]
+        none_for: set[int] = set()  # seats held by tenants found nobody to pause: the answer is the same
+        for seq in sorted((s for s in self._waiting if s.priority == head.priority
+                           and s.status == RequestStatus.WAITING), key=_sort_key):
+            held = seats.held.get(seq.tenant, 0)
+            if held in none_for:
+                continue
+            victim = pause_victim(running, seats, seq.tenant, rule, _tenant_of, _progress_of)
+            if victim is None:
+                none_for.add(held)
+                continue
+            if self.kv_cache.is_prefix_in_flight(seq, self._running):
+                continue  # it would not start this step (_admit_waiting): pausing for it would waste the pause
+            self._running.remove(victim)
+            victim.status = RequestStatus.PAUSED
+            victim.num_pauses += 1
+            self.num_pauses += 1
+            self._waiting.push(victim)  # by its arrival: ahead of the requests that came after it
+            cancelled = scheduled.pop(victim.seq_id, None)
+            return seq, 0 if cancelled is None else cancelled.num_new_tokens
+        return None, None
+
+    def _drop_paused_kv(self, keep: Sequence | None = None) -> bool:
+        """Blocks are short: the latest paused sequence (not ``keep``) drops its KV and will recompute it, as a
+        preempted one (its tokens are kept); False when no paused sequence holds KV."""
+        paused = [s for s in self._waiting if s.status == RequestStatus.PAUSED and s is not keep]
+        if not paused:
+            return False
+        seq = max(paused, key=_sort_key)
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = RequestStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        return True
 
     def _tenant_seats(self, priority: int) -> TenantSeats:
         return TenantSeats(s.tenant for s in self._running if s.priority == priority)

@@ -44,6 +44,11 @@ class TenantShare:
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
 
+    def finish_tag(self, tenant: str) -> float:
+        """When ``tenant``'s next request would be done in virtual time: its counter plus that request's expected
+        cost (the key ``order`` sorts by first)."""
+        return self._counters.get(tenant, 0.0) + self._last_cost.get(tenant, 0.0)
+
     def set_backlogged(self, tenants: Iterable[str]) -> None:
         """The tenants with requests queued now; one that was not before is lifted to the minimum of those that
         were (the paper's "lift": no saving up while away)."""

@@ -36,6 +36,11 @@ class TierPolicy(msgspec.Struct, frozen=True):
     # Hedges at most this share of the tier's requests (each gateway counts its own): a hedge costs a second
     # prefill, and hedging everything would double the load it is meant to route around.
     hedge_budget: float = 0.05
+    # Pausing (scheduler/pausing.py): with every seat of the tier taken, a running request that has generated this
+    # many tokens since it last started may be paused for a waiting tenant that holds fewer seats and is far below
+    # its fair share (a light tenant among busy ones): its KV and tokens kept, it resumes into the next free seat;
+    # its client sees a longer gap, never an error. At most 3 pauses a request. 0: off. Never for the batch tier.
+    pause_after_tokens: int = 0
 
     @property
     def tenant_cap(self) -> int:
@@ -45,6 +50,10 @@ class TierPolicy(msgspec.Struct, frozen=True):
         """As ``tiers set`` takes it: ``off``, ``auto`` or a number of milliseconds, and the budget."""
         after = "off" if self.hedge_after_ms == 0 else str(self.hedge_after_ms)
         return after if after == "off" else f"{after} (budget {self.hedge_budget:.0%})"
+
+    def describe_pausing(self) -> str:
+        """As ``tiers set`` takes it: ``off`` or the tokens after which a long generation may be paused."""
+        return "off" if self.pause_after_tokens == 0 else f"after {self.pause_after_tokens} tokens"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +75,14 @@ class Tier:
 TIERS: tuple[Tier, ...] = (
     Tier("enterprise", 0, TierPolicy(max_queued=1000, max_wait_s=60.0, weight=8.0, rpm=6000, tpm=2_000_000,
                                      max_streams=512, max_sequences=2048), scale_threshold=4),
+    # Pausing on for the tiers with many small tenants (docs/operating/tiers.md, "Pausing long generations"): a
+    # light tenant gets a seat at once instead of after some 400-token request ends; it costs the paused stream a
+    # gap about one short request long, and no throughput (its KV is kept). Off for enterprise, whose streams'
+    # steady token rate is what it pays for, and for batch, whose requests wait for idle seats anyway.
     Tier("pro", 1, TierPolicy(max_queued=500, max_wait_s=30.0, weight=4.0, rpm=600, tpm=400_000, max_streams=128,
-                              max_sequences=512), scale_threshold=8),
+                              max_sequences=512, pause_after_tokens=256), scale_threshold=8),
     Tier("free", 2, TierPolicy(max_queued=200, max_wait_s=20.0, weight=1.0, rpm=60, tpm=40_000, max_streams=16,
-                               max_sequences=64), scale_threshold=32),
+                               max_sequences=64, pause_after_tokens=256), scale_threshold=32),
     # Batch takes what the interactive tiers leave idle, plus a small guaranteed share (see BatchShare); it may
     # wait hours by design, so it asks for workers only once its queue is deep, and lines do not wake a GPU one by
     # one.

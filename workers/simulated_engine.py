@@ -18,6 +18,11 @@ drains and fails over like a real one; only the tokens are made up. Nothing here
 * text: words of a fixed list, chosen by the prompt and the choice's index, so the same request gives the same
   text on any worker (a continuation after a failover goes on with the very words the first worker would have
   sent) and a different prompt gives a different text. Prompt tokens are counted as about four bytes each.
+* seats: a request added with every seat taken runs anyway (the worker pulls beyond the seats only what the seat
+  rule lets take one: where the real engine preempts, this one runs a seat over), unless the seat rule would give it
+  none and its tier pauses (``set_pause_rules``): then, by the rule the real engine's scheduler follows
+  (scheduler/pausing.py), it pauses a running choice of its tier past the quantum whose tenant holds more seats; the
+  paused choice sends nothing until a seat frees, then resumes where it was, first of those paused.
 * limits: ``max_tokens`` (or ``output_tokens`` when unset, ending with ``stop``), stop strings, ``n`` choices and
   resumed requests behave as on the real engine; what it cannot imitate honestly (logprobs, tools, response
   formats, echo) is refused with a 400 naming the parameter; sampling parameters do not change its text.
@@ -36,6 +41,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from switchyard.scheduler.pausing import PauseRule, pause_victim
+from switchyard.scheduler.seats import TenantSeats
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, Usage
 from switchyard.workers.serving.interface import (
     EngineCapabilities,
@@ -73,6 +80,10 @@ class _Choice:
     owed: str = ""  # text of resumed tokens the client does not have yet, sent first
     text: str = ""  # generated so far, kept only to find stop strings
     finished: bool = False
+    paused: bool = False  # gave its seat to a waiting tenant (scheduler/pausing.py): sends nothing until resumed
+    started_at: int = 0  # ``position`` when it last started (added, or resumed): its turn's progress counts from it
+    num_pauses: int = 0
+    epoch: int = 0  # bumped by a pause: its heap entries from before are stale
 
 
 @dataclass(slots=True)
@@ -82,6 +93,7 @@ class _Request:
     choices: list[_Choice] = field(default_factory=list)
     num_finished: int = 0
     completion_tokens: int = 0
+    order: int = 0  # when it was added, as a count: paused choices resume oldest request first
 
 
 class SimulatedEngine:
@@ -98,16 +110,23 @@ class SimulatedEngine:
         self.tokens_per_delta = tokens_per_delta
         self.step_s = step_s
         self._requests: dict[str, _Request] = {}
-        self._due: list[tuple[float, int, _Choice]] = []  # (due, tie-breaker, choice): the heap of next tokens
+        self._due: list[tuple[float, int, _Choice, int]] = []  # (due, tie-breaker, choice, its epoch)
         self._tie = 0
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step
         self._running: Counter[str] = Counter()  # tier -> sequences
-        self._num_seqs = 0
+        self._num_seqs = 0  # running choices (not the paused)
         self._last_batch = (0, 0)
+        self._pause_rules: dict[str, PauseRule] = {}  # tier -> its pausing; absent: off
+        self._paused: list[_Choice] = []
+        self._num_added = 0
+        self.num_pauses = 0
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities(background_limit=False)
+        return EngineCapabilities(background_limit=False, pausing=True)
+
+    def set_pause_rules(self, after_tokens: dict[str, int]) -> None:
+        self._pause_rules = {tier: rule for tier, n in after_tokens.items() if (rule := PauseRule(n)).is_on}
 
     @property
     def max_context(self) -> int:
@@ -142,7 +161,8 @@ class SimulatedEngine:
     def add_request(self, request: GenerateRequest, prepared: SimulatedPrompt) -> int:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already running")
-        state = _Request(request, prepared)
+        self._num_added += 1
+        state = _Request(request, prepared, order=self._num_added)
         # Resumed tokens are the continuation's outputs (and bill with them), as on the real engine.
         state.completion_tokens = len(request.resume.token_ids) if request.resume is not None else 0
         start = time.monotonic() + prepared.num_prompt_tokens * self.prefill_s_per_token
@@ -150,17 +170,54 @@ class SimulatedEngine:
         resumed = list(resume.token_ids) if resume is not None else []
         text_len = resume.text_len if resume is not None else 0
         for index in range(request.sampling.n):
-            choice = _Choice(state, index, len(resumed), start)
+            choice = _Choice(state, index, len(resumed), start, started_at=len(resumed))
             if resumed:  # the client has text_len characters of what these tokens spell
                 sent = "".join(self._word(state, index, p) for p in range(len(resumed)))
                 choice.owed = sent[text_len:]
                 choice.text = sent
             state.choices.append(choice)
+            if self._num_seqs >= self.max_num_seqs:
+                self._pause_for(request)
             self._push(choice)
+            self._running[request.tier] += 1
+            self._num_seqs += 1
         self._requests[request.request_id] = state
-        self._running[request.tier] += request.sampling.n
-        self._num_seqs += request.sampling.n
         return prepared.num_prompt_tokens
+
+    def _pause_for(self, request: GenerateRequest) -> None:
+        """Every seat taken: pause a running choice of ``request``'s tier for it, if the tier's rule lets one."""
+        rule = self._pause_rules.get(request.tier)
+        if rule is None:
+            return
+        running = [c for state in self._requests.values() if state.request.tier == request.tier
+                   for c in state.choices if not c.finished and not c.paused]
+        seats = TenantSeats(_tenant(c) for c in running)
+        if seats.may_take(request.tenant_id or ""):
+            return  # the seat rule gives it a seat (here: one beyond them, as without pausing), as it comes first
+        victim = pause_victim(running, seats, request.tenant_id or "", rule, _tenant,
+                              lambda c: (c.position - c.started_at, c.num_pauses))
+        if victim is None:
+            return
+        victim.paused = True
+        victim.num_pauses += 1
+        victim.epoch += 1
+        self.num_pauses += 1
+        self._running[request.tier] -= 1
+        self._num_seqs -= 1
+        self._paused.append(victim)
+
+    def _resume_paused(self) -> None:
+        """Seats free: the paused choices of the oldest requests go on where they were, at once."""
+        now = time.monotonic()
+        while self._paused and self._num_seqs < self.max_num_seqs:
+            choice = min(self._paused, key=lambda c: (c.request.order, c.index))
+            self._paused.remove(choice)
+            choice.paused = False
+            choice.started_at = choice.position
+            choice.due = max(choice.due, now)
+            self._running[choice.request.request.tier] += 1
+            self._num_seqs += 1
+            self._push(choice)
 
     def abort_request(self, request_id: str, error: ErrorInfo | None = None) -> bool:
         state = self._requests.get(request_id)
@@ -184,15 +241,17 @@ class SimulatedEngine:
             now = time.monotonic()
         num_seqs = num_tokens = 0
         while self._due and self._due[0][0] <= now:
-            _, _, choice = heapq.heappop(self._due)
-            if choice.finished:
-                continue  # aborted after it was pushed
+            _, _, choice, epoch = heapq.heappop(self._due)
+            if choice.finished or choice.paused or epoch != choice.epoch:
+                continue  # aborted or paused after it was pushed
             count = min(int((now - choice.due) * self.tokens_per_s + 1e-9) + 1,
                         choice.request.prepared.max_tokens - choice.position)
             out.append(self._advance(choice, count))
             num_seqs, num_tokens = num_seqs + 1, num_tokens + count
         if num_seqs:
             self._last_batch = (num_seqs, num_tokens)
+        if self._paused:
+            self._resume_paused()
         return out
 
     def _advance(self, choice: _Choice, count: int) -> TokenDelta:
@@ -224,8 +283,11 @@ class SimulatedEngine:
         state = choice.request
         choice.finished = True
         state.num_finished += 1
-        self._running[state.request.tier] -= 1
-        self._num_seqs -= 1
+        if choice.paused:
+            self._paused.remove(choice)
+        else:
+            self._running[state.request.tier] -= 1
+            self._num_seqs -= 1
         is_last = state.num_finished == len(state.choices)
         if is_last:
             del self._requests[state.request.request_id]
@@ -242,7 +304,7 @@ class SimulatedEngine:
         goes_at = choice.due + (group - 1) / self.tokens_per_s
         if self.step_s and choice.num_deltas:  # on the step grid (see the module docstring)
             goes_at = math.ceil(goes_at / self.step_s) * self.step_s
-        heapq.heappush(self._due, (goes_at, self._tie, choice))
+        heapq.heappush(self._due, (goes_at, self._tie, choice, choice.epoch))
 
     @staticmethod
     def _token_id(state: _Request, index: int, position: int) -> int:
@@ -253,15 +315,17 @@ class SimulatedEngine:
 
     # -- what the worker reads ---------------------------------------------------------------------------------
     def capacity(self) -> EngineCapacity:
-        used = self._num_seqs / self.max_num_seqs
-        return EngineCapacity(self.max_num_seqs, max(0, self.max_num_seqs - self._num_seqs), self._num_seqs, 0, 0,
-                              min(1.0, used))
+        held = self._num_seqs + len(self._paused)  # a paused choice holds its place (and, on a real engine, its KV)
+        return EngineCapacity(self.max_num_seqs, max(0, self.max_num_seqs - held), self._num_seqs, len(self._paused),
+                              0, min(1.0, held / self.max_num_seqs))
 
     def stats(self) -> EngineStats:
-        return EngineStats(running={tier: n for tier, n in self._running.items() if n}, waiting={},
-                           kv_cache_usage=min(1.0, self._num_seqs / self.max_num_seqs), prefix_cache_queries=0,
-                           prefix_cache_hits=0, num_preemptions=0, batch_size=self._last_batch[0],
-                           num_batched_tokens=self._last_batch[1])
+        waiting: Counter[str] = Counter(c.request.request.tier for c in self._paused)
+        return EngineStats(running={tier: n for tier, n in self._running.items() if n}, waiting=dict(waiting),
+                           kv_cache_usage=min(1.0, (self._num_seqs + len(self._paused)) / self.max_num_seqs),
+                           prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                           batch_size=self._last_batch[0], num_batched_tokens=self._last_batch[1],
+                           num_pauses=self.num_pauses)
 
     def take_safety_events(self) -> list[SafetyEvent]:
         return []  # no output filter: its text is made up
@@ -283,6 +347,10 @@ class SimulatedEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def _tenant(choice: _Choice) -> str:
+    return choice.request.request.tenant_id or ""
 
 
 def _prompt_text(request: GenerateRequest) -> tuple[str, str]:

@@ -28,6 +28,7 @@ class TierUpdate(BaseModel):
     max_sequences: int | None = Field(None, ge=0)
     hedge_after_ms: int | Literal["auto", "off"] | None = None  # 0 or "off": no hedging
     hedge_budget: float | None = Field(None, gt=0, le=1)
+    pause_after_tokens: int | None = Field(None, ge=0)  # 0: no pausing (scheduler/pausing.py)
 
 
 def router(services: GatewayServices) -> APIRouter:

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "worker; the first to produce a token serves it")
     tset.add_argument("--hedge-budget", type=float, metavar="SHARE",
                       help="hedge at most this share of the tier's requests (default 0.05)")
+    tset.add_argument("--pause-after-tokens", type=int, metavar="N",
+                      help="with every seat taken, a request that has generated N tokens may be paused (its KV kept) "
+                           "for a waiting tenant far below its share, and resumes next (0: off)")
     p.set_defaults(func=cmd_tiers)
 
     p = sub.add_parser("top", help="live view per model and tier: queued, oldest wait, running, TTFT p95, tokens/s, "

@@ -50,7 +50,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                                                  max_wait_s=args.max_wait, weight=args.weight,
                                                  max_queued_per_tenant=args.max_queued_per_tenant,
                                                  max_streams=args.max_streams, max_sequences=args.max_sequences,
-                                                 hedge_after_ms=args.hedge_after_ms, hedge_budget=args.hedge_budget)
+                                                 hedge_after_ms=args.hedge_after_ms, hedge_budget=args.hedge_budget,
+                                                 pause_after_tokens=args.pause_after_tokens)
                 except TierChangeError as exc:
                     print(f"error: {exc}", file=sys.stderr)
                     return 2
@@ -60,7 +61,8 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                       f"{old.tenant_cap} -> {new.tenant_cap}, "
                       f"max_wait_s {old.max_wait_s:g} -> {new.max_wait_s:g}, weight {old.weight:g} -> {new.weight:g}, "
                       f"max_streams {old.max_streams} -> {new.max_streams}, max_sequences {old.max_sequences} -> "
-                      f"{new.max_sequences}, hedging {old.describe_hedging()} -> {new.describe_hedging()}")
+                      f"{new.max_sequences}, hedging {old.describe_hedging()} -> {new.describe_hedging()}, "
+                      f"pausing {old.describe_pausing()} -> {new.describe_pausing()}")
             else:
                 served = await ModelRegistry(nc).models(fresh=True)
                 rows = await tier_status(js, served)
@@ -68,7 +70,7 @@ def cmd_tiers(args: argparse.Namespace) -> int:
                     r["oldest_wait_s"] = None if r["oldest_wait_s"] is None else f"{r['oldest_wait_s']:.1f}s"
                 print_table(rows, ("model", "tier", "queued", "oldest_wait_s", "backlog_tokens", "running",
                                    "max_queued", "max_queued_per_tenant", "max_wait_s", "weight", "hedge_after_ms",
-                                   "workers",
+                                   "pause_after_tokens", "workers",
                                    "rejected_5m"))
             return 0
         finally:

@@ -178,3 +178,21 @@ async def test_admin_api_needs_the_admin_key(tiers_model):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = await http.put("/admin/tiers/gold", headers=ADMIN, json={"weight": 2})
         assert r.status_code == 400
+
+
+async def test_the_pausing_quantum_is_set_live_and_bad_values_are_refused(tiers_model):
+    base_url, _ = tiers_model
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
+        try:
+            r = await http.put("/admin/tiers/free", headers=ADMIN, json={"pause_after_tokens": 64})
+            assert r.status_code == 200 and r.json()["new"]["pause_after_tokens"] == 64, r.text
+            rows = (await http.get("/admin/tiers", headers=ADMIN)).json()["data"]
+            assert next(r["pause_after_tokens"] for r in rows if r["model"] == MODEL and r["tier"] == "free") \
+                == "after 64 tokens"
+            for tier, value, code in (("free", -1, "invalid_request"), ("free", "soon", "invalid_request"),
+                                      ("batch", 64, "invalid_value")):
+                r = await http.put(f"/admin/tiers/{tier}", headers=ADMIN, json={"pause_after_tokens": value})
+                assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+                assert "pause_after_tokens" in r.json()["error"]["message"] or tier == "batch", r.text
+        finally:
+            await http.put("/admin/tiers/free", headers=ADMIN, json={"pause_after_tokens": 256})

@@ -8,10 +8,10 @@ from switchyard.scheduler import RequestStatus, Sequence, finish_reason
 
 
 def test_every_finished_state_sorts_after_preempted() -> None:
-    live = [RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED]
+    live = [RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PAUSED, RequestStatus.PREEMPTED]
     finished = [s for s in RequestStatus if s not in live]
     assert all(s > RequestStatus.PREEMPTED for s in finished)
-    assert [RequestStatus.is_finished(s) for s in live] == [False, False, False]
+    assert [RequestStatus.is_finished(s) for s in live] == [False, False, False, False]
     assert all(RequestStatus.is_finished(s) for s in finished)
 
 
@@ -20,6 +20,7 @@ def test_every_finished_state_sorts_after_preempted() -> None:
     [
         (RequestStatus.WAITING, None),
         (RequestStatus.RUNNING, None),
+        (RequestStatus.PAUSED, None),
         (RequestStatus.PREEMPTED, None),
         (RequestStatus.FINISHED_STOPPED, "stop"),
         (RequestStatus.FINISHED_LENGTH, "length"),

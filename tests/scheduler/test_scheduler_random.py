@@ -10,6 +10,7 @@ import random
 import pytest
 
 from switchyard.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sequence
+from switchyard.scheduler.pausing import MAX_PAUSES, PauseRule
 
 
 class FakeKVCache:
@@ -71,6 +72,13 @@ def test_random_workload_finishes_and_returns_every_block(seed: int) -> None:
     # tells them apart.
     vocab = rng.choice([3, 1000])
     pending = make_requests(rng, 40, config.max_model_len, vocab)
+    # Tenants and pausing from an rng of their own (the workloads above stay what they were): in two runs of three,
+    # every priority pauses after 1 to 6 tokens, so paused sequences keep KV while others are preempted around them.
+    tenant_rng = random.Random(seed + 10_000)
+    for seq in pending:
+        seq.tenant = f"t{tenant_rng.randrange(4)}"
+    if seed % 3:
+        sched.set_pause_rules({p: PauseRule(tenant_rng.randrange(1, 7)) for p in range(3)})
     everything = list(pending)
     aborted: set[str] = set()
     stopped: set[str] = set()
@@ -79,6 +87,9 @@ def test_random_workload_finishes_and_returns_every_block(seed: int) -> None:
     for _ in range(5000):
         # Arrivals trickle in, as many as the worker's admission control allows.
         while pending and sched.num_free_slots and rng.random() < 0.7:
+            sched.add_request(pending.pop(0))
+        # With pausing, the worker also pulls one beyond the seats now and then (a tenant far behind its share).
+        if seed % 3 and pending and not sched.num_free_slots and tenant_rng.random() < 0.1:
             sched.add_request(pending.pop(0))
         if not pending and not sched.has_unfinished_requests():
             break
@@ -131,8 +142,11 @@ def test_random_workload_finishes_and_returns_every_block(seed: int) -> None:
         for token in seq.output_token_ids:
             assert token == toy_model(replay, vocab)
             replay.append_token(token)
+    assert all(seq.num_pauses <= MAX_PAUSES for seq in everything)
     if seed == 0:  # the workload is not vacuous: it really preempts and really hits the prefix cache
         assert num_preemptions > 0 and sched.kv_cache.num_prefix_hit_tokens > 0
+    if seed == 1:  # and pauses
+        assert sched.num_pauses > 0
 
 
 def check_block_accounting(sched: Scheduler, seqs: list[Sequence]) -> None:
@@ -140,7 +154,7 @@ def check_block_accounting(sched: Scheduler, seqs: list[Sequence]) -> None:
     refs = [0] * sched.kv_cache.num_blocks
     for seq in seqs:
         for block_id in sched.kv_cache.get_block_table(seq.seq_id):
-            assert not seq.is_finished and seq.status == RequestStatus.RUNNING
+            assert not seq.is_finished and seq.status in (RequestStatus.RUNNING, RequestStatus.PAUSED)  # KV kept
             refs[block_id] += 1
     assert refs == [block.ref_count for block in sched.kv_cache.pool.blocks]
     assert sched.kv_cache.num_free_blocks == refs.count(0)

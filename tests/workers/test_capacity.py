@@ -152,3 +152,48 @@ def test_a_tenant_preparing_only_cheap_requests_is_pulled_for_until_it_has_many(
     long.request.prompt = "x" * 100_000
     assert not any(is_cheap_to_prepare(t.request) for t in (schema, many, long))
     assert preparing([schema, many, long, *cheap]) == {subjects.tenant_token(t) for t in ("schema", "many", "long")}
+
+
+def _one_seat_each(n: int, tier: str = "pro", tokens: int = 0) -> list[Tracked]:
+    out = [tracked(i, tier, f"t{i}") for i in range(n)]
+    for t in out:
+        t.completion_tokens = tokens
+    return out
+
+
+def test_with_every_seat_held_by_one_tenant_each_a_pause_pull_is_offered_past_the_quantum():
+    running = _one_seat_each(8, tokens=300)
+    allowed = allowance(engine(free=0, running=8), holding(running), no_batch_limit(), {"pro": 256})
+    tokens = frozenset(subjects.tenant_token(f"t{i}") for i in range(8))
+    # A tenant holding none of the tier's seats may be pulled, to pause one of theirs (the intake checks the share).
+    assert allowed.pull["pro"] == tokens and allowed.pause_over == {"pro": tokens}
+    # Off, or nobody past the quantum: the tier waits for a seat to free, as before.
+    assert "pro" not in allowance(engine(free=0, running=8), holding(running), no_batch_limit()).pull
+    young = allowance(engine(free=0, running=8), holding(_one_seat_each(8, tokens=100)), no_batch_limit(), {"pro": 256})
+    assert "pro" not in young.pull and not young.pause_over
+
+
+def test_pause_pulls_go_one_at_a_time_and_stop_while_many_are_paused():
+    running = _one_seat_each(16, tokens=300)
+    on_its_way = holding(running, pending=[tracked(99, "pro", "light")])
+    assert not allowance(engine(free=0, running=16, seats=16), on_its_way, no_batch_limit(), {"pro": 8}).pause_over
+    # 16 seats: at most 2 waiting inside the engine (paused ones included) before pause pulls stop.
+    two_paused = EngineCapacity(16, 0, 16, 2, 0, 0.9)
+    assert not allowance(two_paused, holding(running), no_batch_limit(), {"pro": 8}).pause_over
+    one_paused = EngineCapacity(16, 0, 16, 1, 0, 0.9)
+    assert allowance(one_paused, holding(running), no_batch_limit(), {"pro": 8}).pause_over
+    # A request running a seat over (the simulated engine's seat taker) is not one on its way in.
+    one_over = EngineCapacity(16, 0, 17, 0, 0, 0.9)
+    assert allowance(one_over, holding(running), no_batch_limit(), {"pro": 8}).pause_over
+
+
+def test_an_engine_that_does_not_pause_gets_no_quanta_and_no_pause_pulls():
+    held = holding(_one_seat_each(8, tokens=300))
+    plain = Capacity(engine(free=0, running=8), held, no_batch_limit())
+    plain.set_pause_after({"pro": 64})
+    assert plain.take_pause_rules() is None and not plain.allowance().pause_over
+    pausing = Capacity(engine(free=0, running=8), held, no_batch_limit(), pausing=True)
+    pausing.set_pause_after({"pro": 64, "enterprise": 0})
+    assert pausing.changed.is_set() and pausing.take_pause_rules() == {"pro": 64}
+    assert pausing.take_pause_rules() is None  # once per change
+    assert pausing.allowance().pause_over

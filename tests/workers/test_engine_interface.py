@@ -44,8 +44,8 @@ def test_each_engine_states_its_capabilities_and_the_kv_exchange_follows_them(ti
     tiered = Engine(*tiny, EngineConfig(max_num_seqs=2, kv_cache_bytes=1, max_model_len=128, kv_offload_gib=0.01,
                                         kv_offload_host_dir=tmp_path / "host"))
     try:
-        assert plain.capabilities == EngineCapabilities(ROLES, kv_exchange=False, background_limit=True)
-        assert tiered.capabilities == EngineCapabilities(ROLES, kv_exchange=True, background_limit=True)
+        assert plain.capabilities == EngineCapabilities(ROLES, kv_exchange=False, background_limit=True, pausing=True)
+        assert tiered.capabilities == EngineCapabilities(ROLES, kv_exchange=True, background_limit=True, pausing=True)
         with pytest.raises(NotImplementedError):
             plain.connect_kv_peers(None)  # the worker never asks: kv_exchange is False
         assert callable(tiered.connect_kv_peers(Peers(lambda *_: None)))
@@ -55,10 +55,10 @@ def test_each_engine_states_its_capabilities_and_the_kv_exchange_follows_them(ti
     # vLLM runs every sequence it holds in each step: the batch limit is the worker's pulls alone. Its roles are
     # its KV connector's; the property reads them off the engine, which needs vLLM to build, so a stand-in holds them.
     vllm_caps = VllmEngine.capabilities.fget(SimpleNamespace(_roles=("both", "prefill")))  # type: ignore[attr-defined]
-    assert not vllm_caps.background_limit and not vllm_caps.kv_exchange
+    assert not vllm_caps.background_limit and not vllm_caps.kv_exchange and not vllm_caps.pausing
     assert vllm_caps.roles == ("both", "prefill")
-    assert SimulatedEngine.capabilities.fget(None).describe() == "roles both"  # type: ignore[attr-defined]
-    assert tiered.capabilities.describe() == "roles both, prefill, decode; KV exchange; batch limit per step"
+    assert SimulatedEngine.capabilities.fget(None).describe() == "roles both; pausing"  # type: ignore[attr-defined]
+    assert tiered.capabilities.describe() == "roles both, prefill, decode; KV exchange; batch limit per step; pausing"
 
 
 def test_a_worker_refuses_a_role_its_engine_cannot_take():

@@ -113,3 +113,62 @@ def test_with_a_step_cadence_every_sequences_later_tokens_go_in_the_same_steps_a
     for i in range(3):
         got = [d for step in steps for d in step if d.request_id == f"r{i}"]
         assert text(got) == text(alone[f"r{i}"]) and sum(d.num_tokens for d in got) == 8
+
+
+def test_a_long_request_pauses_for_a_newcomer_by_the_engines_rule_and_resumes_with_the_same_words():
+    import msgspec
+
+    engine = SimulatedEngine(max_num_seqs=1, tokens_per_s=400)
+    engine.set_pause_rules({"pro": 5})
+    long = msgspec.structs.replace(request("a", prompt="a long one", max_tokens=40), tenant_id="busy")
+    engine.add_request(long, engine.prepare(long))
+    got: list = []
+    while sum(d.num_tokens for d in got) < 6:
+        got += engine.step()
+    light = msgspec.structs.replace(request("b", prompt="a short one", max_tokens=3), tenant_id="light")
+    engine.add_request(light, engine.prepare(light))
+    assert engine.capacity().num_waiting == 1 and engine.capacity().num_free_seats == 0  # paused, its place kept
+    assert engine.stats().num_pauses == 1 and engine.stats().waiting == {"pro": 1}
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            got.append(d)
+            order.append(d.request_id)
+    last_b = max(i for i, rid in enumerate(order) if rid == "b")
+    assert order[0] == "b" and all(rid == "b" for rid in order[:last_b + 1])  # nothing from the paused one meanwhile
+    paused_text = text([d for d in got if d.request_id == "a"])
+    alone = run(SimulatedEngine(max_num_seqs=1, tokens_per_s=400), request("a", prompt="a long one", max_tokens=40))
+    assert paused_text == text(alone["a"]) and [d for d in got if d.request_id == "a"][-1].usage.completion_tokens == 40
+    assert engine.capacity().num_waiting == 0 and engine.capacity().num_free_seats == 1
+
+
+def test_without_a_rule_or_a_tenant_holding_fewer_seats_nothing_is_paused():
+    import msgspec
+
+    engine = SimulatedEngine(max_num_seqs=1, tokens_per_s=400)
+    first = msgspec.structs.replace(request("a", max_tokens=40), tenant_id="busy")
+    engine.add_request(first, engine.prepare(first))
+    for _ in range(20):
+        engine.step()
+    second = msgspec.structs.replace(request("b", max_tokens=3), tenant_id="light")
+    engine.add_request(second, engine.prepare(second))  # no rule: it runs beyond the seats, as before
+    assert engine.stats().num_pauses == 0 and engine.capacity().num_running == 2
+    engine.set_pause_rules({"pro": 5})
+    third = msgspec.structs.replace(request("c", max_tokens=3), tenant_id="busy")  # holds one already: no pause
+    engine.add_request(third, engine.prepare(third))
+    assert engine.stats().num_pauses == 0
+
+
+def test_a_newcomer_the_seat_rule_seats_runs_a_seat_over_rather_than_pausing_anyone():
+    import msgspec
+
+    engine = SimulatedEngine(max_num_seqs=2, tokens_per_s=400)
+    engine.set_pause_rules({"pro": 1})
+    for rid in ("a", "b"):  # one tenant holds both seats: two apart from one holding none
+        r = msgspec.structs.replace(request(rid, max_tokens=40), tenant_id="busy")
+        engine.add_request(r, engine.prepare(r))
+    for _ in range(20):
+        engine.step()
+    newcomer = msgspec.structs.replace(request("c", max_tokens=3), tenant_id="light")
+    engine.add_request(newcomer, engine.prepare(newcomer))
+    assert engine.stats().num_pauses == 0 and engine.capacity().num_running == 3  # as without pausing

@@ -108,6 +108,9 @@ class StubCapacity:
     def background_limit(self):
         return None
 
+    def take_pause_rules(self):
+        return None
+
 
 async def test_a_requests_first_message_goes_out_before_the_step_that_starts_it_ends():
     engine, out, intake, held = HeldStepEngine(), RecordingPublisher(), StubIntake(), HeldRequests()

@@ -330,3 +330,27 @@ async def test_one_tenants_burst_fills_free_seats_a_batch_per_pull_within_its_by
     by_tenant = {t: sum(m.subject.endswith(subjects.tenant_token(t)) for m in taken) for t in ("costly", "long")}
     assert by_tenant == {"costly": 1, "long": 2}
     await ack_and_close(queues, *taken)
+
+
+async def test_a_pull_that_would_pause_a_seat_takes_only_a_tenant_ahead_of_every_pausable_holder(nc):
+    """With every seat taken, a pull for pausing (workers/service/capacity.py) is for a tenant far behind in the
+    tier's fair share, not for one level with the tenants running (scheduler/pausing.ahead_in_share)."""
+    js = nc.jetstream()
+    queues = TenantQueues(nc, js, MODEL, [TIER])
+    holder, busy, light = (subjects.tenant_token(t) for t in ("holder", "busy", "light"))
+    queues.charge(TIER, "holder", generated_tokens=300)  # running, past the quantum: served 600
+    queues.charge(TIER, "busy", generated_tokens=250)  # waiting after a long request: its next one would end at 1,300
+    queues.finished(TIER, "busy", 0, 400)
+    queues.finished(TIER, "light", 0, 8)  # short requests: its next one would end at 16
+    await js.publish(subjects.request_subject(MODEL, TIER, "busy"), b"busy")
+    await queues.sweep()
+    assert queues.has_work(TIER, frozenset({holder}))  # an ordinary pull would take busy's
+    assert not queues.has_work(TIER, frozenset({holder}), False, frozenset({holder}))
+    assert await queues.take_many(TIER, 1, 5.0, frozenset({holder}), False, frozenset({holder})) == []
+    await js.publish(subjects.request_subject(MODEL, TIER, "light"), b"light")
+    await queues.sweep()
+    assert queues.has_work(TIER, frozenset({holder}), False, frozenset({holder}))
+    (msg,) = await queues.take_many(TIER, 1, 5.0, frozenset({holder}), False, frozenset({holder}))
+    assert msg.data == b"light" and busy in queues._pending[TIER] and light not in queues._pending[TIER]
+    await msg.ack_sync()
+    await queues.close()

@@ -138,6 +138,10 @@ class EmbeddingEngine:
     def kv_listing(self) -> dict[str, list[int]]:
         return {}
 
+    def set_pause_rules(self, after_tokens: dict[str, int]) -> NoReturn:
+        """Never called (``capabilities``): an embedding request holds no seat for long."""
+        raise NotImplementedError("the embeddings engine does not pause requests")
+
     def connect_kv_peers(self, peers) -> NoReturn:
         """Never called: an embedding model keeps no KV cache (``capabilities``)."""
         raise NotImplementedError("the embeddings engine exchanges no KV blocks")

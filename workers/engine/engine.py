@@ -26,6 +26,7 @@ import time
 import torch
 
 from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, finish_reason
+from switchyard.scheduler.pausing import PauseRule
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.config import EngineConfig
@@ -116,8 +117,14 @@ class Engine:
     # -- the interface (workers/serving/interface.py) ------------------------------------------------------
     @property
     def capabilities(self) -> EngineCapabilities:
-        """KV exchange when it keeps KV tiers (``kv_offload_*``); the batch limit per step always (its scheduler)."""
-        return EngineCapabilities(ROLES, kv_exchange=self.tiers is not None, background_limit=True)
+        """KV exchange when it keeps KV tiers (``kv_offload_*``); the batch limit per step and pausing always (its
+        scheduler)."""
+        return EngineCapabilities(ROLES, kv_exchange=self.tiers is not None, background_limit=True, pausing=True)
+
+    def set_pause_rules(self, after_tokens: dict[str, int]) -> None:
+        """Each tier's pausing quantum, for its scheduler (by the tier's priority)."""
+        self.scheduler.set_pause_rules({get_tier(tier).priority: PauseRule(n) for tier, n in after_tokens.items()
+                                        if tier in TIER_NAMES})
 
     @property
     def device_type(self) -> str:

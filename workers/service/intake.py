@@ -195,12 +195,14 @@ class Intake:
                 # awake).
                 await self.sweep()
                 swept_at = time.monotonic()
+                await self._refresh_policies(share)
             allowed = self._capacity.allowance()
             # Only queues that may hold a request of a tenant not left out (seat takers, tenants being prepared):
             # a tier whose only tenants are left out has nothing yet.
             # Offers only into free seats: a seat taken for fairness is a tenant's turn, not an offer's.
             offers = allowed.num_free_seats > 0
-            eligible = {tier for tier, out in allowed.pull.items() if queues.has_work(tier, out, offers or not out)}
+            eligible = {tier for tier, out in allowed.pull.items()
+                        if queues.has_work(tier, out, offers or not out, allowed.pause_over.get(tier))}
             if not eligible & queues.pending_tiers():
                 self.idle.set()
                 self._capacity.changed.clear()
@@ -208,10 +210,7 @@ class Intake:
                 await first_of(self._capacity.changed, self._wake, timeout=SWEEP_EVERY_S)
                 continue
             self.idle.clear()
-            try:
-                share.set_weights({t: p.weight for t, p in (await self._policies.get()).items()})
-            except Exception as exc:  # NATS reconnecting: keep the weights we had
-                log.warning("could not refresh tier policies: %s", exc)
+            await self._refresh_policies(share)
             self._wake.clear()
             took = False
             for tier in share.order():
@@ -223,7 +222,7 @@ class Intake:
                 # Into free seats several at once (batch one at a time: its policy counts each seat it takes).
                 count = min(allowed.num_free_seats, PULL_AT_ONCE) if tier != BATCH_TIER else 1
                 msgs = await queues.take_many(tier, max(1, count), FETCH_TIMEOUT_S, allowed.pull[tier],
-                                              offers or not allowed.pull[tier])
+                                              offers or not allowed.pull[tier], allowed.pause_over.get(tier))
                 if not msgs:
                     share.note_empty(tier)
                     continue
@@ -234,6 +233,18 @@ class Intake:
                 break  # start over: the shares decide again for the next request
             if not took:
                 share.note_idle()
+
+    async def _refresh_policies(self, share: TierShare) -> None:
+        """The live tier policies (cached for a second): the tiers' weights for the pulls, their pausing quanta for
+        the capacity (and through it the engine). Read each second even while nothing may be pulled: turning
+        pausing on is what lets a waiting tenant be pulled then."""
+        try:
+            policies = await self._policies.get()
+        except Exception as exc:  # NATS reconnecting: keep the weights we had
+            log.warning("could not refresh tier policies: %s", exc)
+            return
+        share.set_weights({t: p.weight for t, p in policies.items()})
+        self._capacity.set_pause_after({t: p.pause_after_tokens for t, p in policies.items()})
 
     async def _receive(self, msg) -> int:
         """Take one message: 1 when its request goes on to be prepared, 0 when it was dropped or refused."""

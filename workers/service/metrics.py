@@ -106,6 +106,9 @@ class _EngineCollector:
                       stats.prefix_cache_hits)
         yield _single(CounterMetricFamily, "num_preemptions", "Sequences preempted for KV cache memory.", m.model,
                       stats.num_preemptions)
+        yield _single(CounterMetricFamily, "num_pauses",
+                      "Running sequences paused for a waiting tenant of their tier, their KV kept.", m.model,
+                      stats.num_pauses)
         yield from _kv_tiers(m.model, stats)
 
 

@@ -4,7 +4,7 @@ the next one runs, and the drain.
     event loop                                         step thread (the only one that touches the engine)
     ──────────                                         ──────────────────────────────────────────────────
     held.hand_over() ─ adds, aborts ─────────────────▶ add_request / abort_request ─▶ Admission
-    batch limit ──────────────────────────────────────▶ step() ─▶ capacity, stats
+    batch limit, pausing quanta (when changed) ───────▶ step() ─▶ capacity, stats
     publish step N-1 (deltas, usage)        ◀─ overlap ─┤
     publish the admission (acks, first messages) ◀──────┤
     capacity.update(step N's) ◀────────────────────────┘ StepResult
@@ -121,7 +121,8 @@ class StepLoop:
             try:
                 admission = (await loop.run_in_executor(self._step_thread, self._admit_sync, adds, aborts)
                              if adds or aborts else None)
-                step = loop.run_in_executor(self._step_thread, self._step_sync, self._capacity.background_limit())
+                step = loop.run_in_executor(self._step_thread, self._step_sync, self._capacity.background_limit(),
+                                            self._capacity.take_pause_rules())
                 if publishing is not None:
                     await _published(publishing)
                     publishing = None
@@ -188,10 +189,13 @@ class StepLoop:
             engine.abort_request(request_id, error)
         return result
 
-    def _step_sync(self, background_limit: int | None) -> StepResult:
-        """Runs on the step thread: the only place the engine is touched (but ``prepare`` and ``_admit_sync``)."""
+    def _step_sync(self, background_limit: int | None, pause_after: dict[str, int] | None = None) -> StepResult:
+        """Runs on the step thread: the only place the engine is touched (but ``prepare`` and ``_admit_sync``).
+        ``pause_after``: the tiers' pausing quanta, when they changed (only for an engine that pauses)."""
         engine = self._engine
         result = StepResult()
+        if pause_after is not None:
+            engine.set_pause_rules(pause_after)
         if engine.has_unfinished_requests():
             result.deltas = engine.step(background_limit)
         result.has_unfinished = engine.has_unfinished_requests()

@@ -24,6 +24,7 @@ from collections.abc import Set as AbstractSet
 
 from nats.js import JetStreamContext
 
+from switchyard.scheduler.pausing import ahead_in_share
 from switchyard.scheduler.tenant_share import TenantShare
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_affinity_consumer, ensure_request_consumer, queued_tenants
@@ -99,10 +100,23 @@ class TenantQueues:
     def pending_tiers(self) -> set[str]:
         return {tier for tier, tenants in self._pending.items() if tenants} | self._offered
 
-    def has_work(self, tier: str, excluded: AbstractSet[str], offers: bool = True) -> bool:
+    def has_work(self, tier: str, excluded: AbstractSet[str], offers: bool = True,
+                 pause_over: AbstractSet[str] | None = None) -> bool:
         """Whether ``tier`` may have a request for a tenant not in ``excluded``, or an offer when ``offers`` (not
-        when a seat is taken for fairness: that is a tenant's turn, not an offer's)."""
-        return bool(self._pending[tier] - excluded) or (tier in self._offered and offers)
+        when a seat is taken for fairness: that is a tenant's turn, not an offer's). ``pause_over``: the pull would
+        pause a request of one of these tenants; only a tenant ahead of them all in the tier's share counts."""
+        candidates = self._pending[tier] - excluded
+        if pause_over is not None:
+            self._shares[tier].set_backlogged(self._pending[tier])
+            candidates = self._ahead(tier, candidates, pause_over)
+        return bool(candidates) or (tier in self._offered and offers)
+
+    def _ahead(self, tier: str, tenants: AbstractSet[str], pause_over: AbstractSet[str]) -> set[str]:
+        """Of ``tenants``, those whose next request would be done, in the tier's fair-share virtual time, before
+        any tenant of ``pause_over`` has been served so far (scheduler/pausing.ahead_in_share)."""
+        share = self._shares[tier]
+        counters = [share.counter(t) for t in pause_over]
+        return {t for t in tenants if ahead_in_share(share.finish_tag(t), counters)}
 
     def has_pending(self) -> bool:
         return any(self._pending.values()) or bool(self._offered)
@@ -121,12 +135,12 @@ class TenantQueues:
         return msgs[0] if msgs else None
 
     async def take_many(self, tier: str, count: int, timeout_s: float, excluded: AbstractSet[str] = frozenset(),
-                        offers: bool = True) -> list:
+                        offers: bool = True, pause_over: AbstractSet[str] | None = None) -> list:
         """Up to ``count`` request messages of ``tier``, one each from the least served tenants that have one, in
         that order (pulled side by side: a worker with many free seats fills them at the pace of NATS, not of one
         round trip per request); then, with seats still to fill, more from those that said they have more (least
         served first, shared evenly: one tenant's burst fills free seats a batch per round trip); an offer to this
-        worker first when ``offers``."""
+        worker first when ``offers``. ``pause_over``: see ``has_work``."""
         got = []
         if tier in self._offered and offers:  # a request whose prefix this worker holds comes first
             msg = await self._fetch(("offer", tier), timeout_s)
@@ -143,6 +157,8 @@ class TenantQueues:
             # ranked first) is asked now, not after every tenant the first order named.
             share.set_backlogged(tenants)
             candidates = tenants - excluded - asked_before
+            if pause_over is not None:
+                candidates = self._ahead(tier, candidates, pause_over)
             if not candidates:
                 break
             asked = share.order(candidates)[:count - len(got)]
@@ -161,7 +177,7 @@ class TenantQueues:
                 elif self._rung.get((tier, tenant), 0) < rung_before:
                     self._emptied(tier, tenant)
         more = [(tenant, left) for tenant, left in with_more.items() if left > 0 and tenant not in excluded]
-        if len(got) < count and more:
+        if len(got) < count and more and pause_over is None:  # a pull to pause for is one request, judged alone
             got += await self._take_more(tier, more, count - len(got), timeout_s)
         return got
 

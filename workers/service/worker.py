@@ -84,7 +84,8 @@ class Worker:
         self._step_thread = step_thread
         self._held = HeldRequests()
         # The engine's capacity before its first step: no step runs yet, so it may be read from here.
-        self._capacity = Capacity(engine.capacity(), self._held, background_policy(config.worker, engine.device_type))
+        self._capacity = Capacity(engine.capacity(), self._held, background_policy(config.worker, engine.device_type),
+                                  pausing=engine.capabilities.pausing)
         self._intake: Intake | None = None
         self._steps: StepLoop | None = None
         self._stop: asyncio.Event | None = None  # run's: set, the worker drains (its heartbeat says so)

@@ -11,6 +11,8 @@
                     stats(), take_safety_events() ──▶ for metrics and heartbeats
                     take_kv_changes() ──────────────▶ blocks stored / removed per tier  ──▶ the KV events
                                                        (hashes of kv_block_size-token blocks, our chain)
+                    set_pause_rules(tier -> tokens) ▶ each tier's pausing quantum, as ops set it (only an engine
+                                                       whose capabilities say pausing)
     at start        capabilities ───────────────────▶ roles, KV exchange, batch limits per step ──▶ EngineCapabilities
                     connect_kv_peers(peers) ────────▶ fetch blocks other nodes hold; serve this node's (only an
                                                        engine whose capabilities say kv_exchange)
@@ -66,11 +68,15 @@ class EngineCapabilities(msgspec.Struct, frozen=True):
     # ``step(background_limit)`` bounds the batch-tier sequences of each step; without it only the worker's pulls
     # bound batch work (and the engine's own priorities: vLLM admits it last and preempts it first).
     background_limit: bool = False
+    # With every seat of a tier taken, pauses a long generation (its KV kept) for a new request of a tenant holding
+    # fewer seats, by the rule of scheduler/pausing.py and each tier's quantum (``set_pause_rules``); the worker then
+    # pulls such a request with no free seat when the tier's fair share says its tenant is far behind.
+    pausing: bool = False
 
     def describe(self) -> str:
-        """For a log line: ``roles both; KV exchange; batch limit per step``."""
+        """For a log line: ``roles both; KV exchange; batch limit per step; pausing``."""
         return "; ".join(["roles " + ", ".join(self.roles)] + ["KV exchange"] * self.kv_exchange
-                         + ["batch limit per step"] * self.background_limit)
+                         + ["batch limit per step"] * self.background_limit + ["pausing"] * self.pausing)
 
 
 class EngineUnavailable(RuntimeError):
@@ -165,6 +171,11 @@ class ServingEngine(Protocol[PreparedT]):
         """Let requests naming a ``kv_source`` fetch their prefix from that node through ``peers`` (called once,
         before the first step, and only when ``capabilities.kv_exchange``); returns how to read a block of this
         node's tiers for another node."""
+        ...
+
+    def set_pause_rules(self, after_tokens: dict[str, int], /) -> None:
+        """Each tier's pausing quantum (``TierPolicy.pause_after_tokens``; 0 or absent: off), from the next step on
+        (called on the step thread, and only when ``capabilities.pausing``)."""
         ...
 
     def shutdown(self) -> None:

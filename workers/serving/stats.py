@@ -40,3 +40,4 @@ class EngineStats(msgspec.Struct):
     batch_size: int = 0  # sequences in the last step that ran
     num_batched_tokens: int = 0  # tokens computed in it (prefill chunks + decodes)
     kv_tiers: list[KVTierStats] = msgspec.field(default_factory=list)  # the tiers below the pool, top first
+    num_pauses: int = 0  # running sequences paused for a waiting tenant, their KV kept (scheduler/pausing.py)

@@ -344,6 +344,10 @@ class VllmEngine:
     def kv_listing(self) -> dict[str, list[int]]:
         return self._kv_events.listing() if self._kv_events is not None else {}
 
+    def set_pause_rules(self, after_tokens: dict[str, int]) -> NoReturn:
+        """Never called (``capabilities``): vLLM's scheduler preempts by priority only, recomputing."""
+        raise NotImplementedError("the vLLM engine does not pause requests")
+
     def connect_kv_peers(self, peers) -> NoReturn:
         """Never called (``capabilities``): vLLM's own offloading keeps its host tier in its process, no block
         files to fetch into or serve."""
