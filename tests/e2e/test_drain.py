@@ -89,7 +89,8 @@ async def _heartbeat_revision(nats_url: str, model: str) -> int:
 async def test_a_worker_on_sigterm_keeps_its_heartbeat_and_finishes_its_request(e2e, system, auth, nats_url):
     name = "tiny-drain"
     # Beats every 0.2 s: several fall within the request's run, however fast the machine generates.
-    worker = e2e.start_worker(name, max_num_seqs=2, heartbeat_s=0.2)
+    # Its drain waits for the request however slow the machine (the default 60 s would end a long one early).
+    worker = e2e.start_worker(name, max_num_seqs=2, heartbeat_s=0.2, drain_timeout_s=600)
     try:
         wait_until_ready(system, name, timeout_s=120, watch=[worker])
         async with httpx.AsyncClient(timeout=60) as http:
@@ -120,11 +121,13 @@ async def test_a_worker_drained_over_http_answers_once_its_request_finished(e2e,
     """Kubernetes' preStop hook: GET /drain stops the worker pulling (not ready) and answers only once its running
     request has finished; the worker then exits by itself."""
     name = "tiny-http-drain"
-    worker = e2e.start_worker(name, max_num_seqs=2)
+    # Its drain waits for the request however slow the machine (under a loaded run the default 60 s ended the
+    # 4,000-token stream with worker_shutdown before it finished).
+    worker = e2e.start_worker(name, max_num_seqs=2, drain_timeout_s=600)
     try:
         wait_until_ready(system, name, timeout_s=120, watch=[worker])
         status = await _status_url(nats_url, name)
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=600) as http:
             assert (await http.get(f"{status}/healthz")).status_code == 200
             assert (await http.get(f"{status}/readyz")).status_code == 200
             started = asyncio.Event()
