@@ -42,7 +42,7 @@ class Run:
     offer_until: float = float("inf")  # unix time: an untaken offer is dropped by its worker after this
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
     """What to do with one arriving delta."""
 
@@ -54,7 +54,9 @@ class Verdict:
     hedge_won: bool | None = None  # a hedge was decided: True when the second worker won
 
 
+# The verdicts of nearly every delta, shared: judging one is on the relay's per-token path. Never mutated.
 DROP = Verdict()
+DELIVER = Verdict(deliver=True)
 
 
 class RelayState:
@@ -110,12 +112,12 @@ class RelayState:
         run.next_seq += 1
         run.taken = True
         produced = bool(delta.num_tokens or delta.text or delta.is_last or delta.error is not None)
-        verdict = Verdict(deliver=True)
+        verdict = DELIVER
         if self.phase is Phase.HEDGED:
             if not produced:
                 return DROP  # its taking or a step without a token: the client already has the request's start
-            verdict.hedge_won = key == self.hedge_worker
-            verdict.dismiss, verdict.why = [w for w in self.runs if w != key], f"{key} produced a token first"
+            verdict = Verdict(deliver=True, dismiss=[w for w in self.runs if w != key],
+                              why=f"{key} produced a token first", hedge_won=key == self.hedge_worker)
             self._keep_only(key)
         self.has_output = self.has_output or produced
         if delta.is_last or delta.error is not None:
