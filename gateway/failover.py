@@ -86,7 +86,7 @@ class Failover:
                                     prefill_worker: str | None = None, kv_transfer: dict[str, Any] | None = None,
                                     ) -> GenerateRequest | None:
         resume = request.resume
-        attempt = (resume.attempt if resume is not None else 0) + 1
+        attempt = request.attempt + 1
         handovers = (resume.handovers if resume is not None else 0) + handover
         # A failover after the hand-over still names the prefill worker (for the usage record), but not its
         # connector's blocks: they may be gone, and the next worker computes or loads the prompt itself.

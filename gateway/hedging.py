@@ -97,10 +97,9 @@ class Hedging:
             self._count_skipped(request, "no_free_seat")
             return None
         offer = msgspec.structs.replace(request, affinity_until=time.time() + HEDGE_OFFER_S)
-        attempt = request.resume.attempt if request.resume is not None else 0
         try:
             await self._publisher.publish(offer, subject=subjects.affinity_subject(target, request.tier),
-                                          msg_id=f"{request.request_id}.hedge{attempt}", within_s=_PUBLISH_S)
+                                          msg_id=f"{request.request_id}.hedge{request.attempt}", within_s=_PUBLISH_S)
         except Exception as exc:  # queue full or NATS away: the first run goes on alone
             log.warning("could not hedge request %s: %r", request.request_id, exc)
             return None

@@ -61,7 +61,7 @@ class RelayedRequest:
         self._hedging = hedging
         self._hedge_at = hedge_at if hedging is not None else None
         self.request = request
-        self.state = RelayState(request.resume.attempt if request.resume is not None else 0)
+        self.state = RelayState(request.attempt)
         self._ran_on: str | None = None  # the last worker the client was on (a lost request's bill names it)
         self._inbox = inbox
         self._stall_timeout_s = stall_timeout_s

@@ -177,6 +177,12 @@ class GenerateRequest(msgspec.Struct):
     # relaying them dies it goes on for this long for a client to resume on another gateway. 0: not resumable.
     resumable_s: float = 0.0
 
+    @property
+    def attempt(self) -> int:
+        """Which run of the request this is: 0 the first, a continuation its ``resume.attempt`` (every delta says
+        it, so a gateway tells a superseded run's apart)."""
+        return self.resume.attempt if self.resume is not None else 0
+
 
 # The finish reason of a prefill worker's part of a request (``GenerateRequest.handover``): never a client's.
 HANDOVER = "handover"

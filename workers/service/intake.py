@@ -61,9 +61,6 @@ def offer_expired(request: GenerateRequest) -> bool:
     return bool(request.affinity_until) and time.time() > request.affinity_until
 
 
-def attempt_of(request: GenerateRequest) -> int:
-    """Which run of its request ``request`` is: 0 the first, a continuation its ``resume.attempt``."""
-    return request.resume.attempt if request.resume is not None else 0
 SLOW_PREPARE_S = 0.02  # CPU a prompt may take to prepare before its tenant's next ones go to the slow lane
 DEMOTED_S = 10.0
 SLOW_LANE_REST = 2.0  # the slow lane rests this many times the CPU its last prepare took (see _on_slow_lane)
@@ -142,10 +139,10 @@ class Intake:
     def _supersede(self, request_id: str, attempt: int) -> None:
         """Stop, unbilled, the run of ``request_id`` held here if it is an attempt before ``attempt``."""
         tracked = self._held.active.get(request_id) or self._held.preparing.get(request_id)
-        if tracked is None or tracked.superseded or attempt_of(tracked.request) >= attempt:
+        if tracked is None or tracked.superseded or tracked.request.attempt >= attempt:
             return
         log.warning("request %s: attempt %d here is stale (attempt %d is queued): stopping it", request_id,
-                    attempt_of(tracked.request), attempt)
+                    tracked.request.attempt, attempt)
         tracked.superseded = True
         self._out.drop_stream(tracked.request)
         if self._held.holds(request_id):
@@ -164,7 +161,7 @@ class Intake:
             if target != self._worker_id:
                 return
             tracked = self._held.active.get(request_id)
-            if attempt and tracked is not None and str(attempt_of(tracked.request)) != attempt:
+            if attempt and tracked is not None and str(tracked.request.attempt) != attempt:
                 return
             if tracked is not None:
                 tracked.superseded = True

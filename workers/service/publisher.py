@@ -47,11 +47,6 @@ _routed_encoder = msgspec.msgpack.Encoder()  # a message of ``RoutedDelta``s (``
 RECORD_RETRY_S = 30.0
 
 
-def attempt_of(request: GenerateRequest) -> int:
-    """Which run of ``request`` this is (its deltas say it, so a gateway tells a superseded run's apart)."""
-    return 0 if request.resume is None else request.resume.attempt
-
-
 class StepDeltas:
     """A step's deltas, by the subject they go to, in the order they were added."""
 
@@ -133,7 +128,7 @@ class Publisher:
     def drop_stream(self, request: GenerateRequest) -> None:
         """This run of ``request`` no longer answers for its stream (superseded, or handed over): another does."""
         if self._replays is not None:
-            self._replays.drop(request.request_id, attempt_of(request))
+            self._replays.drop(request.request_id, request.attempt)
 
     async def take_over(self, ask: StreamResume, respond: Callable[[bytes], Awaitable[object]]) -> None:
         """Another gateway asks for a stream (gateway/stream_resume.py). While no step's deltas go out, its route
@@ -154,20 +149,20 @@ class Publisher:
         """``tracked`` is in the engine: its first delta, and a batch line's hint for the batch runner."""
         req = tracked.request
         await self.delta(req, TokenDelta(req.request_id, dropped_messages=tracked.dropped_messages,
-                                         prompt_tokens=tracked.prompt_tokens, attempt=attempt_of(req)), step)
+                                         prompt_tokens=tracked.prompt_tokens, attempt=req.attempt), step)
         if req.result_subject:
             await self.batch_result(req, BatchResult(req.request_id, self.worker_id, started=True))
 
     async def relay(self, tracked: Tracked, delta: TokenDelta, step: StepDeltas | None = None) -> None:
         """One of the engine's deltas of ``tracked``."""
-        delta.attempt = attempt_of(tracked.request)
+        delta.attempt = tracked.request.attempt
         await self.delta(tracked.request, delta, step)
         if tracked.request.result_subject:
             tracked.collect(delta)
 
     async def error(self, request: GenerateRequest, error: ErrorInfo, step: StepDeltas | None = None) -> None:
         """Answer ``request`` with ``error`` instead of running (or finishing) it."""
-        await self.delta(request, TokenDelta(request.request_id, error=error, attempt=attempt_of(request),
+        await self.delta(request, TokenDelta(request.request_id, error=error, attempt=request.attempt,
                                              is_last=True), step)
         self._next_seq.pop(request.request_id, None)
         if self._replays is not None:

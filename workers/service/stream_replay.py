@@ -121,7 +121,7 @@ class StreamReplays:
         """Let go of run ``attempt`` of ``request_id``, with no trace: it was superseded (a gateway dismissed it,
         a later attempt runs) or handed over, and the run that goes on elsewhere answers for the stream."""
         replay = self._replays.get(request_id)
-        if replay is not None and _attempt(replay.request) == attempt:
+        if replay is not None and replay.request.attempt == attempt:
             del self._replays[request_id]
             self._total -= replay.size
 
@@ -172,7 +172,7 @@ class StreamReplays:
             if ask.request_id in self._gone and self._gone[ask.request_id] == ask.tenant_id:
                 return ResumeAnswer("gone", worker_id=self._worker_id), []
             return None
-        attempt = _attempt(replay.request)
+        attempt = replay.request.attempt
         next_seq = replay.first_seq + len(replay.deltas)
         if ask.attempt > attempt or (ask.attempt == attempt and ask.seq >= next_seq):
             return ResumeAnswer("ahead", worker_id=self._worker_id), []
@@ -190,5 +190,3 @@ class StreamReplays:
         return answer, replay.deltas[i:]
 
 
-def _attempt(request: GenerateRequest) -> int:
-    return request.resume.attempt if request.resume is not None else 0
