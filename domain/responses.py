@@ -1,7 +1,8 @@
 """Stored Responses API responses, per tenant in Postgres (the routes: gateway/routes/responses.py).
 
-    POST (store)        ─▶ save(StoredResponse) when it ends; a background one is created ``queued`` first and
-                           saved as it goes (``in_progress``, then its end)
+    POST (store)        ─▶ save(StoredResponse) when it ends; a streamed one is saved ``in_progress`` as it starts
+                           (another gateway can resume its stream from the row), a background one ``queued``
+                           first, and both as they go (``in_progress``, then their end)
     previous_response_id ─▶ history(): every earlier response of the chain, oldest first: its input items, then
                            its output (instructions are not carried over, as OpenAI's are not)
     conversation        ─▶ the conversation's messages come first; the input and the reply are appended to it
@@ -96,6 +97,15 @@ class Responses:
             raise not_found(response_id)
         return row
 
+    async def stored(self, response_id: str, tenant_id: str) -> StoredResponse:
+        """The row of ``response_id`` as it stands (its body the object's latest state); 404 for another
+        tenant's."""
+        row = await self._row(response_id, tenant_id, "request_id, status, body, input_items, background, "
+                                                      "previous_response_id, conversation_id")
+        return StoredResponse(response_id, tenant_id, row["request_id"], row["status"], row["body"],
+                              row["input_items"], row["background"], row["previous_response_id"],
+                              row["conversation_id"])
+
     async def get(self, response_id: str, tenant_id: str) -> dict[str, Any]:
         body: dict[str, Any] = json.loads((await self._row(response_id, tenant_id, "body"))["body"])
         return body
@@ -169,20 +179,21 @@ class Responses:
         return body, updated
 
     async def touch(self, response_id: str) -> bool:
-        """A background response's run is alive (see ``fail_abandoned``); False when the response is no longer
-        open (cancelled, or failed by housekeeping): its run is then wasted work."""
+        """A background or streamed response's run is alive (see ``fail_abandoned``); False when the response is no
+        longer open (cancelled, or failed by housekeeping): its run is then wasted work."""
         touched = await self._pool.fetchval("UPDATE responses SET updated_at = now() WHERE id = $1 AND status IN "
                                             "('queued', 'in_progress') RETURNING id", response_id)
         return touched is not None
 
 
-ALIVE_EVERY_S = 30.0  # a running background response's gateway touches its row this often
+ALIVE_EVERY_S = 30.0  # the gateway running a stored response (background, or streamed) touches its row this often
 ABANDONED_AFTER_S = 4 * ALIVE_EVERY_S
 
 
 async def fail_abandoned(pool: asyncpg.Pool, older_than_s: float = ABANDONED_AFTER_S) -> int:
-    """Background responses whose gateway stopped running them (it crashed: a draining one finishes them) are
-    failed, so a client polling one is told instead of waiting forever; returns how many (housekeeping)."""
+    """Open responses (background, or streamed) whose gateway stopped running them (it crashed: a draining one
+    finishes them) and that no gateway resumed are failed, so a client polling one is told instead of waiting
+    forever; returns how many (housekeeping)."""
     error = json.dumps({"code": "server_error", "message": "The gateway running this response stopped; please "
                                                            "create it again."})
     rows = await pool.fetch(
@@ -190,5 +201,5 @@ async def fail_abandoned(pool: asyncpg.Pool, older_than_s: float = ABANDONED_AFT
         "'{status}', '\"failed\"'), '{error}', $2::jsonb)::json WHERE status IN ('queued', 'in_progress') "
         "AND updated_at < now() - make_interval(secs => $1) RETURNING id", older_than_s, error)
     for row in rows:
-        log.warning("background response %s abandoned by its gateway: failed", row["id"])
+        log.warning("response %s abandoned by its gateway: failed", row["id"])
     return len(rows)

@@ -27,7 +27,15 @@ from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.gateway.relay_state import RelayState
 from switchyard.gateway.token_router import IDLE_TICK_S, DeltaInbox, TokenRouter
 from switchyard.shared import subjects
-from switchyard.shared.messages import HANDOVER, ErrorInfo, GenerateRequest, ResumeAnswer, TokenDelta, decode
+from switchyard.shared.messages import (
+    HANDOVER,
+    STREAM_TAKEN_OVER,
+    ErrorInfo,
+    GenerateRequest,
+    ResumeAnswer,
+    TokenDelta,
+    decode,
+)
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -137,7 +145,8 @@ class RelayedRequest:
         self._account(delta)
         if delta.finish_reason == HANDOVER and delta.error is None:
             return await self._hand_over(delta)
-        if self.is_finished and delta.error is not None and self._failed_over:
+        if (self.is_finished and delta.error is not None and self._failed_over
+                and delta.error.code != STREAM_TAKEN_OVER):  # taken over, it goes on and its worker bills it
             await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
         return delta
 

@@ -9,6 +9,7 @@ client gets, and what the relay must do when a delta comes or a worker goes. Pur
     RUNNING on A ──── A dead or its stream broken (failover), or a prefill's part done (hand-over) ──▶ CONTINUING
     CONTINUING ──── published again from what the client has; a worker's first message ─────▶ RUNNING on it
     any state ──── the last delta, an error, or the relay giving up (abandon, cancel) ─────────▶ FINISHED
+    RUNNING on A ──── A says another gateway took the stream over (its client resumed there) ──▶ FINISHED
 
 Every run is one worker's run of one attempt (``Resume.attempt``: a continuation is the next attempt). A delta of
 an attempt moved on from is dropped and its worker told to stop that attempt (``stale``); a delta of the current
@@ -22,7 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from switchyard.shared.messages import TokenDelta
+from switchyard.shared.messages import STREAM_TAKEN_OVER, TokenDelta
 
 
 class Phase(enum.Enum):
@@ -88,6 +89,10 @@ class RelayState:
         if self.phase is Phase.FINISHED:
             return DROP
         worker = delta.worker_id
+        if (delta.error is not None and delta.error.code == STREAM_TAKEN_OVER and worker == self.worker_id
+                and delta.attempt == self.attempt and self.phase is Phase.RUNNING):
+            self.phase = Phase.FINISHED  # outside the run's numbering: it ends whatever this gateway had of it
+            return DELIVER
         if delta.attempt != self.attempt:
             told = (worker, delta.attempt) in self._stale or (worker, delta.attempt) in self._dismissed
             if delta.attempt < self.attempt and worker is not None and not told:

@@ -9,7 +9,9 @@
             or an ``error`` event for a request that failed before its response began
 
 Items get their output index in the order they open, and the final response lists them in that order, so what
-a client assembled from the deltas is exactly the final ``output``.
+a client assembled from the deltas is exactly the final ``output``. The same deltas make the same events, so a
+gateway that takes a stream over (GET /v1/responses/{id}?stream=true&starting_after=N) makes them again from the
+run's first delta and sends only those after N.
 """
 
 from __future__ import annotations
@@ -27,18 +29,28 @@ def event_bytes(payload: dict) -> bytes:
 class ResponseEvents:
     """The events of one streamed response; ``items`` are its output items so far (closed ones complete)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, after: int = -1) -> None:
+        """``after``: the events up to this sequence number are numbered but not made (a client resuming the
+        stream had them)."""
         self._seq = 0
+        self._after = after
         self._message_id = output_message_id(request_id)
         self._text: list[str] | None = None  # the message's text, once its item is open
         self._message_index = 0  # the message's output index, while its item is open
         self._calls: dict[int, int] = {}  # the call's index among the reply's calls → its output index
         self.items: list[dict] = []
 
+    @property
+    def num_made(self) -> int:
+        """Events numbered so far: the next one's sequence number."""
+        return self._seq
+
     def _event(self, kind: str, **fields) -> bytes:
-        payload = {"type": kind, "sequence_number": self._seq, **fields}
+        seq = self._seq
         self._seq += 1
-        return event_bytes(payload)
+        if seq <= self._after:
+            return b""
+        return event_bytes({"type": kind, "sequence_number": seq, **fields})
 
     def opening(self, response: dict) -> list[bytes]:
         return [self._event("response.created", response=response),

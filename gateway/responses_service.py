@@ -4,17 +4,21 @@ the same admission, queues, relay and billing as chat (gateway/serving.py's ``st
 back as a response object, a stream of semantic events, or a stored background response.
 
     context(body) ─▶ [admitted by the route] ─▶ create ─┬─ body:       deltas ─▶ BodyBuilder ─▶ response object
-                                                        ├─ stream:     deltas ─▶ ResponseEvents ─▶ SSE
+                                                        ├─ stream:     deltas ─▶ ResponseStream ─▶ SSE; stored
+                                                        │              in_progress as it starts (store=true)
                                                         └─ background: queued row; a task runs it, storing
                                                                        in_progress, then how it ended
     every ending ─▶ settle the ticket ─▶ store (store=true) ─▶ the conversation gets the input and the reply
+
+    GET ?stream=true&starting_after=N ─▶ resume: the stored row's request taken over from its worker (its gateway
+                                         died), its events made again from the run's first delta, those after N sent
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -22,7 +26,7 @@ from nats.aio.client import Client as NATS
 
 from switchyard.domain.admission.ticket import Ticket
 from switchyard.domain.api.response_items import output_items, to_messages
-from switchyard.domain.api.response_object import response_json, status_of
+from switchyard.domain.api.response_object import status_of
 from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.api.shapes import CHAT
 from switchyard.domain.conversations import Conversations
@@ -30,11 +34,13 @@ from switchyard.domain.errors import OpenAIError
 from switchyard.domain.responses import ALIVE_EVERY_S, Responses
 from switchyard.gateway.completion_shapes import BodyBuilder, Shape
 from switchyard.gateway.drain import InFlightCounter
-from switchyard.gateway.response_events import ResponseEvents
-from switchyard.gateway.serving import CompletionService, Outcome, admitted_service
+from switchyard.gateway.response_run import ResponseRun, ResponseStream
+from switchyard.gateway.serving import CompletionService, Outcome
+from switchyard.gateway.stream_ids import Position
+from switchyard.gateway.stream_resume import StreamResumer
 from switchyard.shared import subjects
 from switchyard.shared.config import RequestLimits
-from switchyard.shared.messages import ChatMessage, ErrorInfo, GenerateRequest, StoredResponse
+from switchyard.shared.messages import ChatMessage, ErrorInfo, TokenDelta
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -54,40 +60,20 @@ class Context:
         return sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls or ()) for m in self.history)
 
 
-@dataclass(slots=True)
-class _Run:
-    """One response on its way: its request, its object's fixed part, and where it is stored."""
-
-    body: ResponseCreate
-    ticket: Ticket
-    request: GenerateRequest
-    response_id: str
-
-    def json(self, status: str, outcome: Outcome | None = None, output: list[dict] | None = None,
-             error: ErrorInfo | None = None, incomplete: dict | None = None) -> dict:
-        return response_json(self.response_id, self.request.created_at, self.request.model, self.body.echo(), status,
-                             output, None if outcome is None else outcome.usage, error, incomplete,
-                             admitted_service(self.ticket).label)
-
-    def record(self, response: dict, outcome: Outcome | None = None) -> StoredResponse:
-        """``response`` as stored; once it ended well, with what its conversation gets."""
-        messages = []
-        if outcome is not None and response["status"] in ("completed", "incomplete"):
-            messages = to_messages(self.body.items) + [
-                ChatMessage("assistant", outcome.text, tool_calls=outcome.tool_calls or None)]
-        return StoredResponse(self.response_id, self.ticket.auth.tenant_id, self.request.request_id,
-                              response["status"], json.dumps(response), json.dumps(self.body.items),
-                              self.body.background, self.body.previous_response_id, self.body.conversation_id,
-                              messages)
+def _expired(message: str) -> OpenAIError:
+    return OpenAIError(410, message, code="stream_expired", param="stream")
 
 
 class ResponseService:
     def __init__(self, completions: CompletionService, responses: Responses, conversations: Conversations,
-                 in_flight: InFlightCounter, nc: NATS, limits: RequestLimits) -> None:
+                 in_flight: InFlightCounter, nc: NATS, limits: RequestLimits,
+                 resumer: StreamResumer | None = None) -> None:
         """``in_flight``: background responses count as open requests, so a draining gateway finishes them.
         ``nc``: cancels reach a background response's worker through it. ``limits``: how much of a conversation's
-        history is loaded (as for a conversation turn)."""
+        history is loaded (as for a conversation turn). ``resumer``: takes over streams whose gateway died (None:
+        this gateway resumes none)."""
         self._nc = nc
+        self._resumer = resumer
         self._limits = limits
         self._completions = completions
         self._responses = responses
@@ -115,18 +101,22 @@ class ResponseService:
         request = await self._completions.wire_request(
             body, ticket, messages=instructions + context.history + to_messages(body.items),
             sampling=body.sampling(), response_format=body.response_format(), tool_use=body.tool_use(),
-            truncate_history=body.truncation == "auto")
-        run = _Run(body, ticket, request, f"resp_{request.request_id}")
+            truncate_history=body.truncation == "auto",
+            resumable_s=self._completions.resumable_s(body.stream and self._resumer is not None and body.store))
+        run = ResponseRun.new(body, ticket, request)
         if body.background:
             queued = run.json("queued")
             await self._responses.save(run.record(queued), hold=False)  # to be polled, it must be stored now
-            task = asyncio.create_task(self._run_background(run))
+            task = asyncio.create_task(self._run_background(run, ticket))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return JSONResponse(queued, headers={"X-Request-Id": request.request_id})
         relayed, first = await self._completions.start(request, ticket)
         if body.stream:
-            return StreamingResponse(self._stream(run, relayed, first), media_type="text/event-stream",
+            stream = ResponseStream(run)
+            return StreamingResponse(self._stream(stream, relayed, self._completions.deltas(relayed, first),
+                                                  stream.opening()),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request.request_id})
         outcome, error = await self._collect(run, relayed, first)
         response = self._final(run, outcome, error)
@@ -134,7 +124,7 @@ class ResponseService:
             raise OpenAIError.from_info(error)
         return JSONResponse(response, headers={"X-Request-Id": request.request_id})
 
-    async def _collect(self, run: _Run, relayed, first) -> tuple[Outcome, ErrorInfo | None]:
+    async def _collect(self, run: ResponseRun, relayed, first) -> tuple[Outcome, ErrorInfo | None]:
         """Every delta of a response not streamed, gathered; it ends (settled, stored) however it went."""
         outcome = Outcome(request_id=run.request.request_id)
         error: ErrorInfo | None = CLIENT_GONE
@@ -153,7 +143,7 @@ class ResponseService:
                                         self._store_when_done(run, lambda: error))
         return outcome, error
 
-    def _final(self, run: _Run, outcome: Outcome, error: ErrorInfo | None) -> dict:
+    def _final(self, run: ResponseRun, outcome: Outcome, error: ErrorInfo | None) -> dict:
         """The response object of a reply that ended (``error``: how it failed)."""
         if error is not None:
             status = "cancelled" if error.code == "cancelled" else "failed"
@@ -164,13 +154,15 @@ class ResponseService:
         return run.json(status, outcome, output_items(run.request.request_id, outcome.text, outcome.tool_calls,
                                                       item_status), incomplete=incomplete)
 
-    def _store_when_done(self, run: _Run, error_of, response_of=None):
+    def _store_when_done(self, run: ResponseRun, error_of, response_of=None):
         """The ``on_finish`` of a response: stores its final object (store=true), once it is known."""
 
         async def store(outcome: Outcome) -> None:
-            if not run.body.store:
+            if not run.store:
                 return
             response = response_of(outcome) if response_of is not None else self._final(run, outcome, error_of())
+            if response is None:
+                return
             try:
                 await self._responses.save(run.record(response, outcome))
             except Exception:  # Postgres away and JetStream too: the client has its answer; say what was lost
@@ -178,56 +170,111 @@ class ResponseService:
 
         return store
 
-    async def _stream(self, run: _Run, relayed, first):
-        events = ResponseEvents(run.request.request_id)
-        outcome = Outcome(request_id=run.request.request_id)
-        reply = BodyBuilder(Shape(CHAT), run.request, logprobs=False)
-        final: dict | None = None  # the response the stream ended with
+    async def _stream(self, stream: ResponseStream, relayed, deltas: AsyncIterator[TokenDelta],
+                      ready: list[bytes]):
+        """The SSE body of a streamed response: ``ready`` (events made already: its opening, or what a resuming
+        client had not), then those of ``deltas``. A stored one is kept touched while it runs and stored as it
+        ended (a client gone: cancelled)."""
+        run = stream.run
         broken: dict | None = None  # the gateway failed before its end (its tokens unknown here: the worker bills)
 
-        def response_of(_: Outcome) -> dict:  # what the stream ended with; a client gone: cancelled
-            return final or broken or run.json("cancelled", outcome, events.items)
+        def response_of(_: Outcome) -> dict | None:
+            if stream.taken_over:
+                return None  # another gateway goes on with it, and stores how it ends
+            return stream.final or broken or stream.cancelled()
 
+        # Held for another gateway to resume the stream from, if this one dies (and touched meanwhile, so that
+        # housekeeping fails it only once no gateway runs it).
+        alive = asyncio.create_task(self._keep_alive(run, save=True)) if run.store else None
         # Events already here are written together, one send (one socket write) instead of one each, as chat
         # chunks are (gateway/serving.py): the opening's, a delta's and those of deltas that arrived together, and
         # the last delta's with the closing events and the terminal one.
-        ready: list[bytes] = []
         try:
-            yield b"".join(events.opening(run.json("in_progress")))
-            error = None
-            async for delta in self._completions.deltas(relayed, first):
-                reply.add(delta)  # an error's too: its usage is what the worker ran before it failed
-                if delta.error is not None:
-                    error = delta.error
-                    break
-                ready += events.delta(delta)
-                if ready and relayed.next_delta_waits:
-                    yield b"".join(ready)
-                    ready.clear()
-            outcome.take(reply)
-            status, incomplete = status_of(outcome.finish_reason) if error is None else ("failed", None)
-            ready += events.close("completed" if status == "completed" else "incomplete")
-            final = run.json(status, outcome, events.items, error, incomplete)
-            ready.append(events.terminal(final))
-            yield b"".join(ready)
+            if any(ready):  # the opening goes out at once, before the first token
+                yield b"".join(ready)
+                ready.clear()
+            if stream.final is None:  # a resumed stream may have ended in what its worker sent again
+                async for delta in deltas:
+                    ready += stream.add(delta)
+                    if stream.error is not None:
+                        break
+                    if relayed.next_delta_waits and any(ready):
+                        yield b"".join(ready)
+                        ready.clear()
+                ready += stream.end()
+            if ready:
+                yield b"".join(ready)
         except Exception:  # the gateway's own fault mid-stream: an error event ends it, not a cut connection
             log.exception("response %s failed in the gateway", run.response_id)
-            broken = run.json("failed", outcome, events.items, GATEWAY_ERROR)
-            yield b"".join([*ready, events.error(GATEWAY_ERROR)])
+            broken = run.json("failed", stream.outcome, stream.events.items, GATEWAY_ERROR)
+            yield b"".join([*ready, stream.events.error(GATEWAY_ERROR)])
         finally:
-            outcome.take(reply)
+            if alive is not None:
+                alive.cancel()
+            outcome = stream.settled()
+            ended_here = stream.final is not None and not stream.taken_over  # else its worker's bill says
             await self._completions.end(relayed, run.ticket, outcome,
-                                        outcome.usage.total_tokens if final is not None else None,
+                                        outcome.usage.total_tokens if ended_here else None,
                                         self._store_when_done(run, None, response_of))
 
-    async def _run_background(self, run: _Run) -> None:
+    async def resume(self, response_id: str, tenant_id: str, starting_after: int | None):
+        """``GET /v1/responses/{id}?stream=true&starting_after=N``: the stream of a stored response whose gateway
+        died, taken over from its worker and made again from its first delta; only the events after N are sent.
+        404: not the caller's, or N names an event never sent; 410: it ended, or can no longer be resumed."""
+        if self._resumer is None:
+            raise OpenAIError(400, "This gateway does not resume streams (stream_resume_window_s is 0).",
+                              code="unsupported_parameter", param="stream")
+        stored = await self._responses.stored(response_id, tenant_id)
+        if stored.background:
+            raise OpenAIError(400, "A background response is polled (GET /v1/responses/{id} without stream), not "
+                              "streamed.", code="unsupported_parameter", param="stream")
+        if stored.status not in ("queued", "in_progress"):
+            raise _expired(f"This response has ended ({stored.status}); GET it without stream=true for the whole "
+                           "response.")
+        try:
+            relayed, first, answer, _ = await self._resumer.take_over_request(stored.request_id, tenant_id,
+                                                                              Position(0, 0, 0))
+        except OpenAIError as exc:
+            if exc.status != 404:
+                raise
+            raise _expired("This response's stream can no longer be resumed: its worker let it go.") from None
+        if answer.request is not None and answer.request.attempt != 0:
+            # Its first run's deltas, from which its events are made again, died with that run's worker (a
+            # failover) or stayed with the prefill worker (a hand-over): the numbering cannot be made again.
+            await self._completions.end(relayed, None, Outcome(request_id=stored.request_id), None)
+            raise _expired("This response's stream moved to another worker midway and can no longer be resumed.")
+        stream = ResponseStream(ResponseRun.resumed(stored, relayed.request), -1 if starting_after is None
+                                else starting_after)
+        deltas = self._completions.deltas(relayed, first).__aiter__()
+        ready = stream.opening()
+        try:
+            # The deltas the worker sent again (all it had sent: whatever the first gateway sent the client was
+            # made of them) come first, at once; the client's position must be among their events.
+            async for delta in deltas:
+                ready += stream.add(delta)
+                if stream.error is not None or delta.is_last:
+                    ready += stream.end()
+                    break
+                if delta.seq >= answer.next_seq - 1:
+                    break
+            if starting_after is not None and starting_after >= stream.events.num_made:
+                raise OpenAIError(404, f"No event {starting_after} was sent in this response's stream.",
+                                  code="stream_not_found", param="starting_after")
+        except BaseException:
+            await relayed.close()  # not cancelled: the client may ask again, from where it is
+            raise
+        return StreamingResponse(self._stream(stream, relayed, deltas, ready),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": stored.request_id})
+
+    async def _run_background(self, run: ResponseRun, ticket: Ticket) -> None:
         """A background response, start to end, stored at each step; counted as an open request, and its row
         touched while it runs (housekeeping fails the ones a crashed gateway left)."""
         await self._in_flight.add(1)
-        alive = asyncio.create_task(self._keep_alive(run.response_id, run.request.request_id))
+        alive = asyncio.create_task(self._keep_alive(run))
         try:
             try:
-                relayed, first = await self._completions.start(run.request, run.ticket)
+                relayed, first = await self._completions.start(run.request, ticket)
             except OpenAIError as exc:
                 await self._responses.save(run.record(run.json("failed", error=exc.info())))
                 return
@@ -240,7 +287,15 @@ class ResponseService:
             alive.cancel()
             await self._in_flight.add(-1)
 
-    async def _keep_alive(self, response_id: str, request_id: str) -> None:
+    async def _keep_alive(self, run: ResponseRun, save: bool = False) -> None:
+        """Touch ``run``'s row while it runs (``save``: store it ``in_progress`` first); stop its worker if the row
+        was closed meanwhile."""
+        response_id, request_id = run.response_id, run.request.request_id
+        if save:
+            try:
+                await self._responses.save(run.record(run.json("in_progress")), hold=False)
+            except Exception as exc:  # Postgres away: the stream goes on, not resumable from another gateway
+                log.warning("could not store streamed response %s as it began: %r", response_id, exc)
         while True:
             await asyncio.sleep(ALIVE_EVERY_S)
             try:

@@ -127,13 +127,14 @@ class GatewayServices:
         relay = Relay(self.nc, self._tokens, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
                       Failover(self.js, publisher, self.registry, liveness, kv_index=self.kv_index),
                       Hedging(self.tier_policies, self.registry, liveness, publisher, self.metrics))
+        resumer = StreamResumer(self.nc, relay) if gateway.stream_resume_window_s else None
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
-                                             self.metrics, affinity=affinity, resumer=StreamResumer(self.nc, relay))
+                                             self.metrics, affinity=affinity, resumer=resumer)
         self.conversations = Conversations(pool, self.js)
         self.embeddings = EmbeddingService(self.completions)
         self.response_store = Responses(pool, self.js)
         self.responses = ResponseService(self.completions, self.response_store, self.conversations, self.in_flight,
-                                         self.nc, config.gateway.limits)
+                                         self.nc, config.gateway.limits, resumer)
         self.files = Files(pool)
         self.batches = Batches(pool, self.files)
         self.usage = UsageReport(pool)

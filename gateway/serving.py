@@ -107,7 +107,7 @@ class CompletionService:
         if messages is not None:
             fields["messages"] = messages
         request = await self.wire_request(body, ticket, truncate_history=messages is not None,
-                                          resumable_s=self._resumable_s(body.stream), **fields)
+                                          resumable_s=self.resumable_s(body.stream), **fields)
         shape = Shape(CHAT, body.stream, body.include_usage, body.include_obfuscation, admitted_service(ticket).label,
                       extra=extra or {})
         return await self._serve(request, [request], shape, ticket, on_finish, left_out=left_out, gone=gone)
@@ -115,7 +115,7 @@ class CompletionService:
     async def completion(self, body: CompletionRequest, ticket: Ticket, gone: Gone | None = None):
         prompts = body.prompts
         # Several prompts stream as one: their parts' deltas interleave, and no position says where a client is.
-        outer = await self.wire_request(body, ticket, resumable_s=self._resumable_s(body.stream and len(prompts) == 1),
+        outer = await self.wire_request(body, ticket, resumable_s=self.resumable_s(body.stream and len(prompts) == 1),
                                         **body.wire_fields(prompts[0]))
         parts = [outer] if len(prompts) == 1 else [
             msgspec.structs.replace(outer, request_id=f"{outer.request_id}-p{i}", **body.wire_fields(p))
@@ -151,7 +151,7 @@ class CompletionService:
                              buffered=lambda: relayed.buffered_bytes, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
 
-    def _resumable_s(self, stream: bool) -> float:
+    def resumable_s(self, stream: bool) -> float:
         """How long a stream whose gateway dies waits at its worker to be resumed (0: not resumable)."""
         return self._config.stream_resume_window_s if stream else 0.0
 

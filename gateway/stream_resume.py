@@ -54,6 +54,14 @@ class StreamResumer:
             request_id, position = parse_event_id(last_event_id)
         except ValueError:
             raise _not_found() from None
+        relayed, first, _, text_before = await self.take_over_request(request_id, tenant_id, position)
+        return relayed, first, position, text_before
+
+    async def take_over_request(self, request_id: str, tenant_id: str | None, position: Position
+                                ) -> tuple[RelayedRequest, TokenDelta, ResumeAnswer, int]:
+        """Take ``request_id``'s stream over from ``position`` (the client's last delta, sent again): the relayed
+        request, its first resent delta, the worker's answer (its run, how many deltas it had sent) and how much
+        of choice 0's text came before that delta; raises OpenAIError 404/410."""
         inbox = self._relay.open_inbox(request_id)  # before asking: the resent deltas come right after the answer
         try:
             ask = StreamResume(request_id, tenant_id, self._relay.token_subject, position.attempt, position.seq)
@@ -73,10 +81,10 @@ class StreamResumer:
         except BaseException:
             await inbox.close()
             raise
-        text_before = relayed.text_len  # the client's choice 0 text before the first delta resent
+        text_before = relayed.text_len
         try:
             first = await relayed.first(_FIRST_DELTA_S)
         except BaseException:
             await relayed.close()
             raise
-        return relayed, first, position, text_before
+        return relayed, first, answer, text_before

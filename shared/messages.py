@@ -378,6 +378,12 @@ class StreamResume(msgspec.Struct):
     seq: int = 0
 
 
+# The error code of the last delta a worker sends the gateway that relayed a stream until another took it over (its
+# client came back elsewhere while this one lived): that gateway ends its part quietly, neither cancelling the
+# request nor storing an end of its own.
+STREAM_TAKEN_OVER = "stream_taken_over"
+
+
 class ResumeAnswer(msgspec.Struct):
     """The holder's answer to a ``StreamResume``. ``status``: ``ok`` (its deltas follow, from ``first_seq``, the
     client's own; it had sent ``next_seq`` of them), ``gone`` (it ended or was cancelled, its window over, or the

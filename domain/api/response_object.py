@@ -51,14 +51,20 @@ def response_json(response_id: str, created_at: float, model: str, echo: dict[st
                   service_tier: str | None = None) -> dict[str, Any]:
     """The response object. ``echo``: the request's settings as the response repeats them
     (``ResponseCreate.echo``)."""
+    base = {"id": response_id, "object": "response", "created_at": int(created_at), "model": model,
+            "service_tier": service_tier, **echo}
+    return in_state(base, status, output, usage, error, incomplete_details)
+
+
+def in_state(response: dict[str, Any], status: str, output: list[dict[str, Any]] | None = None,
+             usage: Usage | None = None, error: ErrorInfo | None = None,
+             incomplete_details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``response`` (any state of it: its id, model and settings are what it keeps) in ``status``, with what that
+    state says: its output so far, its usage, its error."""
     return {
-        "id": response_id, "object": "response", "created_at": int(created_at), "status": status,
-        "completed_at": int(time.time()) if status in TERMINAL else None,
-        "model": model, "output": output or [],
-        "usage": None if usage is None else usage_json(usage),
-        "error": None if error is None else error_json(error),
-        "incomplete_details": incomplete_details, "service_tier": service_tier,
-        **echo,
+        **response, "status": status, "completed_at": int(time.time()) if status in TERMINAL else None,
+        "output": output or [], "usage": None if usage is None else usage_json(usage),
+        "error": None if error is None else error_json(error), "incomplete_details": incomplete_details,
     }
 
 

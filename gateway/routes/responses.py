@@ -2,7 +2,8 @@
 (domain/responses.py).
 
     POST   /v1/responses                          {model, input, instructions?, tools?, stream?, background?, ...}
-    GET    /v1/responses/{id}
+    GET    /v1/responses/{id}                     ?stream=true&starting_after=N: a streamed response's stream, resumed
+                                                  on any gateway after its own died (gateway/responses_service.py)
     DELETE /v1/responses/{id}
     GET    /v1/responses/{id}/input_items         ?limit=&after=&order=asc|desc
     POST   /v1/responses/{id}/cancel              a background response
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.auth import AuthContext
@@ -41,7 +42,13 @@ def router(services: GatewayServices) -> APIRouter:
         return await services.responses.create(body, ticket, context)
 
     @router.get("/{response_id}")
-    async def get(response_id: str, auth: AuthContext = Depends(call)):
+    async def get(response_id: str, stream: bool = False, starting_after: int | None = Query(None, ge=0),
+                  auth: AuthContext = Depends(call)):
+        if stream:
+            return await services.responses.resume(response_id, auth.tenant_id, starting_after)
+        if starting_after is not None:
+            raise OpenAIError(400, "'starting_after' applies to a stream: ask with stream=true.",
+                              param="starting_after", code="invalid_request")
         return await services.response_store.get(response_id, auth.tenant_id)
 
     @router.delete("/{response_id}")

@@ -143,3 +143,18 @@ def test_deltas_naming_no_worker_are_the_run_the_client_is_on():
     assert state.on_delta(delta(None, 1, tokens=1)).deliver
     assert state.on_delta(delta(None, 3, tokens=1)).broken
     assert state.lost() == []  # an unnamed run cannot be told to stop by name
+
+
+def test_a_stream_another_gateway_took_over_ends_here_whatever_its_numbering():
+    state = RelayState()
+    state.on_delta(delta("a", 0))
+    state.on_delta(delta("a", 1, tokens=1))
+    notice = TokenDelta("r", seq=7, worker_id="a", is_last=True,
+                        error=ErrorInfo("taken over", code="stream_taken_over", status=409))
+    verdict = state.on_delta(notice)  # seq 7 after 1: not a hole, the worker's word that the stream moved
+    assert verdict.deliver and not verdict.broken and not verdict.dismiss and state.is_finished
+    other = RelayState()
+    other.on_delta(delta("a", 0))
+    forged = TokenDelta("r", seq=1, worker_id="b", is_last=True,
+                        error=ErrorInfo("taken over", code="stream_taken_over", status=409))
+    assert not other.on_delta(forged).deliver and not other.is_finished  # only the worker running it says so

@@ -102,3 +102,15 @@ def test_items_become_chat_messages_with_calls_joined_to_their_reply():
 def test_bodies_that_cannot_be_honoured_are_refused(extra):
     with pytest.raises(ValidationError):
         ResponseCreate.model_validate({"model": "m", "input": "hi", **extra})
+
+
+def test_events_made_again_leave_out_those_a_resuming_client_had_and_number_on():
+    def made(after: int = -1) -> list[dict]:
+        events = ResponseEvents("r1", after)
+        chunks = events.opening({"id": "resp_r1", "status": "in_progress"})
+        for text in ("Hel", "lo"):
+            chunks += events.delta(TokenDelta("r1", text=text, num_tokens=1))
+        return decoded([c for c in chunks if c])
+
+    whole = made()
+    assert made(after=3) == whole[4:] and made(after=len(whole) + 5) == []

@@ -6,13 +6,15 @@ stored failed, and only a stream that ended tells the ticket its tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
 import pytest
 
 from switchyard.domain.api.responses import ResponseCreate
-from switchyard.gateway.responses_service import ResponseService, _Run
+from switchyard.gateway.response_run import ResponseRun, ResponseStream
+from switchyard.gateway.responses_service import ResponseService
 from switchyard.shared.config import RequestLimits
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
 
@@ -31,6 +33,7 @@ class RelayDouble:
     async def deltas(self, relayed, first: TokenDelta):
         yield first
         for item in self.later:
+            await asyncio.sleep(0)  # as a delta's arrival does, lets other tasks run (storing the response begun)
             if isinstance(item, Exception):
                 raise item
             relayed.next_delta_waits = item.usage is None  # the request's last delta carries its usage
@@ -55,11 +58,15 @@ async def stream(later: list, sends: list | None = None) -> tuple[list[dict], Re
     service = ResponseService(relay, store, conversations=None, in_flight=None, nc=None, limits=RequestLimits())
     request = GenerateRequest("r1", "tiny", "pro", SamplingParams(), 0.0, 0.0)
     ticket = SimpleNamespace(service=SimpleNamespace(label="default"), auth=SimpleNamespace(tenant_id="t1"))
-    run = _Run(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request, "resp_r1")
+    response = ResponseStream(ResponseRun.new(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request))
     relayed = SimpleNamespace(next_delta_waits=True)  # each delta alone, written at once
     chunks = []
-    async for chunk in service._stream(run, relayed, TokenDelta("r1")):
+    async for chunk in service._stream(response, relayed, relay.deltas(relayed, TokenDelta("r1")),
+                                       response.opening()):
         chunks.append(chunk)
+    # Stored as it began (another gateway may resume it from the row), then as it ended.
+    assert [r.status for r in store.saved[:1]] == ["in_progress"]
+    store.saved = store.saved[1:]
     if sends is not None:
         sends += [[json.loads(line[6:])["type"] for line in chunk.decode().splitlines() if line.startswith("data: ")]
                   for chunk in chunks]
@@ -115,3 +122,12 @@ async def test_a_response_is_written_in_few_sends_its_opening_each_lone_delta_an
     assert opening[0] == "response.created" and "response.output_text.delta" not in opening
     assert hel == ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
     assert end[0] == "response.output_text.delta" and end[-1] == "response.completed"
+
+
+async def test_a_stream_another_gateway_took_over_is_left_to_it_neither_stored_as_ended_nor_billed_here():
+    taken = ErrorInfo("taken over", code="stream_taken_over", status=409)
+    events, relay, store = await stream([TokenDelta("r1", text="Hel", num_tokens=1),
+                                         TokenDelta("r1", error=taken, is_last=True)])
+    assert said(events) == "Hel"
+    assert store.saved == []  # only the row as it began: the other gateway stores how it ends
+    assert relay.used_tokens is None  # its worker bills it when it ends

@@ -83,3 +83,27 @@ def test_a_step_too_large_for_one_message_is_split_in_order_and_a_huge_delta_goe
     assert [r.request_id for m in messages for r in decode_routed(m)] == [r.request_id for r in deltas]
     (alone,) = [m for m in messages if any(r.request_id == "huge" for r in decode_routed(m))]
     assert len(decode_routed(alone)) == 1
+
+
+async def test_a_stream_taken_over_tells_the_gateway_that_relayed_it_out_of_the_runs_numbering(nc):
+    from switchyard.shared.messages import StreamResume
+    from switchyard.workers.service.stream_replay import StreamReplays
+
+    g1, g2 = await nc.subscribe(subjects.gateway_token_subject("g1")), await nc.subscribe(
+        subjects.gateway_token_subject("g2"))
+    out = Publisher(nc, None, "worker-1", StreamReplays("worker-1", started_at=time.monotonic()))
+    req = msgspec.structs.replace(_request("r", "g1"), resumable_s=30.0, tenant_id="t")
+    for _ in range(3):
+        await out.delta(req, TokenDelta("r", text="x", num_tokens=1))
+    answers = []
+
+    async def respond(data: bytes) -> None:
+        answers.append(data)
+
+    await out.take_over(StreamResume("r", "t", subjects.gateway_token_subject("g2"), seq=1), respond)
+    await out.delta(req, TokenDelta("r", text="y", num_tokens=1))  # later deltas go to the new gateway only
+    await nc.flush()
+    (notice,) = [decode(r.delta, TokenDelta) for m in (await _all(g1))[3:] for r in decode_routed(m)]
+    assert notice.is_last and notice.error.code == "stream_taken_over" and notice.seq == 3
+    moved = [decode(r.delta, TokenDelta).seq for m in await _all(g2) for r in decode_routed(m)]
+    assert len(answers) == 1 and moved == [1, 2, 3]  # the client's delta again, the next, then the later one

@@ -25,6 +25,7 @@ from switchyard.shared import subjects
 from switchyard.shared.jetstream import HEADER_ROOM, publish_once
 from switchyard.shared.messages import (
     HANDOVER,
+    STREAM_TAKEN_OVER,
     BatchResult,
     ErrorInfo,
     GenerateRequest,
@@ -39,6 +40,9 @@ from switchyard.workers.service.held import Tracked
 from switchyard.workers.service.stream_replay import StreamReplays
 
 log = logging.getLogger("switchyard.worker")
+
+TAKEN_OVER = ErrorInfo("This stream was taken over by another gateway: the client resumed it there.",
+                       code=STREAM_TAKEN_OVER, type="invalid_request_error", status=409)
 
 _routed_encoder = msgspec.msgpack.Encoder()  # a message of ``RoutedDelta``s (``encode`` takes one struct)
 
@@ -135,12 +139,19 @@ class Publisher:
         moves there, ``respond`` gets the answer, and the deltas kept of it follow, before any later one."""
         assert self._replays is not None  # asked only of a worker that keeps them
         async with self._sending:
+            before = self._replays.route_of(ask.request_id)
             taken = self._replays.resume(ask)
             if taken is None:
                 return  # not ours, or not the asker's: no answer, as for an unknown request
             answer, deltas = taken
             await respond(encode(answer))
             again = StepDeltas()
+            if answer.request is not None and before is not None and before != ask.reply_subject:
+                # The gateway that relayed it so far may live (its client's connection hung, and the client came
+                # back elsewhere): it is told, out of the run's numbering, so that it ends its part quietly.
+                notice = TokenDelta(ask.request_id, error=TAKEN_OVER, is_last=True, attempt=answer.request.attempt,
+                                    worker_id=self.worker_id, seq=answer.next_seq)
+                again.add(before, ask.request_id, encode(notice))
             for data in deltas:
                 again.add(ask.reply_subject, ask.request_id, data)
             await self._send(again)

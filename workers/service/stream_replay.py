@@ -77,6 +77,11 @@ class StreamReplays:
         replay = self._replays.get(request.request_id)
         return replay.route if replay is not None else request.reply_subject
 
+    def route_of(self, request_id: str) -> str | None:
+        """Where ``request_id``'s deltas go now, if it is kept here."""
+        replay = self._replays.get(request_id)
+        return replay.route if replay is not None else None
+
     def record(self, request: GenerateRequest, delta: TokenDelta, data: bytes) -> None:
         """``request``'s ``delta`` (``data`` encoded) goes out now. A run's first delta starts its replay; a new
         attempt's (a continuation that came back here) starts it again."""
