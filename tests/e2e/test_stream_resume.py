@@ -180,3 +180,38 @@ async def test_a_stream_whose_client_left_its_live_gateway_is_gone(system, auth,
                what="the cancelled stream's usage row")
     r = await _resume(system, auth, body, events.ids[-1])
     assert r.status_code == 410 and r.json()["error"]["code"] == "stream_expired", r.text
+
+
+async def test_a_client_back_elsewhere_while_its_gateway_lives_moves_the_stream_billed_once(
+        e2e, system, auth, sim_model, nats_url, database_url):
+    body = _body(sim_model, chat=True)
+    port = free_port()
+    gw = e2e.start_gateway(f"gateway-resume-{uuid.uuid4().hex[:4]}", port=port)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", sim_model, timeout_s=60, watch=[gw])
+        before, after = Events(), Events()
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", headers=auth,
+                                   json=body) as first:
+                lines = first.aiter_lines()
+
+                class Lines:  # Events.read on the lines read so far, so reading can go on after
+                    def aiter_lines(self):
+                        return lines
+
+                await before.read(Lines(), stop_after_texts=5)
+                # The first connection hangs, not closed: the client comes back on another gateway.
+                async with http.stream("POST", f"{system}/v1/chat/completions", json=body,
+                                       headers={**auth, "Last-Event-ID": before.ids[-1]}) as r:
+                    assert r.status_code == 200
+                    await after.read(r)
+                left = [line async for line in lines if line.startswith("data: ")]
+        assert after.done and after.usage["completion_tokens"] == TOKENS
+        assert before.text + after.text == await _reference_text(system, auth, body)
+        # The first gateway let go: its copy ends with the worker's word, and nothing was billed there.
+        events = [json.loads(line[6:]) for line in left if line != "data: [DONE]"]
+        assert events and events[-1]["error"]["code"] == "stream_taken_over"
+        (row,) = await usage_rows(database_url, nats_url, before.ids[0].split(".")[0], "completion_tokens")
+        assert row["completion_tokens"] == TOKENS
+    finally:
+        gw.stop()
