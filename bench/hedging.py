@@ -17,8 +17,8 @@ one system:
 
 Reported per phase: TTFT p50/p99/max at the client, the requests whose TTFT passed 1 s, hedges started and won
 (the gateway's counters), and the tokens the losers computed for nothing (the workers'
-``switchyard:worker_dismissed_tokens_total``) against the tokens billed. Target (issue 41): hedged p99 within 1.5x the healthy p99, at most 5% extra tokens. ``lscpu`` is printed
-and the CPU named with the table.
+``switchyard:worker_dismissed_tokens_total``) against the tokens billed. Target (issue 41): hedged p99 within
+1.5x the healthy p99, at most 5% extra tokens. ``lscpu`` is printed and the CPU named with the table.
 """
 
 from __future__ import annotations

@@ -13,24 +13,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 import httpx
-import pytest
 
 from switchyard.deploy.services import wait_until_ready
+from tests.e2e.test_stream_resume import sim_model  # noqa: F401 (a simulated worker at 20 tokens/s)
 from tests.support.system import free_port, usage_rows
 
 TOKENS = 60  # 3 s at 20 tokens/s: long enough to break the stream in the middle
 ENDED = "response.incomplete"  # the simulated engine writes up to max_output_tokens: cut there, as OpenAI says
-
-
-@pytest.fixture(scope="module")
-def sim_model(e2e, system):
-    name = f"sim-rresume-{uuid.uuid4().hex[:6]}"
-    worker = e2e.start_worker(name, max_num_seqs=8, engine="simulated", simulated_tokens_per_s=20)
-    try:
-        wait_until_ready(system, name, timeout_s=60, watch=[worker])
-        yield name
-    finally:
-        worker.stop()
 
 
 def _body(model: str, tokens: int = TOKENS, **kw) -> dict:
