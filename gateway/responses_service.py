@@ -11,7 +11,8 @@ back as a response object, a stream of semantic events, or a stored background r
     every ending ─▶ settle the ticket ─▶ store (store=true) ─▶ the conversation gets the input and the reply
 
     GET ?stream=true&starting_after=N ─▶ resume: the stored row's request taken over from its worker (its gateway
-                                         died), its events made again from the run's first delta, those after N sent
+                                         died), its events made again from the run's first delta, those after N sent;
+                                         a background one is run on from here (its first gateway lets go)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from switchyard.gateway.stream_ids import Position
 from switchyard.gateway.stream_resume import StreamResumer
 from switchyard.shared import subjects
 from switchyard.shared.config import RequestLimits
-from switchyard.shared.messages import ChatMessage, ErrorInfo, TokenDelta
+from switchyard.shared.messages import STREAM_TAKEN_OVER, ChatMessage, ErrorInfo, TokenDelta
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -102,7 +103,9 @@ class ResponseService:
             body, ticket, messages=instructions + context.history + to_messages(body.items),
             sampling=body.sampling(), response_format=body.response_format(), tool_use=body.tool_use(),
             truncate_history=body.truncation == "auto",
-            resumable_s=self._completions.resumable_s(body.stream and self._resumer is not None and body.store))
+            # A stored response may be streamed from another gateway: a background one too (it moves there).
+            resumable_s=self._completions.resumable_s((body.stream or body.background) and body.store
+                                                      and self._resumer is not None))
         run = ResponseRun.new(body, ticket, request)
         if body.background:
             queued = run.json("queued")
@@ -139,8 +142,12 @@ class ResponseService:
                 error = None
             outcome.take(builder)
         finally:
-            await self._completions.end(relayed, run.ticket, outcome, outcome.usage.total_tokens,
-                                        self._store_when_done(run, lambda: error))
+            if error is not None and error.code == STREAM_TAKEN_OVER:
+                # A client streams it from another gateway now, which runs it to its end and stores that.
+                await self._completions.end(relayed, run.ticket, outcome, None)
+            else:
+                await self._completions.end(relayed, run.ticket, outcome, outcome.usage.total_tokens,
+                                            self._store_when_done(run, lambda: error))
         return outcome, error
 
     def _final(self, run: ResponseRun, outcome: Outcome, error: ErrorInfo | None) -> dict:
@@ -225,9 +232,9 @@ class ResponseService:
             raise OpenAIError(400, "This gateway does not resume streams (stream_resume_window_s is 0).",
                               code="unsupported_parameter", param="stream")
         stored = await self._responses.stored(response_id, tenant_id)
-        if stored.background:
-            raise OpenAIError(400, "A background response is polled (GET /v1/responses/{id} without stream), not "
-                              "streamed.", code="unsupported_parameter", param="stream")
+        if stored.background and stored.status == "queued":
+            raise OpenAIError(400, "This background response has not started yet: ask for its stream once it is "
+                              "in_progress.", code="invalid_request", param="stream")
         if stored.status not in ("queued", "in_progress"):
             raise _expired(f"This response has ended ({stored.status}); GET it without stream=true for the whole "
                            "response.")
@@ -263,9 +270,35 @@ class ResponseService:
         except BaseException:
             await relayed.close()  # not cancelled: the client may ask again, from where it is
             raise
-        return StreamingResponse(self._stream(stream, relayed, deltas, ready),
-                                 media_type="text/event-stream",
+        body = self._adopt(stream, relayed, deltas, ready) if stored.background else \
+            self._stream(stream, relayed, deltas, ready)
+        return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": stored.request_id})
+
+    async def _adopt(self, stream: ResponseStream, relayed, deltas: AsyncIterator[TokenDelta], ready: list[bytes]):
+        """A background response's stream, taken over: this gateway runs it from now on (the one that ran it let
+        go), to its end and stored, whether or not the client stays to read it (counted as an open request)."""
+        chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        listening = True
+
+        async def run() -> None:
+            await self._in_flight.add(1)
+            try:
+                async for chunk in self._stream(stream, relayed, deltas, ready):
+                    if listening:
+                        chunks.put_nowait(chunk)
+            finally:
+                chunks.put_nowait(None)
+                await self._in_flight.add(-1)
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            while (chunk := await chunks.get()) is not None:
+                yield chunk
+        finally:
+            listening = False
 
     async def _run_background(self, run: ResponseRun, ticket: Ticket) -> None:
         """A background response, start to end, stored at each step; counted as an open request, and its row

@@ -16,7 +16,7 @@ import httpx
 
 from switchyard.deploy.services import wait_until_ready
 from tests.e2e.test_stream_resume import sim_model  # noqa: F401 (a simulated worker at 20 tokens/s)
-from tests.support.system import free_port, usage_rows
+from tests.support.system import free_port, poll, usage_rows
 
 TOKENS = 60  # 3 s at 20 tokens/s: long enough to break the stream in the middle
 ENDED = "response.incomplete"  # the simulated engine writes up to max_output_tokens: cut there, as OpenAI says
@@ -115,16 +115,48 @@ async def test_only_the_owner_resumes_and_only_from_an_event_that_was_sent(e2e, 
     assert again[:len(before)] == before  # made again, event for event
 
 
-async def test_a_response_that_ended_or_runs_in_the_background_is_not_streamed_again(system, auth, sim_model):
+async def test_a_response_that_ended_is_not_streamed_again(system, auth, sim_model):
     async with httpx.AsyncClient(timeout=60) as http:
         done = (await http.post(f"{system}/v1/responses", headers=auth,
                                 json=_body(sim_model, tokens=2, stream=False))).json()
         r = await http.get(_resume_url(system, done["id"], 0), headers=auth)
         assert r.status_code == 410 and r.json()["error"]["code"] == "stream_expired", r.text
-        queued = (await http.post(f"{system}/v1/responses", headers=auth,
-                                  json=_body(sim_model, tokens=2, stream=False, background=True))).json()
-        r = await http.get(_resume_url(system, queued["id"]), headers=auth)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
+
+
+async def test_a_background_response_whose_gateway_died_is_streamed_and_run_to_its_end_by_another(
+        e2e, system, auth, sim_model, nats_url, database_url):
+    gw, url = _gateway(e2e, sim_model)
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            queued = (await http.post(f"{url}/v1/responses", headers=auth,
+                                      json=_body(sim_model, stream=False, background=True))).json()
+            response_id = queued["id"]
+
+            async def running() -> bool:
+                r = await http.get(f"{url}/v1/responses/{response_id}", headers=auth)
+                return r.json()["status"] == "in_progress"
+
+            await poll(running, timeout_s=30, what="the background response running")
+            os.kill(gw.pid, signal.SIGKILL)
+            # Its client streams it from another gateway, from the start, then leaves after a few events: the
+            # response goes on to its end there all the same, as a background one does.
+            async with http.stream("GET", _resume_url(system, response_id), headers=auth) as r:
+                assert r.status_code == 200, await r.aread()
+                seen = await _events(r, stop_after_texts=3)
+            assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
+            assert seen[0]["type"] == "response.created" and seen[0]["response"]["background"] is True
+
+            async def ended() -> dict | None:
+                body = (await http.get(f"{system}/v1/responses/{response_id}", headers=auth)).json()
+                return body if body["status"] not in ("queued", "in_progress") else None
+
+            stored = await poll(ended, timeout_s=60, what="the background response's end")
+        assert stored["status"] == "incomplete" and stored["usage"]["output_tokens"] == TOKENS
+        assert stored["output"][0]["content"][0]["text"].startswith(_text(seen))
+        rows = await usage_rows(database_url, nats_url, response_id.removeprefix("resp_"), "completion_tokens")
+        assert [row["completion_tokens"] for row in rows] == [TOKENS]  # billed once
+    finally:
+        gw.stop()
 
 
 async def test_a_client_back_elsewhere_while_its_gateway_lives_moves_the_stream_and_it_ends_once(

@@ -1,9 +1,10 @@
-"""A background response's run keeps its row alive, and stops itself once the row is closed under it (failed by
-housekeeping while its gateway stalled, or cancelled): nobody will read what it would go on making."""
+"""A background (or streamed) response's run keeps its row alive, and stops itself once the row is closed under it
+(failed by housekeeping while its gateway stalled, or cancelled): nobody will read what it would go on making."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from switchyard.gateway import responses_service
 from switchyard.gateway.responses_service import ResponseService
@@ -21,6 +22,9 @@ class _Rows:
         return self.touched <= self.open_for
 
 
+RUN = SimpleNamespace(response_id="resp_1", request=SimpleNamespace(request_id="req-1"))
+
+
 class _NATS:
     is_connected = True
 
@@ -35,7 +39,7 @@ async def test_a_run_whose_response_was_closed_cancels_its_request(monkeypatch):
     monkeypatch.setattr(responses_service, "ALIVE_EVERY_S", 0.001)
     rows, nc = _Rows(open_for=3), _NATS()
     service = ResponseService(None, rows, None, None, nc, None)  # type: ignore[arg-type]
-    await asyncio.wait_for(service._keep_alive("resp_1", "req-1"), 5)
+    await asyncio.wait_for(service._keep_alive(RUN), 5)  # type: ignore[arg-type]
     assert rows.touched == 4  # open, unknown, open, closed
     assert nc.published == [subjects.cancel_subject("req-1")]
 
@@ -44,8 +48,9 @@ async def test_an_open_response_is_only_touched(monkeypatch):
     monkeypatch.setattr(responses_service, "ALIVE_EVERY_S", 0.001)
     rows, nc = _Rows(open_for=10**9), _NATS()
     service = ResponseService(None, rows, None, None, nc, None)  # type: ignore[arg-type]
-    alive = asyncio.create_task(service._keep_alive("resp_1", "req-1"))
-    while rows.touched < 5:
+    alive = asyncio.create_task(service._keep_alive(RUN))  # type: ignore[arg-type]
+    while rows.touched < 5 and not alive.done():
         await asyncio.sleep(0.001)
+    assert not alive.done()
     alive.cancel()
     assert nc.published == []
