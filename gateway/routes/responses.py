@@ -43,7 +43,10 @@ def router(services: GatewayServices) -> APIRouter:
 
     @router.get("/{response_id}")
     async def get(response_id: str, stream: bool = False, starting_after: int | None = Query(None, ge=0),
-                  auth: AuthContext = Depends(call)):
+                  include_obfuscation: bool = False, auth: AuthContext = Depends(call)):
+        if include_obfuscation:
+            raise OpenAIError(400, "Stream obfuscation is not supported: leave include_obfuscation unset or false.",
+                              param="include_obfuscation", code="unsupported_parameter")
         if stream:
             return await services.responses.resume(response_id, auth.tenant_id, starting_after)
         if starting_after is not None:

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import httpx
+import openai
 
 from switchyard.deploy.services import wait_until_ready
 from tests.e2e.test_stream_resume import sim_model  # noqa: F401 (a simulated worker at 20 tokens/s)
@@ -107,10 +108,20 @@ async def test_only_the_owner_resumes_and_only_from_an_event_that_was_sent(e2e, 
                 (auth, f"{system}/v1/responses/{response_id}?starting_after=3", 400, "invalid_request")):
             r = await http.get(url, headers=headers)
             assert r.status_code == status and r.json()["error"]["code"] == code, (url, r.text)
-        # The owner still may, from the very start (nothing above took the stream over for good).
-        async with http.stream("GET", _resume_url(system, response_id), headers=auth) as r:
-            assert r.status_code == 200
-            again = await _events(r, stop_after_texts=4)
+        r = await http.get(f"{_resume_url(system, response_id)}&include_obfuscation=true", headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "include_obfuscation", r.text
+    # The owner still may, from the very start (nothing above took the stream over for good), with the official
+    # client's own call for it.
+    client = openai.AsyncOpenAI(base_url=f"{system}/v1", api_key=auth["Authorization"].removeprefix("Bearer "),
+                                max_retries=0)
+    again = []
+    stream = await client.responses.retrieve(response_id, stream=True)
+    async for event in stream:
+        again.append(event.model_dump(mode="json", exclude_unset=True))
+        if len([e for e in again if e["type"] == "response.output_text.delta"]) == 4:
+            break
+    await stream.close()
+    await client.close()
     assert [e["sequence_number"] for e in again] == list(range(len(again)))
     assert again[:len(before)] == before  # made again, event for event
 
