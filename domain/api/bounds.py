@@ -8,14 +8,20 @@ a worker (tokenizing, rendering the chat template, compiling a grammar), whoever
       and tools, serialized)                                    120 000 characters of names and values
     tools                    128 (domain/api/fields.py)       128
 
+The bounds are read twice, by the same rule: off the decoded JSON before it is validated into its model
+(``check_raw_bounds``: refusing a huge body must not cost the gateway's event loop what validating it would), and
+off the model (``check_bounds``, with a conversation's history counted in).
+
 The worker bounds what still gets through (a batch line of an older file, another gateway's settings): its grammar
 compiler runs on a fuel budget (``worker.grammar_lexer_fuel``) and refuses with 400 when it runs out.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterable
 from typing import Any
+
+import msgspec
 
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
@@ -27,8 +33,9 @@ def _too_long(param: str, message: str, code: str = "invalid_value") -> OpenAIEr
     return OpenAIError(400, message, code=code, param=param)
 
 
-def _size(schema: dict[str, Any] | None) -> int:
-    return len(json.dumps(schema, separators=(",", ":")).encode()) if schema else 0
+def _size(schema: Any) -> int:
+    """A schema's size as compact JSON (UTF-8): what the limit counts."""
+    return len(msgspec.json.encode(schema)) if schema else 0
 
 
 def schema_bytes(body: ChatCompletionRequest) -> tuple[int, int]:
@@ -42,18 +49,45 @@ def check_bounds(body: ChatCompletionRequest | CompletionRequest, limits: Reques
                  num_history: int = 0) -> None:
     """Raise a 400 naming the parameter when ``body`` asks for more than ``limits`` allow. ``num_history``: the
     messages a conversation's server-side history adds to it."""
-    for stop in body.stop or ():
+    if not isinstance(body, ChatCompletionRequest):
+        return _check(body.stop or (), None, 0, 0, limits)
+    _check(body.stop or (), len(body.messages) + num_history, *schema_bytes(body), limits)
+
+
+def check_raw_bounds(body: Any, limits: RequestLimits, chat: bool) -> None:
+    """``check_bounds`` read off a body as decoded JSON, before it is validated into its model: a body far over
+    the bounds is refused for what it cost to read, not what validating it would (15,000 messages or an
+    8,000-branch schema take about 0.1 s of the gateway's event loop to become models, and every other request
+    on the gateway waits that long). Whatever is not shaped as expected is left to validation, which says what is
+    wrong with it."""
+    if not isinstance(body, dict):
+        return
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)] \
+        if isinstance(stop, list) else []
+    if not chat:
+        return _check(stops, None, 0, 0, limits)
+    messages = body.get("messages")
+    fmt = body.get("response_format")
+    described = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    tools = body.get("tools")
+    tool_schemas = [t["function"].get("parameters") for t in tools if isinstance(t, dict)
+                    and isinstance(t.get("function"), dict)] if isinstance(tools, list) else []
+    _check(stops, len(messages) if isinstance(messages, list) else None,
+           _size(described.get("schema")) if isinstance(described, dict) else 0,
+           sum(_size(schema) for schema in tool_schemas), limits)
+
+
+def _check(stops: Iterable[str], num_messages: int | None, fmt_size: int, tools_size: int,
+           limits: RequestLimits) -> None:
+    for stop in stops:
         if len(stop) > limits.max_stop_chars:
             raise _too_long("stop", f"Each stop sequence may have at most {limits.max_stop_chars} characters; one "
                                     f"has {len(stop)}.")
-    if not isinstance(body, ChatCompletionRequest):
-        return
-    num_messages = len(body.messages) + num_history
-    if num_messages > limits.max_messages:
+    if num_messages is not None and num_messages > limits.max_messages:
         raise _too_long("messages", f"Invalid 'messages': array too long. Expected an array with maximum length "
                                     f"{limits.max_messages}, but got an array with length {num_messages} instead.",
                         code="array_above_max_length")
-    fmt_size, tools_size = schema_bytes(body)
     if fmt_size + tools_size > limits.max_schema_bytes:
         param = "response_format" if fmt_size > tools_size else "tools"
         raise _too_long(param, f"The JSON schemas of this request take {fmt_size + tools_size} bytes, over the "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from switchyard.domain.api.bounds import check_bounds
+from switchyard.domain.api.bounds import check_bounds, check_raw_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.auth import AuthContext
@@ -20,7 +20,20 @@ def router(services: GatewayServices) -> APIRouter:
 
     limits = services.config.gateway.limits
 
-    @router.post("/chat/completions")
+    def bounded(chat: bool):
+        """A dependency: the body's bounds, read off its JSON before FastAPI validates it into the model (it
+        solves dependencies first): a body far over them costs the event loop its decoding, not its validation."""
+
+        async def check(request: Request) -> None:
+            try:
+                decoded = await request.json()  # decoded already, and kept, by FastAPI
+            except ValueError:
+                return  # not JSON: validation says so
+            check_raw_bounds(decoded, limits, chat)
+
+        return check
+
+    @router.post("/chat/completions", dependencies=[Depends(bounded(chat=True))])
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         check_bounds(body, limits)
         if body.stream and (last_event_id := request.headers.get("last-event-id")):
@@ -28,7 +41,7 @@ def router(services: GatewayServices) -> APIRouter:
         ticket = await admit(services, request, request_ticket(auth, body))
         return await services.completions.chat(body, ticket, gone=until_gone(request))
 
-    @router.post("/completions")
+    @router.post("/completions", dependencies=[Depends(bounded(chat=False))])
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
         check_bounds(body, limits)
         if body.stream and (last_event_id := request.headers.get("last-event-id")):

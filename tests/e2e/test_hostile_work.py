@@ -51,6 +51,18 @@ async def test_what_a_request_may_ask_for_is_bounded_before_it_is_queued(tenant)
     assert ok.status_code == 200, ok.text
 
 
+async def test_a_body_far_over_a_bound_is_refused_before_it_is_validated(tenant):
+    """Refusing 15,000 messages or a 700 KB schema must not cost the gateway's event loop what validating them
+    into models would (every other request waits on it): the bounds are read off the JSON first. Shown by a body
+    that is also invalid elsewhere: validation would name that field; the bound is what answers."""
+    for body, param in ((chat_body(MODEL, messages=[{"role": "user", "content": "hi"}] * 15_000), "messages"),
+                        (with_schema(heavy_schema(0), MODEL), "response_format")):
+        r = await tenant.post("/v1/chat/completions", json={**body, "temperature": "hot"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+    r = await tenant.post("/v1/chat/completions", json={**chat_body(MODEL), "temperature": "hot"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text[:300]  # within: validated
+
+
 async def test_a_conversations_history_is_loaded_within_its_bounds(tenant, database_url):
     """5000 stored messages: a turn reads the newest 1000 (gateway.limits.max_history_messages), and says how many
     were left out, instead of loading them all and trimming them one render at a time."""

@@ -3,8 +3,8 @@ tests/e2e/test_hostile_work.py asserts the mechanism of and bench/hostile.py tim
 
 An attack runs six loops in a process of their own (a client elsewhere: building and sending its bodies must not
 hold up the victim's measurements), at a lower CPU priority. Each loop sends, while the attack is on, a body that
-is slow to prepare: a 350 KB schema (about half a second of grammar compiling) or 2048 messages. A pair, in time
-order:
+is slow to prepare: a 350 KB schema (about half a second of grammar compiling) or 2048 messages; or one the
+gateway refuses as oversized (``OVERSIZED``: what it costs is the gateway's own). A pair, in time order:
 
     attack on → every loop has a request in flight, and one has been answered since (the attacker's work is
     reaching the worker) → the victim's streamed request ("attacked") → attack off → no attacker request in
@@ -59,7 +59,20 @@ def many_messages_attack(model: str, salt: int) -> dict:
     return chat_body(model, messages=[{"role": "user", "content": f"m{salt} {i}"} for i in range(2048)])
 
 
+def oversized_schema_attack(model: str, salt: int) -> dict:
+    # The whole 8000-branch schema (700 KB): five times the default limit, refused by the gateway with a 400.
+    return with_schema(heavy_schema(salt), model)
+
+
+def oversized_messages_attack(model: str, salt: int) -> dict:
+    # 15,000 messages (about 500 KB): over the 2048 allowed, refused by the gateway with a 400.
+    return chat_body(model, messages=[{"role": "user", "content": f"m{salt}"}] * 15_000)
+
+
 ATTACKS = {"huge schema": huge_schema_attack, "2048 messages": many_messages_attack}
+# Bodies the gateway refuses: what they cost is the gateway's, before anything reaches a worker.
+OVERSIZED = {"8000-branch schema": oversized_schema_attack, "15000 messages": oversized_messages_attack}
+BODIES = {**ATTACKS, **OVERSIZED}
 
 
 def attacker_process(base_url: str, secret: str, model: str, attack: str, on, stop, spans, in_flight) -> None:
@@ -75,7 +88,7 @@ def attacker_process(base_url: str, secret: str, model: str, attack: str, on, st
             while not stop.is_set():
                 if not on.wait(0.1):
                     continue
-                body = json.dumps(ATTACKS[attack](model, salt)).encode()
+                body = json.dumps(BODIES[attack](model, salt)).encode()
                 salt += 1
                 with in_flight.get_lock():
                     in_flight.value += 1

@@ -1,0 +1,63 @@
+"""What a request body may ask for (domain/api/bounds.py), read off its JSON before validation and off its model
+after: one rule, the same refusal either way, and a body far over the bounds refused without being validated."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchyard.domain.api.bounds import check_bounds, check_raw_bounds
+from switchyard.domain.api.chat import ChatCompletionRequest
+from switchyard.domain.api.completions import CompletionRequest
+from switchyard.domain.errors import OpenAIError
+from switchyard.shared.config import RequestLimits
+
+LIMITS = RequestLimits(max_messages=4, max_stop_chars=8, max_schema_bytes=200)
+
+
+def schema(branches: int) -> dict:
+    return {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": f"é{i}"}}} for i in range(branches)]}
+
+
+def chat(**extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": schema(4)}}
+
+
+CASES = [
+    (chat(messages=[{"role": "user", "content": "hi"}] * 5), "messages", "array_above_max_length"),
+    (chat(stop="x" * 9), "stop", "invalid_value"),
+    (chat(stop=["ok", "y" * 9]), "stop", "invalid_value"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema(6)}}),
+     "response_format", "invalid_value"),
+    (chat(tools=[tool("f"), tool("g")]), "tools", "invalid_value"),
+    ({"model": "m", "prompt": "hi", "stop": ["z" * 9]}, "stop", "invalid_value"),
+]
+
+
+def refusal(check) -> tuple[str | None, str | None, str]:
+    with pytest.raises(OpenAIError) as raised:
+        check()
+    info = raised.value.info()
+    return info.param, info.code, info.message
+
+
+@pytest.mark.parametrize("body, param, code", CASES, ids=[c[1] + str(i) for i, c in enumerate(CASES)])
+def test_a_body_over_a_bound_is_refused_alike_before_and_after_validation(body, param, code):
+    is_chat = "messages" in body
+    before = refusal(lambda: check_raw_bounds(body, LIMITS, chat=is_chat))
+    model = (ChatCompletionRequest if is_chat else CompletionRequest).model_validate(body)
+    after = refusal(lambda: check_bounds(model, LIMITS))
+    assert before == after and before[:2] == (param, code)  # the same message too: the same numbers
+
+
+def test_bodies_within_the_bounds_and_bodies_not_shaped_as_expected_are_left_to_validation():
+    within = chat(messages=[{"role": "user", "content": "hi"}] * 4, stop=["12345678"],
+                  response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema(1)}})
+    check_raw_bounds(within, LIMITS, chat=True)
+    check_bounds(ChatCompletionRequest.model_validate(within), LIMITS)
+    for odd in ([1, 2], "text", {"messages": "many"}, {"stop": 7}, {"tools": [{"function": "f"}, 3]},
+                {"response_format": {"json_schema": ["x"]}}):
+        check_raw_bounds(odd, LIMITS, chat=True)  # nothing raised: validation will say what is wrong
