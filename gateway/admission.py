@@ -4,6 +4,7 @@ admission pipeline (domain/admission/) on the request's ticket, and what the res
     authenticated ──▶ request_ticket ──▶ admit: tier header ─▶ pipeline.check ─▶ request.state: the
                                                                    model and tier (error metrics' labels), the
                                                                    x-ratelimit-* headers (every response)
+    bounded_body  ──▶ a body far over its bounds refused before it is validated (domain/api/bounds.py)
     counted       ──▶ admit_call: a route that generates nothing (files, batches, usage, conversations) passes
                       the same pipeline as an ``Origin.CALL`` ticket: its key's request rate, the input filter
 """
@@ -16,10 +17,12 @@ from collections.abc import Awaitable, Callable
 from fastapi import Request
 
 from switchyard.domain.admission.ticket import Origin, RequestBody, Ticket
+from switchyard.domain.api.bounds import Kind, check_raw_bounds
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
 from switchyard.gateway.request_ids import current_request_id
 from switchyard.gateway.services import GatewayServices
+from switchyard.shared.config import RequestLimits
 from switchyard.shared.tiers import TIER_NAMES
 from switchyard.shared.tracing import tracer
 
@@ -39,6 +42,21 @@ def authenticated(services: GatewayServices) -> Callable[[Request], Awaitable[Au
         return auth
 
     return caller
+
+
+def bounded_body(limits: RequestLimits, kind: Kind) -> Callable[[Request], Awaitable[None]]:
+    """A route's dependency: its body's bounds (domain/api/bounds.py), read off the JSON before FastAPI validates
+    it into the model (FastAPI solves dependencies first, with the body decoded and kept): a body far over them
+    costs the event loop its decoding, not its validation."""
+
+    async def check(request: Request) -> None:
+        try:
+            decoded = await request.json()
+        except ValueError:
+            return  # not JSON: validation says so
+        check_raw_bounds(decoded, limits, kind)
+
+    return check
 
 
 def counted(services: GatewayServices) -> Callable[[Request], Awaitable[AuthContext]]:

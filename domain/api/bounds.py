@@ -2,7 +2,8 @@
 a worker (tokenizing, rendering the chat template, compiling a grammar), whoever sent it.
 
     bound                    setting (GatewayConfig.limits)   OpenAI's
-    messages                 max_messages (2048)              2048
+    messages (a response's   max_messages (2048)              2048
+      input items)
     each stop string         max_stop_chars (1024)            none documented (at most 4 strings: both)
     schemas (response_format max_schema_bytes (128 KiB)       structured outputs: 5000 properties, 10 levels,
       and tools, serialized)                                    120 000 characters of names and values
@@ -19,12 +20,13 @@ compiler runs on a fuel budget (``worker.grammar_lexer_fuel``) and refuses with 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
+from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.errors import OpenAIError
 from switchyard.shared.config import RequestLimits
 
@@ -54,41 +56,59 @@ def check_bounds(body: ChatCompletionRequest | CompletionRequest, limits: Reques
     _check(body.stop or (), len(body.messages) + num_history, *schema_bytes(body), limits)
 
 
-def check_raw_bounds(body: Any, limits: RequestLimits, chat: bool) -> None:
-    """``check_bounds`` read off a body as decoded JSON, before it is validated into its model: a body far over
-    the bounds is refused for what it cost to read, not what validating it would (15,000 messages or an
-    8,000-branch schema take about 0.1 s of the gateway's event loop to become models, and every other request
-    on the gateway waits that long). Whatever is not shaped as expected is left to validation, which says what is
-    wrong with it."""
+def check_response_bounds(body: ResponseCreate, limits: RequestLimits, num_history: int = 0) -> None:
+    """``check_bounds`` for a Responses API body: its input items (and ``num_history``, the earlier turns of its
+    chain or conversation) count as messages, its ``text.format`` schema and its tools' as schemas."""
+    fmt = body.text.format if body.text is not None else None
+    _check((), len(body.items) + num_history, _size(fmt.schema_ if fmt is not None else None),
+           sum(_size(t.get("parameters")) for t in body.tools or ()), limits, messages_param="input")
+
+
+Kind = Literal["chat", "completion", "response"]
+
+
+def check_raw_bounds(body: Any, limits: RequestLimits, kind: Kind) -> None:
+    """``check_bounds`` (or ``check_response_bounds``) read off a body as decoded JSON, before it is validated into
+    its model: a body far over the bounds is refused for what it cost to read, not what validating it would
+    (15,000 messages or an 8,000-branch schema take about 0.1 s of the gateway's event loop to become models, and
+    every other request on the gateway waits that long). Whatever is not shaped as expected is left to validation,
+    which says what is wrong with it."""
     if not isinstance(body, dict):
         return
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)] \
         if isinstance(stop, list) else []
-    if not chat:
+    if kind == "completion":
         return _check(stops, None, 0, 0, limits)
-    messages = body.get("messages")
-    fmt = body.get("response_format")
-    described = fmt.get("json_schema") if isinstance(fmt, dict) else None
     tools = body.get("tools")
-    tool_schemas = [t["function"].get("parameters") for t in tools if isinstance(t, dict)
-                    and isinstance(t.get("function"), dict)] if isinstance(tools, list) else []
-    _check(stops, len(messages) if isinstance(messages, list) else None,
-           _size(described.get("schema")) if isinstance(described, dict) else 0,
-           sum(_size(schema) for schema in tool_schemas), limits)
+    tools = [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
+    if kind == "response":
+        items = body.get("input")
+        fmt = _dict(_dict(body.get("text")).get("format"))
+        return _check((), len(items) if isinstance(items, list) else None, _size(fmt.get("schema")),
+                      sum(_size(t.get("parameters")) for t in tools), limits, messages_param="input")
+    messages = body.get("messages")
+    described = _dict(_dict(body.get("response_format")).get("json_schema"))
+    _check(stops, len(messages) if isinstance(messages, list) else None, _size(described.get("schema")),
+           sum(_size(_dict(t.get("function")).get("parameters")) for t in tools), limits)
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _check(stops: Iterable[str], num_messages: int | None, fmt_size: int, tools_size: int,
-           limits: RequestLimits) -> None:
+           limits: RequestLimits, messages_param: str = "messages") -> None:
     for stop in stops:
         if len(stop) > limits.max_stop_chars:
             raise _too_long("stop", f"Each stop sequence may have at most {limits.max_stop_chars} characters; one "
                                     f"has {len(stop)}.")
     if num_messages is not None and num_messages > limits.max_messages:
-        raise _too_long("messages", f"Invalid 'messages': array too long. Expected an array with maximum length "
-                                    f"{limits.max_messages}, but got an array with length {num_messages} instead.",
-                        code="array_above_max_length")
+        raise _too_long(messages_param, f"Invalid '{messages_param}': array too long. Expected an array with "
+                                        f"maximum length {limits.max_messages}, but got an array with length "
+                                        f"{num_messages} instead.", code="array_above_max_length")
     if fmt_size + tools_size > limits.max_schema_bytes:
-        param = "response_format" if fmt_size > tools_size else "tools"
+        fmt_param = "text.format" if messages_param == "input" else "response_format"
+        param = fmt_param if fmt_size > tools_size else "tools"
         raise _too_long(param, f"The JSON schemas of this request take {fmt_size + tools_size} bytes, over the "
                                f"limit of {limits.max_schema_bytes}: simplify them or split the task.")

@@ -8,8 +8,9 @@
     GET    /v1/responses/{id}/input_items         ?limit=&after=&order=asc|desc
     POST   /v1/responses/{id}/cancel              a background response
 
-The earlier turns (``previous_response_id``, ``conversation``) count toward the request's size and token
-reservation like a conversation's history; only the new input and the instructions are judged by the input filter.
+The earlier turns (``previous_response_id``, ``conversation``) count toward the request's size, its bounds (input
+items as messages, domain/api/bounds.py) and token reservation like a conversation's history; only the new input
+and the instructions are judged by the input filter.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
+from switchyard.domain.api.bounds import check_response_bounds
 from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.admission import admit, authenticated, counted, request_ticket
+from switchyard.gateway.admission import admit, authenticated, bounded_body, counted, request_ticket
 from switchyard.gateway.services import GatewayServices
 
 
@@ -30,9 +32,12 @@ def router(services: GatewayServices) -> APIRouter:
     caller = authenticated(services)
     call = counted(services)  # reading, deleting, cancelling a stored response counts against the key's rate too
 
-    @router.post("")
+    limits = services.config.gateway.limits
+
+    @router.post("", dependencies=[Depends(bounded_body(limits, "response"))])
     async def create(body: ResponseCreate, request: Request, auth: AuthContext = Depends(caller)):
         context = await services.responses.context(body, auth.tenant_id)
+        check_response_bounds(body, limits, num_history=len(context.history))
         model = body.model or context.model
         if not model:
             raise OpenAIError(400, "Missing required parameter: 'model'.", param="model",

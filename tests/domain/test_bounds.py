@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from switchyard.domain.api.bounds import check_bounds, check_raw_bounds
+from switchyard.domain.api.bounds import check_bounds, check_raw_bounds, check_response_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
+from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.errors import OpenAIError
 from switchyard.shared.config import RequestLimits
 
@@ -34,6 +35,11 @@ CASES = [
      "response_format", "invalid_value"),
     (chat(tools=[tool("f"), tool("g")]), "tools", "invalid_value"),
     ({"model": "m", "prompt": "hi", "stop": ["z" * 9]}, "stop", "invalid_value"),
+    ({"model": "m", "input": [{"role": "user", "content": "hi"}] * 5}, "input", "array_above_max_length"),
+    ({"model": "m", "input": "hi", "text": {"format": {"type": "json_schema", "name": "s", "schema": schema(6)}}},
+     "text.format", "invalid_value"),
+    ({"model": "m", "input": "hi", "tools": [{**tool(n)["function"], "type": "function"} for n in "fg"]},
+     "tools", "invalid_value"),
 ]
 
 
@@ -46,18 +52,29 @@ def refusal(check) -> tuple[str | None, str | None, str]:
 
 @pytest.mark.parametrize("body, param, code", CASES, ids=[c[1] + str(i) for i, c in enumerate(CASES)])
 def test_a_body_over_a_bound_is_refused_alike_before_and_after_validation(body, param, code):
-    is_chat = "messages" in body
-    before = refusal(lambda: check_raw_bounds(body, LIMITS, chat=is_chat))
-    model = (ChatCompletionRequest if is_chat else CompletionRequest).model_validate(body)
-    after = refusal(lambda: check_bounds(model, LIMITS))
+    kind = "chat" if "messages" in body else "response" if "input" in body else "completion"
+    before = refusal(lambda: check_raw_bounds(body, LIMITS, kind))
+    if kind == "response":
+        after = refusal(lambda: check_response_bounds(ResponseCreate.model_validate(body), LIMITS))
+    else:
+        model = (ChatCompletionRequest if kind == "chat" else CompletionRequest).model_validate(body)
+        after = refusal(lambda: check_bounds(model, LIMITS))
     assert before == after and before[:2] == (param, code)  # the same message too: the same numbers
+
+
+def test_a_responses_history_counts_with_its_input():
+    body = ResponseCreate.model_validate({"model": "m", "input": "hi"})
+    check_response_bounds(body, LIMITS, num_history=3)
+    assert refusal(lambda: check_response_bounds(body, LIMITS, num_history=4))[:2] == ("input",
+                                                                                       "array_above_max_length")
 
 
 def test_bodies_within_the_bounds_and_bodies_not_shaped_as_expected_are_left_to_validation():
     within = chat(messages=[{"role": "user", "content": "hi"}] * 4, stop=["12345678"],
                   response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema(1)}})
-    check_raw_bounds(within, LIMITS, chat=True)
+    check_raw_bounds(within, LIMITS, "chat")
     check_bounds(ChatCompletionRequest.model_validate(within), LIMITS)
     for odd in ([1, 2], "text", {"messages": "many"}, {"stop": 7}, {"tools": [{"function": "f"}, 3]},
-                {"response_format": {"json_schema": ["x"]}}):
-        check_raw_bounds(odd, LIMITS, chat=True)  # nothing raised: validation will say what is wrong
+                {"response_format": {"json_schema": ["x"]}}, {"input": {"role": "user"}}, {"text": "plain"}):
+        for kind in ("chat", "completion", "response"):
+            check_raw_bounds(odd, LIMITS, kind)  # nothing raised: validation will say what is wrong

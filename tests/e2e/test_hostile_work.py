@@ -1,8 +1,9 @@
-"""Bounded work per request, tried as a hostile tenant would: what a request may ask for is capped before it is
-queued (messages, stop strings, schemas, a conversation's history), a grammar that exhausts the worker's compile
-budget is a 400, and a tenant whose prompts are slow to prepare (a huge schema, thousands of messages) delays
-itself, not another tenant: the victim's requests are served while the attacker's slow ones are still in progress
-(tests/support/slow_prompts.py; bench/hostile.py times the victim's first tokens idle and attacked)."""
+"""Bounded work per request, tried as a hostile tenant would: what a request may ask for is capped before it is queued
+(messages or a response's input items, stop strings, schemas, a conversation's history), a grammar that exhausts the
+worker's compile budget is a 400, and a tenant whose prompts are slow to prepare (a huge schema, thousands of
+messages) delays itself, not another tenant: the victim's requests are served while the attacker's slow ones are
+still in progress (tests/support/slow_prompts.py; bench/hostile.py times the victim's first tokens idle and
+attacked)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,15 @@ async def test_what_a_request_may_ask_for_is_bounded_before_it_is_queued(tenant)
         (chat_body(MODEL, tools=[{"type": "function", "function": {"name": f"f{i}",
                                                                    "parameters": heavy_schema(i, 1000)}}
                                  for i in range(2)]), "tools", "invalid_value"),
+        ({"model": MODEL, "input": [{"role": "user", "content": "hi"}] * 15_000}, "input",
+         "array_above_max_length"),
+        ({"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "s",
+                                                             "schema": heavy_schema(0)}}},
+         "text.format", "invalid_value"),
     ]
     for body, param, code in cases:
-        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        path = "/v1/completions" if "prompt" in body else "/v1/responses" if "input" in body \
+            else "/v1/chat/completions"
         r = await tenant.post(path, json=body)
         assert r.status_code == 400, (param, r.text[:300])
         assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), r.text[:300]
