@@ -35,9 +35,9 @@ from switchyard.domain.errors import OpenAIError
 from switchyard.domain.responses import ALIVE_EVERY_S, Responses
 from switchyard.gateway.completion_shapes import BodyBuilder, Shape
 from switchyard.gateway.drain import InFlightCounter
+from switchyard.gateway.response_resume import expired, take_over
 from switchyard.gateway.response_run import ResponseRun, ResponseStream
 from switchyard.gateway.serving import CompletionService, Outcome
-from switchyard.gateway.stream_ids import Position
 from switchyard.gateway.stream_resume import StreamResumer
 from switchyard.shared import subjects
 from switchyard.shared.config import RequestLimits
@@ -59,10 +59,6 @@ class Context:
 
     def num_chars(self) -> int:
         return sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls or ()) for m in self.history)
-
-
-def _expired(message: str) -> OpenAIError:
-    return OpenAIError(410, message, code="stream_expired", param="stream")
 
 
 class ResponseService:
@@ -236,42 +232,11 @@ class ResponseService:
             raise OpenAIError(400, "This background response has not started yet: ask for its stream once it is "
                               "in_progress.", code="invalid_request", param="stream")
         if stored.status not in ("queued", "in_progress"):
-            raise _expired(f"This response has ended ({stored.status}); GET it without stream=true for the whole "
-                           "response.")
-        try:
-            relayed, first, answer, _ = await self._resumer.take_over_request(stored.request_id, tenant_id,
-                                                                              Position(0, 0, 0))
-        except OpenAIError as exc:
-            if exc.status != 404:
-                raise
-            raise _expired("This response's stream can no longer be resumed: its worker let it go.") from None
-        if answer.request is not None and answer.request.attempt != 0:
-            # Its first run's deltas, from which its events are made again, died with that run's worker (a
-            # failover) or stayed with the prefill worker (a hand-over): the numbering cannot be made again.
-            await self._completions.end(relayed, None, Outcome(request_id=stored.request_id), None)
-            raise _expired("This response's stream moved to another worker midway and can no longer be resumed.")
-        stream = ResponseStream(ResponseRun.resumed(stored, relayed.request), -1 if starting_after is None
-                                else starting_after)
-        deltas = self._completions.deltas(relayed, first).__aiter__()
-        ready = stream.opening()
-        try:
-            # The deltas the worker sent again (all it had sent: whatever the first gateway sent the client was
-            # made of them) come first, at once; the client's position must be among their events.
-            async for delta in deltas:
-                ready += stream.add(delta)
-                if stream.error is not None or delta.is_last:
-                    ready += stream.end()
-                    break
-                if delta.seq >= answer.next_seq - 1:
-                    break
-            if starting_after is not None and starting_after >= stream.events.num_made:
-                raise OpenAIError(404, f"No event {starting_after} was sent in this response's stream.",
-                                  code="stream_not_found", param="starting_after")
-        except BaseException:
-            await relayed.close()  # not cancelled: the client may ask again, from where it is
-            raise
-        body = self._adopt(stream, relayed, deltas, ready) if stored.background else \
-            self._stream(stream, relayed, deltas, ready)
+            raise expired(f"This response has ended ({stored.status}); GET it without stream=true for the whole "
+                          "response.")
+        taken = await take_over(self._resumer, self._completions, stored, starting_after)
+        run_on = self._adopt if stored.background else self._stream
+        body = run_on(taken.stream, taken.relayed, taken.deltas, taken.ready)
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": stored.request_id})
 
