@@ -31,6 +31,7 @@ from switchyard.shared.config import WorkerConfig
 from switchyard.shared.jetstream import live_workers
 from switchyard.shared.metrics import name as metric
 from tests.support.system import free_port, poll, stream_completion, worker_running
+from tests.support.tiny_model import save_tiny_model
 
 TIERS = {"kv_offload_gib": 0.25}  # the host tier: the system's own directory (LocalSystem._host_tier_dir)
 BLOCK = WorkerConfig().block_size
@@ -173,8 +174,12 @@ async def test_a_turn_whose_holder_is_busy_fetches_its_history_from_the_holders_
     index names the first worker's node as holding the history (``kv_source``), and the other worker fetches those
     blocks from it rather than computing them, with the tokens a recompute would give."""
     model = "tiny-kv-nodes"
-    workers = [LocalSystem.start_worker(e2e, f"worker-{model}-{i}", served_model_name=model, max_num_seqs=1,
-                                        kv_offload_host_dir=tmp_path / f"node-{i}", **TIERS) for i in range(2)]
+    # A context long enough that the long turn ends only when released: its 60,000 tokens outlast the short turn
+    # however loaded the machine (3,000 did not always, and then the short turn ran on the freed holder).
+    weights = save_tiny_model(tmp_path / "tiny-long", max_context=1 << 16)
+    workers = [LocalSystem.start_worker(e2e, f"worker-{model}-{i}", model=str(weights), served_model_name=model,
+                                        max_num_seqs=1, kv_offload_host_dir=tmp_path / f"node-{i}", **TIERS)
+               for i in range(2)]
     # A gateway of its own whose offers outlast a loaded machine's slowest pull, so the long turn surely runs where
     # the first did (as in test_affinity.py): this test is about what the other worker does.
     port = free_port()
@@ -199,8 +204,8 @@ async def test_a_turn_whose_holder_is_busy_fetches_its_history_from_the_holders_
         busy, release = asyncio.Event(), asyncio.Event()
 
         async def long_turn() -> str:
-            body = {"model": model, "messages": [*history, {"role": "user", "content": "long"}], "max_tokens": 3000,
-                    "temperature": 0, "ignore_eos": True, "stream": True}
+            body = {"model": model, "messages": [*history, {"role": "user", "content": "long"}],
+                    "max_tokens": 60_000, "temperature": 0, "ignore_eos": True, "stream": True}
             async with http.stream("POST", f"{system}/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():  # read on: a client that stops reading goes away
