@@ -93,7 +93,7 @@ def main() -> int:
             attacker_port = free_port()
             limits = config.gateway.limits.model_copy(update={"max_schema_bytes": 4_000_000})
             attacker_gateway = system.start_gateway("gateway-attacker", port=attacker_port, run_jobs=False,
-                                                    limits=limits)
+                                                    limits=limits, refused_body_bytes_per_minute=1 << 40)
             attacker_url = f"http://127.0.0.1:{attacker_port}"
             wait_until_ready(attacker_url, MODEL, timeout_s=120, watch=[worker, attacker_gateway])
             os.setpriority(os.PRIO_PROCESS, attacker_gateway.pid, 10)

@@ -24,6 +24,7 @@ from switchyard.gateway.errors import install_error_handlers
 from switchyard.gateway.gatekeeper import Gatekeeper
 from switchyard.gateway.identity import GatewayIdentity
 from switchyard.gateway.rate_headers import RateLimitHeaders
+from switchyard.gateway.refused_bodies import RefusedBodies
 from switchyard.gateway.request_ids import RequestIds
 from switchyard.gateway.routes import all_routers
 from switchyard.gateway.services import GatewayServices
@@ -71,6 +72,7 @@ def create_app(config: SwitchyardConfig, services: GatewayServices | None = None
     gateway = config.gateway
     app.add_middleware(BodySizeLimit, max_bytes=gateway.max_request_bytes, timeout_s=gateway.body_timeout_s,
                        upload_timeout_s=gateway.upload_timeout_s)
+    app.add_middleware(RefusedBodies, per_minute=gateway.refused_body_bytes_per_minute, metrics=services.metrics)
     app.add_middleware(Gatekeeper, services=services, per_minute=gateway.failed_auth_per_minute,
                        trusted_proxies=gateway.trusted_proxies)  # the key, before the body is read
     app.add_middleware(UrlText)

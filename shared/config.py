@@ -103,6 +103,9 @@ class GatewayConfig(BaseModel):
     # (gateway/gatekeeper.py); trusted_proxies: peers (IPs or CIDRs, a load balancer) whose X-Forwarded-For names
     # the client.
     failed_auth_per_minute: int = Field(20, ge=1)
+    # The bytes of a key's bodies this gateway may read and refuse (4xx) in a minute before it refuses the key's
+    # requests unread (gateway/refused_bodies.py).
+    refused_body_bytes_per_minute: int = Field(16 * 1024 * 1024, ge=1)
     trusted_proxies: list[str] = Field(default_factory=list)
     # A stream's reader that falls behind (gateway/client_watch.py): a chunk it does not take within this long, or
     # deltas waiting behind it over this many bytes, ends the stream and stops its work.

@@ -98,7 +98,9 @@ async def fair(e2e, new_key):
     worker = e2e.start_worker(FAIR, max_num_seqs=4)
     port = free_port()
     limits = e2e.config.gateway.limits.model_copy(update={"max_schema_bytes": 4_000_000})
-    gateway = e2e.start_gateway("gateway-fair", port=port, run_jobs=False, limits=limits)
+    # Its refusals (grammars out of fuel) do not throttle the attacker here: what is tested is the worker.
+    gateway = e2e.start_gateway("gateway-fair", port=port, run_jobs=False, limits=limits,
+                                refused_body_bytes_per_minute=1 << 40)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(base, FAIR, timeout_s=120, watch=[worker, gateway])
@@ -135,3 +137,35 @@ async def test_a_tenants_slow_prompts_delay_that_tenant_not_others(fair, attack)
     assert len(pairs.attacked) == len(pairs.idle) == PAIRS
     assert pairs.inside() >= PAIRS // 2, (pairs.inside(), sorted(round(e - s, 3) for s, e in pairs.attacks),
                                          [round(e - s, 3) for s, _, e in pairs.attacked])
+
+
+async def test_a_key_whose_bodies_keep_being_refused_is_refused_unread_and_others_are_served(e2e, new_key):
+    """Refused bodies cost the gateway their decoding and nothing else counts them (they are not billed nor
+    admitted): past a key's budget of refused bytes for the minute (here 1 MiB), its next requests get 429 with
+    Retry-After before their bodies are read; another tenant on the same gateway is served all along."""
+    port = free_port()
+    gateway = e2e.start_gateway("gateway-refusals", port=port, run_jobs=False,
+                                refused_body_bytes_per_minute=1 << 20)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ready(base, MODEL, timeout_s=120, watch=[gateway])
+        _, hostile = await new_key("pro", rpm_limit=10**6, tpm_limit=10**9)
+        _, other = await new_key("pro", rpm_limit=10**6, tpm_limit=10**9)
+        oversized = chat_body(MODEL, messages=[{"role": "user", "content": "hi"}] * 15_000)  # about 500 KB
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            answers = []
+            for _ in range(4):
+                r = await http.post("/v1/chat/completions", json=oversized, headers=bearer(hostile))
+                answers.append(r.status_code)
+                if r.status_code == 429:
+                    break
+                ok = await http.post("/v1/chat/completions", json=chat_body(MODEL), headers=bearer(other))
+                assert ok.status_code == 200, ok.text
+            assert answers[:2] == [400, 400] and answers[-1] == 429, answers  # 1 MiB is two refusals and a bit
+            assert r.json()["error"]["code"] == "too_many_refused_bodies" and int(r.headers["retry-after"]) >= 1
+            small = await http.post("/v1/chat/completions", json=chat_body(MODEL), headers=bearer(hostile))
+            assert small.status_code == 429  # the key waits, whatever it sends
+            ok = await http.post("/v1/chat/completions", json=chat_body(MODEL), headers=bearer(other))
+            assert ok.status_code == 200, ok.text
+    finally:
+        gateway.stop()
