@@ -43,6 +43,7 @@ GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9
                affinity=False, affinity_wait_s=0.25, placement="affinity", processes=2, reuse_port=True,
                body_timeout_s=12.0, prefill_min_prompt_tokens=1024, prefill_wait_s=2.5,
                upload_timeout_s=60.0, failed_auth_per_minute=7, trusted_proxies=["10.0.0.0/8"],
+               refused_body_bytes_per_minute=65_536,
                stream_send_timeout_s=5.0, stream_max_buffered_bytes=65_536, stream_resume_window_s=12.0,
                database_pool_size=3,
                limits=RequestLimits(max_messages=64, max_stop_chars=16, max_schema_bytes=4096, max_history_messages=9,
