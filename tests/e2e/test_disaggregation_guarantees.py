@@ -87,8 +87,10 @@ async def test_a_structured_output_the_output_filter_and_a_cancel_hold_across_th
             seen += line.startswith("data: ") and '"text":""' not in line.replace(" ", "")
             if seen >= 5:
                 break  # leaving the block closes the connection mid-stream
-    (row,) = await usage_rows(database_url, nats_url, request_id,
-                              "finish_reason, completion_tokens, worker_id, prefill_worker_id")
+    # Billed once the decode worker has heard the cancel and stopped: asynchronous to the client's leaving.
+    (row,) = await poll(lambda: usage_rows(database_url, nats_url, request_id,
+                                           "finish_reason, completion_tokens, worker_id, prefill_worker_id"),
+                        timeout_s=30, what="the cancelled stream's usage row")
     assert (row["finish_reason"], row["worker_id"], row["prefill_worker_id"]) == \
         ("cancelled", by_role["decode"].worker_id, by_role["prefill"].worker_id)
     assert 5 <= row["completion_tokens"] < 3000

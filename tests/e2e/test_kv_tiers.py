@@ -22,13 +22,16 @@ import uuid
 
 import asyncpg
 import httpx
+import msgspec
 import nats
 from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.deploy.services import wait_until_ready
 from switchyard.deploy.system import LocalSystem
+from switchyard.shared import subjects
 from switchyard.shared.config import WorkerConfig
 from switchyard.shared.jetstream import live_workers
+from switchyard.shared.kv_events import KVEventBatch, events_subject
 from switchyard.shared.metrics import name as metric
 from tests.support.system import free_port, poll, stream_completion, worker_running
 from tests.support.tiny_model import save_tiny_model
@@ -199,8 +202,22 @@ async def test_a_turn_whose_holder_is_busy_fetches_its_history_from_the_holders_
             assert r.status_code == 200, r.text
             return r.json()
 
+        loads: dict[str, float] = {}  # each worker's load as its last KV event batch said (the gateway's index too)
+
+        async def heard(msg) -> None:
+            batch = msgspec.msgpack.decode(msg.data, type=KVEventBatch)
+            loads[batch.worker_id] = batch.load
+
+        await nc.subscribe(events_subject(subjects.model_token(model)), cb=heard)
         first = await chat(history)
         history.append(first["choices"][0]["message"])
+        # The index skips a worker whose seats it last heard were all taken: the long turn goes out once both
+        # workers have said they are idle again, or it could find the holder still busy with the first turn.
+        async def seen() -> dict[str, float]:
+            return dict(loads)
+
+        await poll(seen, until=lambda now: len(now) == 2 and not any(now.values()), timeout_s=30,
+                   what="both workers idle in their KV events")
         busy, release = asyncio.Event(), asyncio.Event()
 
         async def long_turn() -> str:
