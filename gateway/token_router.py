@@ -33,7 +33,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
-from switchyard.shared import subjects
+from switchyard.shared import nats_client, subjects
 from switchyard.shared.messages import decode_routed
 
 log = logging.getLogger("switchyard.gateway")
@@ -119,7 +119,7 @@ class TokenRouter:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._sub = await self._nc.subscribe(self.subject, cb=self._route)
-        await self._nc.flush()  # the server has the subscription before any request names the subject
+        await nats_client.settled(self._nc)  # the server has the subscription before any request names it
         self._ticking = self.loop.create_task(self._tick())
 
     async def _tick(self) -> None:

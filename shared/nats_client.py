@@ -28,3 +28,14 @@ async def connect(url: str, name: str, *, reconnect_forever: bool = True, tls_ca
     tls = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca is not None else None
     return await nats.connect(server_urls(url), name=name, max_reconnect_attempts=-1 if reconnect_forever else 1,
                               tls=tls, reconnected_cb=reconnected_cb)
+
+
+async def settled(nc: NATS) -> None:
+    """Return once the server has processed every command ``nc`` sent so far, subscriptions included, so another
+    connection may publish to them.
+
+    One ``flush()`` is not enough: nats-py (2.16) writes its PING straight to the socket, ahead of commands still
+    queued for its flusher task, so the PONG can come back before a fresh SUB reaches the server. By the time that
+    PONG arrives the flusher has written the queue, so a second PING follows every earlier command."""
+    await nc.flush()
+    await nc.flush()

@@ -82,17 +82,17 @@ async def test_nats_refuses_anonymous_clients_and_holds_each_role_to_its_subject
         try:
             requests = await admin.subscribe("llm.req.>")
             tokens = await admin.subscribe("llm.tok.>")
-            await admin.flush()
+            await nats_client.settled(admin)
             for client, subject in ((worker, "llm.req.m.pro"), (gateway, "llm.tok.r1")):  # forged: dropped
                 await client.publish(subject, b"forged")
-                await client.flush()
+                await nats_client.settled(client)
             assert not await _received(requests) and not await _received(tokens)
             assert sorted(violations) == ['nats: permissions violation for publish to "llm.req.m.pro"',
                                        'nats: permissions violation for publish to "llm.tok.r1"'], violations
             await gateway.publish("llm.req.m.pro", b"ok")
             await worker.publish("llm.tok.r1", b"ok")
-            await gateway.flush()
-            await worker.flush()
+            await nats_client.settled(gateway)
+            await nats_client.settled(worker)
             assert await _received(requests, 5) and await _received(tokens, 5)
             # A stream taken over (gateway/stream_resume.py): the worker hears the gateways' pings and answers
             # their asks, the gateway gets the answer.
@@ -101,7 +101,7 @@ async def test_nats_refuses_anonymous_clients_and_holds_each_role_to_its_subject
 
             pings = await worker.subscribe("llm.gw.alive.>")
             asks = await worker.subscribe("llm.resume.>", cb=answer)
-            await worker.flush()
+            await nats_client.settled(worker)
             await gateway.publish("llm.gw.alive.g1", b"")
             assert (await gateway.request("llm.resume.r1", b"ask", timeout=5)).data == b"answer"
             assert await _received(pings, 5)

@@ -14,7 +14,7 @@ import httpx
 import nats
 import pytest
 
-from switchyard.shared import subjects
+from switchyard.shared import nats_client, subjects
 from switchyard.shared.jetstream import live_workers
 from switchyard.shared.messages import TokenDelta, decode, decode_routed
 from switchyard.workers.model_store import pull
@@ -83,7 +83,7 @@ async def test_up_serves_the_default_model_across_two_pools_through_a_decode_and
         body = {"model": MODEL, "prompt": long_prompt(2, 1200), "max_tokens": 16, "temperature": 0,
                 "ignore_eos": True}
         first_messages = await nc.subscribe(subjects.gateway_token_subject("*"))
-        await nc.flush()
+        await nats_client.settled(nc)
         reply = asyncio.create_task(http.post(f"{base}/v1/completions", headers=auth, json=body))
         msg = await first_messages.next_msg(timeout=60)
         await first_messages.unsubscribe()

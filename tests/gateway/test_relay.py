@@ -13,7 +13,7 @@ import pytest
 
 from switchyard.gateway.relay import RelayedRequest
 from switchyard.gateway.token_router import TokenRouter
-from switchyard.shared import subjects
+from switchyard.shared import nats_client, subjects
 from switchyard.shared.messages import GenerateRequest, Resume, RoutedDelta, SamplingParams, TokenDelta, encode
 
 
@@ -42,7 +42,7 @@ async def test_a_broken_token_stream_ends_the_request_with_an_error_and_a_cancel
         relayed = RelayedRequest(nc, request, router.open(request.request_id), stall_timeout_s=10, retry_after_s=1)
         for data in arriving(request.request_id):
             await nc.publish(router.subject, _routed(request.request_id, data))
-        await nc.flush()
+        await nats_client.settled(nc)
         assert (await relayed.first()).seq == 0
         got = [d async for d in relayed.deltas()]
         assert [d.text for d in got[:-1]] == texts
@@ -90,7 +90,7 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
                      delta(0, worker="w1", attempt=1), delta(1, "c", [11], attempt=1, worker="w1"),
                      delta(2, "d", [12], attempt=1, worker="w1", finish_reason="length", is_last=True)]:
             await nc.publish(router.subject, _routed(rid, data))
-        await nc.flush()
+        await nats_client.settled(nc)
         await relayed.first()
         got = [d async for d in relayed.deltas()]
         assert "".join(d.text for d in got) == "abcd" and got[-1].finish_reason == "length"

@@ -10,7 +10,7 @@ import msgspec
 import nats
 import pytest
 
-from switchyard.shared import subjects
+from switchyard.shared import nats_client, subjects
 from switchyard.shared.messages import (
     ErrorInfo,
     GenerateRequest,
@@ -57,7 +57,7 @@ async def test_a_steps_deltas_go_as_one_message_per_gateway_numbered_per_request
         for req in (a, b, c, d):
             await out.delta(req, TokenDelta(req.request_id, text=req.request_id, num_tokens=1), step)
         await out.send(step)
-    await nc.flush()
+    await nats_client.settled(nc)
     got1, got2, got_own = await _all(g1), await _all(g2), await _all(own)
     assert len(got1) == len(got2) == 2 and len(got_own) == 2  # a message per gateway per step; c's one by one
     step1 = [(r.request_id, decode(r.delta, TokenDelta)) for r in decode_routed(got1[1])]
@@ -102,7 +102,7 @@ async def test_a_stream_taken_over_tells_the_gateway_that_relayed_it_out_of_the_
 
     await out.take_over(StreamResume("r", "t", subjects.gateway_token_subject("g2"), seq=1), respond)
     await out.delta(req, TokenDelta("r", text="y", num_tokens=1))  # later deltas go to the new gateway only
-    await nc.flush()
+    await nats_client.settled(nc)
     (notice,) = [decode(r.delta, TokenDelta) for m in (await _all(g1))[3:] for r in decode_routed(m)]
     assert notice.is_last and notice.error.code == "stream_taken_over" and notice.seq == 3
     moved = [decode(r.delta, TokenDelta).seq for m in await _all(g2) for r in decode_routed(m)]
