@@ -22,7 +22,9 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from switchyard.deploy.credentials import (
     NATS_CONFIG_FILE,
@@ -152,6 +154,17 @@ class LocalSystem:
     def wait_until_ready(self, model: str | None, timeout_s: float = 300, port: int | None = None) -> None:
         """Until the gateway (on ``port``, default the settings') serves ``model``; fails fast if a child died."""
         wait_until_ready(self.url(port), model, timeout_s, watch=self.services)
+
+    def restart_server(self, which: str, down_s: float = 0.0) -> None:
+        """Stop the embedded ``nats`` or ``postgres`` and start it again after ``down_s`` on the same port and
+        data: a fault the benchmarks inject (the services must reconnect by themselves)."""
+        server = {"nats": self.nats, "postgres": self.postgres}[which]
+        if server is None or server.url is None:
+            raise RuntimeError(f"no embedded {which} runs")
+        server.port = urlsplit(server.url).port  # a server that picked its port keeps it
+        server.stop()
+        time.sleep(down_s)
+        server.start()
 
     # -- stopping -------------------------------------------------------------------------------------------------
     def stop(self) -> None:

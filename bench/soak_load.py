@@ -1,0 +1,267 @@
+"""The soak's traffic (bench/soak.py): tenants coming and going across the tiers, each sending a mix of what the
+API serves, every request's outcome written in a ledger the end of the soak checks against the billing rows.
+
+The mix, drawn per request (``MIX``): streamed chat (a tenth of them cut by the client after its second chunk),
+non-streamed chat, stored Responses, background Responses polled to their end, a conversation's next turn (a
+tenant's conversation grows until ``TURNS_PER_CONVERSATION``, then it starts another), and a small batch (its
+input file uploaded, the batch polled, its output file downloaded). Arrivals are open-loop (Poisson at ``rate``
+per second), so a slow system meets the same offered load and its queues show it.
+
+Tenants: ``tenants`` of them, created up front on the interactive tiers; a tenth have a small rpm limit and are
+sent over it. At any time ``active`` of them send; every ``churn_s`` one leaves and a new one comes, so over an
+hour every tenant comes and goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+MIX = (("chat_stream", 40), ("chat", 15), ("response", 15), ("response_background", 10), ("conversation", 15),
+       ("batch", 5))
+TURNS_PER_CONVERSATION = 12
+CUT_AFTER_CHUNKS = 2  # a cut stream: the client leaves after this many chunks
+OVER_LIMIT_RPM = 6  # the tenants sent over their limit
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it. ``status``: completed, failed (accepted, then an explicit error: ``code``),
+    cut (the client left on purpose), lost (accepted, then neither an end nor an error), or refused (an HTTP error
+    instead of a response, or no answer at all: ``code``)."""
+
+    kind: str
+    tier: str
+    sent_at: float  # wall clock
+    status: str = "lost"
+    code: str = ""
+    request_ids: list[str] = field(default_factory=list)  # batch: one per line
+    completion_tokens: int | None = None  # what the client was told it used (None: not told)
+    ttft_s: float | None = None
+
+
+@dataclass
+class Tenant:
+    name: str
+    tier: str
+    key: str
+    over_limit: bool
+    conversation: str | None = None
+    turns: int = 0
+
+
+class Load:
+    """Open-loop traffic through ``base_urls`` (the gateways, a tenant sticks to one) until ``stop()``."""
+
+    def __init__(self, base_urls: list[str], model: str, tenants: list[Tenant], rate: float, active: int,
+                 churn_s: float, seed: int = 7) -> None:
+        self.base_urls, self.model, self.rate = base_urls, model, rate
+        self.tenants, self.active_count, self.churn_s = tenants, active, churn_s
+        self.random = random.Random(seed)
+        self.ledger: list[Outcome] = []
+        self.left: set[str] = set()  # tenants that came and went
+        self._stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=100)
+        timeout = httpx.Timeout(120, connect=10)
+        self.clients = [httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) for url in self.base_urls]
+        try:
+            order = list(self.tenants)
+            self.random.shuffle(order)
+            active, waiting = order[:self.active_count], order[self.active_count:]
+            next_churn = time.monotonic() + self.churn_s
+            while not self._stopping.is_set():
+                await asyncio.sleep(self.random.expovariate(self.rate))
+                if time.monotonic() >= next_churn and waiting:
+                    gone = active.pop(self.random.randrange(len(active)))
+                    self.left.add(gone.name)
+                    active.append(waiting.pop(0))
+                    next_churn += self.churn_s
+                tenant = self.random.choice(active)
+                kind = self.random.choices([k for k, _ in MIX], [w for _, w in MIX])[0]
+                task = asyncio.create_task(self._send(tenant, kind))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            if self._tasks:  # every request sent gets its outcome
+                await asyncio.wait(list(self._tasks), timeout=300)
+        finally:
+            for client in self.clients:
+                await client.aclose()
+
+    async def _send(self, tenant: Tenant, kind: str) -> None:
+        out = Outcome(kind, tenant.tier, time.time())
+        self.ledger.append(out)
+        http = self.clients[hash(tenant.name) % len(self.clients)]
+        headers = {"Authorization": f"Bearer {tenant.key}"}
+        try:
+            await getattr(self, f"_{kind}")(http, headers, tenant, out)
+        except httpx.HTTPError as exc:
+            if out.status == "lost" and not out.request_ids:
+                out.status, out.code = "refused", f"client {type(exc).__name__}"
+            elif out.status == "lost":
+                out.code = f"client {type(exc).__name__} after accept"
+        except Exception as exc:  # noqa: BLE001 - a bug in the load must not end the soak; it shows in the ledger
+            out.status, out.code = "failed", f"load {type(exc).__name__}: {exc}"[:120]
+
+    # -- the kinds ----------------------------------------------------------------------------------------------
+    def _tokens(self) -> int:
+        return self.random.randint(8, 32)
+
+    def _chat_body(self, tenant: Tenant, stream: bool) -> dict:
+        body = {"model": self.model, "max_tokens": self._tokens(), "stream": stream,
+                "messages": [{"role": "user", "content": f"{tenant.name} asks {self.random.random():.6f}"}]}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    @staticmethod
+    def _refused(out: Outcome, r: httpx.Response) -> bool:
+        if r.status_code == 200:
+            return False
+        out.status = "refused"  # an error answer instead of the response: never accepted
+        if request_id := r.headers.get("X-Request-Id"):  # a refused request must not be billed: the ledger checks
+            out.request_ids.append(request_id)
+        try:
+            out.code = f"{r.status_code} {r.json()['error']['code']}"
+        except Exception:  # noqa: BLE001
+            out.code = f"{r.status_code} (no OpenAI error body)"
+        return True
+
+    async def _chat_stream(self, http, headers, tenant, out: Outcome) -> None:
+        cut = self.random.random() < 0.1
+        start, chunks, done, finish = time.monotonic(), 0, False, None
+        async with http.stream("POST", "/v1/chat/completions", headers=headers,
+                               json=self._chat_body(tenant, True)) as r:
+            if r.status_code != 200:
+                await r.aread()
+            if self._refused(out, r):
+                return
+            out.request_ids.append(r.headers.get("X-Request-Id", ""))
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunks += 1
+                if out.ttft_s is None:
+                    out.ttft_s = time.monotonic() - start
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.status, out.code = "failed", f"event {event['error'].get('code')}"
+                    continue
+                for choice in event.get("choices") or []:
+                    finish = choice.get("finish_reason") or finish
+                if event.get("usage"):
+                    out.completion_tokens = event["usage"]["completion_tokens"]
+                if cut and chunks >= CUT_AFTER_CHUNKS:
+                    out.status = "cut"
+                    return
+        if out.status == "lost" and done and finish is not None:
+            out.status = "completed"
+
+    async def _chat(self, http, headers, tenant, out: Outcome) -> None:
+        start = time.monotonic()
+        r = await http.post("/v1/chat/completions", headers=headers, json=self._chat_body(tenant, False))
+        if self._refused(out, r):
+            return
+        out.request_ids.append(r.headers.get("X-Request-Id", ""))
+        out.ttft_s = time.monotonic() - start
+        out.completion_tokens = r.json()["usage"]["completion_tokens"]
+        out.status = "completed"
+
+    async def _post_response(self, http, headers, tenant, out: Outcome, **extra) -> dict | None:
+        start = time.monotonic()
+        body = {"model": self.model, "input": f"{tenant.name} wonders {self.random.random():.6f}",
+                "max_output_tokens": self._tokens(), **extra}
+        r = await http.post("/v1/responses", headers=headers, json=body)
+        if self._refused(out, r):
+            return None
+        answer = r.json()
+        out.request_ids.append(answer["id"].removeprefix("resp_"))
+        out.ttft_s = time.monotonic() - start
+        return answer
+
+    @staticmethod
+    def _finish_response(out: Outcome, answer: dict) -> None:
+        if answer["status"] in ("completed", "incomplete"):  # incomplete: ended at max_output_tokens
+            out.status, out.completion_tokens = "completed", answer["usage"]["output_tokens"]
+        elif answer["status"] == "failed":
+            out.status, out.code = "failed", f"response {(answer.get('error') or {}).get('code')}"
+        else:
+            out.code = f"response {answer['status']}"
+
+    async def _response(self, http, headers, tenant, out: Outcome) -> None:
+        answer = await self._post_response(http, headers, tenant, out)
+        if answer is not None:
+            self._finish_response(out, answer)
+
+    async def _response_background(self, http, headers, tenant, out: Outcome) -> None:
+        answer = await self._post_response(http, headers, tenant, out, background=True)
+        deadline = time.monotonic() + 300
+        while answer is not None and answer["status"] in ("queued", "in_progress") and time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            r = await http.get(f"/v1/responses/{answer['id']}", headers=headers)
+            if r.status_code != 200:
+                out.code = f"poll {r.status_code}"
+                continue  # a gateway restarting: ask again
+            answer = r.json()
+        if answer is not None:
+            self._finish_response(out, answer)
+
+    async def _conversation(self, http, headers, tenant, out: Outcome) -> None:
+        if tenant.conversation is None or tenant.turns >= TURNS_PER_CONVERSATION:
+            r = await http.post("/v1/conversations", headers=headers, json={})
+            if self._refused(out, r):
+                return
+            tenant.conversation, tenant.turns = r.json()["id"], 0
+        tenant.turns += 1
+        answer = await self._post_response(http, headers, tenant, out, conversation=tenant.conversation)
+        if answer is not None:
+            self._finish_response(out, answer)
+
+    async def _batch(self, http, headers, tenant, out: Outcome) -> None:
+        lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                             "body": self._chat_body(tenant, False)}) for i in range(3)]
+        r = await http.post("/v1/files", headers=headers, data={"purpose": "batch"},
+                            files={"file": ("lines.jsonl", ("\n".join(lines) + "\n").encode())})
+        if self._refused(out, r):
+            return
+        r = await http.post("/v1/batches", headers=headers, json={
+            "input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+        if self._refused(out, r):
+            return
+        batch = r.json()
+        deadline = time.monotonic() + 600
+        while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+            await asyncio.sleep(2.0)
+            r = await http.get(f"/v1/batches/{batch['id']}", headers=headers)
+            if r.status_code == 200:
+                batch = r.json()
+        if batch["status"] != "completed" or not batch.get("output_file_id"):
+            out.status, out.code = "failed", f"batch {batch['status']}"
+            return
+        deadline = time.monotonic() + 120
+        while True:  # a tenant over its rate limit is told to come back (429): it does, as a client would
+            r = await http.get(f"/v1/files/{batch['output_file_id']}/content", headers=headers)
+            if r.status_code not in (429, 503) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(2.0)
+        if self._refused(out, r):
+            return
+        tokens = 0
+        for line in r.text.splitlines():
+            response = json.loads(line)["response"]
+            out.request_ids.append(response["request_id"])
+            tokens += response["body"]["usage"]["completion_tokens"]
+        out.status, out.completion_tokens = "completed", tokens

@@ -1,0 +1,142 @@
+"""What the soak (bench/soak.py) reads of the running system at the end of each window: every process's resident
+memory and open files, the JetStream streams, the Postgres tables, the data directory; and, at the end, the
+ledger: each request's outcome as its client saw it against the billing rows in Postgres."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from bench.soak_load import Outcome
+
+
+@dataclass
+class Sample:
+    at: float  # s into the soak
+    processes: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (RSS bytes, open fds), tree summed
+    streams: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # name -> (messages, bytes, consumers)
+    tables: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (rows, bytes on disk)
+    data_dir_bytes: int = 0
+
+
+def process_usage(pid: int) -> tuple[int, int]:
+    """(RSS, open fds) of ``pid`` and every process below it (Postgres runs one per connection)."""
+    rss = fds = 0
+    try:
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                rss += p.memory_info().rss
+                fds += p.num_fds()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    except psutil.NoSuchProcess:
+        pass
+    return rss, fds
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+async def jetstream_state(nats_url: str) -> dict[str, tuple[int, int, int]]:
+    from switchyard.shared import nats_client
+
+    nc = await nats_client.connect(nats_url, "soak-probe", reconnect_forever=False)
+    try:
+        return {info.config.name: (info.state.messages, info.state.bytes, info.state.consumer_count)
+                for info in await nc.jetstream(timeout=5).streams_info()}
+    finally:
+        await nc.close()
+
+
+async def table_state(database_url: str) -> dict[str, tuple[int, int]]:
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url, timeout=10)
+    try:
+        names = [r["relname"] for r in await conn.fetch("SELECT relname FROM pg_stat_user_tables ORDER BY relname")]
+        return {name: (await conn.fetchval(f'SELECT count(*) FROM "{name}"'),
+                       await conn.fetchval("SELECT pg_total_relation_size($1::regclass)", name))
+                for name in names}
+    finally:
+        await conn.close()
+
+
+async def sample(at: float, pids: dict[str, int], nats_url: str, database_url: str, data_dir: Path) -> Sample:
+    """One window's figures; a server that cannot be read right now (a fault) leaves its part empty."""
+    out = Sample(at, {name: process_usage(pid) for name, pid in pids.items()}, data_dir_bytes=dir_bytes(data_dir))
+    try:
+        out.streams = await jetstream_state(nats_url)
+    except Exception:  # noqa: BLE001 - NATS restarting
+        pass
+    try:
+        out.tables = await table_state(database_url)
+    except Exception:  # noqa: BLE001 - Postgres stopped
+        pass
+    return out
+
+
+@dataclass
+class LedgerCheck:
+    """The ledger against the billing rows: every figure but ``billed_ok`` should be 0."""
+
+    completed: int = 0
+    billed_ok: int = 0  # completed requests with exactly their row, tokens as the client was told
+    unbilled: list[str] = field(default_factory=list)  # completed, no row
+    misbilled: list[str] = field(default_factory=list)  # completed, its row's completion tokens differ
+    billed_refused: list[str] = field(default_factory=list)  # refused (never accepted), yet a row
+    unknown_rows: list[str] = field(default_factory=list)  # rows no client request names
+    twice: int = 0  # request ids with more than one usage record on the USAGE stream
+
+    @property
+    def exact(self) -> bool:
+        return not (self.unbilled or self.misbilled or self.billed_refused or self.twice)
+
+
+async def check_ledger(ledger: list[Outcome], database_url: str, nats_url: str, usage_duplicates: int,
+                       also_named: Iterable[str] = ()) -> LedgerCheck:
+    """Once the billing writer has written every usage record: compare. ``unknown_rows`` are reported, not failed:
+    a gateway SIGKILLed after publishing a request, before its client heard of it, leaves a request the worker
+    serves and bills (its tokens were served) that no client can name. ``also_named``: request ids sent besides
+    the ledger's (the soak's probes)."""
+    import asyncpg
+
+    from tests.support.system import wait_usage_written
+
+    await wait_usage_written(nats_url, timeout_s=120)
+    conn = await asyncpg.connect(database_url)
+    try:
+        found = await conn.fetch("SELECT request_id, completion_tokens, finish_reason, tier, created_at FROM requests")
+        rows = {r["request_id"]: r["completion_tokens"] for r in found}
+    finally:
+        await conn.close()
+    check, named = LedgerCheck(twice=usage_duplicates), set(also_named)
+    for out in ledger:
+        named.update(out.request_ids)
+        if out.status == "completed":
+            check.completed += 1
+            billed = [rows.get(rid) for rid in out.request_ids]
+            if not out.request_ids or any(b is None for b in billed):
+                check.unbilled.append(",".join(out.request_ids) or f"{out.kind} without an id")
+            elif out.completion_tokens is not None and sum(billed) != out.completion_tokens:
+                check.misbilled.append(",".join(out.request_ids))
+            else:
+                check.billed_ok += 1
+        elif out.status == "refused":
+            check.billed_refused += [rid for rid in out.request_ids if rid in rows]
+    unknown = set(rows) - named
+    check.unknown_rows = [f"{r['request_id']} ({r['tier']}, {r['finish_reason']}, {r['completion_tokens']} tokens, "
+                          f"{r['created_at']:%H:%M:%S})" for r in found if r["request_id"] in unknown]
+    return check
