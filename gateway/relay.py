@@ -29,7 +29,6 @@ from switchyard.gateway.token_router import IDLE_TICK_S, DeltaInbox, TokenRouter
 from switchyard.shared import subjects
 from switchyard.shared.messages import (
     HANDOVER,
-    STREAM_TAKEN_OVER,
     ErrorInfo,
     GenerateRequest,
     ResumeAnswer,
@@ -106,6 +105,12 @@ class RelayedRequest:
     def is_finished(self) -> bool:
         return self.state.is_finished
 
+    @property
+    def handed_off(self) -> bool:
+        """Another gateway took the stream over (its client resumed there; the last delta was its worker's notice):
+        it goes on there, which ends it, stores it and has its worker bill it; this gateway's part ends quietly."""
+        return self.state.handed_off
+
     async def _next(self, timeout: float | None) -> TokenDelta:
         """The next delta to stream; raises TimeoutError when none came within ``timeout`` (None: by the token
         router's next idle tick)."""
@@ -146,7 +151,7 @@ class RelayedRequest:
         if delta.finish_reason == HANDOVER and delta.error is None:
             return await self._hand_over(delta)
         if (self.is_finished and delta.error is not None and self._failed_over
-                and delta.error.code != STREAM_TAKEN_OVER):  # taken over, it goes on and its worker bills it
+                and not self.handed_off):  # taken over, it goes on and its worker bills it
             await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
         return delta
 

@@ -9,7 +9,7 @@ client gets, and what the relay must do when a delta comes or a worker goes. Pur
     RUNNING on A ──── A dead or its stream broken (failover), or a prefill's part done (hand-over) ──▶ CONTINUING
     CONTINUING ──── published again from what the client has; a worker's first message ─────▶ RUNNING on it
     any state ──── the last delta, an error, or the relay giving up (abandon, cancel) ─────────▶ FINISHED
-    RUNNING on A ──── A says another gateway took the stream over (its client resumed there) ──▶ FINISHED
+    RUNNING on A ──── A says another gateway took the stream over (its client resumed there) ──▶ FINISHED, handed off
 
 Every run is one worker's run of one attempt (``Resume.attempt``: a continuation is the next attempt). A delta of
 an attempt moved on from is dropped and its worker told to stop that attempt (``stale``); a delta of the current
@@ -71,6 +71,9 @@ class RelayState:
         self.worker_id: str | None = None  # the run the client is on (HEDGED: the first worker)
         self.hedge_worker: str | None = None  # HEDGED: the second
         self.has_output = False  # the client has had a token of this request (from any attempt)
+        # Finished by its worker's notice that another gateway took the stream over (its client resumed there): it
+        # goes on there, which ends it, stores it and has it billed; this gateway's part ends quietly.
+        self.handed_off = False
         self._dismissed: set[tuple[str, int]] = set()
         self._stale: set[tuple[str, int]] = set()
 
@@ -89,9 +92,10 @@ class RelayState:
         if self.phase is Phase.FINISHED:
             return DROP
         worker = delta.worker_id
-        if (delta.error is not None and delta.error.code == STREAM_TAKEN_OVER and worker == self.worker_id
-                and delta.attempt == self.attempt and self.phase is Phase.RUNNING):
-            self.phase = Phase.FINISHED  # outside the run's numbering: it ends whatever this gateway had of it
+        notice = delta.error is not None and delta.error.code == STREAM_TAKEN_OVER
+        if notice and worker == self.worker_id and delta.attempt == self.attempt and self.phase is Phase.RUNNING:
+            # Outside the run's numbering: it ends whatever this gateway had of it.
+            self.phase, self.handed_off = Phase.FINISHED, True
             return DELIVER
         if delta.attempt != self.attempt:
             told = (worker, delta.attempt) in self._stale or (worker, delta.attempt) in self._dismissed
@@ -127,6 +131,7 @@ class RelayState:
         self.has_output = self.has_output or produced
         if delta.is_last or delta.error is not None:
             self.phase = Phase.FINISHED
+            self.handed_off = notice  # a notice in its run's numbering (a hedged run's) hands it off too
         return verdict
 
     def _broken(self, worker: str) -> Verdict:

@@ -21,14 +21,7 @@ from switchyard.domain.api.shapes import CHAT
 from switchyard.gateway.completion_shapes import BodyBuilder, Shape
 from switchyard.gateway.response_events import ResponseEvents
 from switchyard.gateway.serving import Outcome, admitted_service
-from switchyard.shared.messages import (
-    STREAM_TAKEN_OVER,
-    ChatMessage,
-    ErrorInfo,
-    GenerateRequest,
-    StoredResponse,
-    TokenDelta,
-)
+from switchyard.shared.messages import ChatMessage, ErrorInfo, GenerateRequest, StoredResponse, TokenDelta
 
 
 @dataclass(slots=True)
@@ -89,11 +82,6 @@ class ResponseStream:
         self._reply = BodyBuilder(Shape(CHAT), run.request, logprobs=False)
         self.error: ErrorInfo | None = None
         self.final: dict | None = None
-
-    @property
-    def taken_over(self) -> bool:
-        """Another gateway took the stream over (its client resumed there): it goes on there, and ends there."""
-        return self.error is not None and self.error.code == STREAM_TAKEN_OVER
 
     def opening(self) -> list[bytes]:
         return self.events.opening(self.run.json("in_progress"))

@@ -41,7 +41,7 @@ from switchyard.gateway.serving import CompletionService, Outcome
 from switchyard.gateway.stream_resume import StreamResumer
 from switchyard.shared import subjects
 from switchyard.shared.config import RequestLimits
-from switchyard.shared.messages import STREAM_TAKEN_OVER, ChatMessage, ErrorInfo, TokenDelta
+from switchyard.shared.messages import ChatMessage, ErrorInfo, TokenDelta
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -138,7 +138,7 @@ class ResponseService:
                 error = None
             outcome.take(builder)
         finally:
-            if error is not None and error.code == STREAM_TAKEN_OVER:
+            if relayed.handed_off:
                 # A client streams it from another gateway now, which runs it to its end and stores that.
                 await self._completions.end(relayed, run.ticket, outcome, None)
             else:
@@ -182,7 +182,7 @@ class ResponseService:
         broken: dict | None = None  # the gateway failed before its end (its tokens unknown here: the worker bills)
 
         def response_of(_: Outcome) -> dict | None:
-            if stream.taken_over:
+            if relayed.handed_off:
                 return None  # another gateway goes on with it, and stores how it ends
             return stream.final or broken or stream.cancelled()
 
@@ -215,7 +215,7 @@ class ResponseService:
             if alive is not None:
                 alive.cancel()
             outcome = stream.settled()
-            ended_here = stream.final is not None and not stream.taken_over  # else its worker's bill says
+            ended_here = stream.final is not None and not relayed.handed_off  # else its worker's bill says
             await self._completions.end(relayed, run.ticket, outcome,
                                         outcome.usage.total_tokens if ended_here else None,
                                         self._store_when_done(run, None, response_of))

@@ -14,7 +14,15 @@ import pytest
 from switchyard.gateway.relay import RelayedRequest
 from switchyard.gateway.token_router import TokenRouter
 from switchyard.shared import nats_client, subjects
-from switchyard.shared.messages import GenerateRequest, Resume, RoutedDelta, SamplingParams, TokenDelta, encode
+from switchyard.shared.messages import (
+    ErrorInfo,
+    GenerateRequest,
+    Resume,
+    RoutedDelta,
+    SamplingParams,
+    TokenDelta,
+    encode,
+)
 
 
 def _delta(request_id: str, seq: int, text: str = "") -> bytes:
@@ -97,6 +105,44 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
         assert failover.asked == [(None, [7, 8], 2)]  # any worker (w1 too), from the ids and text the client has
         assert (await cancels.next_msg(timeout=5)).data == b"w1"  # the broken run is told, by name, to stop
         assert failover.billed == []  # the continuation bills everything
+        await relayed.close()
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("code, billed", [("stream_taken_over", []), ("worker_lost", [3])],
+                         ids=["handed-off", "failed"])
+async def test_a_continuation_handed_off_to_another_gateway_is_not_billed_here_one_that_failed_is(nats_url, code,
+                                                                                                 billed):
+    """After a failover, an error ending the continuation bills what streamed here; the worker's notice that
+    another gateway took the stream over does not (it goes on there, and its worker bills it)."""
+    nc = await nats.connect(nats_url)
+    try:
+        request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
+                                  deadline_at=time.time() + 30, prompt="x")
+        rid = request.request_id
+        router = TokenRouter(nc)
+        await router.start()
+        failover = RecordingFailover()
+        relayed = RelayedRequest(nc, request, router.open(rid), stall_timeout_s=10, retry_after_s=1,
+                                 failover=failover)
+
+        def delta(seq, text="", ids=(), attempt=0, **kw):
+            return encode(TokenDelta(rid, text=text, num_tokens=len(ids), seq=seq, token_ids=list(ids) or None,
+                                     attempt=attempt, worker_id="w1", **kw))
+
+        end = ErrorInfo("ended", code=code, status=409)
+        for data in [delta(0), delta(1, "ab", [7, 8]), delta(3, "lost-before", [9]),  # seq 2 never came
+                     delta(0, attempt=1), delta(1, "c", [11], attempt=1),
+                     delta(2, attempt=1, error=end, is_last=True)]:
+            await nc.publish(router.subject, _routed(rid, data))
+        await nats_client.settled(nc)
+        await relayed.first()
+        got = [d async for d in relayed.deltas()]
+        assert "".join(d.text for d in got) == "abc" and got[-1].error is not None
+        assert got[-1].error.code == code
+        assert relayed.handed_off is (code == "stream_taken_over") and relayed.is_finished
+        assert failover.billed == billed
         await relayed.close()
     finally:
         await nc.close()

@@ -151,10 +151,20 @@ def test_a_stream_another_gateway_took_over_ends_here_whatever_its_numbering():
     state.on_delta(delta("a", 1, tokens=1))
     notice = TokenDelta("r", seq=7, worker_id="a", is_last=True,
                         error=ErrorInfo("taken over", code="stream_taken_over", status=409))
+    assert not state.handed_off
     verdict = state.on_delta(notice)  # seq 7 after 1: not a hole, the worker's word that the stream moved
     assert verdict.deliver and not verdict.broken and not verdict.dismiss and state.is_finished
+    assert state.handed_off  # the relay neither bills it nor stores its end: the other gateway does
     other = RelayState()
     other.on_delta(delta("a", 0))
     forged = TokenDelta("r", seq=1, worker_id="b", is_last=True,
                         error=ErrorInfo("taken over", code="stream_taken_over", status=409))
     assert not other.on_delta(forged).deliver and not other.is_finished  # only the worker running it says so
+    assert not other.handed_off
+
+
+def test_a_run_that_ends_in_an_error_or_its_last_delta_is_not_handed_off():
+    for last in (delta("a", 1, error=True), delta("a", 1, tokens=1, last=True)):
+        state = RelayState()
+        state.on_delta(delta("a", 0))
+        assert state.on_delta(last).deliver and state.is_finished and not state.handed_off

@@ -16,15 +16,17 @@ from switchyard.domain.api.responses import ResponseCreate
 from switchyard.gateway.response_run import ResponseRun, ResponseStream
 from switchyard.gateway.responses_service import ResponseService
 from switchyard.shared.config import RequestLimits
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
+from switchyard.shared.messages import STREAM_TAKEN_OVER, ErrorInfo, GenerateRequest, SamplingParams, TokenDelta, Usage
 
 LOST = ErrorInfo("The worker running the request stopped; please retry.", code="worker_lost", type="server_error",
                  status=503)
 
 
 class RelayDouble:
-    """Test double: yields the first delta and then ``later`` (an exception in it is raised there); ``end`` records
-    the tokens it was told and stores the response as the real one does (its ``on_finish``)."""
+    """Test double: yields the first delta and then ``later`` (an exception in it is raised there), the relayed
+    request handed off once a worker's notice that another gateway took the stream over comes (as its state machine
+    says, gateway/relay_state.py); ``end`` records the tokens it was told and stores the response as the real one
+    does (its ``on_finish``)."""
 
     def __init__(self, later: list) -> None:
         self.later = later
@@ -37,6 +39,7 @@ class RelayDouble:
             if isinstance(item, Exception):
                 raise item
             relayed.next_delta_waits = item.usage is None  # the request's last delta carries its usage
+            relayed.handed_off = item.error is not None and item.error.code == STREAM_TAKEN_OVER
             yield item
 
     async def end(self, relayed, ticket, outcome, used_tokens, on_finish=None) -> None:
@@ -59,7 +62,7 @@ async def stream(later: list, sends: list | None = None) -> tuple[list[dict], Re
     request = GenerateRequest("r1", "tiny", "pro", SamplingParams(), 0.0, 0.0)
     ticket = SimpleNamespace(service=SimpleNamespace(label="default"), auth=SimpleNamespace(tenant_id="t1"))
     response = ResponseStream(ResponseRun.new(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request))
-    relayed = SimpleNamespace(next_delta_waits=True)  # each delta alone, written at once
+    relayed = SimpleNamespace(next_delta_waits=True, handed_off=False)  # each delta alone, written at once
     chunks = []
     async for chunk in service._stream(response, relayed, relay.deltas(relayed, TokenDelta("r1")),
                                        response.opening()):
