@@ -187,8 +187,10 @@ class ResponseService:
             return stream.final or broken or stream.cancelled()
 
         # Held for another gateway to resume the stream from, if this one dies (and touched meanwhile, so that
-        # housekeeping fails it only once no gateway runs it).
-        alive = asyncio.create_task(self._keep_alive(run, save=True)) if run.store else None
+        # housekeeping fails it only once no gateway runs it). The row is the run's that admitted it (its ticket):
+        # a stream taken over only touches it, at once (its first gateway's last touch may be long past).
+        owner = run.ticket is not None
+        alive = asyncio.create_task(self._keep_alive(run, save=owner, touch_now=not owner)) if run.store else None
         # Events already here are written together, one send (one socket write) instead of one each, as chat
         # chunks are (gateway/serving.py): the opening's, a delta's and those of deltas that arrived together, and
         # the last delta's with the closing events and the terminal one.
@@ -285,17 +287,20 @@ class ResponseService:
             alive.cancel()
             await self._in_flight.add(-1)
 
-    async def _keep_alive(self, run: ResponseRun, save: bool = False) -> None:
-        """Touch ``run``'s row while it runs (``save``: store it ``in_progress`` first); stop its worker if the row
-        was closed meanwhile."""
+    async def _keep_alive(self, run: ResponseRun, save: bool = False, touch_now: bool = False) -> None:
+        """Touch ``run``'s row while it runs (``save``: store it ``in_progress`` first, only by the run that owns
+        it; ``touch_now``: the first touch at once, not after ``ALIVE_EVERY_S``); stop its worker if the row was
+        closed meanwhile."""
         response_id, request_id = run.response_id, run.request.request_id
         if save:
             try:
                 await self._responses.save(run.record(run.json("in_progress")), hold=False)
             except Exception as exc:  # Postgres away: the stream goes on, not resumable from another gateway
                 log.warning("could not store streamed response %s as it began: %r", response_id, exc)
+        wait = 0.0 if touch_now else ALIVE_EVERY_S
         while True:
-            await asyncio.sleep(ALIVE_EVERY_S)
+            await asyncio.sleep(wait)
+            wait = ALIVE_EVERY_S
             try:
                 open_ = await self._responses.touch(response_id)
             except Exception as exc:  # Postgres away: housekeeping, on the same Postgres, is waiting too

@@ -54,3 +54,11 @@ async def test_an_open_response_is_only_touched(monkeypatch):
     assert not alive.done()
     alive.cancel()
     assert nc.published == []
+
+
+async def test_a_run_taken_over_touches_its_row_at_once(monkeypatch):
+    monkeypatch.setattr(responses_service, "ALIVE_EVERY_S", 3600)
+    rows, nc = _Rows(open_for=0), _NATS()  # closed before the run took it over: its worker is stopped at once
+    service = ResponseService(None, rows, None, None, nc, None)  # type: ignore[arg-type]
+    await asyncio.wait_for(service._keep_alive(RUN, touch_now=True), 5)  # type: ignore[arg-type]
+    assert rows.touched == 1 and nc.published == [subjects.cancel_subject("req-1")]

@@ -50,26 +50,37 @@ class RelayDouble:
 class StoreDouble:
     def __init__(self) -> None:
         self.saved = []
+        self.touched = 0
 
     async def save(self, record, hold: bool = True) -> None:
         self.saved.append(record)
 
+    async def touch(self, response_id: str) -> bool:
+        self.touched += 1
+        return True
 
-async def stream(later: list, sends: list | None = None) -> tuple[list[dict], RelayDouble, StoreDouble]:
-    """The events a client reads; ``sends``, when given, gets each send's event types (one send: one write)."""
+
+async def stream(later: list, sends: list | None = None,
+                 resumed: bool = False) -> tuple[list[dict], RelayDouble, StoreDouble]:
+    """The events a client reads; ``sends``, when given, gets each send's event types (one send: one write).
+    ``resumed``: the stream taken over from the row its first gateway stored (which holds the ticket)."""
     relay, store = RelayDouble(later), StoreDouble()
     service = ResponseService(relay, store, conversations=None, in_flight=None, nc=None, limits=RequestLimits())
     request = GenerateRequest("r1", "tiny", "pro", SamplingParams(), 0.0, 0.0)
     ticket = SimpleNamespace(service=SimpleNamespace(label="default"), auth=SimpleNamespace(tenant_id="t1"))
-    response = ResponseStream(ResponseRun.new(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request))
+    run = ResponseRun.new(ResponseCreate(model="tiny", input="hi", stream=True), ticket, request)
+    if resumed:
+        run = ResponseRun.resumed(run.record(run.json("in_progress")), request)
+    response = ResponseStream(run)
     relayed = SimpleNamespace(next_delta_waits=True, handed_off=False)  # each delta alone, written at once
     chunks = []
     async for chunk in service._stream(response, relayed, relay.deltas(relayed, TokenDelta("r1")),
                                        response.opening()):
         chunks.append(chunk)
-    # Stored as it began (another gateway may resume it from the row), then as it ended.
-    assert [r.status for r in store.saved[:1]] == ["in_progress"]
-    store.saved = store.saved[1:]
+    if not resumed:
+        # Stored as it began (another gateway may resume it from the row), then as it ended.
+        assert [r.status for r in store.saved[:1]] == ["in_progress"]
+        store.saved = store.saved[1:]
     if sends is not None:
         sends += [[json.loads(line[6:])["type"] for line in chunk.decode().splitlines() if line.startswith("data: ")]
                   for chunk in chunks]
@@ -134,3 +145,15 @@ async def test_a_stream_another_gateway_took_over_is_left_to_it_neither_stored_a
     assert said(events) == "Hel"
     assert store.saved == []  # only the row as it began: the other gateway stores how it ends
     assert relay.used_tokens is None  # its worker bills it when it ends
+
+
+async def test_a_stream_taken_over_only_touches_the_row_its_first_gateway_stored_then_stores_how_it_ended():
+    events, relay, store = await stream([TokenDelta("r1", text="Hel", num_tokens=1),
+                                         TokenDelta("r1", text="l", num_tokens=1),
+                                         TokenDelta("r1", text="o", num_tokens=1, finish_reason="stop",
+                                                    usage=Usage(prompt_tokens=3, completion_tokens=3))],
+                                        resumed=True)
+    assert said(events) == "Hello" and events[-1]["type"] == "response.completed"
+    assert [r.status for r in store.saved] == ["completed"]  # not rewritten in_progress: the row is the first run's
+    assert store.touched == 1  # at once: its first gateway's last touch may be long past
+    assert relay.used_tokens == 6
