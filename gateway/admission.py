@@ -4,7 +4,8 @@ admission pipeline (domain/admission/) on the request's ticket, and what the res
     authenticated ──▶ request_ticket ──▶ admit: tier header ─▶ pipeline.check ─▶ request.state: the
                                                                    model and tier (error metrics' labels), the
                                                                    x-ratelimit-* headers (every response)
-    bounded_body  ──▶ a body far over its bounds refused before it is validated (domain/api/bounds.py)
+    bounded_body  ──▶ a body far over its bounds refused before it is validated (domain/api/bounds.py); the
+                      schema sizes it measured kept for the route's check of the model (``schema_sizes``)
     counted       ──▶ admit_call: a route that generates nothing (files, batches, usage, conversations) passes
                       the same pipeline as an ``Origin.CALL`` ticket: its key's request rate, the input filter
 """
@@ -17,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import Request
 
 from switchyard.domain.admission.ticket import Origin, RequestBody, Ticket
-from switchyard.domain.api.bounds import Kind, check_raw_bounds
+from switchyard.domain.api.bounds import Kind, SchemaSizes, check_raw_bounds
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
 from switchyard.gateway.request_ids import current_request_id
@@ -47,16 +48,23 @@ def authenticated(services: GatewayServices) -> Callable[[Request], Awaitable[Au
 def bounded_body(limits: RequestLimits, kind: Kind) -> Callable[[Request], Awaitable[None]]:
     """A route's dependency: its body's bounds (domain/api/bounds.py), read off the JSON before FastAPI validates
     it into the model (FastAPI solves dependencies first, with the body decoded and kept): a body far over them
-    costs the event loop its decoding, not its validation."""
+    costs the event loop its decoding, not its validation. The schema sizes it measured are kept for the route's
+    check of the validated model (``schema_sizes``), so that each schema is serialized once per request."""
 
     async def check(request: Request) -> None:
         try:
             decoded = await request.json()
         except ValueError:
             return  # not JSON: validation says so
-        check_raw_bounds(decoded, limits, kind)
+        request.state.schema_sizes = check_raw_bounds(decoded, limits, kind)
 
     return check
+
+
+def schema_sizes(request: Request) -> SchemaSizes | None:
+    """The schema sizes ``bounded_body`` measured off this request's body (None: it measured none), for
+    ``check_bounds`` / ``check_response_bounds`` to take instead of serializing the schemas again."""
+    return getattr(request.state, "schema_sizes", None)
 
 
 def counted(services: GatewayServices) -> Callable[[Request], Awaitable[AuthContext]]:

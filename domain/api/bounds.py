@@ -11,7 +11,9 @@ a worker (tokenizing, rendering the chat template, compiling a grammar), whoever
 
 The bounds are read twice, by the same rule: off the decoded JSON before it is validated into its model
 (``check_raw_bounds``: refusing a huge body must not cost the gateway's event loop what validating it would), and
-off the model (``check_bounds``, with a conversation's history counted in).
+off the model (``check_bounds``, with a conversation's history counted in). The schemas are serialized once: the
+model's check takes the sizes the raw one measured (``schema_sizes``; the model holds the same schemas), and
+measures them itself only where no raw check ran (a batch line, a conversation's turn).
 
 The worker bounds what still gets through (a batch line of an older file, another gateway's settings): its grammar
 compiler runs on a fuel budget (``worker.grammar_lexer_fuel``) and refuses with 400 when it runs out.
@@ -35,12 +37,17 @@ def _too_long(param: str, message: str, code: str = "invalid_value") -> OpenAIEr
     return OpenAIError(400, message, code=code, param=param)
 
 
+# The serialized sizes of the schemas a request's output must follow, in bytes: its format's (response_format's,
+# or a response's text.format's), and its tools' together.
+SchemaSizes = tuple[int, int]
+
+
 def _size(schema: Any) -> int:
     """A schema's size as compact JSON (UTF-8): what the limit counts."""
     return len(msgspec.json.encode(schema)) if schema else 0
 
 
-def schema_bytes(body: ChatCompletionRequest) -> tuple[int, int]:
+def schema_bytes(body: ChatCompletionRequest) -> SchemaSizes:
     """The serialized sizes of the schemas the request's output must follow: response_format's, the tools'."""
     fmt = body.response_format
     return (_size(fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None),
@@ -48,49 +55,61 @@ def schema_bytes(body: ChatCompletionRequest) -> tuple[int, int]:
 
 
 def check_bounds(body: ChatCompletionRequest | CompletionRequest, limits: RequestLimits,
-                 num_history: int = 0) -> None:
+                 num_history: int = 0, schema_sizes: SchemaSizes | None = None) -> None:
     """Raise a 400 naming the parameter when ``body`` asks for more than ``limits`` allow. ``num_history``: the
-    messages a conversation's server-side history adds to it."""
+    messages a conversation's server-side history adds to it. ``schema_sizes``: its schemas' sizes as
+    ``check_raw_bounds`` measured them off the body this was validated from (None: measured here)."""
     if not isinstance(body, ChatCompletionRequest):
         return _check(body.stop or (), None, 0, 0, limits)
-    _check(body.stop or (), len(body.messages) + num_history, *schema_bytes(body), limits)
+    sizes = schema_bytes(body) if schema_sizes is None else schema_sizes
+    _check(body.stop or (), len(body.messages) + num_history, *sizes, limits)
 
 
-def check_response_bounds(body: ResponseCreate, limits: RequestLimits, num_history: int = 0) -> None:
+def check_response_bounds(body: ResponseCreate, limits: RequestLimits, num_history: int = 0,
+                          schema_sizes: SchemaSizes | None = None) -> None:
     """``check_bounds`` for a Responses API body: its input items (and ``num_history``, the earlier turns of its
     chain or conversation) count as messages, its ``text.format`` schema and its tools' as schemas."""
-    fmt = body.text.format if body.text is not None else None
-    _check((), len(body.items) + num_history, _size(fmt.schema_ if fmt is not None else None),
-           sum(_size(t.get("parameters")) for t in body.tools or ()), limits, messages_param="input")
+    if schema_sizes is None:
+        fmt = body.text.format if body.text is not None else None
+        schema_sizes = (_size(fmt.schema_ if fmt is not None else None),
+                        sum(_size(t.get("parameters")) for t in body.tools or ()))
+    _check((), len(body.items) + num_history, *schema_sizes, limits, messages_param="input")
 
 
 Kind = Literal["chat", "completion", "response"]
 
 
-def check_raw_bounds(body: Any, limits: RequestLimits, kind: Kind) -> None:
+def check_raw_bounds(body: Any, limits: RequestLimits, kind: Kind) -> SchemaSizes | None:
     """``check_bounds`` (or ``check_response_bounds``) read off a body as decoded JSON, before it is validated into
     its model: a body far over the bounds is refused for what it cost to read, not what validating it would
     (15,000 messages or an 8,000-branch schema take about 0.1 s of the gateway's event loop to become models, and
     every other request on the gateway waits that long). Whatever is not shaped as expected is left to validation,
-    which says what is wrong with it."""
+    which says what is wrong with it.
+
+    Returns the schemas' sizes it measured, for the model's check (``schema_sizes``) to take instead of
+    serializing them again: a body that validates holds the same schemas. None: it measured none (a completion's
+    body, or not an object)."""
     if not isinstance(body, dict):
-        return
+        return None
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)] \
         if isinstance(stop, list) else []
     if kind == "completion":
-        return _check(stops, None, 0, 0, limits)
+        _check(stops, None, 0, 0, limits)
+        return None
     tools = body.get("tools")
     tools = [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
     if kind == "response":
         items = body.get("input")
         fmt = _dict(_dict(body.get("text")).get("format"))
-        return _check((), len(items) if isinstance(items, list) else None, _size(fmt.get("schema")),
-                      sum(_size(t.get("parameters")) for t in tools), limits, messages_param="input")
+        sizes = (_size(fmt.get("schema")), sum(_size(t.get("parameters")) for t in tools))
+        _check((), len(items) if isinstance(items, list) else None, *sizes, limits, messages_param="input")
+        return sizes
     messages = body.get("messages")
     described = _dict(_dict(body.get("response_format")).get("json_schema"))
-    _check(stops, len(messages) if isinstance(messages, list) else None, _size(described.get("schema")),
-           sum(_size(_dict(t.get("function")).get("parameters")) for t in tools), limits)
+    sizes = (_size(described.get("schema")), sum(_size(_dict(t.get("function")).get("parameters")) for t in tools))
+    _check(stops, len(messages) if isinstance(messages, list) else None, *sizes, limits)
+    return sizes
 
 
 def _dict(value: Any) -> dict[str, Any]:

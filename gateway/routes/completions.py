@@ -9,7 +9,7 @@ from switchyard.domain.api.bounds import check_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.auth import AuthContext
-from switchyard.gateway.admission import admit, authenticated, bounded_body, request_ticket
+from switchyard.gateway.admission import admit, authenticated, bounded_body, request_ticket, schema_sizes
 from switchyard.gateway.client_watch import until_gone
 from switchyard.gateway.services import GatewayServices
 
@@ -22,7 +22,7 @@ def router(services: GatewayServices) -> APIRouter:
 
     @router.post("/chat/completions", dependencies=[Depends(bounded_body(limits, "chat"))])
     async def chat_completions(body: ChatCompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
-        check_bounds(body, limits)
+        check_bounds(body, limits, schema_sizes=schema_sizes(request))
         if body.stream and (last_event_id := request.headers.get("last-event-id")):
             return await services.completions.resume_chat(body, auth, last_event_id)
         ticket = await admit(services, request, request_ticket(auth, body))

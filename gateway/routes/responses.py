@@ -23,7 +23,7 @@ from switchyard.domain.api.bounds import check_response_bounds
 from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.admission import admit, authenticated, bounded_body, counted, request_ticket
+from switchyard.gateway.admission import admit, authenticated, bounded_body, counted, request_ticket, schema_sizes
 from switchyard.gateway.services import GatewayServices
 
 
@@ -37,7 +37,7 @@ def router(services: GatewayServices) -> APIRouter:
     @router.post("", dependencies=[Depends(bounded_body(limits, "response"))])
     async def create(body: ResponseCreate, request: Request, auth: AuthContext = Depends(caller)):
         context = await services.responses.context(body, auth.tenant_id)
-        check_response_bounds(body, limits, num_history=len(context.history))
+        check_response_bounds(body, limits, num_history=len(context.history), schema_sizes=schema_sizes(request))
         model = body.model or context.model
         if not model:
             raise OpenAIError(400, "Missing required parameter: 'model'.", param="model",

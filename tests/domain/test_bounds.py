@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from switchyard.domain.api import bounds
 from switchyard.domain.api.bounds import check_bounds, check_raw_bounds, check_response_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
@@ -78,3 +79,46 @@ def test_bodies_within_the_bounds_and_bodies_not_shaped_as_expected_are_left_to_
                 {"response_format": {"json_schema": ["x"]}}, {"input": {"role": "user"}}, {"text": "plain"}):
         for kind in ("chat", "completion", "response"):
             check_raw_bounds(odd, LIMITS, kind)  # nothing raised: validation will say what is wrong
+
+
+def test_each_schema_is_serialized_once_when_the_raw_check_passes_its_sizes_on(monkeypatch):
+    """The route's check of the model takes the sizes the raw check measured (gateway/admission.py): the same
+    sizes a body that validates has, and no schema serialized a second time."""
+    serialized = []
+    size = bounds._size
+    monkeypatch.setattr(bounds, "_size", lambda schema: serialized.append(schema) or size(schema))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema(1)}}]
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema(1)}},
+                tools=tools)
+    sizes = check_raw_bounds(body, LIMITS, "chat")
+    model = ChatCompletionRequest.model_validate(body)
+    assert sizes is not None and len(serialized) == 2
+    check_bounds(model, LIMITS, schema_sizes=sizes)
+    assert len(serialized) == 2
+    assert bounds.schema_bytes(model) == sizes  # what it would have measured itself
+
+    serialized.clear()
+    body = {"model": "m", "input": "hi", "tools": [{**tools[0]["function"], "type": "function"}],
+            "text": {"format": {"type": "json_schema", "name": "s", "schema": schema(1)}}}
+    sizes = check_raw_bounds(body, LIMITS, "response")
+    assert sizes is not None and len(serialized) == 2
+    response = ResponseCreate.model_validate(body)
+    check_response_bounds(response, LIMITS, schema_sizes=sizes)
+    assert len(serialized) == 2
+    check_response_bounds(response, LIMITS)  # measured here, to the same sizes: within the bounds alike
+    assert [size(s) for s in serialized[2:]] == list(sizes)
+    assert check_raw_bounds({"model": "m", "prompt": "hi"}, LIMITS, "completion") is None  # no schemas
+
+
+def test_sizes_passed_on_refuse_alike_and_history_still_counts():
+    big = schema(6)
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": big}})
+    model = ChatCompletionRequest.model_validate(body)
+    measured = bounds.schema_bytes(model)
+    assert refusal(lambda: check_bounds(model, LIMITS, schema_sizes=measured)) == \
+        refusal(lambda: check_bounds(model, LIMITS)) == refusal(lambda: check_raw_bounds(body, LIMITS, "chat"))
+    within = ChatCompletionRequest.model_validate(chat())
+    sizes = check_raw_bounds(chat(), LIMITS, "chat")
+    check_bounds(within, LIMITS, num_history=3, schema_sizes=sizes)
+    assert refusal(lambda: check_bounds(within, LIMITS, num_history=4, schema_sizes=sizes))[:2] == (
+        "messages", "array_above_max_length")
