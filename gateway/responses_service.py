@@ -274,7 +274,10 @@ class ResponseService:
         alive = asyncio.create_task(self._keep_alive(run))
         try:
             try:
-                relayed, first = await self._completions.start(run.request, ticket)
+                # Its client was told "queued": NATS restarting delays it, as a full queue would, and fails it
+                # only past the gateway's queue timeout.
+                relayed, first = await self._completions.start(run.request, ticket,
+                                                               queue_wait_s=self._completions.queue_timeout_s)
             except OpenAIError as exc:
                 await self._responses.save(run.record(run.json("failed", error=exc.info())))
                 return

@@ -25,6 +25,7 @@ from switchyard.domain.api.shapes import CHAT, TEXT
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.limits import text_tokens
+from switchyard.domain.publish import QueueUnavailable
 from switchyard.domain.registry import ModelRegistry
 from switchyard.gateway.affinity import AffinityIndex
 from switchyard.gateway.client_watch import BoundedStream, ClientGone, unless_gone
@@ -78,6 +79,7 @@ def prompt_tokens_estimate(request: GenerateRequest) -> int:
 OnFinish = Callable[[Outcome], Awaitable[None]]
 Gone = Callable[[], Awaitable[None]]  # returns once the client has left
 CLIENT_GONE = 499  # the status of an answer nobody reads (nginx's "client closed request")
+QUEUE_RETRY_S = 1.0  # between tries of a queue that was unavailable (start's queue_wait_s)
 
 
 class CompletionService:
@@ -151,6 +153,11 @@ class CompletionService:
                              buffered=lambda: relayed.buffered_bytes, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
 
+    @property
+    def queue_timeout_s(self) -> float:
+        """How long an interactive request may wait for a worker (``gateway.queue_timeout_s``)."""
+        return self._config.queue_timeout_s
+
     def resumable_s(self, stream: bool) -> float:
         """How long a stream whose gateway dies waits at its worker to be resumed (0: not resumable)."""
         return self._config.stream_resume_window_s if stream else 0.0
@@ -178,6 +185,17 @@ class CompletionService:
             safety=ticket.safety,
             **fields,
         )
+
+    async def _submit_when_queue_back(self, request: GenerateRequest, parts: list[GenerateRequest],
+                                      wait_s: float) -> RelayedRequest | MergedRelay:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self._submit(request, parts)
+            except QueueUnavailable:  # nothing was queued (JetStream dedupes a publish that did land, by its id)
+                if time.monotonic() + QUEUE_RETRY_S > deadline:
+                    raise
+                await asyncio.sleep(QUEUE_RETRY_S)
 
     async def _submit(self, request: GenerateRequest, parts: list[GenerateRequest]) -> RelayedRequest | MergedRelay:
         if len(parts) == 1:
@@ -226,14 +244,19 @@ class CompletionService:
                                         getattr(relayed, "worker_id", None))
 
     async def start(self, request: GenerateRequest, ticket: Ticket, parts: list[GenerateRequest] | None = None,
-                    gone: Gone | None = None) -> tuple[RelayedRequest | MergedRelay, TokenDelta]:
+                    gone: Gone | None = None, queue_wait_s: float = 0.0) -> tuple[RelayedRequest | MergedRelay,
+                                                                                   TokenDelta]:
         """Queue ``request`` (or its ``parts``, one per prompt) and wait for the worker's first message. A request
         that could not start settles its ticket with nothing used and raises (a flex request's refusal its own
-        way); one whose client went away meanwhile (``gone``) is stopped and raises ClientGone."""
+        way); one whose client went away meanwhile (``gone``) is stopped and raises ClientGone.
+
+        ``queue_wait_s``: how long to keep trying while the queue is unavailable (NATS restarting), for a request
+        no client waits on the line for (a background response, told ``queued`` already); 0: a client hears 503
+        and retries itself."""
         try:
             try:
                 self._metrics.served_models.add(request.model)
-                relayed = await self._submit(request, parts or [request])
+                relayed = await self._submit_when_queue_back(request, parts or [request], queue_wait_s)
                 try:
                     first = await unless_gone(relayed.first(), gone)
                 except BaseException:

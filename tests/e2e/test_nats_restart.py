@@ -1,6 +1,6 @@
 """NATS restarted under a running system (its own server, same port and store; a real gateway and worker): while
-it is away the gateway says so (503, never a 500 or a hang), and once it is back everything serves again with no
-process restarted by hand."""
+it is away the gateway says so (503, never a 500 or a hang) and a background response waits for it, and once it
+is back everything serves again with no process restarted by hand."""
 
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ async def test_gateway_and_worker_recover_by_themselves_when_nats_restarts(datab
             assert ready.status_code == 503 and ready.json()["checks"]["nats"] is False
             away = await http.post("/v1/chat/completions", json=body)
             assert away.status_code == 503 and away.json()["error"]["code"], away.text
+            # A background response is told "queued" at once: it waits for the queue rather than failing.
+            queued = await http.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True,
+                                                            "max_output_tokens": 3})
+            assert queued.status_code == 200 and queued.json()["status"] == "queued", queued.text
 
             server = NatsServer(store, port=port).start()
             statuses = []
@@ -54,6 +58,10 @@ async def test_gateway_and_worker_recover_by_themselves_when_nats_restarts(datab
             # bench/chaos.py's to measure (nats-restart); the poll's deadline only ends a test that never recovers.
             assert all(status in (200, 503) for status, _ in statuses), statuses
             assert ok.json()["usage"]["completion_tokens"] == 3
+            ended = await poll(lambda: http.get(f"/v1/responses/{queued.json()['id']}"),
+                               lambda r: r.json()["status"] not in ("queued", "in_progress"), timeout_s=60,
+                               what="the background response queued while NATS was away to end")
+            assert ended.json()["status"] == "incomplete" and ended.json()["usage"]["output_tokens"] == 3, ended.text
             assert (await http.get("/readyz")).status_code == 200
     finally:
         system.stop()
