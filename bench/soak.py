@@ -21,7 +21,7 @@ Every ``--fault-every`` minutes the next fault of ``--faults`` (in turn):
 
 Recovery: from the fault's last step until a probe request answers on every gateway.
 
-Reported per ``--window`` minutes and at the end (bench/soak_report.py): every process's resident memory and
+Reported per ``--window`` minutes and at the end (bench/soak_report.py): every process's memory (PSS) and
 open files, the JetStream streams, every table's rows and size, the data directory; the requests by outcome and
 error code; TTFT per tier (outside the minute after each fault); the ledger (every completed request billed once,
 with the tokens its client was told; no refused one billed); a PNG plot beside bench/RESULTS.md.
@@ -252,8 +252,8 @@ class Soak:
     def _sample(self, at: float) -> Sample:
         s = asyncio.run(sample(at, self.pids(), self.system.config.nats_url, self.system.config.database_url,
                                self.work))
-        rss = sum(r for r, _ in s.processes.values()) / 2**20
-        print(f"{at / 60:6.1f} min  sample: {len(s.processes)} processes, {rss:.0f} MiB resident, "
+        memory = sum(m for m, _ in s.processes.values()) / 2**20
+        print(f"{at / 60:6.1f} min  sample: {len(s.processes)} processes, {memory:.0f} MiB (PSS), "
               f"{sum(f for _, f in s.processes.values())} fds", flush=True)
         return s
 

@@ -102,8 +102,8 @@ def report(result, args) -> str:
              "### Faults", "",
              markdown_table(["fault", "at min", "recovered in s"],
                             [[f.name, f"{f.at / 60:.1f}", _s(f.recovered_s)] for f in result.faults]), "",
-             "### Processes (resident MiB, open fds; growth after the first 20 min, per hour)", "",
-             markdown_table(["process", "RSS first", "RSS last", "growth/h", "fds first", "fds last"],
+             "### Processes (memory as PSS MiB, open fds; growth after the first 20 min, per hour)", "",
+             markdown_table(["process", "MiB first", "MiB last", "growth/h", "fds first", "fds last"],
                             process_rows(result)), "",
              "### Storage (first sample, last sample)", "",
              markdown_table(["what", "rows first", "rows last", "MiB first", "MiB last", "consumers"],
@@ -145,7 +145,7 @@ def plot_series(result, path: Path) -> Path | None:
     minutes = [s.at / 60 for s in result.samples]
     for name in sorted({n for s in result.samples for n in s.processes}):
         axes[0][0].plot(minutes, [s.processes.get(name, (0, 0))[0] / 2**20 for s in result.samples], label=name)
-    axes[0][0].set_title("resident memory (MiB)")
+    axes[0][0].set_title("memory, PSS (MiB)")
     for name in sorted({n for s in result.samples for n in s.streams}):
         axes[0][1].plot(minutes, [s.streams.get(name, (0, 0, 0))[0] for s in result.samples], label=name)
     axes[0][1].set_title("JetStream messages")

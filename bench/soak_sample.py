@@ -17,26 +17,28 @@ from bench.soak_load import Outcome
 @dataclass
 class Sample:
     at: float  # s into the soak
-    processes: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (RSS bytes, open fds), tree summed
+    processes: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (PSS bytes, open fds), tree summed
     streams: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # name -> (messages, bytes, consumers)
-    tables: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (rows, bytes on disk)
+    # name -> (rows, bytes on disk); "(connections)": Postgres's client connections (the services' pools), 0 bytes
+    tables: dict[str, tuple[int, int]] = field(default_factory=dict)
     data_dir_bytes: int = 0
 
 
 def process_usage(pid: int) -> tuple[int, int]:
-    """(RSS, open fds) of ``pid`` and every process below it (Postgres runs one per connection)."""
-    rss = fds = 0
+    """(memory, open fds) of ``pid`` and every process below it (Postgres runs one per connection). Memory is the
+    proportional set size: resident pages shared by several processes (Postgres's shared buffers) count once."""
+    memory = fds = 0
     try:
         root = psutil.Process(pid)
         for p in [root, *root.children(recursive=True)]:
             try:
-                rss += p.memory_info().rss
+                memory += p.memory_full_info().pss
                 fds += p.num_fds()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
     except psutil.NoSuchProcess:
         pass
-    return rss, fds
+    return memory, fds
 
 
 def dir_bytes(path: Path) -> int:
@@ -67,9 +69,12 @@ async def table_state(database_url: str) -> dict[str, tuple[int, int]]:
     conn = await asyncpg.connect(database_url, timeout=10)
     try:
         names = [r["relname"] for r in await conn.fetch("SELECT relname FROM pg_stat_user_tables ORDER BY relname")]
-        return {name: (await conn.fetchval(f'SELECT count(*) FROM "{name}"'),
-                       await conn.fetchval("SELECT pg_total_relation_size($1::regclass)", name))
-                for name in names}
+        tables = {name: (await conn.fetchval(f'SELECT count(*) FROM "{name}"'),
+                         await conn.fetchval("SELECT pg_total_relation_size($1::regclass)", name))
+                  for name in names}
+        tables["(connections)"] = (await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"), 0)
+        return tables
     finally:
         await conn.close()
 
