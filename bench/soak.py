@@ -5,11 +5,12 @@
     .venv/bin/python bench/soak.py --engine smollm2         # the real model, one worker
 
 What runs: embedded NATS and Postgres, two gateways (a tenant sticks to one), the jobs process (billing, batches,
-housekeeping), and two workers of the simulated engine (a test double: the numbers are the plumbing's, not a
-model's) or one SmolLM2 worker. The traffic is bench/soak_load.py's: tenants coming and going across the
-interactive tiers, some over their limits, sending streamed and plain chat (some cut by their client), stored and
-background Responses, conversations over many turns, and batches (files uploaded and downloaded), open-loop at
-``--rate`` requests per second.
+housekeeping), two workers of the simulated engine (a test double: the numbers are the plumbing's, not a
+model's) or one SmolLM2 worker, and a worker of the embedding model (all-MiniLM-L6-v2) unless
+``--no-embeddings``. The traffic is bench/soak_load.py's: tenants coming and going across the interactive tiers,
+some over their limits, sending streamed and plain chat (some cut by their client), stored, background (some
+cancelled) and resumed Responses, conversations over many turns, embeddings, and batches (files uploaded and
+downloaded), open-loop at ``--rate`` requests per second.
 
 Every ``--fault-every`` minutes the next fault of ``--faults`` (in turn):
 
@@ -53,6 +54,7 @@ from bench.soak_sample import LedgerCheck, Sample, check_ledger, sample  # noqa:
 FAULTS = ["worker-kill", "gateway-kill", "nats-restart", "pg-stop", "worker-stop"]
 ADMIN_KEY = "soak-admin"
 SIM_MODEL = "sim"
+EMBED_MODEL = "minilm"
 
 
 @dataclass
@@ -109,11 +111,20 @@ class Soak:
         self.system.start_servers()
         for i in range(2 if self.args.engine == "sim" else 1):
             self.workers.append(self._start_worker(f"worker-{i}"))
+        if self.args.embeddings:
+            from switchyard.workers.model_store import pull
+            from tests.support.system import model_cache_dir
+
+            self.system.start_worker("worker-embed", engine="embeddings", dtype="float32", max_num_seqs=8,
+                                     model=str(pull("all-minilm-l6-v2", model_cache_dir())),
+                                     served_model_name=EMBED_MODEL)
         for i, port in enumerate(ports):
             self.system.start_gateway(f"gateway-{i}", port=port)
             self.gateways[f"gateway-{i}"] = port
         for port in ports:
             self.system.wait_until_ready(self.model, timeout_s=300, port=port)
+            if self.args.embeddings:
+                self.system.wait_until_ready(EMBED_MODEL, timeout_s=300, port=port)
 
     def _start_worker(self, name: str):
         settings = {"model": SIM_MODEL} if self.args.engine == "sim" else {}
@@ -212,7 +223,8 @@ class Soak:
         try:
             self.start()
             tenants, probe = asyncio.run(self.make_tenants())
-            load = Load(self.urls(), self.model, tenants, args.rate, args.active, args.churn)
+            load = Load(self.urls(), self.model, tenants, args.rate, args.active, args.churn,
+                        embedding_model=EMBED_MODEL if args.embeddings else None)
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=loop.run_until_complete, args=(load.run(),))
             start = time.monotonic()
@@ -281,6 +293,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--faults", nargs="*", default=FAULTS, choices=FAULTS)
     parser.add_argument("--fault-every", type=float, default=10.0, help="minutes")
     parser.add_argument("--window", type=float, default=10.0, help="minutes per reported window")
+    parser.add_argument("--no-embeddings", dest="embeddings", action="store_false",
+                        help="no embedding worker (all-MiniLM-L6-v2, pulled into the tests' model cache)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs) after the run")
     parser.add_argument("--results", default=None, help="markdown file to append to; '-' for none")
     return parser.parse_args(argv)

@@ -2,9 +2,11 @@
 API serves, every request's outcome written in a ledger the end of the soak checks against the billing rows.
 
 The mix, drawn per request (``MIX``): streamed chat (a tenth of them cut by the client after its second chunk),
-non-streamed chat, stored Responses, background Responses polled to their end, a conversation's next turn (a
-tenant's conversation grows until ``TURNS_PER_CONVERSATION``, then it starts another), and a small batch (its
-input file uploaded, the batch polled, its output file downloaded). Arrivals are open-loop (Poisson at ``rate``
+non-streamed chat, stored Responses, background Responses polled to their end (a few cancelled), background
+Responses' streams left after a few events and resumed on the other gateway (``starting_after``), embeddings
+(when an embedding model is served: ``embedding_model``), a conversation's next turn (a tenant's conversation
+grows until ``TURNS_PER_CONVERSATION``, then it starts another), and a small batch (its input file uploaded, the
+batch polled, its output file downloaded). Arrivals are open-loop (Poisson at ``rate``
 per second), so a slow system meets the same offered load and its queues show it.
 
 Tenants: ``tenants`` of them, created up front on the interactive tiers; a tenth have a small rpm limit and are
@@ -22,10 +24,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-MIX = (("chat_stream", 40), ("chat", 15), ("response", 15), ("response_background", 10), ("conversation", 15),
-       ("batch", 5))
+MIX = (("chat_stream", 35), ("chat", 12), ("response", 12), ("response_background", 8), ("response_resumed", 5),
+       ("response_cancelled", 3), ("conversation", 15), ("batch", 5), ("embeddings", 5))
 TURNS_PER_CONVERSATION = 12
 CUT_AFTER_CHUNKS = 2  # a cut stream: the client leaves after this many chunks
+ENDED = ("response.completed", "response.incomplete", "response.failed")
 OVER_LIMIT_RPM = 6  # the tenants sent over their limit
 
 
@@ -59,8 +62,9 @@ class Load:
     """Open-loop traffic through ``base_urls`` (the gateways, a tenant sticks to one) until ``stop()``."""
 
     def __init__(self, base_urls: list[str], model: str, tenants: list[Tenant], rate: float, active: int,
-                 churn_s: float, seed: int = 7) -> None:
+                 churn_s: float, embedding_model: str | None = None, seed: int = 7) -> None:
         self.base_urls, self.model, self.rate = base_urls, model, rate
+        self.embedding_model = embedding_model
         self.tenants, self.active_count, self.churn_s = tenants, active, churn_s
         self.random = random.Random(seed)
         self.ledger: list[Outcome] = []
@@ -88,7 +92,8 @@ class Load:
                     active.append(waiting.pop(0))
                     next_churn += self.churn_s
                 tenant = self.random.choice(active)
-                kind = self.random.choices([k for k, _ in MIX], [w for _, w in MIX])[0]
+                kinds = [(k, w) for k, w in MIX if k != "embeddings" or self.embedding_model is not None]
+                kind = self.random.choices([k for k, _ in kinds], [w for _, w in kinds])[0]
                 task = asyncio.create_task(self._send(tenant, kind))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -101,7 +106,7 @@ class Load:
     async def _send(self, tenant: Tenant, kind: str) -> None:
         out = Outcome(kind, tenant.tier, time.time())
         self.ledger.append(out)
-        http = self.clients[hash(tenant.name) % len(self.clients)]
+        http = self._client_of(tenant)
         headers = {"Authorization": f"Bearer {tenant.key}"}
         try:
             await getattr(self, f"_{kind}")(http, headers, tenant, out)
@@ -112,6 +117,10 @@ class Load:
                 out.code = f"client {type(exc).__name__} after accept"
         except Exception as exc:  # noqa: BLE001 - a bug in the load must not end the soak; it shows in the ledger
             out.status, out.code = "failed", f"load {type(exc).__name__}: {exc}"[:120]
+
+    def _client_of(self, tenant: Tenant, other: bool = False) -> httpx.AsyncClient:
+        """The gateway a tenant sticks to (``other``: the next one, where a cut stream is resumed)."""
+        return self.clients[(hash(tenant.name) + other) % len(self.clients)]
 
     # -- the kinds ----------------------------------------------------------------------------------------------
     def _tokens(self) -> int:
@@ -199,7 +208,7 @@ class Load:
         elif answer["status"] == "failed":
             out.status, out.code = "failed", f"response {(answer.get('error') or {}).get('code')}"
         else:
-            out.code = f"response {answer['status']}"
+            out.code = out.code or f"response {answer['status']}"
 
     async def _response(self, http, headers, tenant, out: Outcome) -> None:
         answer = await self._post_response(http, headers, tenant, out)
@@ -207,7 +216,11 @@ class Load:
             self._finish_response(out, answer)
 
     async def _response_background(self, http, headers, tenant, out: Outcome) -> None:
-        answer = await self._post_response(http, headers, tenant, out, background=True)
+        await self._poll_response(http, headers, out,
+                                  await self._post_response(http, headers, tenant, out, background=True))
+
+    async def _poll_response(self, http, headers, out: Outcome, answer: dict | None) -> None:
+        """Until the response ``answer`` ends (each second), then its outcome."""
         deadline = time.monotonic() + 300
         while answer is not None and answer["status"] in ("queued", "in_progress") and time.monotonic() < deadline:
             await asyncio.sleep(1.0)
@@ -218,6 +231,78 @@ class Load:
             answer = r.json()
         if answer is not None:
             self._finish_response(out, answer)
+
+    async def _response_cancelled(self, http, headers, tenant, out: Outcome) -> None:
+        """A background response cancelled soon after it was queued: it ends cancelled, or as it ended first."""
+        answer = await self._post_response(http, headers, tenant, out, background=True)
+        if answer is None:
+            return
+        await asyncio.sleep(self.random.uniform(0.0, 1.0))
+        r = await http.post(f"/v1/responses/{answer['id']}/cancel", headers=headers)
+        if r.status_code != 200:
+            out.status, out.code = "failed", f"cancel {r.status_code}"
+            return
+        answer = r.json()
+        if answer["status"] == "cancelled":
+            out.status, out.code = "cut", "cancelled"  # as asked; the ledger allows a row for what ran
+        else:
+            self._finish_response(out, answer)
+
+    async def _response_resumed(self, http, headers, tenant, out: Outcome) -> None:
+        """A background response's stream read for a few events on the tenant's gateway, left, and read on from
+        the other gateway (``starting_after``), as OpenAI's clients resume one (a client that leaves a
+        foreground stream cancels it; a background one runs on)."""
+        start = time.monotonic()
+        answer = await self._post_response(http, headers, tenant, out, background=True)
+        deadline = time.monotonic() + 300
+        while answer is not None and answer["status"] == "queued" and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            r = await http.get(f"/v1/responses/{answer['id']}", headers=headers)
+            answer = r.json() if r.status_code == 200 else answer
+        if answer is None or answer["status"] != "in_progress":
+            if answer is not None:
+                self._finish_response(out, answer)  # it ended before its stream was asked for
+            return
+        response_id, last = answer["id"], -1
+        async with http.stream("GET", f"/v1/responses/{response_id}", headers=headers,
+                               params={"stream": "true"}) as r:
+            if r.status_code == 200:
+                async for event in _events(r):
+                    last = event["sequence_number"]
+                    if event["type"] == "response.output_text.delta" and out.ttft_s is None:
+                        out.ttft_s = time.monotonic() - start
+                    if last >= 3 or event["type"] in ENDED:
+                        break
+            else:
+                await r.aread()  # ended meanwhile (410), or refused: read it whole below
+                out.code = f"stream {r.status_code} {r.text[:60]}"
+        other = self._client_of(tenant, other=True)
+        if last >= 0:
+            async with other.stream("GET", f"/v1/responses/{response_id}", headers=headers,
+                                    params={"stream": "true", "starting_after": str(last)}) as r:
+                if r.status_code == 200:
+                    async for event in _events(r):
+                        if event["sequence_number"] != last + 1:
+                            out.status, out.code = "failed", f"resumed at {event['sequence_number']} after {last}"
+                            return
+                        last = event["sequence_number"]
+                        if event["type"] in ENDED:
+                            self._finish_response(out, event["response"])
+                            return
+                else:
+                    await r.aread()  # it ended meanwhile (410): read it whole
+                    out.code = f"resume {r.status_code} {r.text[:60]}"
+        await self._poll_response(other, headers, out, {"id": response_id, "status": "in_progress"})
+
+    async def _embeddings(self, http, headers, tenant, out: Outcome) -> None:
+        start = time.monotonic()
+        inputs = [f"{tenant.name} embeds {self.random.random():.6f}" for _ in range(self.random.randint(1, 4))]
+        r = await http.post("/v1/embeddings", headers=headers, json={"model": self.embedding_model, "input": inputs})
+        if self._refused(out, r):
+            return
+        out.request_ids.append(r.headers.get("X-Request-Id", ""))
+        out.ttft_s = time.monotonic() - start
+        out.status, out.completion_tokens = "completed", 0
 
     async def _conversation(self, http, headers, tenant, out: Outcome) -> None:
         if tenant.conversation is None or tenant.turns >= TURNS_PER_CONVERSATION:
@@ -265,3 +350,10 @@ class Load:
             out.request_ids.append(response["request_id"])
             tokens += response["body"]["usage"]["completion_tokens"]
         out.status, out.completion_tokens = "completed", tokens
+
+
+async def _events(r: httpx.Response):
+    """The JSON events of a Responses stream."""
+    async for line in r.aiter_lines():
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
