@@ -4,7 +4,8 @@ which every admission policy reads; a batch's lines are admitted under the conte
 Lookups go by the key's sha256 (an index probe, so timing says nothing about how close a guess was) and are
 cached for ``CACHE_S`` seconds: a revoked key stops working on every gateway within that time. While Postgres is
 away, a key looked up in the last ``STALE_OK_S`` keeps its last answer (its tenant is served on), and a key never
-seen gets 503 with Retry-After: neither a 500 nor a hang, nor a 401 for a key that may be valid.
+seen gets 503 with Retry-After: neither a 500 nor a hang, nor a 401 for a key that may be valid. What no request
+can use any more is forgotten (``forget_idle``, the gateway's upkeep): keys come and go with their tenants.
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ class Authenticator:
             except DatabaseUnavailable:
                 pass
         return auth
+
+    def forget_idle(self, now: float | None = None) -> None:
+        """Drop what no request can use any more, so a key that stopped calling is not held for good: an answer
+        older than ``STALE_OK_S`` (a lookup replaces it, and an outage would not serve it), and a last use older
+        than ``_LAST_USED_EVERY_S`` (the key's next use writes it again either way). The gateway calls it every
+        minute (its upkeep)."""
+        now = time.monotonic() if now is None else now
+        self._cache = {digest: cached for digest, cached in self._cache.items() if now - cached[1] <= STALE_OK_S}
+        self._last_used = {key_id: at for key_id, at in self._last_used.items() if now - at <= _LAST_USED_EVERY_S}
 
     async def _read(self, digest: bytes) -> AuthContext | None:
         return await self._db.run(lambda pool: self._lookup(pool, digest))

@@ -181,7 +181,11 @@ class Limiter:
             except DatabaseUnavailable:  # the window keeps its reservation: a limit errs on the safe side
                 pass
 
+    def forget_idle(self) -> None:
+        """Drop the in-memory windows (kept while Postgres was away) of keys with nothing in the last minute."""
+        self._local.forget_idle()
+
     async def prune(self) -> None:
         """Drop windows older than an hour (called periodically)."""
-        self._local.forget_idle()
+        self.forget_idle()
         await self._db.pool.execute("DELETE FROM rate_windows WHERE window_start < now() - interval '1 hour'")

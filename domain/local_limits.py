@@ -2,7 +2,7 @@
 
 Each gateway enforces its fair share of every key's limits (``share`` = 1 / the number of gateways), over a
 sliding 60-second window, so the gateways together stay within the limits without talking to each other. Keys
-are forgotten once their window is empty.
+are forgotten once their window is empty (``forget_idle``: the gateway's admission upkeep, every minute).
 """
 
 from __future__ import annotations

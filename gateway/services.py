@@ -145,9 +145,11 @@ class GatewayServices:
         self._upkeep = asyncio.create_task(self._keep_up())
 
     async def _keep_up(self) -> None:
-        """The admission policies' periodic work (leases of the requests this gateway serves)."""
+        """The admission policies' periodic work (leases of the requests this gateway serves, what they hold of
+        tenants that stopped calling), and the keys the authenticator may forget."""
         while True:
             await asyncio.sleep(UPKEEP_EVERY_S)
+            self.authenticator.forget_idle()
             try:
                 await self.admission.upkeep()
             except Exception as exc:  # Postgres away: the next round tries again

@@ -11,17 +11,21 @@ each of its lines (paced by the batch runner, at most a few hundred queued), is 
 reserved, without a reservation of its own.
 
 While Postgres is away the last reading of each tenant stands (or none, if none was: usage is still billed, and
-the budget holds again once Postgres is back).
+the budget holds again once Postgres is back). A reading is kept for ``READING_KEPT_S`` after it was taken, as long
+as the authenticator serves a key from its cache through an outage (auth.STALE_OK_S): a tenant that stopped calling
+is not held in memory for good.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import time
 
 import asyncpg
 
 from switchyard.domain.admission.pipeline import Policy
 from switchyard.domain.admission.ticket import Origin, Ticket
+from switchyard.domain.auth import STALE_OK_S
 from switchyard.domain.database import Database, DatabaseUnavailable
 from switchyard.domain.errors import OpenAIError
 from switchyard.domain.grouped_calls import GroupedCalls
@@ -31,6 +35,9 @@ SPENT_SQL = "SELECT billed + reserved FROM budget_months WHERE tenant_id = $1 AN
 RELEASE_SQL = "SELECT release_budget($1, $2::date[], $3::bigint[])"
 
 Month = tuple[str, dt.date]  # (tenant id, the month's first day)
+
+READING_KEPT_S = STALE_OK_S
+FORGET_EVERY_S = 60.0  # readings past READING_KEPT_S are looked for at most this often
 
 
 async def _reserve(pool: asyncpg.Pool, month: Month, asked: list[tuple[int, int]]) -> list[int | None]:
@@ -64,9 +71,15 @@ class MonthlyBudget(Policy):
         self._db = db
         self._reserves = GroupedCalls(db, _reserve, rows_of=lambda month: month[0])
         self._releases = GroupedCalls(db, _release)
-        self._spent: dict[str, int] = {}  # tenant id -> billed + reserved at the last reading (the outage fallback)
+        # tenant id -> billed + reserved at the last reading (the outage fallback), and when it was read (monotonic)
+        self._spent: dict[str, tuple[int, float]] = {}
+        self._forgotten_at = time.monotonic()
 
     async def check(self, ticket: Ticket) -> None:
+        # Here as well as in upkeep: the jobs' batches and lines pass this policy, and nothing calls their upkeep.
+        now = time.monotonic()
+        if now - self._forgotten_at > FORGET_EVERY_S:
+            self.forget_idle(now)
         budget = ticket.auth.monthly_token_budget
         if budget is None:
             return
@@ -79,15 +92,24 @@ class MonthlyBudget(Policy):
                 spent = await self._db.run(lambda pool: pool.fetchval(SPENT_SQL, tenant_id, month),
                                            key=tenant_id) or 0
         except DatabaseUnavailable:
-            if self._spent.get(tenant_id, 0) >= budget:
+            if self._spent.get(tenant_id, (0, now))[0] >= budget:
                 raise _refusal(budget) from None
             return  # never read, or under it when last read: judged again once Postgres is back
         if spent is None or (spent >= budget and not reserve):  # None: the reservation did not fit
-            self._spent[tenant_id] = budget
+            self._spent[tenant_id] = (budget, now)
             raise _refusal(budget)
-        self._spent[tenant_id] = spent
+        self._spent[tenant_id] = (spent, now)
         if reserve:
             ticket.budget_reserved, ticket.budget_month = ticket.estimated_tokens, month
+
+    def forget_idle(self, now: float | None = None) -> None:
+        """Drop the readings taken more than ``READING_KEPT_S`` ago (tenants that stopped calling)."""
+        now = time.monotonic() if now is None else now
+        self._forgotten_at = now
+        self._spent = {t: reading for t, reading in self._spent.items() if now - reading[1] <= READING_KEPT_S}
+
+    async def upkeep(self) -> None:
+        self.forget_idle()
 
     async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
         reserved, ticket.budget_reserved = ticket.budget_reserved, 0

@@ -129,7 +129,10 @@ class Concurrency(Policy):
         ticket.holds_seat = False
         if ticket.request_id in self._local_ids:
             self._local_ids.discard(ticket.request_id)
-            self._local[ticket.auth.tenant_id].subtract({"streams": 1, "sequences": ticket.n})
+            held = self._local[ticket.auth.tenant_id]
+            held.subtract({"streams": 1, "sequences": ticket.n})
+            if held["streams"] <= 0:  # nothing of the tenant's held here: forgotten (tenants come and go)
+                del self._local[ticket.auth.tenant_id]
             return
         self._held.pop(ticket.request_id, None)
         try:

@@ -35,3 +35,8 @@ class RateLimits(Policy):
         reservation = ticket.reservation
         if reservation is not None:
             await self._limiter.settle(reservation, reservation.reserved_tokens if used_tokens is None else used_tokens)
+
+    async def upkeep(self) -> None:
+        """The windows this gateway kept while Postgres was away, of keys that have not called since, go (nothing
+        else forgets them: the jobs' housekeeping prunes a limiter of its own)."""
+        self._limiter.forget_idle()
