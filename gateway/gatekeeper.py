@@ -23,6 +23,8 @@ from switchyard.shared.tracing import tracer
 
 WINDOW_S = 60.0
 MAX_ADDRESSES = 100_000  # tracked at once; beyond, the longest quiet are forgotten
+# Addresses whose last failure has left the window count nothing: they are dropped once a window, so an address
+# that stopped trying is not held until MAX_ADDRESSES others push it out.
 
 
 class FailedKeys:
@@ -31,6 +33,7 @@ class FailedKeys:
     def __init__(self, per_minute: int) -> None:
         self._per_minute = per_minute
         self._failures: dict[str, deque[float]] = {}
+        self._swept_at = 0.0
 
     def _recent(self, address: str, now: float) -> deque[float]:
         failures = self._failures.get(address)
@@ -45,10 +48,17 @@ class FailedKeys:
     def wait_s(self, address: str, now: float | None = None) -> float | None:
         """Seconds until ``address`` may try again, or None when it may now."""
         now = time.monotonic() if now is None else now
+        if now - self._swept_at >= WINDOW_S:
+            self._forget_quiet(now)
         failures = self._recent(address, now)
         if len(failures) < self._per_minute:
             return None
         return failures[0] + WINDOW_S - now
+
+    def _forget_quiet(self, now: float) -> None:
+        self._swept_at = now
+        for address in [a for a, failures in self._failures.items() if failures[-1] <= now - WINDOW_S]:
+            del self._failures[address]
 
     def failed(self, address: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

@@ -27,6 +27,8 @@ from switchyard.gateway.asgi_answers import send_error
 WINDOW_S = 60.0
 PAUSE_S = 1.0
 MAX_KEYS = 100_000  # tracked at once; beyond, the longest quiet are forgotten
+# Keys whose last refusal has left the window count nothing: they are dropped once a window (a scan of the keys
+# refused in the last minutes), so a key that stopped calling is not held until MAX_KEYS others push it out.
 
 
 class RefusedBytes:
@@ -36,6 +38,7 @@ class RefusedBytes:
         self._per_minute = per_minute
         self._refused: dict[str, deque[tuple[float, int]]] = {}
         self._sums: dict[str, int] = {}
+        self._swept_at = 0.0
 
     def _recent(self, key: str, now: float) -> int:
         refused = self._refused.get(key)
@@ -51,6 +54,8 @@ class RefusedBytes:
     def wait_s(self, key: str, now: float | None = None) -> float | None:
         """Seconds until ``key``'s budget has room again, or None when it has now."""
         now = time.monotonic() if now is None else now
+        if now - self._swept_at >= WINDOW_S:
+            self._forget_quiet(now)
         if self._recent(key, now) < self._per_minute:
             return None
         refused = self._refused[key]
@@ -61,6 +66,11 @@ class RefusedBytes:
             if total < self._per_minute:
                 return at + WINDOW_S - now
         return WINDOW_S
+
+    def _forget_quiet(self, now: float) -> None:
+        self._swept_at = now
+        for key in [k for k, refused in self._refused.items() if refused[-1][0] <= now - WINDOW_S]:
+            del self._refused[key], self._sums[key]
 
     def refused(self, key: str, size: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

@@ -17,6 +17,18 @@ def test_an_address_may_try_again_once_its_oldest_failure_is_a_minute_old():
     assert failures.wait_s("a", now=60.0) is None
 
 
+
+def test_addresses_that_stopped_trying_are_forgotten_once_their_failures_leave_the_window():
+    failures = FailedKeys(per_minute=3)
+    for address in ("gone", "staying"):
+        failures.failed(address, now=0.0)
+    failures.failed("staying", now=50.0)
+    assert failures.wait_s("anyone", now=70.0) is None  # a request from anyone sweeps, once a window
+    assert set(failures._failures) == {"staying"}
+    assert failures.wait_s("anyone", now=130.0) is None
+    assert failures._failures == {}
+
+
 def test_forwarded_addresses_are_believed_from_trusted_proxies_only():
     scope = {"client": ("10.0.0.5", 1234), "headers": [(b"x-forwarded-for", b"6.6.6.6, 1.2.3.4")]}
     assert client_address(scope, []) == "10.0.0.5"

@@ -24,6 +24,17 @@ def test_refused_bytes_count_for_a_minute_and_say_when_there_is_room_again():
     assert budget.wait_s("k", now=71.0) is None and budget.wait_s("k", now=71.0) is None  # all gone, forgotten
 
 
+def test_keys_that_stopped_calling_are_forgotten_once_their_refusals_leave_the_window():
+    budget = RefusedBytes(per_minute=100)
+    for key in ("gone", "staying"):
+        budget.refused(key, 10, now=0.0)
+    budget.refused("staying", 10, now=50.0)
+    assert budget.wait_s("anyone", now=70.0) is None  # any key's request sweeps, once a window
+    assert set(budget._refused) == set(budget._sums) == {"staying"}
+    assert budget.wait_s("anyone", now=130.0) is None
+    assert budget._refused == {} and budget._sums == {}
+
+
 class App:
     """Test double of the application: reads the whole body, then answers ``status``."""
 

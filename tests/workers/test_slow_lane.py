@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
-from switchyard.workers.service.intake import Intake
+from switchyard.workers.service.intake import DEMOTED_S, SLOW_PREPARE_S, Intake
 
 
 class BurningEngine:
@@ -50,3 +50,16 @@ async def test_expensive_prompts_are_prepared_one_at_a_time_with_rests_between()
     ends = {rid: end for rid, _, end in engine.spans}
     for before, after in (("r0", "r1"), ("r1", "r2")):
         assert starts[after] - ends[before] >= 2.0 * 0.05 * 0.9  # rested after each, not back to back
+
+
+def test_tenants_forgiven_are_forgotten():
+    intake = Intake(BurningEngine(cost_s=0.0), StubConnection(), None, "m", "w", held=None, capacity=None, out=None)
+    try:
+        intake._note_cost("gone", SLOW_PREPARE_S * 2, now=100.0)
+        intake._note_cost("staying", SLOW_PREPARE_S * 2, now=100.0 + DEMOTED_S / 2)
+        intake._note_cost("cheap", 0.0, now=100.0 + DEMOTED_S + 1)  # any prepare sweeps, once every DEMOTED_S
+        assert set(intake._demoted) == {"staying"}
+        intake._note_cost("cheap", 0.0, now=100.0 + 3 * DEMOTED_S)
+        assert intake._demoted == {}
+    finally:
+        intake.shutdown()

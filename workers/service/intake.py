@@ -115,6 +115,7 @@ class Intake:
         self._slow_lane = ThreadPoolExecutor(1, thread_name_prefix="switchyard-prepare-slow",
                                              initializer=lower_priority)
         self._demoted: dict[str | None, float] = {}  # tenant id -> until when its prompts go to the slow lane
+        self._forgiven_at = 0.0  # (monotonic) when the tenants past their time were last dropped
         self._slow_lane_turn = asyncio.Lock()
         self._slow_lane_rested_at = 0.0  # (monotonic) when the slow lane may start its next prepare
         self._preparing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
@@ -337,8 +338,11 @@ class Intake:
     def _note_cost(self, tenant_id: str | None, cpu_s: float, now: float) -> None:
         if cpu_s > SLOW_PREPARE_S:
             self._demoted[tenant_id] = now + DEMOTED_S
-            if len(self._demoted) > 10_000:  # tenants long since forgiven
-                self._demoted = {t: until for t, until in self._demoted.items() if until > now}
+        # Tenants forgiven are dropped once every DEMOTED_S (a scan of the few demoted lately), so one that stopped
+        # sending is not held for good: a worker sees tenants come and go for days.
+        if now - self._forgiven_at > DEMOTED_S:
+            self._forgiven_at = now
+            self._demoted = {t: until for t, until in self._demoted.items() if until > now}
 
     # -- answering JetStream --------------------------------------------------------------------------------
     async def refuse(self, request: GenerateRequest, msg, error: ErrorInfo) -> int:
