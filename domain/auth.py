@@ -86,6 +86,10 @@ class Authenticator:
                 pass
         return auth
 
+    def tenant_state(self) -> dict[str, int]:
+        """Entries per API key (shared/tenant_state.py): answers cached (wrong keys' too), last uses written."""
+        return {"auth_keys": len(self._cache), "auth_last_used": len(self._last_used)}
+
     def forget_idle(self, now: float | None = None) -> None:
         """Drop what no request can use any more, so a key that stopped calling is not held for good: an answer
         older than ``STALE_OK_S`` (a lookup replaces it, and an outage would not serve it), and a last use older

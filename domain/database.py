@@ -106,6 +106,10 @@ class Database:
         self._turns = asyncio.Semaphore(pool.get_max_size())  # calls in flight: one per connection
         self._keys: dict[str, _KeyLock] = {}  # keys with calls running or waiting (dropped when none)
 
+    def tenant_state(self) -> dict[str, int]:
+        """Keys (a tenant's or an API key's rows) with calls running or waiting (shared/tenant_state.py)."""
+        return {"db_key_locks": len(self._keys)}
+
     @property
     def degraded(self) -> bool:
         return self._failed_at is not None

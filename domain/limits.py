@@ -181,6 +181,9 @@ class Limiter:
             except DatabaseUnavailable:  # the window keeps its reservation: a limit errs on the safe side
                 pass
 
+    def tenant_state(self) -> dict[str, int]:
+        return {"local_rate_windows": len(self._local)}
+
     def forget_idle(self) -> None:
         """Drop the in-memory windows (kept while Postgres was away) of keys with nothing in the last minute."""
         self._local.forget_idle()

@@ -21,6 +21,10 @@ class LocalLimiter:
         self._share = share
         self._windows: dict[str, deque[list[float]]] = {}  # entries [admitted at, tokens]; settle() edits tokens
 
+    def __len__(self) -> int:
+        """Keys with a window here."""
+        return len(self._windows)
+
     def admit(self, key_id: str, rpm: int, tpm: int, tokens: int, now: float | None = None) -> float | None:
         """Count the request and its ``tokens`` if this gateway's share of ``rpm`` and ``tpm`` allows; else
         return the seconds until it would (nothing counted)."""

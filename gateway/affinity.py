@@ -66,6 +66,10 @@ class AffinityIndex:
         self._kv: KeyValue | None = None
         self._local: OrderedDict[str, str] = OrderedDict()
 
+    def tenant_state(self) -> dict[str, int]:
+        """This gateway's own records (conversation turns, long system prompts), shared/tenant_state.py."""
+        return {"affinity_records": len(self._local)}
+
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
             try:

@@ -55,6 +55,9 @@ class FailedKeys:
             return None
         return failures[0] + WINDOW_S - now
 
+    def tenant_state(self) -> dict[str, int]:
+        return {"failed_auth_addresses": len(self._failures)}
+
     def _forget_quiet(self, now: float) -> None:
         self._swept_at = now
         for address in [a for a, failures in self._failures.items() if failures[-1] <= now - WINDOW_S]:
@@ -88,6 +91,7 @@ class Gatekeeper:
         self.app = app
         self._services = services
         self._failures = FailedKeys(per_minute)
+        services.metrics.tenant_state.watch("gatekeeper", self._failures.tenant_state)
         self._trusted = [ipaddress.ip_network(n, strict=False) for n in trusted_proxies]
 
     async def __call__(self, scope, receive, send) -> None:

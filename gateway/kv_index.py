@@ -97,6 +97,14 @@ class KVIndex:
         self.num_batches = 0
         self.num_gaps = 0
 
+    def tenant_state(self) -> dict[str, int]:
+        """Message-prefix segments (a conversation's, keyed within its tenant's cache scope) and the blocks known in
+        workers' pools and nodes' tiers, every model's (shared/tenant_state.py)."""
+        models = list(self._models.values())
+        return {"kv_index_prefixes": sum(len(m.prefixes) for m in models),
+                "kv_index_pool_blocks": sum(len(m.pool) for m in models),
+                "kv_index_tier_blocks": sum(len(m.nodes) for m in models)}
+
     async def start(self, nc) -> None:
         self._nc = nc
         self._sub = await nc.subscribe(f"{KV_EVENTS_PREFIX}.*", cb=self._on_message)

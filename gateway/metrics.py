@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from switchyard.shared.gc_pauses import pause_histogram
 from switchyard.shared.messages import GenerateRequest, TokenDelta
 from switchyard.shared.metrics import LATENCY_BUCKETS, LOOP_LAG_BUCKETS, REQUEST_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
+from switchyard.shared.tenant_state import TenantStateCollector
 
 _LABELS = ("model", "tier")
 
@@ -76,6 +77,10 @@ class GatewayMetrics:
                                       "spent), no_free_seat (no other worker had a seat free).",
                                       (*_LABELS, "reason"), registry=r)
         self.gc_pauses = pause_histogram(r)
+        # What the gateway holds per tenant, key or conversation (shared/tenant_state.py): its services and
+        # middleware watch it when they are made.
+        self.tenant_state = TenantStateCollector()
+        r.register(self.tenant_state)
         self.served_models: set[str] = set()  # names a model label may take (the registry's), see model_label
 
     def model_label(self, model: str | None) -> str:

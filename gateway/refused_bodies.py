@@ -67,6 +67,9 @@ class RefusedBytes:
                 return at + WINDOW_S - now
         return WINDOW_S
 
+    def tenant_state(self) -> dict[str, int]:
+        return {"refused_body_keys": len(self._refused)}
+
     def _forget_quiet(self, now: float) -> None:
         self._swept_at = now
         for key in [k for k, refused in self._refused.items() if refused[-1][0] <= now - WINDOW_S]:
@@ -88,6 +91,7 @@ class RefusedBodies:
         self.app = app
         self._budget = RefusedBytes(per_minute)
         self._metrics = metrics
+        metrics.tenant_state.watch("refused_bodies", self._budget.tenant_state)
 
     async def __call__(self, scope, receive, send) -> None:
         auth = scope.get("state", {}).get("auth") if scope["type"] == "http" else None

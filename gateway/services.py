@@ -130,6 +130,12 @@ class GatewayServices:
         resumer = StreamResumer(self.nc, relay) if gateway.stream_resume_window_s else None
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,
                                              self.metrics, affinity=affinity, resumer=resumer)
+        state = self.metrics.tenant_state  # the middleware (gatekeeper, refused bodies) watch theirs when made
+        state.watch("authenticator", self.authenticator.tenant_state)
+        state.watch("admission", self.admission.tenant_state)
+        state.watch("database", self.db.tenant_state)
+        if affinity is not None:
+            state.watch("placement", affinity.tenant_state)
         self.conversations = Conversations(pool, self.js)
         self.embeddings = EmbeddingService(self.completions)
         self.response_store = Responses(pool, self.js)

@@ -41,6 +41,11 @@ class TenantShare:
         self._last_cost: dict[str, float] = {}  # tenant -> its last finished request's cost (its next one's guess)
         self._clock = itertools.count()
 
+    def tenant_state(self) -> dict[str, int]:
+        """Tenants with a counter, with a last cost, backlogged (``_since`` and ``_before_lift`` hold only these)."""
+        return {"fair_share_counters": len(self._counters), "fair_share_costs": len(self._last_cost),
+                "fair_share_backlogged": len(self._backlogged)}
+
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
 

@@ -111,6 +111,9 @@ class MonthlyBudget(Policy):
     async def upkeep(self) -> None:
         self.forget_idle()
 
+    def tenant_state(self) -> dict[str, int]:
+        return {"budget_readings": len(self._spent)}
+
     async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
         reserved, ticket.budget_reserved = ticket.budget_reserved, 0
         if not reserved or ticket.budget_month is None:  # a reservation always has its month

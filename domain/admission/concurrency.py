@@ -140,6 +140,10 @@ class Concurrency(Policy):
         except DatabaseUnavailable:
             pass  # its lease expires
 
+    def tenant_state(self) -> dict[str, int]:
+        return {"concurrency_requests": len(self._held) + len(self._local_ids),
+                "concurrency_local_tenants": len(self._local)}
+
     async def upkeep(self) -> None:
         """Extend the leases of every request this gateway still serves (and drop expired rows of any)."""
         held = list(self._held)

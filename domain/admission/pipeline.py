@@ -33,6 +33,10 @@ class Policy:
         """The request ended having used ``used_tokens`` (0: it never ran; None: unknown here, e.g. a stream the
         client left, which the worker bills)."""
 
+    def tenant_state(self) -> dict[str, int]:
+        """What the policy holds in memory per tenant or key: structure -> entries (shared/tenant_state.py)."""
+        return {}
+
     async def upkeep(self) -> None:
         """Periodic work of a policy that holds something for requests still running (renewing leases); the
         process that admits requests calls it every ``UPKEEP_EVERY_S``."""
@@ -60,6 +64,10 @@ class Pipeline:
                 await policy.settle(ticket, 0)
             raise
         return ticket
+
+    def tenant_state(self) -> dict[str, int]:
+        """Every policy's (see ``Policy.tenant_state``)."""
+        return {structure: entries for policy in self.policies for structure, entries in policy.tenant_state().items()}
 
     async def upkeep(self) -> None:
         """Every policy's periodic work (see ``Policy.upkeep``)."""

@@ -40,3 +40,6 @@ class RateLimits(Policy):
         """The windows this gateway kept while Postgres was away, of keys that have not called since, go (nothing
         else forgets them: the jobs' housekeeping prunes a limiter of its own)."""
         self._limiter.forget_idle()
+
+    def tenant_state(self) -> dict[str, int]:
+        return self._limiter.tenant_state()

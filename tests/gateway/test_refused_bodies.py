@@ -11,6 +11,7 @@ import pytest
 
 from switchyard.gateway import refused_bodies
 from switchyard.gateway.refused_bodies import RefusedBodies, RefusedBytes
+from switchyard.shared.tenant_state import TenantStateCollector
 
 
 def test_refused_bytes_count_for_a_minute_and_say_when_there_is_room_again():
@@ -33,6 +34,11 @@ def test_keys_that_stopped_calling_are_forgotten_once_their_refusals_leave_the_w
     assert set(budget._refused) == set(budget._sums) == {"staying"}
     assert budget.wait_s("anyone", now=130.0) is None
     assert budget._refused == {} and budget._sums == {}
+
+
+def gateway_metrics(errors: list) -> SimpleNamespace:
+    """The gateway's metrics as the middleware uses them: its errors recorded in ``errors``, its state watched."""
+    return SimpleNamespace(error=lambda *args: errors.append(args), tenant_state=TenantStateCollector())
 
 
 class App:
@@ -72,7 +78,7 @@ async def call(middleware, key: str, body: bytes) -> tuple[int, dict, int]:
 async def test_a_key_past_its_budget_is_answered_429_unread_and_other_keys_are_untouched(monkeypatch):
     monkeypatch.setattr(refused_bodies, "PAUSE_S", 0.0)
     errors = []
-    metrics = SimpleNamespace(error=lambda *args: errors.append(args))
+    metrics = gateway_metrics(errors)
     refusing = App(400)
     middleware = RefusedBodies(refusing, per_minute=5000, metrics=metrics)
     body = b"x" * 2500
@@ -87,7 +93,7 @@ async def test_a_key_past_its_budget_is_answered_429_unread_and_other_keys_are_u
 
 async def test_bodies_answered_well_cost_nothing_and_the_429_is_openai_shaped(monkeypatch):
     monkeypatch.setattr(refused_bodies, "PAUSE_S", 0.0)
-    middleware = RefusedBodies(App(200), per_minute=10, metrics=SimpleNamespace(error=lambda *args: None))
+    middleware = RefusedBodies(App(200), per_minute=10, metrics=gateway_metrics([]))
     for _ in range(3):
         assert (await call(middleware, "k", b"y" * 100))[0] == 200
     sent = []
@@ -95,9 +101,19 @@ async def test_bodies_answered_well_cost_nothing_and_the_429_is_openai_shaped(mo
     async def send(message):
         sent.append(message)
 
-    spent = RefusedBodies(App(400), per_minute=10, metrics=SimpleNamespace(error=lambda *args: None))
+    spent = RefusedBodies(App(400), per_minute=10, metrics=gateway_metrics([]))
     await call(spent, "k", b"z" * 20)
     scope = {"type": "http", "path": "/v1/responses", "state": {"auth": SimpleNamespace(key_id="k")}}
     await spent(scope, None, send)
     error = json.loads(sent[1]["body"])["error"]
     assert error["code"] == "too_many_refused_bodies" and error["type"] == "rate_limit_error"
+
+
+async def test_the_keys_counted_are_on_the_tenant_state_gauge(monkeypatch):
+    monkeypatch.setattr(refused_bodies, "PAUSE_S", 0.0)
+    metrics = gateway_metrics([])
+    middleware = RefusedBodies(App(400), per_minute=5000, metrics=metrics)
+    for key in ("a", "b"):
+        await call(middleware, key, b"x" * 10)
+    [family] = metrics.tenant_state.collect()
+    assert [(s.labels, s.value) for s in family.samples] == [({"structure": "refused_body_keys"}, 2)]

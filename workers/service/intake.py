@@ -374,5 +374,9 @@ class Intake:
         for msg in list(self._unacked.values()):
             await msg.in_progress()
 
+    def tenant_state(self) -> dict[str, int]:
+        """What the intake holds per tenant (shared/tenant_state.py): its queues' and fair shares', the slow lane's."""
+        return {**self.queues.tenant_state(), "slow_lane_tenants": len(self._demoted)}
+
     def summary(self) -> str:
         return f"maybe_pending={self.queues.summary()} intake_idle={self.idle.is_set()}"

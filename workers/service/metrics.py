@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from switchyard.shared.gc_pauses import pause_histogram
 from switchyard.shared.metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS, TOKEN_INTERVAL_BUCKETS, name
+from switchyard.shared.tenant_state import TenantStateCollector
 from switchyard.shared.tiers import TIER_NAMES
 from switchyard.workers.serving.stats import EngineStats
 
@@ -50,6 +51,9 @@ class WorkerMetrics:
                                      "by category and action: blocked (halted, finish_reason content_filter) or "
                                      "logged.", (*labels, "category", "action"), registry=r)
         r.register(_EngineCollector(self))
+        # What the worker holds per tenant (shared/tenant_state.py): its intake and stream replays watch it.
+        self.tenant_state = TenantStateCollector()
+        r.register(self.tenant_state)
 
     # -- observations (event loop) -------------------------------------------------------------------------
     def started(self, tier: str, queue_s: float, prompt_tokens: int) -> None:

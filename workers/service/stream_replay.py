@@ -72,6 +72,10 @@ class StreamReplays:
     def __len__(self) -> int:
         return len(self._replays)
 
+    def tenant_state(self) -> dict[str, int]:
+        """Resumable requests kept (each its tenant's), ended ones remembered with their tenant (tenant_state.py)."""
+        return {"resumable_streams": len(self._replays), "resume_gone": len(self._gone)}
+
     def route(self, request: GenerateRequest) -> str | None:
         """Where ``request``'s deltas go now."""
         replay = self._replays.get(request.request_id)

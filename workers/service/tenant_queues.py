@@ -121,6 +121,16 @@ class TenantQueues:
     def has_pending(self) -> bool:
         return any(self._pending.values()) or bool(self._offered)
 
+    def tenant_state(self) -> dict[str, int]:
+        """Entries per tenant (and tier), every tier's fair share included (shared/tenant_state.py). Read from the
+        status server's thread: the tiers' maps never change, only the sets and maps in them."""
+        sizes = Counter({"queue_pending_tenants": sum(len(tenants) for tenants in self._pending.values()),
+                         "queue_rings": len(self._rung), "queue_unmatched": len(self._unmatched),
+                         "queue_consumers": len(self._consumers)})
+        for share in self._shares.values():
+            sizes.update(share.tenant_state())
+        return dict(sizes)
+
     def summary(self) -> dict[str, int]:
         """Tier -> tenants that may have work, offers counted as one (for the worker's state line)."""
         return {tier: len(tenants) + (tier in self._offered) for tier, tenants in self._pending.items()

@@ -109,6 +109,8 @@ class Worker:
         out = Publisher(nc, js, self.worker_id, replays)
         intake = self._intake = Intake(self.engine, nc, js, self._queue, self.worker_id, self._held,
                                        self._capacity, out, config.worker.prepare_threads)
+        self.metrics.tenant_state.watch("intake", intake.tenant_state)
+        self.metrics.tenant_state.watch("stream_replays", replays.tenant_state)
         try:
             await ensure_streams(js, config.nats_replicas, seed=False)
             await intake.sweep()
