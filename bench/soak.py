@@ -262,8 +262,9 @@ class Soak:
             self.stop()
 
     def _sample(self, at: float) -> Sample:
+        gateways = {name: self.system.url(port) for name, port in self.gateways.items()}
         s = asyncio.run(sample(at, self.pids(), self.system.config.nats_url, self.system.config.database_url,
-                               self.work))
+                               self.work, gateways))
         memory = sum(m for m, _ in s.processes.values()) / 2**20
         print(f"{at / 60:6.1f} min  sample: {len(s.processes)} processes, {memory:.0f} MiB (PSS), "
               f"{sum(f for _, f in s.processes.values())} fds", flush=True)

@@ -84,6 +84,13 @@ def storage_rows(result) -> list[list[str]]:
     return rows
 
 
+def tenant_state_rows(result) -> list[list[str]]:
+    """Per structure: the entries of every process together, at each sample (its name: which processes hold it)."""
+    structures = sorted({k for s in result.samples for held in s.tenant_state.values() for k in held})
+    return [[name, *(str(sum(held.get(name, 0) for held in s.tenant_state.values())) for s in result.samples)]
+            for name in structures]
+
+
 def outcome_rows(result) -> list[list[str]]:
     counts = collections.Counter((o.kind, o.status, o.code) for o in result.ledger)
     return [[kind, status, code or "-", str(n)] for (kind, status, code), n in sorted(counts.items())]
@@ -108,6 +115,9 @@ def report(result, args) -> str:
              "### Storage (first sample, last sample)", "",
              markdown_table(["what", "rows first", "rows last", "MiB first", "MiB last", "consumers"],
                             storage_rows(result)), "",
+             "### State held per tenant, key or conversation (entries, all processes; at each sample)", "",
+             markdown_table(["structure", *(f"{s.at / 60:.0f} min" for s in result.samples)],
+                            tenant_state_rows(result)), "",
              "### Requests by kind and outcome", "",
              markdown_table(["kind", "outcome", "code", "requests"], outcome_rows(result)), ""]
     if check is not None:

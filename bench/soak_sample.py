@@ -22,6 +22,8 @@ class Sample:
     # name -> (rows, bytes on disk); "(connections)": Postgres's client connections (the services' pools), 0 bytes
     tables: dict[str, tuple[int, int]] = field(default_factory=dict)
     data_dir_bytes: int = 0
+    # process -> structure -> entries held per tenant, key, address or conversation (switchyard:tenant_state_entries)
+    tenant_state: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def process_usage(pid: int) -> tuple[int, int]:
@@ -79,11 +81,45 @@ async def table_state(database_url: str) -> dict[str, tuple[int, int]]:
         await conn.close()
 
 
-async def sample(at: float, pids: dict[str, int], nats_url: str, database_url: str, data_dir: Path) -> Sample:
+def tenant_state_of(metrics_text: str) -> dict[str, int]:
+    """``switchyard:tenant_state_entries`` by structure, out of a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.labels["structure"]: int(s.value) for family in text_string_to_metric_families(metrics_text)
+            if family.name == "switchyard:tenant_state_entries" for s in family.samples}
+
+
+async def tenant_state(gateways: dict[str, str], nats_url: str) -> dict[str, dict[str, int]]:
+    """Each gateway's (``gateways``: name -> base URL) and each live worker's tenant state."""
+    import httpx
+
+    from switchyard.shared import nats_client
+    from switchyard.shared.jetstream import live_workers
+
+    endpoints = {name: f"{url}/metrics" for name, url in gateways.items()}
+    nc = await nats_client.connect(nats_url, "soak-probe", reconnect_forever=False)
+    try:
+        endpoints |= {f"worker pid {w.pid}": w.metrics_url for w in await live_workers(nc.jetstream(timeout=5))
+                      if w.metrics_url}
+    finally:
+        await nc.close()
+    out = {}
+    async with httpx.AsyncClient(timeout=10) as http:
+        for name, url in endpoints.items():
+            try:
+                out[name] = tenant_state_of((await http.get(url)).text)
+            except httpx.HTTPError:
+                continue  # a process restarting
+    return out
+
+
+async def sample(at: float, pids: dict[str, int], nats_url: str, database_url: str, data_dir: Path,
+                 gateways: dict[str, str]) -> Sample:
     """One window's figures; a server that cannot be read right now (a fault) leaves its part empty."""
     out = Sample(at, {name: process_usage(pid) for name, pid in pids.items()}, data_dir_bytes=dir_bytes(data_dir))
     try:
         out.streams = await jetstream_state(nats_url)
+        out.tenant_state = await tenant_state(gateways, nats_url)
     except Exception:  # noqa: BLE001 - NATS restarting
         pass
     try:

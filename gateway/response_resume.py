@@ -17,7 +17,7 @@ from switchyard.domain.errors import OpenAIError
 from switchyard.gateway.response_run import ResponseRun, ResponseStream
 from switchyard.gateway.serving import CompletionService, Outcome
 from switchyard.gateway.stream_ids import Position
-from switchyard.gateway.stream_resume import StreamResumer
+from switchyard.gateway.stream_resume import MOVED_MIDWAY, StreamResumer
 from switchyard.shared.messages import StoredResponse, TokenDelta
 
 
@@ -41,17 +41,18 @@ async def take_over(resumer: StreamResumer, completions: CompletionService, stor
     """Take ``stored``'s stream over from its worker and make its events again up to what the worker had sent;
     raises OpenAIError 404 (``starting_after`` never sent) or 410 (not resumable any more)."""
     try:
+        # First runs only: a later one's first deltas, from which the events are made again, died with its
+        # first worker (a failover) or stayed with the prefill worker (a hand-over). Its worker leaves it with the
+        # gateway that relays it, which runs it to its end and stores it.
         relayed, first, answer, _ = await resumer.take_over_request(stored.request_id, stored.tenant_id,
-                                                                    Position(0, 0, 0))
+                                                                    Position(0, 0, 0), first_attempt_only=True)
     except OpenAIError as exc:
         if exc.status != 404:
             raise
         raise expired("This response's stream can no longer be resumed: its worker let it go.") from None
-    if answer.request is not None and answer.request.attempt != 0:
-        # Its first run's deltas, from which its events are made again, died with that run's worker (a failover)
-        # or stayed with the prefill worker (a hand-over): the numbering cannot be made again.
+    if answer.request is not None and answer.request.attempt != 0:  # a worker older than first_attempt_only
         await completions.end(relayed, None, Outcome(request_id=stored.request_id), None)
-        raise expired("This response's stream moved to another worker midway and can no longer be resumed.")
+        raise expired(MOVED_MIDWAY)
     stream = ResponseStream(ResponseRun.resumed(stored, relayed.request),
                             -1 if starting_after is None else starting_after)
     deltas = completions.deltas(relayed, first).__aiter__()

@@ -32,6 +32,7 @@ from switchyard.shared.messages import ResumeAnswer, StreamResume, TokenDelta, d
 # streams at once (its gateway died); silence this long means none holds it, so an unknown id waits this long.
 RESUME_ASK_S = 5.0
 _FIRST_DELTA_S = 10.0  # its resent deltas follow the answer at once; this only bounds a NATS hiccup
+MOVED_MIDWAY = "This response's stream moved to another worker midway and can no longer be resumed."
 
 
 def _not_found() -> OpenAIError:
@@ -57,14 +58,17 @@ class StreamResumer:
         relayed, first, _, text_before = await self.take_over_request(request_id, tenant_id, position)
         return relayed, first, position, text_before
 
-    async def take_over_request(self, request_id: str, tenant_id: str | None, position: Position
-                                ) -> tuple[RelayedRequest, TokenDelta, ResumeAnswer, int]:
+    async def take_over_request(self, request_id: str, tenant_id: str | None, position: Position,
+                                first_attempt_only: bool = False) -> tuple[RelayedRequest, TokenDelta, ResumeAnswer,
+                                                                           int]:
         """Take ``request_id``'s stream over from ``position`` (the client's last delta, sent again): the relayed
         request, its first resent delta, the worker's answer (its run, how many deltas it had sent) and how much
-        of choice 0's text came before that delta; raises OpenAIError 404/410."""
+        of choice 0's text came before that delta; raises OpenAIError 404/410 (``first_attempt_only``: 410 for a
+        later attempt, which stays with its gateway)."""
         inbox = self._relay.open_inbox(request_id)  # before asking: the resent deltas come right after the answer
         try:
-            ask = StreamResume(request_id, tenant_id, self._relay.token_subject, position.attempt, position.seq)
+            ask = StreamResume(request_id, tenant_id, self._relay.token_subject, position.attempt, position.seq,
+                               first_attempt_only)
             try:
                 reply = await self._nc.request(subjects.resume_subject(request_id), encode(ask),
                                                timeout=RESUME_ASK_S)
@@ -75,6 +79,8 @@ class StreamResumer:
                 raise OpenAIError(410, "This stream can no longer be resumed: it ended, was cancelled when its "
                                   "client left, or waited longer than the resume window with no gateway.",
                                   code="stream_expired", param="Last-Event-ID")
+            if answer.status == "moved":
+                raise OpenAIError(410, MOVED_MIDWAY, code="stream_expired", param="stream")
             if answer.status != "ok" or answer.request is None:
                 raise _not_found()
             relayed = self._relay.taken_over(answer.request, inbox, answer)

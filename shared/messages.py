@@ -376,6 +376,9 @@ class StreamResume(msgspec.Struct):
     # The last delta the client has events of (gateway/stream_ids.py): one the worker never sent is refused.
     attempt: int = 0
     seq: int = 0
+    # Only a first run may be taken over (a Responses stream, whose events are made again from the run's first
+    # delta): a later attempt is answered ``moved`` and left where it is, its gateway relaying it on.
+    first_attempt_only: bool = False
 
 
 # The error code of the last delta a worker sends the gateway that relayed a stream until another took it over (its
@@ -387,8 +390,8 @@ STREAM_TAKEN_OVER = "stream_taken_over"
 class ResumeAnswer(msgspec.Struct):
     """The holder's answer to a ``StreamResume``. ``status``: ``ok`` (its deltas follow, from ``first_seq``, the
     client's own; it had sent ``next_seq`` of them), ``gone`` (it ended or was cancelled, its window over, or the
-    deltas after the client's are no longer kept: nothing to resume), or ``ahead`` (the client names a delta never
-    sent)."""
+    deltas after the client's are no longer kept: nothing to resume), ``ahead`` (the client names a delta never
+    sent), or ``moved`` (a later attempt, asked ``first_attempt_only``: not taken over)."""
 
     status: str
     request: GenerateRequest | None = None  # ok: the request as the worker runs it (its attempt, its resume)

@@ -59,6 +59,17 @@ def test_a_position_never_sent_is_ahead_and_an_earlier_attempt_resumes_from_the_
     assert answer.status == "ok" and len(deltas) == 2 and answer.first_seq == 0 and answer.token_ids == []
 
 
+def test_a_later_attempt_asked_for_first_runs_only_is_moved_and_stays_with_its_gateway():
+    replays = StreamReplays("w", started_at=0.0)
+    later, first = request(resume=Resume([1, 2], 2, attempt=1)), request("r0")
+    sent(replays, later, 2)
+    sent(replays, first, 2)
+    answer, deltas = replays.resume(StreamResume("r", "t", G2, first_attempt_only=True))
+    assert answer.status == "moved" and deltas == [] and answer.request is None
+    assert replays.route(later) == G1  # its gateway relays it on (and is told nothing)
+    assert replays.resume(StreamResume("r0", "t", G2, first_attempt_only=True))[0].status == "ok"
+
+
 def test_an_orphan_is_cancelled_after_its_window_and_its_owner_then_hears_it_is_gone():
     replays = StreamReplays("w", started_at=0.0)
     req = request(window_s=10.0)

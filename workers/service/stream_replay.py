@@ -182,6 +182,8 @@ class StreamReplays:
                 return ResumeAnswer("gone", worker_id=self._worker_id), []
             return None
         attempt = replay.request.attempt
+        if ask.first_attempt_only and attempt != 0:
+            return ResumeAnswer("moved", worker_id=self._worker_id), []  # its gateway keeps relaying it
         next_seq = replay.first_seq + len(replay.deltas)
         if ask.attempt > attempt or (ask.attempt == attempt and ask.seq >= next_seq):
             return ResumeAnswer("ahead", worker_id=self._worker_id), []
