@@ -224,7 +224,7 @@ class Load:
         deadline = time.monotonic() + 300
         while answer is not None and answer["status"] in ("queued", "in_progress") and time.monotonic() < deadline:
             await asyncio.sleep(1.0)
-            r = await http.get(f"/v1/responses/{answer['id']}", headers=headers)
+            r = await _get(http, f"/v1/responses/{answer['id']}", headers)
             if r.status_code != 200:
                 out.code = f"poll {r.status_code}"
                 continue  # a gateway restarting: ask again
@@ -257,7 +257,7 @@ class Load:
         deadline = time.monotonic() + 300
         while answer is not None and answer["status"] == "queued" and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            r = await http.get(f"/v1/responses/{answer['id']}", headers=headers)
+            r = await _get(http, f"/v1/responses/{answer['id']}", headers)
             answer = r.json() if r.status_code == 200 else answer
         if answer is None or answer["status"] != "in_progress":
             if answer is not None:
@@ -330,7 +330,7 @@ class Load:
         deadline = time.monotonic() + 600
         while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
             await asyncio.sleep(2.0)
-            r = await http.get(f"/v1/batches/{batch['id']}", headers=headers)
+            r = await _get(http, f"/v1/batches/{batch['id']}", headers)
             if r.status_code == 200:
                 batch = r.json()
         if batch["status"] != "completed" or not batch.get("output_file_id"):
@@ -338,7 +338,7 @@ class Load:
             return
         deadline = time.monotonic() + 120
         while True:  # a tenant over its rate limit is told to come back (429): it does, as a client would
-            r = await http.get(f"/v1/files/{batch['output_file_id']}/content", headers=headers)
+            r = await _get(http, f"/v1/files/{batch['output_file_id']}/content", headers)
             if r.status_code not in (429, 503) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(2.0)
@@ -357,3 +357,16 @@ async def _events(r: httpx.Response):
     async for line in r.aiter_lines():
         if line.startswith("data: "):
             yield json.loads(line[6:])
+
+
+async def _get(http: httpx.AsyncClient, url: str, headers: dict) -> httpx.Response:
+    """A poll's GET: a gateway restarting (no connection, a cut one) is asked again, as a client polling would;
+    only an answer, whatever its status, is returned (or the last error, after two minutes without one)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return await http.get(url, headers=headers)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
