@@ -185,13 +185,9 @@ class Soak:
         elif name == "pg-stop":
             self.system.restart_server("postgres", down_s=20)
         elif name == "worker-stop":
-            pids = _signal_tree(self.workers[0].pid, signal.SIGSTOP)
+            _signal_tree(self.workers[0].pid, signal.SIGSTOP)
             time.sleep(30)
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            _signal_tree(self.workers[0].pid, signal.SIGCONT)
         else:
             raise ValueError(f"unknown fault {name!r}")
 

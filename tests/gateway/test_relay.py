@@ -76,14 +76,20 @@ class RecordingFailover:
         self.billed.append(completion_tokens)
 
 
+async def _request_and_router(nc) -> tuple[GenerateRequest, TokenRouter]:
+    """A request to relay, and a started token router on ``nc`` for its deltas."""
+    request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
+                              deadline_at=time.time() + 30, prompt="x")
+    router = TokenRouter(nc)
+    await router.start()
+    return request, router
+
+
 async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old_run_is_ignored(nats_url):
     nc = await nats.connect(nats_url)
     try:
-        request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
-                                  deadline_at=time.time() + 30, prompt="x")
+        request, router = await _request_and_router(nc)
         rid = request.request_id
-        router = TokenRouter(nc)
-        await router.start()
         cancels = await nc.subscribe(subjects.cancel_subject(rid))
         failover = RecordingFailover()
         relayed = RelayedRequest(nc, request, router.open(rid), stall_timeout_s=10, retry_after_s=1,
@@ -118,11 +124,8 @@ async def test_a_continuation_handed_off_to_another_gateway_is_not_billed_here_o
     another gateway took the stream over does not (it goes on there, and its worker bills it)."""
     nc = await nats.connect(nats_url)
     try:
-        request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
-                                  deadline_at=time.time() + 30, prompt="x")
+        request, router = await _request_and_router(nc)
         rid = request.request_id
-        router = TokenRouter(nc)
-        await router.start()
         failover = RecordingFailover()
         relayed = RelayedRequest(nc, request, router.open(rid), stall_timeout_s=10, retry_after_s=1,
                                  failover=failover)
