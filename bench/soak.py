@@ -20,7 +20,8 @@ Every ``--fault-every`` minutes the next fault of ``--faults`` (in turn):
     pg-stop        stop Postgres for 20 s, then start it on the same data
     worker-stop    SIGSTOP a worker for 30 s, then SIGCONT
 
-Recovery: from the fault's last step until a probe request answers on every gateway.
+Recovery: from the fault's last step until a probe request answers on every gateway. After the load, ``--quiet``
+seconds without traffic and a last sample: what the processes still hold per tenant once every tenant left.
 
 Reported per ``--window`` minutes and at the end (bench/soak_report.py): every process's memory (PSS) and
 open files, the JetStream streams, every table's rows and size, the data directory; the requests by outcome and
@@ -248,6 +249,9 @@ class Soak:
             thread.join()
             loop.close()
             result.samples.append(self._sample(time.monotonic() - start))
+            if args.quiet:  # what the processes still hold of tenants once every one of them has left
+                time.sleep(args.quiet)
+                result.samples.append(self._sample(time.monotonic() - start))
             result.ledger, result.tenants_left = load.ledger, len(load.left)
             nats_url, database_url = self.system.config.nats_url, self.system.config.database_url
             records, dups = asyncio.run(usage_duplicates(nats_url))
@@ -290,6 +294,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--faults", nargs="*", default=FAULTS, choices=FAULTS)
     parser.add_argument("--fault-every", type=float, default=10.0, help="minutes")
     parser.add_argument("--window", type=float, default=10.0, help="minutes per reported window")
+    parser.add_argument("--quiet", type=float, default=130.0,
+                        help="seconds without traffic after the load, then a last sample: state kept per tenant for "
+                             "a minute must be gone by then (swept every minute)")
     parser.add_argument("--no-embeddings", dest="embeddings", action="store_false",
                         help="no embedding worker (all-MiniLM-L6-v2, pulled into the tests' model cache)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs) after the run")
