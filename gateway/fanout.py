@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from switchyard.gateway.relay import RelayedRequest
+from switchyard.gateway.relayed_request import RelayedRequest
 from switchyard.shared.messages import GenerateRequest, TokenDelta, Usage
 
 MERGE_QUEUE = 64  # deltas merged ahead of the reader

@@ -62,7 +62,7 @@ DELIVER = Verdict(deliver=True)
 
 class RelayState:
     """The state of one relayed request; the relay feeds it every delta and every liveness check, and carries
-    out the verdicts (gateway/relay.py)."""
+    out the verdicts (gateway/relayed_request.py)."""
 
     def __init__(self, attempt: int = 0) -> None:
         self.phase = Phase.WAITING

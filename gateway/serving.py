@@ -33,7 +33,8 @@ from switchyard.gateway.completion_shapes import BodyBuilder, ChunkBuilder, Shap
 from switchyard.gateway.fanout import MergedRelay
 from switchyard.gateway.kv_index import KVIndex
 from switchyard.gateway.metrics import GatewayMetrics
-from switchyard.gateway.relay import Relay, RelayedRequest
+from switchyard.gateway.relay import Relay
+from switchyard.gateway.relayed_request import RelayedRequest
 from switchyard.gateway.stream_ids import BEFORE_ALL, EventIds, Position
 from switchyard.gateway.stream_resume import StreamResumer
 from switchyard.shared.config import GatewayConfig

@@ -23,7 +23,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.relay import Relay, RelayedRequest
+from switchyard.gateway.relay import Relay
+from switchyard.gateway.relayed_request import RelayedRequest
 from switchyard.gateway.stream_ids import Position, parse_event_id
 from switchyard.shared import subjects
 from switchyard.shared.messages import ResumeAnswer, StreamResume, TokenDelta, decode, encode

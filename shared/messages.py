@@ -171,7 +171,8 @@ class GenerateRequest(msgspec.Struct):
     reply_subject: str | None = None
     kv_source: KVSource | None = None  # another node holding the prompt's first blocks (set by the gateway's index)
     # Disaggregated serving: in its model's prefill queue, a prefill worker runs it to its first token and ends it
-    # with finish_reason HANDOVER, billing nothing; the gateway continues it on a decode worker (gateway/relay.py).
+    # with finish_reason HANDOVER, billing nothing; the gateway continues it on a decode worker
+    # (gateway/relayed_request.py).
     handover: bool = False
     # A resumable stream (gateway/stream_resume.py): the worker keeps the deltas it sent, and if the gateway
     # relaying them dies it goes on for this long for a client to resume on another gateway. 0: not resumable.

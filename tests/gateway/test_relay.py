@@ -11,7 +11,7 @@ import msgspec
 import nats
 import pytest
 
-from switchyard.gateway.relay import RelayedRequest
+from switchyard.gateway.relayed_request import RelayedRequest
 from switchyard.gateway.token_router import TokenRouter
 from switchyard.shared import nats_client, subjects
 from switchyard.shared.messages import (
