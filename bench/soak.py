@@ -75,6 +75,7 @@ class SoakResult:
     ledger: list[Outcome] = field(default_factory=list)
     check: LedgerCheck | None = None
     tenants_left: int = 0
+    usage_duplicates: list = field(default_factory=list)  # (request id, each record's completion tokens)
     started_wall: float = 0.0
 
 
@@ -255,6 +256,7 @@ class Soak:
             result.ledger, result.tenants_left = load.ledger, len(load.left)
             nats_url, database_url = self.system.config.nats_url, self.system.config.database_url
             records, dups = asyncio.run(usage_duplicates(nats_url))
+            result.usage_duplicates = dups[:10]
             result.check = asyncio.run(check_ledger(load.ledger, database_url, nats_url, len(dups),
                                                     also_named=[rid for p in self.probes for rid in p.request_ids]))
             return result

@@ -125,9 +125,13 @@ def report(result, args) -> str:
                   f"{check.completed} completed; {check.billed_ok} billed once with the tokens their client was told; "
                   f"unbilled {len(check.unbilled)}, misbilled {len(check.misbilled)}, refused yet billed "
                   f"{len(check.billed_refused)}, usage recorded twice {check.twice}; rows no client can name "
-                  f"{len(check.unknown_rows)} (a gateway killed after publishing, before its client heard).",
+                  f"{len(check.unknown_rows)} (a gateway killed after publishing, before its client heard); seats "
+                  f"still held (open_requests rows) at the end {len(check.seats_held)}.",
                   "", *(f"- {line}" for line in (check.unbilled + check.misbilled + check.billed_refused)[:10]),
-                  *(f"- no client names {line}" for line in check.unknown_rows[:10]), ""]
+                  *(f"- no client names {line}" for line in check.unknown_rows[:10]),
+                  *(f"- a seat still held by {line}" for line in check.seats_held[:10]),
+                  *(f"- usage recorded twice for {rid}: completion tokens {tokens}"
+                    for rid, tokens in result.usage_duplicates), ""]
     plot = None if args.results == "-" else plot_series(result, Path(args.results or RESULTS).with_name(
         f"soak-{args.engine}-{time.strftime('%Y%m%d-%H%M')}.png"))
     if plot is not None:

@@ -140,6 +140,7 @@ class LedgerCheck:
     billed_refused: list[str] = field(default_factory=list)  # refused (never accepted), yet a row
     unknown_rows: list[str] = field(default_factory=list)  # rows no client request names
     twice: int = 0  # request ids with more than one usage record on the USAGE stream
+    seats_held: list[str] = field(default_factory=list)  # "kind request-id" of open_requests rows left at the end
 
     @property
     def exact(self) -> bool:
@@ -160,6 +161,7 @@ async def check_ledger(ledger: list[Outcome], database_url: str, nats_url: str, 
     conn = await asyncpg.connect(database_url)
     try:
         found = await conn.fetch("SELECT request_id, completion_tokens, finish_reason, tier, created_at FROM requests")
+        open_ids = [r["request_id"] for r in await conn.fetch("SELECT request_id FROM open_requests")]
         rows = {r["request_id"]: r["completion_tokens"] for r in found}
     finally:
         await conn.close()
@@ -177,6 +179,8 @@ async def check_ledger(ledger: list[Outcome], database_url: str, nats_url: str, 
                 check.billed_ok += 1
         elif out.status == "refused":
             check.billed_refused += [rid for rid in out.request_ids if rid in rows]
+    kinds = {rid: out.kind for out in ledger for rid in out.request_ids}
+    check.seats_held = [f"{kinds.get(rid, '?')} {rid}" for rid in open_ids]
     unknown = set(rows) - named
     check.unknown_rows = [f"{r['request_id']} ({r['tier']}, {r['finish_reason']}, {r['completion_tokens']} tokens, "
                           f"{r['created_at']:%H:%M:%S})" for r in found if r["request_id"] in unknown]

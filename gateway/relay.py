@@ -99,6 +99,10 @@ class Relay:
     def open_inbox(self, request_id: str) -> DeltaInbox:
         return self._router.open(request_id)
 
+    def inbox_of(self, request_id: str) -> DeltaInbox | None:
+        """The inbox this gateway has open for ``request_id``: it relays that request already."""
+        return self._router.inbox_of(request_id)
+
     async def _publish(self, request: GenerateRequest, payload: bytes | None = None, **where) -> None:
         try:
             await self._publisher.publish(request, payload, **where)

@@ -27,7 +27,7 @@ from switchyard.gateway.relay import Relay
 from switchyard.gateway.relayed_request import RelayedRequest
 from switchyard.gateway.stream_ids import Position, parse_event_id
 from switchyard.shared import subjects
-from switchyard.shared.messages import ResumeAnswer, StreamResume, TokenDelta, decode, encode
+from switchyard.shared.messages import TAKEN_OVER, ResumeAnswer, StreamResume, TokenDelta, decode, encode
 
 # The worker holding the stream answers within milliseconds, unless it is answering a gateway's whole load of
 # streams at once (its gateway died); silence this long means none holds it, so an unknown id waits this long.
@@ -66,6 +66,7 @@ class StreamResumer:
         request, its first resent delta, the worker's answer (its run, how many deltas it had sent) and how much
         of choice 0's text came before that delta; raises OpenAIError 404/410 (``first_attempt_only``: 410 for a
         later attempt, which stays with its gateway)."""
+        displaced = self._relay.inbox_of(request_id)  # this gateway relays it already: its client came back here
         inbox = self._relay.open_inbox(request_id)  # before asking: the resent deltas come right after the answer
         try:
             ask = StreamResume(request_id, tenant_id, self._relay.token_subject, position.attempt, position.seq,
@@ -85,6 +86,12 @@ class StreamResumer:
             if answer.status != "ok" or answer.request is None:
                 raise _not_found()
             relayed = self._relay.taken_over(answer.request, inbox, answer)
+            if displaced is not None and displaced is not inbox:
+                # The worker tells another gateway its stream was taken over; this one it cannot (the subject is
+                # the same, and the new inbox gets it now): the run relayed here hears it as the worker would say
+                # it, and ends its part quietly, its seat given back, nothing cancelled or stored.
+                displaced.put(encode(TokenDelta(request_id, error=TAKEN_OVER, is_last=True, seq=answer.next_seq,
+                                                attempt=answer.request.attempt, worker_id=answer.worker_id)))
         except BaseException:
             await inbox.close()
             raise

@@ -137,6 +137,10 @@ class TokenRouter:
         self._inboxes[request_id] = inbox
         return inbox
 
+    def inbox_of(self, request_id: str) -> DeltaInbox | None:
+        """The inbox open for ``request_id``, if any (a second ``open`` replaces it in routing)."""
+        return self._inboxes.get(request_id)
+
     def drop(self, inbox: DeltaInbox) -> None:
         if self._inboxes.get(inbox.request_id) is inbox:
             del self._inboxes[inbox.request_id]

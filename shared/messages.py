@@ -386,6 +386,8 @@ class StreamResume(msgspec.Struct):
 # client came back elsewhere while this one lived): that gateway ends its part quietly, neither cancelling the
 # request nor storing an end of its own.
 STREAM_TAKEN_OVER = "stream_taken_over"
+TAKEN_OVER = ErrorInfo("This stream was taken over by another gateway: the client resumed it there.",
+                       code=STREAM_TAKEN_OVER, type="invalid_request_error", status=409)
 
 
 class ResumeAnswer(msgspec.Struct):

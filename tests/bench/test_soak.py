@@ -29,6 +29,7 @@ def test_five_minutes_of_mixed_traffic_through_two_faults_lose_and_leak_nothing(
     assert check is not None and check.completed > 300, outcomes
     assert check.exact, (check.unbilled[:5], check.misbilled[:5], check.billed_refused[:5], check.twice)
     assert check.unknown_rows == [], (check.unknown_rows, outcomes)  # no gateway killed: a client sent each
+    assert check.seats_held == [], check.seats_held  # every request gave its tenant's seat back
     assert not [o for o in result.ledger if o.status == "lost"], outcomes  # accepted, then no end and no error
     assert {status for status, _ in outcomes} <= {"completed", "failed", "refused", "cut"}
     assert [f.name for f in result.faults] == ["worker-kill", "nats-restart"]

@@ -25,7 +25,7 @@ from switchyard.shared import subjects
 from switchyard.shared.jetstream import HEADER_ROOM, publish_once
 from switchyard.shared.messages import (
     HANDOVER,
-    STREAM_TAKEN_OVER,
+    TAKEN_OVER,
     BatchResult,
     ErrorInfo,
     GenerateRequest,
@@ -41,8 +41,6 @@ from switchyard.workers.service.stream_replay import StreamReplays
 
 log = logging.getLogger("switchyard.worker")
 
-TAKEN_OVER = ErrorInfo("This stream was taken over by another gateway: the client resumed it there.",
-                       code=STREAM_TAKEN_OVER, type="invalid_request_error", status=409)
 
 _routed_encoder = msgspec.msgpack.Encoder()  # a message of ``RoutedDelta``s (``encode`` takes one struct)
 
