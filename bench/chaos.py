@@ -136,10 +136,10 @@ class Servers:
         """Everything by PID, each step on its own: a failure to stop one leaves no other running."""
         steps = []
         if self.system is not None:
-            steps += [lambda w=w: _signal_tree(w.pid, signal.SIGCONT) for w in self.workers if w.is_running()]
+            steps += [lambda w=w: signal_tree(w.pid, signal.SIGCONT) for w in self.workers if w.is_running()]
             steps.append(self.system.stop)
         if self.pg is not None and self.pg._proc is not None:
-            steps.append(lambda: _signal_tree(self.pg.pid, signal.SIGCONT))  # a hung one would not stop
+            steps.append(lambda: signal_tree(self.pg.pid, signal.SIGCONT))  # a hung one would not stop
         steps += [server.stop for server in (self.pg, self.nats, self.cluster) if server is not None]
         for step in steps:
             try:
@@ -156,7 +156,7 @@ def _process_tree(pid: int) -> list[int]:
         return []
 
 
-def _signal_tree(pid: int, sig: int) -> list[int]:
+def signal_tree(pid: int, sig: int) -> list[int]:
     pids = _process_tree(pid)
     for p in pids:
         try:
@@ -292,11 +292,11 @@ def fault_for(case: str, servers: Servers, model: str):
     mark = servers.mark
 
     def worker_failover():
-        pids = _signal_tree(servers.workers[0].pid, signal.SIGKILL)
+        pids = signal_tree(servers.workers[0].pid, signal.SIGKILL)
         mark(f"SIGKILL worker-0 (pids {pids}); worker-1 alive")
 
     def worker_kill():
-        pids = _signal_tree(servers.workers[0].pid, signal.SIGKILL)
+        pids = signal_tree(servers.workers[0].pid, signal.SIGKILL)
         mark(f"SIGKILL worker-0 (pids {pids}), the only worker")
         time.sleep(3)
         servers.workers.append(servers.system.start_worker("worker-again"))
@@ -305,10 +305,10 @@ def fault_for(case: str, servers: Servers, model: str):
         mark("worker-again registered")
 
     def worker_stall():
-        pids = _signal_tree(servers.workers[0].pid, signal.SIGSTOP)
+        pids = signal_tree(servers.workers[0].pid, signal.SIGSTOP)
         mark(f"SIGSTOP worker-0 (pids {pids}); worker-1 alive")
         time.sleep(6)
-        _signal_tree(servers.workers[0].pid, signal.SIGCONT)
+        signal_tree(servers.workers[0].pid, signal.SIGCONT)
         mark("SIGCONT worker-0")
 
     def nats_restart():
@@ -330,7 +330,7 @@ def fault_for(case: str, servers: Servers, model: str):
         mark(f"SIGKILL NATS node {name}, leader of {subjects.request_stream('pro')}")
 
     def pg_hang():
-        pids = _signal_tree(servers.pg.pid, signal.SIGSTOP)
+        pids = signal_tree(servers.pg.pid, signal.SIGSTOP)
         mark(f"SIGSTOP {len(pids)} postgres processes")
         time.sleep(10)
         for pid in pids:

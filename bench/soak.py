@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
-from bench.chaos import _signal_tree  # noqa: E402
+from bench.chaos import signal_tree  # noqa: E402
 from bench.chaos_report import cpu_lines, usage_duplicates  # noqa: E402
 from bench.soak_load import Load, Outcome, Tenant  # noqa: E402
 from bench.soak_sample import LedgerCheck, Sample, check_ledger, sample  # noqa: E402
@@ -129,18 +129,16 @@ class Soak:
                 self.system.wait_until_ready(EMBED_MODEL, timeout_s=300, port=port)
 
     def _start_worker(self, name: str):
-        settings = {"model": SIM_MODEL} if self.args.engine == "sim" else {}
-        if self.args.engine == "sim":
-            settings["torch_threads"] = 1
+        settings = {"model": SIM_MODEL, "torch_threads": 1} if self.args.engine == "sim" else {}
         return self.system.start_worker(name, **settings)
 
     def urls(self) -> list[str]:
         return [self.system.url(port) for port in self.gateways.values()]
 
     def pids(self) -> dict[str, int]:
-        return {name: pid for name, pid in self.system.pids().items()
-                if any(s.name == name and s.is_running() for s in self.system.services) or name in ("nats",
-                                                                                                  "postgres")}
+        """The running processes by name (a killed service stays in the system's list)."""
+        gone = {s.name for s in self.system.services if not s.is_running()}
+        return {name: pid for name, pid in self.system.pids().items() if name not in gone}
 
     # -- tenants ------------------------------------------------------------------------------------------------
     async def make_tenants(self) -> tuple[list[Tenant], str]:
@@ -169,14 +167,14 @@ class Soak:
 
         if name == "worker-kill":
             victim = self.workers.pop(0)
-            _signal_tree(victim.pid, signal.SIGKILL)
+            signal_tree(victim.pid, signal.SIGKILL)
             self.restarts += 1
             self.workers.append(self._start_worker(f"worker-r{self.restarts}"))
         elif name == "gateway-kill":
             victim_name = list(self.gateways)[-1]
             port = self.gateways.pop(victim_name)
             victim = next(s for s in self.system.services if s.name == victim_name)
-            _signal_tree(victim.pid, signal.SIGKILL)
+            signal_tree(victim.pid, signal.SIGKILL)
             self.restarts += 1
             again = f"gateway-r{self.restarts}"
             started = self.system.start_gateway(again, port=port)
@@ -187,9 +185,9 @@ class Soak:
         elif name == "pg-stop":
             self.system.restart_server("postgres", down_s=20)
         elif name == "worker-stop":
-            _signal_tree(self.workers[0].pid, signal.SIGSTOP)
+            signal_tree(self.workers[0].pid, signal.SIGSTOP)
             time.sleep(30)
-            _signal_tree(self.workers[0].pid, signal.SIGCONT)
+            signal_tree(self.workers[0].pid, signal.SIGCONT)
         else:
             raise ValueError(f"unknown fault {name!r}")
 
@@ -275,7 +273,7 @@ class Soak:
     def stop(self) -> None:
         for worker in self.workers:  # a stopped worker would not stop
             try:
-                _signal_tree(worker.pid, signal.SIGCONT)
+                signal_tree(worker.pid, signal.SIGCONT)
             except AssertionError:
                 pass
         if self.system is not None:

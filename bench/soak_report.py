@@ -41,7 +41,7 @@ def near_fault(result, out: Outcome) -> bool:
     return any(f.at <= at <= f.ended_at + AFTER_FAULT_S for f in result.faults)
 
 
-def window_rows(result, window_s: float) -> list[list[str]]:
+def window_rows(result) -> list[list[str]]:
     """Per window: requests by outcome, and streamed TTFT p50/p99 per tier outside the minute after a fault."""
     rows = []
     edges = [s.at for s in result.samples]
@@ -105,7 +105,7 @@ def report(result, args) -> str:
              f"{args.fault_every:.0f} min: {', '.join(args.faults) or 'none'}.", "",
              "### Per window", "",
              markdown_table(["minutes", "sent", "completed", "failed", "refused", "cut", "lost",
-                             "TTFT s p50/p99 enterprise", "pro", "free"], window_rows(result, args.window * 60)), "",
+                             "TTFT s p50/p99 enterprise", "pro", "free"], window_rows(result)), "",
              "### Faults", "",
              markdown_table(["fault", "at min", "recovered in s"],
                             [[f.name, f"{f.at / 60:.1f}", _s(f.recovered_s)] for f in result.faults]), "",
@@ -167,7 +167,6 @@ def plot_series(result, path: Path) -> Path | None:
         axes[1][0].plot(minutes, [s.tables.get(name, (0, 0))[0] for s in result.samples], label=name)
     axes[1][0].set_title("table rows")
     axes[1][0].set_yscale("symlog")
-    begin = 0.0
     for tier in ("enterprise", "pro", "free"):
         values, begin = [], 0.0
         for s in result.samples:
