@@ -157,6 +157,7 @@ def _process_tree(pid: int) -> list[int]:
 
 
 def signal_tree(pid: int, sig: int) -> list[int]:
+    """Send ``sig`` to ``pid`` and every process below it; returns their pids (the soak's faults use it too)."""
     pids = _process_tree(pid)
     for p in pids:
         try:
