@@ -73,6 +73,14 @@ class TenantShare:
             self._before_lift.pop(tenant, None)
         self._backlogged = tenants
 
+    def drained(self, tenant: str) -> None:
+        """``tenant`` has nothing queued any more: it is no longer backlogged (as ``set_backlogged`` without it
+        would say, but at once: the worker learns this from an empty pull, and may pull nothing for a long while
+        after)."""
+        self._backlogged.discard(tenant)
+        self._since.pop(tenant, None)
+        self._before_lift.pop(tenant, None)
+
     def order(self, tenants: Iterable[str]) -> list[str]:
         """``tenants`` (the backlogged ones to consider), the one whose next request would finish first in virtual
         time first: its counter plus that request's expected cost (its last one's). Many are equal when each tenant

@@ -60,6 +60,17 @@ def test_forget_keeps_the_queued_tenants():
     assert (share.counter("gone"), share.counter("here")) == (0.0, 5.0)
 
 
+def test_a_drained_tenant_is_no_longer_backlogged_and_comes_back_lifted():
+    share = TenantShare()
+    share.set_backlogged(["a", "b"])
+    share.charge("a", 100)
+    share.drained("b")
+    assert share.tenant_state()["fair_share_backlogged"] == 1
+    share.charge("a", 100)
+    share.set_backlogged(["a", "b"])  # b rings again: lifted level with a, not left behind with its old counter
+    assert share.counter("b") == share.counter("a") == 200.0
+
+
 def test_idle_tenants_counters_are_bounded():
     from switchyard.scheduler.tenant_share import MAX_IDLE_COUNTERS
 

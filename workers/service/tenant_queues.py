@@ -226,6 +226,7 @@ class TenantQueues:
         the order until it rings again. A ring newer than the pull that came back empty wins: that request may
         have reached the stream after the pull expired."""
         self._pending[tier].discard(tenant)
+        self._shares[tier].drained(tenant)
         self._rung.pop((tier, tenant), None)
         self._unmatched.pop((tier, tenant), None)
 
