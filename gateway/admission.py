@@ -6,14 +6,18 @@ admission pipeline (domain/admission/) on the request's ticket, and what the res
                                                                    x-ratelimit-* headers (every response)
     bounded_body  ──▶ a body far over its bounds refused before it is validated (domain/api/bounds.py); the
                       schema sizes it measured kept for the route's check of the model (``schema_sizes``)
+    answered      ──▶ the service's answer to an admitted ticket; one that fails before the service took the
+                      ticket on gives back what the ticket holds (its seat, its reserved tokens)
     counted       ──▶ admit_call: a route that generates nothing (files, batches, usage, conversations) passes
                       the same pipeline as an ``Origin.CALL`` ticket: its key's request rate, the input filter
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -28,6 +32,8 @@ from switchyard.shared.tiers import TIER_NAMES
 from switchyard.shared.tracing import tracer
 
 TIER_HEADER = "X-Switchyard-Tier"
+
+T = TypeVar("T")
 
 
 def authenticated(services: GatewayServices) -> Callable[[Request], Awaitable[AuthContext]]:
@@ -106,6 +112,18 @@ async def admit(services: GatewayServices, request: Request, ticket: Ticket) -> 
         request.state.tier = ticket.tier
         request.state.model = ticket.model or None
         request.state.rate_headers = ticket.headers
+
+
+async def answered(services: GatewayServices, ticket: Ticket, answer: Awaitable[T]) -> T:
+    """``answer``, the service's reply to the admitted ``ticket``. When it fails before the service took the ticket
+    on (a background response that cannot be stored, a prompt refused as it is built), nothing else would settle
+    it: its seat and reserved tokens go back here. A service that took it on settled it itself, and a ticket
+    settles once. Shielded: a cancelled handler must still give the seat back."""
+    try:
+        return await answer
+    except BaseException:
+        await asyncio.shield(services.admission.settle(ticket, 0))
+        raise
 
 
 def _tier_header(services: GatewayServices, request: Request) -> str | None:

@@ -9,7 +9,7 @@ from switchyard.domain.api.bounds import check_bounds
 from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.auth import AuthContext
-from switchyard.gateway.admission import admit, authenticated, bounded_body, request_ticket, schema_sizes
+from switchyard.gateway.admission import admit, answered, authenticated, bounded_body, request_ticket, schema_sizes
 from switchyard.gateway.client_watch import until_gone
 from switchyard.gateway.services import GatewayServices
 
@@ -26,7 +26,7 @@ def router(services: GatewayServices) -> APIRouter:
         if body.stream and (last_event_id := request.headers.get("last-event-id")):
             return await services.completions.resume_chat(body, auth, last_event_id)
         ticket = await admit(services, request, request_ticket(auth, body))
-        return await services.completions.chat(body, ticket, gone=until_gone(request))
+        return await answered(services, ticket, services.completions.chat(body, ticket, gone=until_gone(request)))
 
     @router.post("/completions", dependencies=[Depends(bounded_body(limits, "completion"))])
     async def completions(body: CompletionRequest, request: Request, auth: AuthContext = Depends(caller)):
@@ -34,6 +34,7 @@ def router(services: GatewayServices) -> APIRouter:
         if body.stream and (last_event_id := request.headers.get("last-event-id")):
             return await services.completions.resume_completion(body, auth, last_event_id)
         ticket = await admit(services, request, request_ticket(auth, body))
-        return await services.completions.completion(body, ticket, gone=until_gone(request))
+        return await answered(services, ticket,
+                              services.completions.completion(body, ticket, gone=until_gone(request)))
 
     return router

@@ -27,7 +27,7 @@ from switchyard.domain.api.fields import unsupported
 from switchyard.domain.api.text import StoredText, check_encodable
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.admission import admit, admit_call, authenticated, counted, request_ticket
+from switchyard.gateway.admission import admit, admit_call, answered, authenticated, counted, request_ticket
 from switchyard.gateway.client_watch import until_gone
 from switchyard.gateway.services import GatewayServices
 from switchyard.gateway.serving import Outcome
@@ -115,8 +115,8 @@ def router(services: GatewayServices) -> APIRouter:
                 "completed" if outcome.completed else "incomplete",
                 user_role=body.role, tool_call_id=body.tool_call_id, assistant_tool_calls=outcome.tool_calls))
 
-        return await services.completions.chat(body, ticket, messages=history, on_finish=store,
-                                                extra={"conversation_id": conversation_id}, left_out=left_out,
-                                                gone=until_gone(request))
+        return await answered(services, ticket, services.completions.chat(
+            body, ticket, messages=history, on_finish=store, extra={"conversation_id": conversation_id},
+            left_out=left_out, gone=until_gone(request)))
 
     return router

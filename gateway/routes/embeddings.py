@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 
 from switchyard.domain.api.embeddings import EmbeddingRequest
 from switchyard.domain.auth import AuthContext
-from switchyard.gateway.admission import admit, authenticated, request_ticket
+from switchyard.gateway.admission import admit, answered, authenticated, request_ticket
 from switchyard.gateway.services import GatewayServices
 
 
@@ -17,6 +17,6 @@ def router(services: GatewayServices) -> APIRouter:
     @router.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request, auth: AuthContext = Depends(caller)):
         ticket = await admit(services, request, request_ticket(auth, body))
-        return await services.embeddings.embed(body, ticket)
+        return await answered(services, ticket, services.embeddings.embed(body, ticket))
 
     return router

@@ -23,7 +23,15 @@ from switchyard.domain.api.bounds import check_response_bounds
 from switchyard.domain.api.responses import ResponseCreate
 from switchyard.domain.auth import AuthContext
 from switchyard.domain.errors import OpenAIError
-from switchyard.gateway.admission import admit, authenticated, bounded_body, counted, request_ticket, schema_sizes
+from switchyard.gateway.admission import (
+    admit,
+    answered,
+    authenticated,
+    bounded_body,
+    counted,
+    request_ticket,
+    schema_sizes,
+)
 from switchyard.gateway.services import GatewayServices
 
 
@@ -44,7 +52,7 @@ def router(services: GatewayServices) -> APIRouter:
                               code="missing_required_parameter")
         ticket = await admit(services, request, request_ticket(
             auth, body, model=model, num_chars=body.num_chars() + context.num_chars()))
-        return await services.responses.create(body, ticket, context)
+        return await answered(services, ticket, services.responses.create(body, ticket, context))
 
     @router.get("/{response_id}")
     async def get(response_id: str, stream: bool = False, starting_after: int | None = Query(None, ge=0),

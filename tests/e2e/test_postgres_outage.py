@@ -1,6 +1,7 @@
 """Postgres hung (every process SIGSTOPped) and down (stopped), under a running system with its own Postgres: keys
 seen recently keep being served, an unknown key gets 503 with Retry-After (never a 500, never a hang), /readyz
-reports the degradation, and the usage, conversation and response writes made meanwhile land exactly once when it
+reports the degradation, a request refused after its admission (a background response that cannot be stored)
+gives its seat back, and the usage, conversation and response writes made meanwhile land exactly once when it
 returns."""
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_la
         await apply_migrations(url)
         known = {"Authorization": f"Bearer {await make_key(url, 'pg-known')}"}
         unknown = {"Authorization": f"Bearer {await make_key(url, 'pg-unknown')}"}
+        one_seat = {"Authorization": f"Bearer {await make_key(url, 'pg-one-seat', max_streams=1)}"}
         config = SwitchyardConfig(
             data_dir=tmp_path, nats_url=nats_url, database_url=url,
             gateway=GatewayConfig(port=free_port()),
@@ -84,7 +86,8 @@ async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_la
             system.start_gateway()
             system.wait_until_ready(MODEL, timeout_s=120)
             async with httpx.AsyncClient(base_url=system.url(), timeout=30) as http:
-                assert (await http.post("/v1/chat/completions", json=BODY, headers=known)).status_code == 200
+                for headers in (known, one_seat):
+                    assert (await http.post("/v1/chat/completions", json=BODY, headers=headers)).status_code == 200
                 conv = (await http.post("/v1/conversations", json={"model": MODEL}, headers=known)).json()["id"]
 
                 # Hung: a conversation turn streams while Postgres stops answering; its write is held.
@@ -109,6 +112,14 @@ async def test_known_keys_are_served_through_a_postgres_outage_and_its_writes_la
                     "model": MODEL, "input": "hi", "max_output_tokens": 3, "store": True})
                 assert r.status_code == 200, r.text
                 response = r.json()
+                served.append(r.headers["X-Request-Id"])
+                # A background response cannot be stored, so it is refused after it was admitted: the seat it
+                # took goes back (a tenant allowed one stream at a time is served next, not told it has one).
+                r = await http.post("/v1/responses", headers=one_seat, json={
+                    "model": MODEL, "input": "hi", "max_output_tokens": 3, "background": True})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "database_unavailable", r.text
+                r = await http.post("/v1/chat/completions", json=BODY, headers=one_seat)
+                assert r.status_code == 200, r.text
                 served.append(r.headers["X-Request-Id"])
                 pg = PostgresServer(pg_dir, port=pg_port, ephemeral=True).start()
 
