@@ -97,16 +97,15 @@ class Soak:
     def start(self) -> None:
         from switchyard.deploy.system import LocalSystem
         from switchyard.shared.config import GatewayConfig, SwitchyardConfig, WorkerConfig
-        from tests.support.system import free_port
+        from switchyard.workers.model_store import pull
+        from tests.support.system import free_port, model_cache_dir
 
         ports = [free_port(), free_port()]
         if self.args.engine == "sim":
             worker = WorkerConfig(engine="simulated", heartbeat_s=1.0, max_num_seqs=64, simulated_tokens_per_s=40.0)
-        else:
-            model_dir = SwitchyardConfig().model_cache_dir / "smollm2"
-            if not (model_dir / "config.json").exists():
-                sys.exit(f"no model at {model_dir}: run `switchyard models pull smollm2`")
-            worker = WorkerConfig(model=str(model_dir), served_model_name="smollm2", max_num_seqs=16)
+        else:  # pulled where the tests keep their models, as the embedding model is (a fresh clone has neither)
+            worker = WorkerConfig(model=str(pull("smollm2", model_cache_dir())), served_model_name="smollm2",
+                                  max_num_seqs=16)
         config = SwitchyardConfig(data_dir=self.work, worker=worker,
                                   gateway=GatewayConfig(port=ports[0], admin_key=ADMIN_KEY, queue_timeout_s=60))
         self.system = LocalSystem(config, log_dir=self.work, log_level="WARNING", ephemeral=True)
@@ -114,9 +113,6 @@ class Soak:
         for i in range(2 if self.args.engine == "sim" else 1):
             self.workers.append(self._start_worker(f"worker-{i}"))
         if self.args.embeddings:
-            from switchyard.workers.model_store import pull
-            from tests.support.system import model_cache_dir
-
             self.system.start_worker("worker-embed", engine="embeddings", dtype="float32", max_num_seqs=8,
                                      model=str(pull("all-minilm-l6-v2", model_cache_dir())),
                                      served_model_name=EMBED_MODEL)
