@@ -69,8 +69,7 @@ class TenantShare:
                 self._counters[tenant] = max(self.counter(tenant), floor)
                 self._since[tenant] = next(self._clock)
         for tenant in self._backlogged - tenants:
-            self._since.pop(tenant, None)
-            self._before_lift.pop(tenant, None)
+            self.drained(tenant)
         self._backlogged = tenants
 
     def drained(self, tenant: str) -> None:
