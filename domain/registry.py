@@ -2,12 +2,18 @@
 
 Entries expire with the bucket's TTL, so a dead worker disappears on its own. Reads are cached briefly: a
 request path must not pay a KV scan, and a second of staleness only delays a 404 or its end.
+
+An entry can also go while its worker lives: a restarted NATS has lost the in-memory bucket, and a cluster electing
+the bucket's leader for longer than the TTL expires entries nobody could refresh meanwhile. A gateway hears every
+worker's liveness pings (core NATS, which rides a stream's election out), so a worker gone from the listing but
+still pinging stays listed as last seen; only one that is silent too is gone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 
@@ -29,10 +35,13 @@ log = logging.getLogger("switchyard.registry")
 
 
 class ModelRegistry:
-    def __init__(self, nc: NATS, catalog: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, nc: NATS, catalog: dict[str, list[str]] | None = None,
+                 is_dead: Callable[[str], bool] | None = None) -> None:
         """``nc``: the NATS connection it reads through (while that has no server at all, reads fail at once).
         ``catalog``: the models the deployment is configured with (served name -> aliases): known before any of
-        their workers is live, so a request for one with no worker is a 503 to retry, not a 404."""
+        their workers is live, so a request for one with no worker is a 503 to retry, not a 404.
+        ``is_dead``: whether a worker's liveness pings have stopped (gateway/liveness.py); without it a worker is
+        listed exactly while its heartbeat entry is."""
         self._nc, self._js = nc, nc.jetstream()
         self._cached: dict[str, list[WorkerInfo]] = {}
         self._cached_at = 0.0
@@ -40,6 +49,7 @@ class ModelRegistry:
         self._last_served: dict[str, float] = {}  # model -> when a listing last had it
         self._catalog = catalog or {}
         self._catalog_aliases = {alias: model for model, aliases in self._catalog.items() for alias in aliases}
+        self._is_dead = is_dead
 
     async def models(self, fresh: bool = False) -> dict[str, list[WorkerInfo]]:
         """Served model name → the live workers serving it. While NATS cannot be read, the last listing for up to
@@ -59,9 +69,21 @@ class ModelRegistry:
                                       _UNREACHABLE_RETRY_AFTER_S) from None
         for info in workers:
             found.setdefault(info.model, []).append(info)
+        self._keep_pinging(found)
         self._cached, self._cached_at = found, time.monotonic()
         self._last_served.update(dict.fromkeys(found, self._cached_at))
         return found
+
+    def _keep_pinging(self, found: dict[str, list[WorkerInfo]]) -> None:
+        """Add to ``found`` the workers of the last listing it lacks whose pings still come (see the module
+        docstring): listed until their next heartbeat lands, or until they fall silent."""
+        if self._is_dead is None:
+            return
+        listed = {info.worker_id for infos in found.values() for info in infos}
+        for model, infos in self._cached.items():
+            for info in infos:
+                if info.worker_id not in listed and not self._is_dead(info.worker_id):
+                    found.setdefault(model, []).append(info)
 
     async def resolve(self, name: str) -> str:
         """The served model ``name`` stands for: itself, or the model whose alias it is (a live worker's, then the

@@ -106,15 +106,15 @@ class GatewayServices:
         await ensure_streams(self.js, config.nats_replicas)
         self._pool = pool = await connect(config.database_url, gateway.database_pool_size)
         self.db = Database(pool)
-        self.registry = ModelRegistry(self.nc, {m.served_name: m.aliases for m in config.models})
+        liveness = WorkerLiveness()
+        await liveness.start(self.nc)
+        self.registry = ModelRegistry(self.nc, {m.served_name: m.aliases for m in config.models}, liveness.is_dead)
         self.router = Router(self.registry, gateway)
         self.tier_policies = PolicyCache(self.js)
         self.authenticator = Authenticator(self.db)
         self.admission = admission_pipeline(db=self.db, registry=self.registry, router=self.router,
                                             tier_policies=self.tier_policies, safety=safety,
                                             local_share=1 / gateway.num_gateways)
-        liveness = WorkerLiveness()
-        await liveness.start(self.nc)
         publisher = RequestPublisher(self.nc, self.js, gateway.retry_after_s)
         self._tokens = TokenRouter(self.nc)
         await self._tokens.start()

@@ -149,3 +149,42 @@ async def test_a_request_pulled_by_a_worker_that_dies_before_starting_it_is_rede
         os.kill(worker.pid, signal.SIGCONT)
         await nc.close()
         worker.stop()
+
+
+async def test_a_worker_whose_heartbeat_entry_is_lost_serves_on_while_it_pings_and_is_gone_once_silent(
+        e2e, system, auth, nats_url):
+    """A cluster electing the heartbeat bucket's leader for longer than its TTL expires entries nobody could
+    refresh; a restarted NATS loses the bucket. Played here by purging the worker's entry, its next heartbeat a
+    minute away: its model is still served while its pings come, and answers 503 to retry once it is killed."""
+    name = "tiny-unlisted"
+    worker = e2e.start_worker(name, max_num_seqs=2, heartbeat_s=60)
+    nc = await nats.connect(nats_url)
+    body = {"model": name, "prompt": "hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    try:
+        wait_until_ready(system, name, timeout_s=120, watch=[worker])
+        js = nc.jetstream()
+        (info,) = [w for w in await live_workers(js) if w.model == name]
+        await (await js.key_value(subjects.WORKERS_BUCKET)).purge(subjects.worker_key(name, info.worker_id))
+        assert not [w for w in await live_workers(js) if w.model == name]
+        async with httpx.AsyncClient(base_url=system, headers=auth, timeout=60) as http:
+            # Longer than the gateway's cached listing (1 s) lives: each answer is from a listing without it.
+            until = time.monotonic() + 2.5
+            while time.monotonic() < until:
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+
+            os.kill(worker.pid, signal.SIGKILL)
+
+            async def attempt() -> int:  # one queued before its pings are missed waits for a worker: not this
+                try:
+                    r = await http.post("/v1/completions", json=body, timeout=2)
+                except httpx.TimeoutException:
+                    return 0
+                assert r.status_code in (200, 503), r.text
+                return r.status_code if r.status_code == 200 else r.json()["error"]["code"]
+
+            await poll(attempt, lambda answer: answer == "model_unavailable", timeout_s=30, interval_s=0.5,
+                       what="503 model_unavailable once the worker is silent")
+    finally:
+        await nc.close()
+        worker.stop()

@@ -28,6 +28,8 @@ from switchyard.workers.service.waiting import first_of, set_within
 
 log = logging.getLogger("switchyard.worker")
 
+_RETRY_S = 0.5  # between heartbeats that fail
+
 
 class Liveness:
     """See the module docstring. ``info`` makes the heartbeat's ``WorkerInfo``, ``state`` the summary line, and
@@ -79,6 +81,21 @@ class Liveness:
         assert self._kv is not None  # opened by start before the first beat
         await self._kv.put(self._key, encode(self._info()))
 
+    async def _try_beat(self, warn: bool) -> bool:
+        """Beat, opening the bucket again if the first try fails; False if both fail (``warn``: log the first)."""
+        try:
+            await self._beat()
+            return True
+        except Exception as exc:  # the bucket gone with a restarted server, or NATS still reconnecting
+            if warn:
+                log.warning("heartbeat failed: %s", exc)
+        try:
+            self._kv = await workers_bucket(self._js, self._nats_replicas)
+            await self._beat()
+            return True
+        except Exception:  # a stream without a leader yet: the next try, soon
+            return False
+
     async def _alive_loop(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # NATS away: the gateways' relays time out on their own
@@ -88,21 +105,18 @@ class Liveness:
                 return
 
     async def _heartbeat_loop(self) -> None:
-        """Beat every ``heartbeat_s``, and at once after a reconnect: a restarted NATS lost the in-memory bucket,
-        and until this worker is listed again its model answers 503 (the bucket is made again if need be)."""
-        last_state = ""
+        """Beat every ``heartbeat_s``, and at once after a reconnect: a restarted NATS lost the in-memory bucket
+        (made again if need be), and the gateways list this worker only while its pings come, until it beats."""
+        last_state, beaten = "", True
         while True:
-            await first_of(self._done, self.reconnected, timeout=self._heartbeat_s)
+            # After a failed beat, try again soon: the entry may be about to expire (or gone), and until it is
+            # back only this worker's pings keep it listed.
+            wait_s = self._heartbeat_s if beaten else min(self._heartbeat_s, _RETRY_S)
+            await first_of(self._done, self.reconnected, timeout=wait_s)
             if self._done.is_set():
                 return
             self.reconnected.clear()
-            try:
-                await self._beat()
-            except Exception as exc:  # the bucket gone with a restarted server, or NATS still reconnecting
-                log.warning("heartbeat failed: %s", exc)
-                with contextlib.suppress(Exception):
-                    self._kv = await workers_bucket(self._js, self._nats_replicas)
-                    await self._beat()
+            beaten = await self._try_beat(warn=beaten)
             state = self._state()
             if state != last_state:
                 log.info("state: %s", state)
