@@ -120,7 +120,7 @@ def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True, warm
     engine.runner.advance = _timed(timers, "execute", engine.runner.advance)
     engine.scheduler.schedule = _timed(timers, "schedule", engine.scheduler.schedule)
     engine.scheduler.update_from_output = _timed(timers, "update", engine.scheduler.update_from_output)
-    engine._deltas.on_token = _timed(timers, "on_token(detok)", engine._deltas.on_token)
+    engine._deltas.on_tokens = _timed(timers, "on_tokens(detok)", engine._deltas.on_tokens)
     we.sample = _timed(timers, "sample", getattr(we.sample, "__wrapped__", we.sample))
     kv = engine.scheduler.kv_cache
     if warm:

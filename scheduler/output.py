@@ -17,11 +17,17 @@ class ScheduledSeq:
     start_pos: int  # seq.num_computed_tokens before the step
     block_table: list[int]  # the sequence's block ids, a copy the engine may keep
     needs_sample: bool  # this chunk reaches the last token, so its logits give the next token
+    # Draft tokens computed after the last one (speculative decoding; counted in num_new_tokens): each row's logits
+    # check the draft that follows it.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens this step computes (a slice of the sequence's tokens)."""
-        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+        """The tokens this step computes: a slice of the sequence's tokens, then its drafts."""
+        if not self.draft_token_ids:
+            return self.seq.token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+        end = self.start_pos + self.num_new_tokens - len(self.draft_token_ids)
+        return self.seq.token_ids[self.start_pos : end] + self.draft_token_ids
 
 
 @dataclass(slots=True)

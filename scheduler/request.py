@@ -81,6 +81,9 @@ class Sequence:
     num_pauses: int = 0  # times it gave its seat up to a waiting tenant, its KV kept (scheduler/pausing.py)
     num_output_at_start: int = 0  # output tokens when it last started running: its turn's progress is counted from it
     last_scheduled_step: int = -1  # the scheduler's step count when it last ran: background seats take turns
+    # Tokens guessed to follow (speculative decoding, proposed by the engine): the next step computes them with the
+    # last token, and keeps those its model agrees with (update_from_output). Consumed by that step.
+    draft_token_ids: list[int] = field(default_factory=list, repr=False)
     token_ids: list[int] = field(init=False, repr=False)
     num_prompt_tokens: int = field(init=False)
 
@@ -148,3 +151,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Add a sampled token; its KV is written when the next step computes it."""
         self.token_ids.append(token_id)
+
+    def drop_tokens_after(self, num_tokens: int) -> None:
+        """Forget the tokens past the first ``num_tokens``: a step that kept several (speculative decoding) ended
+        the sequence at an earlier one (EOS, a stop string). For a sequence about to finish: its KV is not kept."""
+        if num_tokens < self.num_prompt_tokens:
+            raise ValueError(f"sequence {self.seq_id!r}: cannot drop prompt tokens")
+        del self.token_ids[num_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)

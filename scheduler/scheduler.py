@@ -211,7 +211,11 @@ class Scheduler:
                 i += 1  # not its turn: keeps its seat and blocks
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget, self._chunk_cap)
-            block_table = self.kv_cache.allocate_slots(seq, num_new)
+            drafts = self._drafts_of(seq, budget)
+            block_table = self.kv_cache.allocate_slots(seq, num_new + len(drafts))
+            if block_table is None and drafts:  # blocks short: the drafts go before anyone's seat
+                drafts = []
+                block_table = self.kv_cache.allocate_slots(seq, num_new)
             while block_table is None:
                 if self._drop_paused_kv():  # a paused sequence's KV goes before a running one's
                     block_table = self.kv_cache.allocate_slots(seq, num_new)
@@ -224,8 +228,8 @@ class Scheduler:
                 block_table = self.kv_cache.allocate_slots(seq, num_new)
             if block_table is None:
                 break  # seq preempted itself: it was the last one
-            scheduled[seq.seq_id] = self._scheduled(seq, num_new, block_table)
-            budget -= num_new
+            scheduled[seq.seq_id] = self._scheduled(seq, num_new, block_table, drafts)
+            budget -= num_new + len(drafts)
             i += 1
 
         # Memory is short if anything was preempted: admitting now would only thrash it back in.
@@ -243,13 +247,16 @@ class Scheduler:
             is_background_only=bool(entries) and all(self.is_background(e.seq) for e in entries),
         )
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           accepted: dict[str, list[int]] | None = None) -> list[Sequence]:
         """Apply a finished step: advance computed tokens, cache full blocks, append sampled tokens.
 
-        ``sampled`` maps seq_id to the token sampled for each entry with ``needs_sample``. Sequences that
-        reach ``max_tokens`` or ``max_model_len`` finish here with FINISHED_LENGTH (blocks freed). Returns
-        the sequences that got a token, finished ones included; the engine checks EOS / stop strings and
-        calls ``finish_request``. Entries finished or aborted while the step ran are skipped.
+        ``sampled`` maps seq_id to the token sampled for each entry with ``needs_sample``; ``accepted``, for an
+        entry with drafts, the drafts kept (a prefix of them), which come before its sampled token: the KV of the
+        rejected ones is left to be overwritten. Sequences that reach ``max_tokens`` or ``max_model_len`` finish
+        here with FINISHED_LENGTH (blocks freed). Returns the sequences that got a token, finished ones included;
+        the engine checks EOS / stop strings and calls ``finish_request``. Entries finished or aborted while the
+        step ran are skipped.
         """
         self._finished_by_length.clear()
         max_model_len = self.config.max_model_len
@@ -260,7 +267,11 @@ class Scheduler:
                 continue
             if seq.num_computed_tokens != entry.start_pos:
                 raise RuntimeError(f"stale output for {seq.seq_id!r}: was update_from_output applied twice?")
-            seq.num_computed_tokens += entry.num_new_tokens
+            kept = accepted.get(seq.seq_id, []) if accepted and entry.draft_token_ids else []
+            if kept != entry.draft_token_ids[:len(kept)]:
+                raise ValueError(f"{seq.seq_id!r}: accepted tokens are not a prefix of its drafts")
+            seq.num_computed_tokens += entry.num_new_tokens - len(entry.draft_token_ids) + len(kept)
+            seq.token_ids.extend(kept)  # the scheduler bounded the drafts: max_tokens and the context hold them
             self.kv_cache.cache_blocks(seq, seq.num_computed_tokens)
             if not entry.needs_sample:
                 continue
@@ -445,9 +456,23 @@ class Scheduler:
     def _tenant_seats(self, priority: int) -> TenantSeats:
         return TenantSeats(s.tenant for s in self._running if s.priority == priority)
 
-    def _scheduled(self, seq: Sequence, num_new: int, block_table: list[int]) -> ScheduledSeq:
-        start = seq.num_computed_tokens
-        return ScheduledSeq(seq, num_new, start, block_table, needs_sample=start + num_new == seq.num_tokens)
+    def _scheduled(self, seq: Sequence, num_new: int, block_table: list[int],
+                   drafts: list[int] | None = None) -> ScheduledSeq:
+        """``num_new`` of the sequence's tokens and its ``drafts`` after them."""
+        start, drafts = seq.num_computed_tokens, drafts or []
+        return ScheduledSeq(seq, num_new + len(drafts), start, block_table,
+                            needs_sample=start + num_new == seq.num_tokens, draft_token_ids=drafts)
+
+    def _drafts_of(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts a decoding ``seq`` runs this step: as many of its proposed ones as the budget, its
+        ``max_tokens`` and the context leave room for, with the token they follow (all kept, and the one sampled
+        after them). Taken from the sequence: a proposal is for one step."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        if not drafts or seq.num_uncomputed_tokens != 1:
+            return []
+        room = min(budget - 1, seq.max_tokens - seq.num_output_tokens - 1,
+                   self.config.max_model_len - seq.num_tokens - 1)
+        return drafts[:max(0, room)]
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV and requeue it; it recomputes prompt and outputs when readmitted."""

@@ -230,6 +230,11 @@ class EngineSettings(BaseModel):
     kv_offload_dir: Path | None = None
     kv_offload_disk_gib: float = Field(16.0, gt=0)
     kv_offload_tenant_share: float = Field(0.5, gt=0, le=1)
+    # Speculative decoding: ``ngram`` (prompt lookup) guesses a greedy request's next tokens from where its latest
+    # tokens appeared before in its prompt or output, and a step checks up to num_speculative_tokens of them at
+    # once (ours: workers/engine/speculation.py; vLLM: its ngram method). None: off.
+    speculative: Literal["ngram"] | None = None
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
 
 
 class WorkerConfig(EngineSettings):

@@ -51,6 +51,10 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--kv-offload-disk-gib", type=float, help="the disk tier's size (default 16)")
     p.add_argument("--kv-offload-host-dir", type=Path,
                    help="where the host tier's files live (default: /dev/shm/switchyard-kv; `up`: one of its own)")
+    p.add_argument("--speculative", choices=["ngram"],
+                   help="speculative decoding: ngram guesses a greedy request's next tokens from its own prompt and "
+                        "output (prompt lookup), checked several at once (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, help="the most drafts a step checks per request (default 4)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="run every GPU step eagerly (no CUDA graphs captured at start)")
     p.add_argument("--batch-seqs-when-busy", type=int,

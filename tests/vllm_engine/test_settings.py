@@ -36,6 +36,15 @@ def test_the_gpu_knobs_pass_through_as_named():
     assert kwargs["enforce_eager"] is False and kwargs["dtype"] == "auto"  # CUDA graphs, the checkpoint's dtype
 
 
+def test_the_workers_speculative_setting_is_vllms_ngram_unless_its_own_config_is_given():
+    kwargs = engine_kwargs(WorkerConfig(speculative="ngram", num_speculative_tokens=6), "/m", on_gpu=False)
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2,
+                                            "prompt_lookup_max": 4}
+    assert "speculative_config" not in engine_kwargs(WorkerConfig(), "/m", on_gpu=False)
+    given = engine_kwargs(WorkerConfig(**{**GPU_70B, "speculative": "ngram"}), "/m", on_gpu=True)
+    assert given["speculative_config"] == GPU_70B["vllm"]["speculative_config"]
+
+
 # Run in the vLLM environment, for each set of kwargs given: vLLM's own EngineArgs built from them (it refuses an
 # unknown field), and the quantization method, KV cache dtype and speculative method among those vLLM names, the
 # speculative config's keys its fields (vLLM checks these against the model only when it builds the engine). One line
@@ -73,13 +82,17 @@ def test_vllm_itself_takes_the_gpu_knobs_as_engine_arguments(vllm_env_python, tm
     wrong = [({"quantization": "fp9"}, "fp9"), ({"kv_cache_dtype": "fp7"}, "fp7"),
              ({"speculative_config": {"method": "ngram", "num_speculative_tokenz": 4}}, "tokenz"),
              ({"tensor_paralel_size": 4}, "tensor_paralel_size")]
+    # The worker's own `speculative: ngram`, as it comes to vLLM.
+    ours = {**kwargs, "speculative_config": engine_kwargs(WorkerConfig(speculative="ngram"), str(tmp_path),
+                                                          on_gpu=True)["speculative_config"]}
     done = subprocess.run([vllm_env_python, "-c", _VLLM_TAKES_THEM,
-                           json.dumps([kwargs] + [{**kwargs, **change} for change, _ in wrong])],
+                           json.dumps([kwargs, ours] + [{**kwargs, **change} for change, _ in wrong])],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, **process_env(WorkerConfig())})
     assert done.returncode == 0, done.stderr[-3000:]
-    right, *refusals = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")][-5:]
+    right, ours_held, *refusals = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")][-6:]
     assert "held" in right, right
+    assert ours_held.get("held", {}).get("speculative_config") == ours["speculative_config"], ours_held
     for name in ("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_config", "kv_offloading_size",
                  "max_model_len", "gpu_memory_utilization", "scheduling_policy", "max_num_seqs"):
         assert right["held"][name] == kwargs[name], name

@@ -23,14 +23,14 @@ class RecordingEngine(Engine):
         super().__init__(*args, **kwargs)
         self.token_ids: dict[str, list[int]] = defaultdict(list)
         self.num_preemptions = 0
-        on_token = self._deltas.on_token
+        on_tokens = self._deltas.on_tokens
 
-        def recording(seq):
-            self.token_ids[seq.data.request.request_id].append(seq.last_token_id)
+        def recording(seq, num_new=1):
+            self.token_ids[seq.data.request.request_id].extend(seq.token_ids[-num_new:])
             self.num_preemptions = max(self.num_preemptions, seq.num_preemptions)
-            return on_token(seq)
+            return on_tokens(seq, num_new)
 
-        self._deltas.on_token = recording  # type: ignore[method-assign]
+        self._deltas.on_tokens = recording  # type: ignore[method-assign]
 
 
 CONFIGS = {

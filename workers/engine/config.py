@@ -62,6 +62,8 @@ class EngineConfig:
     # The tiers are how this engine's KV leaves (a prefill worker): a step waits for a writer too far behind rather
     # than drop its blocks (TierSettings.wait_when_behind); the worker turns it on.
     kv_offload_wait_when_behind: bool = False
+    speculative: str | None = None  # "ngram": prompt lookup (speculation.py); None: off
+    num_speculative_tokens: int = 4
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> EngineConfig:

@@ -1,6 +1,6 @@
 """What a sampled token means for its request, as the deltas its client gets.
 
-    Engine.step ─▶ scheduler.update_from_output ─▶ on_token(seq) for each sequence with a new token:
+    Engine.step ─▶ scheduler.update_from_output ─▶ on_tokens(seq, n) for each sequence with new tokens:
         EOS (unless ignored) · a stop string · max_tokens or the context · a complete grammar · the output filter
         · a prefill worker's first token (``handover``: the rest is a decode worker's)
         ─▶ the scheduler ends the sequence ─▶ finish(): its last delta, the request's usage on it
@@ -29,34 +29,35 @@ class Deltas:
         self._eos = eos
         self._requests = requests
 
-    def on_token(self, seq: Sequence) -> TokenDelta | None:
-        """``seq`` has a new token (the scheduler appended it): end it where it ends (EOS, a stop string, its
-        length, a complete grammar, the output filter), and return what its client gets now, if anything."""
+    def on_tokens(self, seq: Sequence, num_new: int = 1) -> TokenDelta | None:
+        """``seq`` has ``num_new`` new tokens (the scheduler appended them; more than one where drafts were kept):
+        end it where it ends (EOS, a stop string, its length, a complete grammar, the output filter), forgetting
+        any token after that, and return what its client gets now, if anything."""
         choice = choice_of(seq)
-        choice.num_unreported_tokens += 1
         if choice.request.held:  # choice 0's prompt is in the cache now: the other choices can share it
             for held in choice.request.held:
                 self.scheduler.add_request(held)
             choice.request.held.clear()
-        token_id = seq.last_token_id
         params = choice.request.params
-        if token_id not in self._eos:
-            choice.follow_grammar(token_id)
-        if token_id in self._eos and not params.ignore_eos:
-            if choice.unreported_logprobs:  # the EOS token ends the text; it is not part of it
-                choice.unreported_logprobs.pop()
-            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
-            return self.finish(seq, "stop", choice.emittable(choice.detokenizer.flush()))
-        text = choice.detokenizer.add_token(token_id)
-        if choice.detokenizer.is_stopped:
-            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
-            return self.finish(seq, "stop", choice.emittable(text))
-        if seq.is_finished:  # the scheduler ended it: max_tokens or the model's context
-            return self.finish(seq, finish_reason(seq.status) or "length",
-                                choice.emittable(text + choice.detokenizer.flush()))
-        if choice.grammar_is_complete:  # nothing may follow
-            self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
-            return self.finish(seq, "stop", choice.emittable(text + choice.detokenizer.flush()))
+        first = seq.num_tokens - num_new
+        text = ""
+        for position in range(first, first + num_new):
+            token_id = seq.token_ids[position]
+            choice.num_unreported_tokens += 1
+            if token_id not in self._eos:
+                choice.follow_grammar(token_id)
+            if token_id in self._eos and not params.ignore_eos:
+                if choice.unreported_logprobs:  # the EOS token ends the text; it is not part of it
+                    choice.unreported_logprobs.pop()
+                return self._stop(seq, position, text + choice.detokenizer.flush())
+            text += choice.detokenizer.add_token(token_id)
+            if choice.detokenizer.is_stopped:
+                return self._stop(seq, position, text)
+            if position == first + num_new - 1 and seq.is_finished:  # the scheduler ended it: max_tokens or context
+                return self.finish(seq, finish_reason(seq.status) or "length",
+                                   choice.emittable(text + choice.detokenizer.flush()))
+            if choice.grammar_is_complete:  # nothing may follow
+                return self._stop(seq, position, text + choice.detokenizer.flush())
         text, calls, halted = choice.outgoing(choice.emittable(text))
         if halted:  # flagged by the output filter under a block policy: nothing more goes out, its seat freed now
             self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_FILTERED)
@@ -67,6 +68,13 @@ class Deltas:
         if not text and not calls:
             return None  # held back (split character, possible stop string or tool tag): nothing worth a message
         return self._delta(seq, text, tool_calls=calls or None)
+
+    def _stop(self, seq: Sequence, position: int, text: str) -> TokenDelta:
+        """``seq`` stops at its token at ``position`` (EOS, a stop string, a complete grammar): the tokens after it
+        were never the output."""
+        seq.drop_tokens_after(position + 1)
+        self.scheduler.finish_request(seq.seq_id, RequestStatus.FINISHED_STOPPED)
+        return self.finish(seq, "stop", choice_of(seq).emittable(text))
 
     def _delta(self, seq: Sequence, text: str, reason: str | None = None, usage: Usage | None = None,
                error: ErrorInfo | None = None, tool_calls: list | None = None) -> TokenDelta:

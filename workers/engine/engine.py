@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, finish_reason
+from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, Sequence, finish_reason
 from switchyard.scheduler.pausing import PauseRule
 from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
@@ -35,6 +35,7 @@ from switchyard.workers.engine.kv_change_log import KVChangeLog
 from switchyard.workers.engine.logprobs import TokenLogprobs
 from switchyard.workers.engine.sampling import sample
 from switchyard.workers.engine.sequences import MatcherPrompt, choice_of, new_request
+from switchyard.workers.engine.speculation import PromptLookup
 from switchyard.workers.engine.stats import capacity_of, stats_of
 from switchyard.workers.engine.tiered_prefixes import TieredPrefixes
 from switchyard.workers.executor.cuda_graphs import GraphPass
@@ -52,6 +53,9 @@ from switchyard.workers.serving.stats import EngineCapacity, EngineStats
 log = logging.getLogger("switchyard.engine")
 
 _LOAD_WAIT_S = 0.01  # a step with nothing to run but prefixes loading waits this long for one
+
+# A step's sampled token per sequence, the logprobs asked for, and the drafts kept per sequence that ran some.
+_Computed = tuple[dict[str, int], dict[str, TokenLogprob], dict[str, list[int]]]
 
 
 class Engine:
@@ -93,6 +97,10 @@ class Engine:
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self.safety = OutputSafety()  # output filters; the worker takes their verdicts after each step
         self._logprobs = TokenLogprobs(tokenizer)
+        # Speculative decoding (speculation.py): drafts proposed after each step for the next.
+        self._speculator = PromptLookup(config.num_speculative_tokens) if config.speculative == "ngram" else None
+        self.num_draft_tokens = 0  # drafts computed since start, and those kept: the acceptance rate
+        self.num_accepted_draft_tokens = 0
         # prepare() runs off the step thread, on up to config.prepare_threads threads at once: each on a tokenizer
         # of its own (a fast tokenizer is not safe to share between threads), made ahead by warmup().
         self._prepare_local = threading.local()
@@ -158,7 +166,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Load per tier and counters since start; call it where steps run (it reads the scheduler's lists)."""
-        return stats_of(self.scheduler, *self._last_batch, kv_tiers=self.tiers.stats() if self.tiers else [])
+        return stats_of(self.scheduler, *self._last_batch, kv_tiers=self.tiers.stats() if self.tiers else [],
+                        drafts=(self.num_draft_tokens, self.num_accepted_draft_tokens))
 
     @property
     def _num_loading(self) -> int:
@@ -322,23 +331,26 @@ class Engine:
         self._last_batch = (len(plan.scheduled), sum(e.num_new_tokens for e in plan.scheduled))
         if self.tiers is not None and started is not None:
             self.tiers.note_step(self._last_batch[1], time.perf_counter() - started)
-        sampled, logprobs = computed
-        for seq in self.scheduler.update_from_output(plan, sampled):
+        sampled, logprobs, accepted = computed
+        for seq in self.scheduler.update_from_output(plan, sampled, accepted):
             if seq.seq_id in logprobs and (unreported := choice_of(seq).unreported_logprobs) is not None:
                 unreported.append(logprobs[seq.seq_id])
-            delta = self._deltas.on_token(seq)
+            delta = self._deltas.on_tokens(seq, 1 + len(accepted.get(seq.seq_id, ())))
             if delta is not None:
                 outputs.append(delta)
+        if self._speculator is not None:
+            self._speculator.propose(e.seq for e in plan.scheduled if e.needs_sample)
         if self.tiers is not None:
             self.tiers.store_new()
             outputs = self.tiers.hold_handovers(outputs)  # sent once their blocks are in the tier
         return outputs
 
-    def _compute(self, plan: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]] | None:
+    def _compute(self, plan: SchedulerOutput) -> _Computed | None:
         """Run the model for ``plan`` (or the next layers of the step in flight) and sample; None while a
         batch-only step still has layers to run."""
         if self._in_flight is None:
-            chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample) for s in plan.scheduled]
+            chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample, len(s.draft_token_ids))
+                      for s in plan.scheduled]
             fwd = self.runner.begin(chunks)
         else:
             fwd = self._in_flight[1]
@@ -347,32 +359,60 @@ class Engine:
             self._in_flight = (plan, fwd)
             return None
         self._in_flight = None
-        to_sample = [s.seq for s in plan.scheduled if s.needs_sample]
+        to_sample = [s for s in plan.scheduled if s.needs_sample]
+        if not to_sample:
+            return {}, {}, {}
+        if not any(s.draft_token_ids for s in to_sample):
+            seqs = [s.seq for s in to_sample]
+            token_ids = self._sample(logits, seqs, [seq.output_token_ids for seq in seqs])
+            return dict(zip((seq.seq_id for seq in seqs), token_ids)), self._logprobs(logits, seqs, token_ids), {}
+        # Drafts: a row per draft and one after them (ModelRunner.begin); each row sampled with the drafts before it
+        # as its output so far (penalties count them), the drafts kept up to the first the model disagrees with.
+        rows = [(s.seq, s.draft_token_ids[:i]) for s in to_sample for i in range(len(s.draft_token_ids) + 1)]
+        token_ids = self._sample(logits, [seq for seq, _ in rows], [seq.output_token_ids + d for seq, d in rows])
         sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprob] = {}
-        if to_sample:
-            choices = [choice_of(seq) for seq in to_sample]
-            matchers = {i: c.matcher for i, c in enumerate(choices) if c.matcher is not None}
-            # The masks are computed while the device still runs the forward (its kernels are only queued).
-            masks = None
-            if matchers:
-                masks = (list(matchers), fill_masks(list(matchers.values()), logits.shape[1], logits.is_cuda))
-            sampled_ids = sample(logits, [c.request.params for c in choices], [c.generator for c in choices],
-                                 prompt_token_ids=[seq.prompt_token_ids for seq in to_sample],
-                                 output_token_ids=[seq.output_token_ids for seq in to_sample], masks=masks)
-            token_ids: list[int] = to_host_list(sampled_ids)  # the step's one wait for the device
-            sampled = {seq.seq_id: tok for seq, tok in zip(to_sample, token_ids)}
-            logprobs = self._logprobs(logits, to_sample, token_ids)  # the model's: before any mask or penalty
-        return sampled, logprobs
+        accepted: dict[str, list[int]] = {}
+        final_rows: list[int] = []
+        row = 0
+        for s in to_sample:
+            drafts = s.draft_token_ids
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == token_ids[row + kept]:
+                kept += 1
+            sampled[s.seq.seq_id] = token_ids[row + kept]
+            accepted[s.seq.seq_id] = drafts[:kept]
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_draft_tokens += kept
+            final_rows.append(row + kept)
+            row += len(drafts) + 1
+        seqs = [s.seq for s in to_sample]
+        logprobs = self._logprobs(logits[final_rows], seqs, [token_ids[r] for r in final_rows]) \
+            if any(choice_of(seq).request.params.logprobs for seq in seqs) else {}
+        return sampled, logprobs, accepted
+
+    def _sample(self, logits, seqs: list[Sequence], outputs: list[list[int]]) -> list[int]:
+        """A token for each row of ``logits``, ``seqs[i]``'s (whose output so far is ``outputs[i]``) under its
+        request's parameters and grammar; the step's one wait for the device."""
+        choices = [choice_of(seq) for seq in seqs]
+        matchers = {i: c.matcher for i, c in enumerate(choices) if c.matcher is not None}
+        # The masks are computed while the device still runs the forward (its kernels are only queued).
+        masks = None
+        if matchers:
+            masks = (list(matchers), fill_masks(list(matchers.values()), logits.shape[1], logits.is_cuda))
+        sampled_ids = sample(logits, [c.request.params for c in choices], [c.generator for c in choices],
+                             prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
+                             output_token_ids=outputs, masks=masks)
+        return to_host_list(sampled_ids)
 
     def _compute_each_alone(self, plan: SchedulerOutput, outputs: list[TokenDelta],
-                            ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+                            ) -> _Computed:
         """A step failed: compute each of its sequences alone. A sequence that fails alone fails its request (and
         only it, with a 500); the others get their tokens as if the step had run. Rewriting a chunk's KV slots
         writes the values the failed step may have written already."""
         self.num_failed_steps += 1
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
+        accepted: dict[str, list[int]] = {}
         error = ErrorInfo("The worker had an error processing your request.", code="internal_error",
                           type="server_error", status=500)
         for entry in plan.scheduled:
@@ -388,7 +428,8 @@ class Engine:
             if one is not None:
                 sampled.update(one[0])
                 logprobs.update(one[1])
-        return sampled, logprobs
+                accepted.update(one[2])
+        return sampled, logprobs, accepted
 
     def _shed_for_memory(self, plan: SchedulerOutput) -> list[TokenDelta]:
         """The device ran out of memory in a step: preempt the least important running sequence and retry with

@@ -34,6 +34,7 @@ class SeqChunk:
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache for this sequence
     block_table: list[int]  # KV block ids owning positions 0.. (block i holds positions i*bs .. i*bs+bs-1)
     needs_logits: bool  # return logits of the chunk's last token
+    num_drafts: int = 0  # its last tokens are drafts (speculative decoding): logits of each, and of the one before
 
 
 @dataclass(slots=True)
@@ -281,8 +282,8 @@ class ModelRunner:
         return kv_bytes_budget // (ModelRunner.kv_bytes_per_token(hf_config, dtype) * block_size)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[number of chunks with needs_logits, vocab]`` in chunk order,
-        on the runner's device.
+        """Run one step; returns float32 logits ``[rows, vocab]`` in chunk order, on the runner's device: one row
+        per chunk with needs_logits, and one more for each of its drafts.
 
         Each chunk's tokens are appended to its sequence's cache at ``start_pos..``; chunks of one step must
         belong to different sequences.
@@ -316,7 +317,8 @@ class ModelRunner:
         ordered = [chunks[i] for i in order]
         row_end = itertools.accumulate(len(c.token_ids) for c in ordered)
         last_row = {i: end - 1 for i, end in zip(order, row_end)}
-        logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
+        logit_rows = [row for i, c in enumerate(chunks) if c.needs_logits
+                      for row in range(last_row[i] - c.num_drafts, last_row[i] + 1)]
         input_ids = to_device(list(itertools.chain.from_iterable(c.token_ids for c in ordered)), torch.long,
                               self.device)
         meta = self.attention.prepare([(c.start_pos, len(c.token_ids), c.block_table) for c in ordered])

@@ -113,6 +113,10 @@ class _EngineCollector:
         yield _single(CounterMetricFamily, "num_pauses",
                       "Running sequences paused for a waiting tenant of their tier, their KV kept.", m.model,
                       stats.num_pauses)
+        yield _single(CounterMetricFamily, "spec_decode_num_draft_tokens",
+                      "Draft tokens computed by speculative decoding.", m.model, stats.num_draft_tokens)
+        yield _single(CounterMetricFamily, "spec_decode_num_accepted_tokens",
+                      "Draft tokens the model agreed with (kept).", m.model, stats.num_accepted_draft_tokens)
         yield from _kv_tiers(m.model, stats)
 
 

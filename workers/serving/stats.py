@@ -41,3 +41,5 @@ class EngineStats(msgspec.Struct):
     num_batched_tokens: int = 0  # tokens computed in it (prefill chunks + decodes)
     kv_tiers: list[KVTierStats] = msgspec.field(default_factory=list)  # the tiers below the pool, top first
     num_pauses: int = 0  # running sequences paused for a waiting tenant, their KV kept (scheduler/pausing.py)
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens computed, and those the model agreed with
+    num_accepted_draft_tokens: int = 0

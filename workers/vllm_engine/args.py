@@ -50,7 +50,7 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
         pipeline_parallel_size=v.pipeline_parallel_size,
         quantization=v.quantization,
         kv_cache_dtype=v.kv_cache_dtype,
-        speculative_config=v.speculative_config,
+        speculative_config=v.speculative_config or _speculative_config(worker),
         # The worker's host KV tier is vLLM's own offloading here (host memory, on a GPU).
         kv_offloading_size=v.kv_offloading_size if v.kv_offloading_size is not None else worker.kv_offload_gib or None,
         kv_offloading_backend=v.kv_offloading_backend,
@@ -79,6 +79,14 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     kwargs = {k: val for k, val in kwargs.items() if val is not None}
     kv_transfer.check_offloading(kwargs)
     return kwargs
+
+
+def _speculative_config(worker: WorkerConfig) -> dict | None:
+    """The worker's ``speculative`` setting as vLLM's (its n-gram method looks up the same n-gram sizes as ours)."""
+    if worker.speculative != "ngram":
+        return None
+    return {"method": "ngram", "num_speculative_tokens": worker.num_speculative_tokens,
+            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def kv_events_subscription(kwargs: dict) -> tuple[str, str] | None:

@@ -1,0 +1,80 @@
+"""Speculative decoding by prompt lookup: the tokens that followed the last place the sequence's latest n-gram
+appeared (in its prompt or its output) are proposed as its next tokens, and the next step checks them all at once.
+
+    step k:    update ─▶ propose(seq): its last n tokens (n = 4, 3, 2) found earlier ─▶ the K tokens after them
+    step k+1:  the last token and the K drafts in one chunk ─▶ logits of each ─▶ the drafts the model agrees with
+               are kept, and the model's own token after them (at least one token a step, at most K + 1)
+
+It pays where the output repeats its input (editing a text, quoting a document, code): a decode step reads the
+weights once for K + 1 tokens. Where nothing repeats nothing is proposed and the step is a plain decode.
+
+Greedy requests only: the model's token at each row is its argmax, so the output is the one non-speculative
+decoding gives (a draft is kept only where it equals that argmax). Requests under a grammar, asking for logprobs or
+sampling at a temperature decode one token a step, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from switchyard.scheduler import Sequence
+from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE
+from switchyard.workers.engine.sequences import choice_of
+
+MIN_NGRAM = 2  # a single repeated token is too weak a clue: most proposals from it would be rejected
+MAX_NGRAM = 4
+
+
+class _Index:
+    """Where each n-gram of one sequence last ended (n from MIN_NGRAM to MAX_NGRAM), for the n-grams ending
+    before ``indexed``; kept up to date as the sequence grows (it only grows while it runs)."""
+
+    __slots__ = ("last_end", "indexed")
+
+    def __init__(self) -> None:
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether ``seq`` may run drafts: greedy, under no grammar, without logprobs, past its first token, and not a
+    prefill worker's part (which ends at its first token)."""
+    choice = choice_of(seq)
+    request = choice.request
+    return (request.params.temperature < GREEDY_TEMPERATURE and choice.matcher is None
+            and choice.unreported_logprobs is None and not request.handover and seq.num_output_tokens > 0)
+
+
+class PromptLookup:
+    """Proposes up to ``num_tokens`` drafts for each sequence it is given (``propose``)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        if num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+        self.num_tokens = num_tokens
+        self._indexes: dict[str, tuple[Sequence, _Index]] = {}
+
+    def propose(self, seqs: Iterable[Sequence]) -> None:
+        """Set the drafts of each of ``seqs`` that ``speculates`` (the others get none). A sequence's index lives as
+        long as the sequence: a finished one's is dropped here."""
+        for seq in seqs:
+            if seq.is_finished or not speculates(seq):
+                continue
+            _, index = self._indexes.setdefault(seq.seq_id, (seq, _Index()))
+            seq.draft_token_ids = self._lookup(index, seq.all_token_ids)
+        for seq_id in [i for i, (seq, _) in self._indexes.items() if seq.is_finished]:
+            del self._indexes[seq_id]
+
+    def _lookup(self, index: _Index, tokens: list[int]) -> list[int]:
+        """The tokens after the latest earlier occurrence of the longest suffix of ``tokens`` found (at most
+        ``num_tokens``); [] when none of its suffixes occurred before."""
+        last = len(tokens) - 1
+        for end in range(index.indexed, last):  # every n-gram ending before the last token
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end + 1) + 1):
+                index.last_end[tuple(tokens[end + 1 - n : end + 1])] = end
+        index.indexed = max(index.indexed, last)
+        for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
+            found = index.last_end.get(tuple(tokens[len(tokens) - n :]))
+            if found is not None:
+                return tokens[found + 1 : found + 1 + self.num_tokens]
+        return []
