@@ -27,13 +27,17 @@ MAX_NGRAM = 4
 
 class _Index:
     """Where each n-gram of one sequence last ended (n from MIN_NGRAM to MAX_NGRAM), for the n-grams ending
-    before ``indexed``; kept up to date as the sequence grows (it only grows while it runs)."""
+    before ``indexed``; kept up to date as the sequence grows (it only grows while it runs). With it, the
+    sequence's last drafts, where they were proposed, and how many it may get next (``limit``)."""
 
-    __slots__ = ("last_end", "indexed")
+    __slots__ = ("last_end", "indexed", "drafts", "proposed_at", "limit")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
         self.last_end: dict[tuple[int, ...], int] = {}
         self.indexed = 0
+        self.drafts: list[int] = []
+        self.proposed_at = 0
+        self.limit = limit
 
 
 def speculates(seq: Sequence) -> bool:
@@ -60,10 +64,26 @@ class PromptLookup:
         for seq in seqs:
             if seq.is_finished or not speculates(seq):
                 continue
-            _, index = self._indexes.setdefault(seq.seq_id, (seq, _Index()))
-            seq.draft_token_ids = self._lookup(index, seq.all_token_ids)
+            _, index = self._indexes.setdefault(seq.seq_id, (seq, _Index(self.num_tokens)))
+            tokens = seq.all_token_ids
+            self._adapt(index, tokens)
+            index.drafts = seq.draft_token_ids = self._lookup(index, tokens)[:index.limit]
+            index.proposed_at = len(tokens)
         for seq_id in [i for i, (seq, _) in self._indexes.items() if seq.is_finished]:
             del self._indexes[seq_id]
+
+    def _adapt(self, index: _Index, tokens: list[int]) -> None:
+        """How many drafts the sequence gets next, from how its last ones did: all kept, twice as many (up to
+        ``num_tokens``); none kept, half as many (at least one). A rejected draft costs a row of compute, and a
+        sequence whose output stopped repeating its input should not pay K of them a step."""
+        if not index.drafts:
+            return
+        new = tokens[index.proposed_at : index.proposed_at + len(index.drafts)]
+        kept = next((i for i, (a, b) in enumerate(zip(new, index.drafts)) if a != b), len(new))
+        if kept >= len(index.drafts):
+            index.limit = min(self.num_tokens, 2 * index.limit)
+        elif kept == 0:
+            index.limit = max(1, index.limit // 2)
 
     def _lookup(self, index: _Index, tokens: list[int]) -> list[int]:
         """The tokens after the latest earlier occurrence of the longest suffix of ``tokens`` found (at most
