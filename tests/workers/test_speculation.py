@@ -50,8 +50,10 @@ def test_a_sequence_whose_drafts_are_rejected_gets_fewer_and_one_whose_drafts_ar
     proposed([1, 2], 11)
     lookup._adapt(index, [0] * 11 + [7])
     assert index.limit == 1
-    lookup._adapt(index, [0] * 11 + [7])  # never below one
-    assert index.limit == 1
+    lookup._adapt(index, [0] * 11 + [7])  # a single draft rejected: none for two steps, then for four
+    assert (index.limit, index.pause) == (1, 2)
+    lookup._adapt(index, [0] * 11 + [7])
+    assert (index.limit, index.pause) == (1, 4)
     proposed([5], 12)
     lookup._adapt(index, [0] * 12 + [5, 6])  # kept, and the model's token after it
     assert index.limit == 2

@@ -23,6 +23,7 @@ from switchyard.workers.engine.sequences import choice_of
 
 MIN_NGRAM = 2  # a single repeated token is too weak a clue: most proposals from it would be rejected
 MAX_NGRAM = 4
+MAX_PAUSE = 64  # steps: the longest a sequence whose drafts keep losing goes without any
 
 
 class _Index:
@@ -30,7 +31,7 @@ class _Index:
     before ``indexed``; kept up to date as the sequence grows (it only grows while it runs). With it, the
     sequence's last drafts, where they were proposed, and how many it may get next (``limit``)."""
 
-    __slots__ = ("last_end", "indexed", "drafts", "proposed_at", "limit")
+    __slots__ = ("last_end", "indexed", "drafts", "proposed_at", "limit", "pause", "next_pause")
 
     def __init__(self, limit: int) -> None:
         self.last_end: dict[tuple[int, ...], int] = {}
@@ -38,6 +39,8 @@ class _Index:
         self.drafts: list[int] = []
         self.proposed_at = 0
         self.limit = limit
+        self.pause = 0  # steps left without drafts
+        self.next_pause = 0  # how long the next pause is
 
 
 def speculates(seq: Sequence) -> bool:
@@ -67,6 +70,10 @@ class PromptLookup:
             _, index = self._indexes.setdefault(seq.seq_id, (seq, _Index(self.num_tokens)))
             tokens = seq.all_token_ids
             self._adapt(index, tokens)
+            if index.pause:
+                index.pause -= 1
+                index.drafts = []
+                continue
             index.drafts = seq.draft_token_ids = self._lookup(index, tokens)[:index.limit]
             index.proposed_at = len(tokens)
         for seq_id in [i for i, (seq, _) in self._indexes.items() if seq.is_finished]:
@@ -74,16 +81,21 @@ class PromptLookup:
 
     def _adapt(self, index: _Index, tokens: list[int]) -> None:
         """How many drafts the sequence gets next, from how its last ones did: all kept, twice as many (up to
-        ``num_tokens``); none kept, half as many (at least one). A rejected draft costs a row of compute, and a
-        sequence whose output stopped repeating its input should not pay K of them a step."""
+        ``num_tokens``); none kept, half as many; a single one rejected, none for 2, 4, ... up to MAX_PAUSE steps.
+        A draft costs a row of compute (on a CPU a step of 5 rows takes about twice one of 1), and a sequence whose
+        output does not repeat its input should pay next to nothing for drafts that lose."""
         if not index.drafts:
             return
         new = tokens[index.proposed_at : index.proposed_at + len(index.drafts)]
         kept = next((i for i, (a, b) in enumerate(zip(new, index.drafts)) if a != b), len(new))
+        if kept:
+            index.next_pause = 0
         if kept >= len(index.drafts):
             index.limit = min(self.num_tokens, 2 * index.limit)
+        elif kept == 0 and index.limit > 1:
+            index.limit //= 2
         elif kept == 0:
-            index.limit = max(1, index.limit // 2)
+            index.pause = index.next_pause = min(MAX_PAUSE, max(2, 2 * index.next_pause))
 
     def _lookup(self, index: _Index, tokens: list[int]) -> list[int]:
         """The tokens after the latest earlier occurrence of the longest suffix of ``tokens`` found (at most
