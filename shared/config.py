@@ -235,6 +235,9 @@ class EngineSettings(BaseModel):
     # once (ours: workers/engine/speculation.py; vLLM: its ngram method). None: off.
     speculative: Literal["ngram"] | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    # Our engine's weights as int8 with a scale per output feature (weight-only: activations and sums stay float32;
+    # a CPU in float32, which ``dtype: auto`` then takes). None: as loaded. A vLLM worker's is vllm.quantization.
+    quantization: Literal["int8"] | None = None
 
 
 class WorkerConfig(EngineSettings):

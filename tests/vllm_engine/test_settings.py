@@ -45,6 +45,11 @@ def test_the_workers_speculative_setting_is_vllms_ngram_unless_its_own_config_is
     assert given["speculative_config"] == GPU_70B["vllm"]["speculative_config"]
 
 
+def test_our_engines_quantization_is_refused_for_vllm_which_has_its_own():
+    with pytest.raises(ValueError, match="vllm.quantization"):
+        engine_kwargs(WorkerConfig(quantization="int8"), "/m", on_gpu=False)
+
+
 # Run in the vLLM environment, for each set of kwargs given: vLLM's own EngineArgs built from them (it refuses an
 # unknown field), and the quantization method, KV cache dtype and speculative method among those vLLM names, the
 # speculative config's keys its fields (vLLM checks these against the model only when it builds the engine). One line

@@ -547,3 +547,18 @@ def test_a_request_too_big_for_the_device_fails_alone(tiny, make_request):
     ok = results[small.request_id].final
     assert ok.finish_reason == "length" and ok.error is None
     assert ok.usage.completion_tokens == 8
+
+
+def test_an_int8_engine_serves_requests_to_their_end(tiny, make_request):
+    from switchyard.workers.executor.linear import load_gemm_kernel
+
+    if load_gemm_kernel() is None:
+        pytest.skip("the C kernels cannot be built here")
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, quantization="int8"))
+    assert engine.runner.linear_kernel == "packed_gemm int8"
+    reqs = [make_request(prompt=p, temperature=0, max_tokens=12, ignore_eos=True) for p in PROMPTS]
+    for req in reqs:
+        engine.add_request(req)
+    results = run(engine)
+    assert [results[r.request_id].final.usage.completion_tokens for r in reqs] == [12, 12, 12]

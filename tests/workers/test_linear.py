@@ -78,3 +78,49 @@ def test_unpacked_fallback_matches_f_linear(rows):
 def test_no_compiler_means_no_packing(no_compiler, caplog):
     assert not uses_packed_kernel(CPU, torch.float32)
     assert "packed_gemm.c" in caplog.text
+
+
+def _int8_reference(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as symmetric per-output-feature int8 gives it back: q * s, s = max|w| / 127, q = w * (127 / max|w|)
+    rounded half away from zero (as the kernel rounds)."""
+    peak = weight.abs().amax(dim=1, keepdim=True)
+    q = weight * torch.where(peak > 0, 127 / peak, 0)
+    return torch.where(q < 0, q - 0.5, q + 0.5).trunc() * (peak / 127)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (50, 72), (7, 576), (1000, 40)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32])
+def test_int8_matches_the_dequantized_weight_and_stays_near_the_float_one(kernel, out_features, in_features, rows):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + 7)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    weight[0] = 0  # an all-zero output feature: its scale is 0, its outputs the bias
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    for b in (None, bias):
+        layer = Linear(weight, b, quantize="int8")
+        assert layer.packed is not None and layer.packed.dtype == torch.int8
+        out = layer(x)
+        torch.testing.assert_close(out, F.linear(x, _int8_reference(weight), b), rtol=1e-4, atol=1e-3)
+        # The quantization error itself (Gaussian weights: about 1% of the output's size).
+        error = (out - F.linear(x, weight, b)).norm() / F.linear(x, weight, b).norm()
+        assert error < 0.02, error
+
+
+def test_int8_adds_into_the_residual_and_takes_strided_rows(kernel):
+    weight, bias = torch.randn(50, 48), torch.randn(50)
+    wide, residual = torch.randn(7, 100), torch.randn(7, 50)
+    x = wide[:, 10:58]
+    expected = residual + F.linear(x, _int8_reference(weight), bias)
+    out = Linear(weight, bias, quantize="int8")(x, residual=residual)
+    assert out is residual
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_int8_holds_a_quarter_of_the_bytes_and_refuses_what_it_cannot_run(kernel):
+    weight = torch.randn(64, 128)
+    assert Linear(weight, quantize="int8").packed_bytes == 64 * 128 + 64 * 4
+    assert Linear(weight, pack=True).packed_bytes == 64 * 128 * 4
+    with pytest.raises(ValueError, match="int4"):
+        Linear(weight, quantize="int4")
+    with pytest.raises(ValueError, match="float32"):
+        Linear(weight.bfloat16(), quantize="int8")

@@ -258,6 +258,37 @@ def test_cpu_fp32_uses_the_compiled_kernels():
     assert bf16.linear_kernel == "torch" and bf16.packed_weight_bytes == 0 and bf16.ops.name == "torch"
 
 
+@torch.no_grad()
+def test_a_chunk_with_drafts_gives_the_logits_of_each_row_as_hf_does():
+    model = build()
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    (ids,) = prompts(12)
+    table = BlockPool().table(len(ids))
+    runner.execute([SeqChunk(ids[:8], 0, table, needs_logits=False)])
+    logits = runner.execute([SeqChunk(ids[8:], 8, table, needs_logits=True, num_drafts=3)])  # 4 rows: 1 + 3 drafts
+    torch.testing.assert_close(logits, model(torch.tensor([ids])).logits[0, 8:].float(), atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_int8_weights_keep_the_logits_and_their_argmax_close_to_float32():
+    from switchyard.workers.executor.linear import load_gemm_kernel
+
+    if load_gemm_kernel() is None:
+        pytest.skip("the C kernels cannot be built here")
+    model = build("llama-tied-bias")
+    full, int8 = (ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, quantization=q) for q in (None, "int8"))
+    assert int8.linear_kernel == "packed_gemm int8" and int8.packed_weight_bytes < full.packed_weight_bytes / 3.5
+    (ids,) = prompts(40)
+    pool = BlockPool()
+    rows = [runner.execute([SeqChunk(ids, 0, pool.table(len(ids)), True, num_drafts=len(ids) - 1)])
+            for runner in (full, int8)]
+    similarity = torch.nn.functional.cosine_similarity(rows[0], rows[1], dim=-1)
+    assert similarity.min() > 0.999, similarity.min()
+    assert (rows[0].argmax(-1) == rows[1].argmax(-1)).float().mean() >= 0.9
+    with pytest.raises(ValueError, match="float32"):
+        ModelRunner(build(dtype=torch.bfloat16), NUM_BLOCKS, BLOCK_SIZE, quantization="int8")
+
+
 def test_backend_choice_falls_back_to_sdpa():
     cpu = torch.device("cpu")
     # On CPU: the compiled kernels or SDPA itself; never flash-attn.

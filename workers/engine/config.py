@@ -64,6 +64,7 @@ class EngineConfig:
     kv_offload_wait_when_behind: bool = False
     speculative: str | None = None  # "ngram": prompt lookup (speculation.py); None: off
     num_speculative_tokens: int = 4
+    quantization: str | None = None  # "int8": weight-only int8 projections (executor/linear.py); None: as loaded
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> EngineConfig:

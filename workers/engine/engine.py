@@ -77,7 +77,7 @@ class Engine:
         num_blocks = min(num_blocks, 2 * config.max_num_seqs * blocks_per_seq)
         num_blocks = max(num_blocks, blocks_per_seq + 1)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device=device, dtype=dtype,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend, quantization=config.quantization)
         if config.cuda_graphs and device.type == "cuda" and self.runner.attention.name == "triton":
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_context)
         tiers = config.tier_settings(device)

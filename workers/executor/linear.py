@@ -30,6 +30,10 @@ def load_gemm_kernel() -> ctypes.CDLL | None:
         lib.pack_weight_f32.restype = None
         lib.packed_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32]
         lib.packed_gemm_f32.restype = None
+        lib.pack_weight_q8.argtypes = [p, i64, i64, i64, p, p, i32]
+        lib.pack_weight_q8.restype = None
+        lib.packed_gemm_q8.argtypes = [p, i64, i64, i64, p, p, i64, p, i64, i32, i32]
+        lib.packed_gemm_q8.restype = None
     return lib
 
 
@@ -50,30 +54,53 @@ def _transposed_product_is_faster(rows: int, out_features: int) -> bool:
     return 2 <= rows <= 4 or rows >= 13
 
 
+QUANTIZATIONS = ("int8",)
+
+
 class Linear:
     """One projection: ``weight [out_features, in_features]`` and an optional ``bias [out_features]``.
 
     ``pack=True`` (CPU, fp32 only) packs the weight for the compiled kernel; ``weight`` is kept as given.
+    ``quantize="int8"`` packs it as int8 with a scale per output feature instead (weight-only: the product is fp32,
+    its weights a quarter of the bytes; implies ``pack``).
     """
 
-    __slots__ = ("weight", "bias", "packed", "_gemm")
+    __slots__ = ("weight", "bias", "packed", "scales", "_gemm")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
+                 quantize: str | None = None):
         self.weight = weight
         self.bias = bias
-        self.packed = None
+        self.packed: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
         self._gemm = None
-        if pack:
+        if quantize is not None and quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantization {quantize!r} is not one of {QUANTIZATIONS}")
+        if pack or quantize:
             lib = load_gemm_kernel()
             if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
                 raise ValueError("packing needs a float32 CPU weight and the compiled packed_gemm kernel")
             out_features, in_features = weight.shape
             panels = -(-out_features // PANEL_WIDTH)
-            self.packed = torch.empty(panels * in_features * PANEL_WIDTH, dtype=torch.float32)
             w = weight if weight.stride(1) == 1 else weight.contiguous()
-            lib.pack_weight_f32(w.data_ptr(), w.stride(0), out_features, in_features, self.packed.data_ptr(),
-                                torch.get_num_threads())
-            self._gemm = lib.packed_gemm_f32
+            if quantize == "int8":
+                self.packed = torch.empty(panels * in_features * PANEL_WIDTH, dtype=torch.int8)
+                self.scales = torch.empty(panels * PANEL_WIDTH, dtype=torch.float32)
+                lib.pack_weight_q8(w.data_ptr(), w.stride(0), out_features, in_features, self.packed.data_ptr(),
+                                   self.scales.data_ptr(), torch.get_num_threads())
+                self._gemm = lib.packed_gemm_q8
+            else:
+                self.packed = torch.empty(panels * in_features * PANEL_WIDTH, dtype=torch.float32)
+                lib.pack_weight_f32(w.data_ptr(), w.stride(0), out_features, in_features, self.packed.data_ptr(),
+                                    torch.get_num_threads())
+                self._gemm = lib.packed_gemm_f32
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the packed copy (and its scales): memory beside the model's own weights."""
+        if self.packed is None:
+            return 0
+        return self.packed.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     @property
     def out_features(self) -> int:
@@ -94,7 +121,9 @@ class Linear:
             accumulate = residual is not None and residual.is_contiguous()
             out = (residual if accumulate and residual is not None
                    else torch.empty(rows, self.out_features, dtype=torch.float32))
-            self._gemm(x.data_ptr(), x.stride(0), rows, in_features, self.packed.data_ptr(), self.out_features,
+            weights = (self.packed.data_ptr(),) if self.scales is None else \
+                (self.packed.data_ptr(), self.scales.data_ptr())
+            self._gemm(x.data_ptr(), x.stride(0), rows, in_features, *weights, self.out_features,
                        out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads())
             if self.bias is not None:
                 out.add_(self.bias)

@@ -145,7 +145,10 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         attention_backend: str | None = None,
+        quantization: str | None = None,
     ):
+        """``quantization``: ``int8`` stores every projection's weight (the LM head's too) as int8 with a scale per
+        output feature, for a CPU in float32 (``Linear``); None keeps them as loaded."""
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported ({sorted(SUPPORTED_MODEL_TYPES)})")
@@ -175,7 +178,15 @@ class ModelRunner:
         lm_head = model.get_output_embeddings().weight
         self.embed = _param(embed, dev, dt)
         pack = uses_packed_kernel(dev, dt)
-        self.lm_head = Linear(self.embed if lm_head is embed else _param(lm_head, dev, dt), pack=pack)
+        if quantization is not None and not pack:
+            raise ValueError(f"quantization {quantization!r} runs on a CPU in float32 with the compiled packed_gemm "
+                             f"kernel; this runner is {dev.type}, {dt}")
+        self.quantization = quantization
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, pack, quantization)
+
+        self.lm_head = linear(self.embed if lm_head is embed else _param(lm_head, dev, dt))
         self.final_norm = _param(model.model.norm.weight, dev, dt)
         self.layers = []
         for layer in model.model.layers:
@@ -187,17 +198,17 @@ class ModelRunner:
             self.layers.append(
                 _Layer(
                     input_norm=_param(layer.input_layernorm.weight, dev, dt),
-                    qkv=Linear(qkv_w, qkv_b, pack),
-                    o=Linear(_param(attn.o_proj.weight, dev, dt), _bias(attn.o_proj.bias, dev, dt), pack),
+                    qkv=linear(qkv_w, qkv_b),
+                    o=linear(_param(attn.o_proj.weight, dev, dt), _bias(attn.o_proj.bias, dev, dt)),
                     post_norm=_param(layer.post_attention_layernorm.weight, dev, dt),
-                    gate_up=Linear(gate_up_w, gate_up_b, pack),
-                    down=Linear(_param(mlp.down_proj.weight, dev, dt), _bias(mlp.down_proj.bias, dev, dt), pack),
+                    gate_up=linear(gate_up_w, gate_up_b),
+                    down=linear(_param(mlp.down_proj.weight, dev, dt), _bias(mlp.down_proj.bias, dev, dt)),
                 )
             )
         linears = [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         # Packed copies are extra memory next to the HF model's weights: the start-up log names their size.
-        self.packed_weight_bytes = sum(x.packed.nbytes for x in linears if x.packed is not None)
-        self.linear_kernel = "packed_gemm" if pack else "torch"
+        self.packed_weight_bytes = sum(x.packed_bytes for x in linears)
+        self.linear_kernel = ("packed_gemm int8" if quantization == "int8" else "packed_gemm") if pack else "torch"
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (SwiGLU uses silu)")
         self.ops = make_ops(dev, dt)

@@ -31,6 +31,9 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     publishes its KV events (a ZMQ endpoint it binds), for the worker's (``kv_events_subscription``); none without
     prefix caching, which is what hashes blocks."""
     v = worker.vllm
+    if worker.quantization is not None:
+        raise ValueError("quantization: our engine's weight-only int8; a vLLM worker's is vllm.quantization (one of "
+                         "the methods vLLM names, e.g. fp8)")
     if worker.kv_offload_dir is not None:
         raise ValueError("kv_offload_dir: the disk KV tier is our engine's; a vLLM worker offloads to host memory only "
                          "(kv_offload_gib, vLLM's kv_offloading_size)")

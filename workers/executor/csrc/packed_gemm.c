@@ -37,3 +37,112 @@ void packed_gemm_f32(const float *restrict x, int64_t ldx, int64_t m, int64_t k,
         rows_times_panel(m, k, x, ldx, packed + p * k * NR, NR, y + p * NR, ldy, ncols, accumulate);
     }
 }
+
+/* Weight-only int8: the same panels, one byte a weight, and one fp32 scale per output feature (symmetric, per
+ * channel: w = q * scale, scale = max|w| / 127). A decode step streams a quarter of the fp32 weights' bytes; each
+ * byte is widened to fp32 in registers, so the products and sums stay fp32 (no activation is quantized).
+ *
+ *   packed [ceil(N / NR)][K][NR] int8,  scales [ceil(N / NR) * NR] float (zero past N) */
+
+/* Eight weights widened to fp32. GCC's generic vector conversion of int8 lanes came out as scalar conversions,
+ * slower than streaming fp32; AVX2 widens eight bytes in two instructions. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) v8 widen8(const int8_t *p) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    v8 r;
+    memcpy(&r, &f, sizeof r);
+    return r;
+}
+#else
+static inline __attribute__((always_inline)) v8 widen8(const int8_t *p) {
+    v8 r;
+    for (int j = 0; j < 8; j++) r[j] = (float)p[j];
+    return r;
+}
+#endif
+
+/* Quantize W [n][k] (row stride ldw) into `packed` and `scales`. */
+void pack_weight_q8(const float *restrict w, int64_t ldw, int64_t n, int64_t k, int8_t *restrict packed,
+                    float *restrict scales, int num_threads) {
+    const int64_t num_panels = (n + NR - 1) / NR;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+        float inverse[NR];
+        for (int j = 0; j < NR; j++) {
+            const int64_t row = p * NR + j;
+            float peak = 0.f;
+            if (row < n)
+                for (int64_t kk = 0; kk < k; kk++) {
+                    const float a = w[row * ldw + kk] < 0 ? -w[row * ldw + kk] : w[row * ldw + kk];
+                    peak = a > peak ? a : peak;
+                }
+            scales[p * NR + j] = peak / 127.f;
+            inverse[j] = peak > 0.f ? 127.f / peak : 0.f;
+        }
+        int8_t *dst = packed + p * k * NR;
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int j = 0; j < NR; j++) {
+                const int64_t row = p * NR + j;
+                const float q = row < n ? w[row * ldw + kk] * inverse[j] : 0.f;
+                dst[kk * NR + j] = (int8_t)(q < 0 ? q - 0.5f : q + 0.5f);
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_q8(const int mr, int64_t k, const float *restrict x,
+                                                          int64_t ldx, const int8_t *restrict panel,
+                                                          const float *restrict scale, float *restrict y,
+                                                          int64_t ldy, int ncols, int accumulate) {
+    v8 acc0[MR], acc1[MR];
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) acc0[i] = acc1[i] = (v8){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        const v8 b0 = widen8(panel + kk * NR);
+        const v8 b1 = widen8(panel + kk * NR + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            const float a = x[i * ldx + kk];
+            acc0[i] += a * b0;
+            acc1[i] += a * b1;
+        }
+    }
+    const v8 s0 = *(const v8 *)scale, s1 = *(const v8 *)(scale + 8);
+    for (int i = 0; i < mr; i++) {
+        float row[NR];
+        const v8 r0 = acc0[i] * s0, r1 = acc1[i] * s1;
+        memcpy(row, &r0, sizeof(v8));
+        memcpy(row + 8, &r1, sizeof(v8));
+        for (int j = 0; j < ncols; j++) y[i * ldy + j] = accumulate ? y[i * ldy + j] + row[j] : row[j];
+    }
+}
+
+/* y [m][n] (=, or += with `accumulate`) x [m][k] @ W.T, W as pack_weight_q8 packed it. Threads take whole panels;
+ * a panel's rows of x in tiles of near-equal size, as rows_times_panel does for fp32. */
+void packed_gemm_q8(const float *restrict x, int64_t ldx, int64_t m, int64_t k, const int8_t *restrict packed,
+                    const float *restrict scales, int64_t n, float *restrict y, int64_t ldy, int accumulate,
+                    int num_threads) {
+    const int64_t num_panels = (n + NR - 1) / NR;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const int ncols = n - p * NR < NR ? (int)(n - p * NR) : NR;
+        const int8_t *panel = packed + p * k * NR;
+        const int64_t num_tiles = (m + MR - 1) / MR;
+        int64_t row = 0;
+        for (int64_t t = 0; t < num_tiles; t++) {
+            const int mr = (int)((m - row) / (num_tiles - t)) + ((m - row) % (num_tiles - t) != 0);
+            const float *xt = x + row * ldx;
+            float *yt = y + row * ldy + p * NR;
+            const float *s = scales + p * NR;
+            switch (mr) {
+            case 6: tile_q8(6, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
+            case 5: tile_q8(5, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
+            case 4: tile_q8(4, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
+            case 3: tile_q8(3, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
+            case 2: tile_q8(2, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
+            default: tile_q8(1, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
+            }
+            row += mr;
+        }
+    }
+}
