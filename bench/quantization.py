@@ -1,0 +1,141 @@
+"""Weight-only int8 in our engine on SmolLM2, against float32 and bfloat16: perplexity on a fixed text, greedy
+agreement with float32 over a set of prompts, and decode tokens/s of 1 and 8 streams.
+
+    .venv/bin/python bench/quantization.py
+    .venv/bin/python bench/quantization.py --configs float32 int8 --max-tokens 64
+
+Perplexity: the model's next-token loss over FIXED_TEXT (one forward of the whole text, every row's logits).
+Greedy agreement: each prompt's greedy output of ``--max-tokens`` tokens against float32's; "same" counts the
+prompts whose whole output is identical, "tokens before the first difference" is the mean share of the output
+that matches before they part. Speed: the engine driven directly, greedy, ``--max-tokens`` a request, tokens/s of
+all streams together, median of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.local import cpu_name, lscpu  # noqa: E402
+from bench.results import append_section, command_line, markdown_table  # noqa: E402
+from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams  # noqa: E402
+from switchyard.workers.engine.engine import Engine, EngineConfig  # noqa: E402
+from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk  # noqa: E402
+from switchyard.workers.model_store import load, pull  # noqa: E402
+from tests.support.system import model_cache_dir  # noqa: E402
+
+# Written for this benchmark (no corpus is reachable here): plain expository English of the kind the model saw.
+FIXED_TEXT = (
+    "Rivers shape the land they cross. Over thousands of years a river carries sand and stones from the mountains "
+    "to the sea, cutting valleys where the rock is soft and leaving waterfalls where it is hard. Near its mouth the "
+    "water slows, drops what it carries, and builds a delta of rich soil, which is why so many of the first cities "
+    "grew up beside great rivers. Farmers used the yearly floods to water their fields, and boats carried grain, "
+    "timber and cloth between towns long before there were roads. Today rivers still supply drinking water to "
+    "billions of people, turn the turbines of power stations, and carry ships far inland. They also need care: "
+    "dams change the flow of water and sediment, factories and farms can pour chemicals into them, and a warmer "
+    "climate alters the snow and rain that feed them. Scientists measure the health of a river by the fish and "
+    "insects that live in it, the clarity of its water, and the amount of oxygen it holds. Where people have "
+    "cleaned up their rivers, salmon and otters have often returned within a few decades, a sign that nature can "
+    "recover when it is given the chance.\n\n"
+    "A computer program is a list of instructions that a machine follows one after another. The instructions are "
+    "written in a programming language, which is stricter than a human language: every symbol must be in the right "
+    "place, or the program will not run. Programmers break a large problem into small steps, test each step, and "
+    "then combine them. When something goes wrong they look for the bug by reading the code, printing values as "
+    "the program runs, or writing tests that check one piece at a time. Good programs are easy to read, because "
+    "the person who changes them next year may be someone else, or the same programmer who has forgotten the "
+    "details. That is why clear names, short functions and comments that explain the reason behind a choice matter "
+    "as much as clever tricks.")
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about autumn.", "Explain photosynthesis in two sentences.",
+    "List three prime numbers and explain why they are prime.", "Who wrote Hamlet?",
+    "Give me a recipe for pancakes.", "What causes the seasons on Earth?", "Translate 'good morning' into Spanish.",
+    "Describe a cat to someone who has never seen one.", "What is 12 times 7?",
+    "Why is the sky blue?", "Write a short poem about the sea.", "What are the benefits of regular exercise?",
+    "How does a refrigerator keep food cold?", "Name the planets of the solar system.",
+    "What is the difference between weather and climate?",
+]
+CONFIGS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
+
+
+def perplexity(model, tokenizer, quantization: str | None) -> float:
+    ids = tokenizer.encode(FIXED_TEXT)
+    block = 16
+    runner = ModelRunner(model, -(-len(ids) // block) + 1, block, quantization=quantization)
+    logits = runner.execute([SeqChunk(ids, 0, list(range(-(-len(ids) // block))), True, len(ids) - 1)])
+    loss = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
+    return math.exp(loss.item())
+
+
+def generate(engine: Engine, prompts: list[str], max_tokens: int, first_id: int) -> tuple[float, int, list[list[int]]]:
+    """``prompts`` at once to their ends: (seconds, tokens, each prompt's output token ids)."""
+    ids = [f"r{first_id + i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(GenerateRequest(request_id=request_id, model="smollm2", tier="pro", created_at=0.0,
+                                           deadline_at=0.0, messages=[ChatMessage("user", prompt)],
+                                           sampling=SamplingParams(temperature=0, max_tokens=max_tokens)))
+    outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    tokens = 0
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.token_ids or []
+            tokens += delta.num_tokens
+    return time.perf_counter() - started, tokens, [outputs[request_id] for request_id in ids]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--results", default=None, help="markdown file to append to; '-' for none")
+    args = p.parse_args()
+    report = lscpu()
+    torch.set_num_threads(args.threads)
+    path = pull("smollm2", model_cache_dir())
+    rows, reference = [], None
+    for name in args.configs:
+        dtype, quantization = CONFIGS[name]
+        model, tokenizer = load(path, dtype=dtype, device="cpu")
+        ppl = perplexity(model, tokenizer, quantization)
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=len(PROMPTS), quantization=quantization))
+        engine.warmup()
+        _, _, outputs = generate(engine, PROMPTS, args.max_tokens, 0)
+        if reference is None:
+            reference = outputs
+        same = sum(a == b for a, b in zip(outputs, reference))
+        matched = statistics.mean(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                                  / max(1, len(b)) for a, b in zip(outputs, reference))
+        speeds = []
+        for streams in (1, 8):
+            runs = [generate(engine, PROMPTS[:streams], args.max_tokens, 1000 * (r + 1) + 100 * streams)
+                    for r in range(args.repeats)]
+            speeds.append(statistics.median(n / s for s, n, _ in runs))
+        bytes_ = engine.runner.packed_weight_bytes or sum(x.numel() * x.element_size() for x in model.parameters())
+        row = [name, f"{bytes_ / 2**20:.0f}", f"{ppl:.3f}", f"{same}/{len(PROMPTS)}", f"{matched:.0%}",
+               f"{speeds[0]:.1f}", f"{speeds[1]:.1f}"]
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    table = markdown_table(["weights", "MiB streamed a step", "perplexity", "same greedy output as float32",
+                            "tokens before the first difference", "tok/s, 1 stream", "tok/s, 8 streams"], rows)
+    section = "\n".join([
+        f"## Weight-only int8 against float32 and bfloat16, SmolLM2, {cpu_name(report)} ({args.threads} threads)",
+        "", f"`{command_line()}`", "",
+        f"Perplexity over the {len(FIXED_TEXT)}-character FIXED_TEXT in bench/quantization.py; greedy agreement over "
+        f"{len(PROMPTS)} chat prompts of {args.max_tokens} tokens against float32; decode speed of the engine driven "
+        f"directly (median of {args.repeats}).", "", table])
+    print(section)
+    append_section(section, args.results or Path(__file__).with_name("RESULTS.md"))
+
+
+if __name__ == "__main__":
+    main()
