@@ -477,13 +477,13 @@ def test_logprobs_leave_out_the_eos_token(tiny, make_request, monkeypatch):
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2))
     req = make_request(prompt=PROMPTS[0], max_tokens=40, temperature=0, logprobs=True)
     engine.add_request(req)
-    real_sample, calls = engine_module.sample, count()
+    real_draw, calls = engine_module.draw, count()
 
-    def sample_eos_third(logits, *args, **kwargs):  # EOS at the third token, whatever the random weights say
-        tokens = real_sample(logits, *args, **kwargs)
+    def draw_eos_third(logits, *args, **kwargs):  # EOS at the third token, whatever the random weights say
+        tokens = real_draw(logits, *args, **kwargs)
         return torch.full_like(tokens, 2) if next(calls) == 2 else tokens
 
-    monkeypatch.setattr(engine_module, "sample", sample_eos_third)
+    monkeypatch.setattr(engine_module, "draw", draw_eos_third)
     res = run(engine)[req.request_id]
     assert res.final.finish_reason == "stop" and res.final.usage.completion_tokens == 3
     assert sum(len(d.logprobs or []) for d in res.deltas) == 2  # the two content tokens, not EOS

@@ -73,13 +73,13 @@ def engine(tiny):
     return Engine(*tiny, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_bytes=1, max_model_len=128))
 
 
-REAL_SAMPLE = engine_module.sample
+REAL_DRAW = engine_module.draw
 
 
-def _sample_or_fail(logits, params, *args, **kwargs):
+def _draw_or_fail(logits, params, *args, **kwargs):
     if any(p.seed == POISON_SEED for p in params):
         raise RuntimeError("injected sampling failure")
-    return REAL_SAMPLE(logits, params, *args, **kwargs)
+    return REAL_DRAW(logits, params, *args, **kwargs)
 
 
 _TOO_LONG = ({"max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
@@ -92,7 +92,7 @@ _TOO_LONG = ({"max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "m
 @example(mix=[(*_TOO_LONG, True, 0), (*_TOO_LONG, False, 1), (_TOO_LONG[0], ["fox"], True, 0)], poison=-1)
 def test_random_requests_complete_and_a_failing_one_fails_alone(engine, mix, poison):
     # Patched per example (a function-scoped monkeypatch would last across all of them).
-    with mock.patch.object(engine_module, "sample", _sample_or_fail):
+    with mock.patch.object(engine_module, "draw", _draw_or_fail):
         _check_mix(engine, mix, poison)
 
 

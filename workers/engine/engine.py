@@ -33,11 +33,12 @@ from switchyard.workers.engine.config import EngineConfig
 from switchyard.workers.engine.deltas import Deltas
 from switchyard.workers.engine.kv_change_log import KVChangeLog
 from switchyard.workers.engine.logprobs import TokenLogprobs
-from switchyard.workers.engine.sampling import sample
+from switchyard.workers.engine.sampling import draw, prepare_logits
 from switchyard.workers.engine.sequences import MatcherPrompt, choice_of, new_request
 from switchyard.workers.engine.speculation import PromptLookup
 from switchyard.workers.engine.stats import capacity_of, stats_of
 from switchyard.workers.engine.tiered_prefixes import TieredPrefixes
+from switchyard.workers.engine.verification import verify
 from switchyard.workers.executor.cuda_graphs import GraphPass
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
 from switchyard.workers.executor.transfers import to_host_list
@@ -364,45 +365,46 @@ class Engine:
             return {}, {}, {}
         if not any(s.draft_token_ids for s in to_sample):
             seqs = [s.seq for s in to_sample]
-            token_ids = self._sample(logits, seqs, [seq.output_token_ids for seq in seqs])
+            choices = [choice_of(seq) for seq in seqs]
+            prepared = self._prepare(logits, seqs, [seq.output_token_ids for seq in seqs])
+            token_ids: list[int] = to_host_list(draw(prepared, [c.request.params for c in choices],
+                                                     [c.generator for c in choices]))  # the step's one wait
             return dict(zip((seq.seq_id for seq in seqs), token_ids)), self._logprobs(logits, seqs, token_ids), {}
-        # Drafts: a row per draft and one after them (ModelRunner.begin); each row sampled with the drafts before it
-        # as its output so far (penalties count them), the drafts kept up to the first the model disagrees with.
+        # Drafts: a row per draft and one after them (ModelRunner.begin), each row prepared with the drafts before it
+        # as its output so far (penalties count them); verification.py keeps the drafts and draws the token after.
         rows = [(s.seq, s.draft_token_ids[:i]) for s in to_sample for i in range(len(s.draft_token_ids) + 1)]
-        token_ids = self._sample(logits, [seq for seq, _ in rows], [seq.output_token_ids + d for seq, d in rows])
+        prepared = self._prepare(logits, [seq for seq, _ in rows], [seq.output_token_ids + d for seq, d in rows])
+        choices = [choice_of(s.seq) for s in to_sample]
+        verdicts = verify(prepared, [c.request.params for c in choices], [c.generator for c in choices],
+                          [s.draft_token_ids for s in to_sample])
         sampled: dict[str, int] = {}
         accepted: dict[str, list[int]] = {}
         final_rows: list[int] = []
         row = 0
-        for s in to_sample:
-            drafts = s.draft_token_ids
-            kept = 0
-            while kept < len(drafts) and drafts[kept] == token_ids[row + kept]:
-                kept += 1
-            sampled[s.seq.seq_id] = token_ids[row + kept]
-            accepted[s.seq.seq_id] = drafts[:kept]
-            self.num_draft_tokens += len(drafts)
+        for s, (kept, token) in zip(to_sample, verdicts):
+            sampled[s.seq.seq_id] = token
+            accepted[s.seq.seq_id] = s.draft_token_ids[:kept]
+            self.num_draft_tokens += len(s.draft_token_ids)
             self.num_accepted_draft_tokens += kept
             final_rows.append(row + kept)
-            row += len(drafts) + 1
+            row += len(s.draft_token_ids) + 1
         seqs = [s.seq for s in to_sample]
-        logprobs = self._logprobs(logits[final_rows], seqs, [token_ids[r] for r in final_rows]) \
-            if any(choice_of(seq).request.params.logprobs for seq in seqs) else {}
+        logprobs = self._logprobs(logits[final_rows], seqs, [sampled[seq.seq_id] for seq in seqs]) \
+            if any(c.request.params.logprobs for c in choices) else {}
         return sampled, logprobs, accepted
 
-    def _sample(self, logits, seqs: list[Sequence], outputs: list[list[int]]) -> list[int]:
-        """A token for each row of ``logits``, ``seqs[i]``'s (whose output so far is ``outputs[i]``) under its
-        request's parameters and grammar; the step's one wait for the device."""
+    def _prepare(self, logits, seqs: list[Sequence], outputs: list[list[int]]):
+        """``logits`` with each row's bias, penalties (``seqs[i]``'s output so far being ``outputs[i]``) and grammar
+        mask applied (sampling.prepare_logits)."""
         choices = [choice_of(seq) for seq in seqs]
         matchers = {i: c.matcher for i, c in enumerate(choices) if c.matcher is not None}
         # The masks are computed while the device still runs the forward (its kernels are only queued).
         masks = None
         if matchers:
             masks = (list(matchers), fill_masks(list(matchers.values()), logits.shape[1], logits.is_cuda))
-        sampled_ids = sample(logits, [c.request.params for c in choices], [c.generator for c in choices],
-                             prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
-                             output_token_ids=outputs, masks=masks)
-        return to_host_list(sampled_ids)
+        return prepare_logits(logits, [c.request.params for c in choices],
+                              prompt_token_ids=[seq.prompt_token_ids for seq in seqs], output_token_ids=outputs,
+                              masks=masks)
 
     def _compute_each_alone(self, plan: SchedulerOutput, outputs: list[TokenDelta],
                             ) -> _Computed:

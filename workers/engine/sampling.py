@@ -116,6 +116,60 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     return logits
 
 
+def prepare_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    output_token_ids: Sequence[Sequence[int]] | None = None,
+    masks: tuple[list[int], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A float32 copy of ``logits [B, V]`` with each row's logit bias, penalties and grammar mask applied: what
+    temperature and the filters then shape into the row's distribution (``draw``). The caller's logits (its
+    logprobs) stay the model's."""
+    batch = logits.shape[0]
+    logits = logits.to(torch.float32, copy=True)  # penalties work in place
+    apply_logit_bias(logits, params)
+    if prompt_token_ids is not None or output_token_ids is not None:
+        empty: list[list[int]] = [[] for _ in range(batch)]
+        logits = apply_penalties(logits, params, prompt_token_ids or empty, output_token_ids or empty)
+    if masks is not None:
+        apply_masks(logits, *masks)
+    return logits
+
+
+def uniforms_for(generators: Sequence[random.Random | None]) -> list[float]:
+    """One uniform in [0, 1) per generator, in order: its own for a seeded request, torch's global RNG's for the
+    others; capped below 1 so that in float32 ``u * total`` stays under the total (else the clamp in ``draw`` could
+    pick a filtered tail)."""
+    unseeded = iter(torch.rand(sum(g is None for g in generators), dtype=torch.float64).tolist())
+    return [min(next(unseeded) if g is None else g.random(), 1 - 2**-20) for g in generators]
+
+
+def draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[random.Random | None],
+         ) -> torch.Tensor:
+    """One token per row of prepared ``logits`` (``prepare_logits``): argmax for greedy rows, else a draw from the
+    row's distribution after temperature, top-k, top-p and min-p, by the inverse CDF of a host-made uniform."""
+    batch = logits.shape[0]
+    sampled_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
+    if not sampled_rows:
+        return logits.argmax(dim=-1)
+    rows = None if len(sampled_rows) == batch else to_device(sampled_rows, torch.long, logits.device)
+    chosen = logits if rows is None else logits.index_select(0, rows)
+    picked = draw_filtered(filter_logits(chosen, [params[i] for i in sampled_rows]),
+                           [generators[i] for i in sampled_rows])
+    return picked if rows is None else logits.argmax(dim=-1).index_copy_(0, rows, picked)
+
+
+def draw_filtered(filtered: torch.Tensor, generators: Sequence[random.Random | None]) -> torch.Tensor:
+    """One token per row of ``filtered`` logits (``filter_logits``'s: temperature applied, filtered-out tokens at
+    -inf), by the inverse CDF of a uniform from the row's generator."""
+    cdf = filtered.softmax(dim=-1).cumsum_(dim=-1)
+    # u scaled by the row's total mass (1 up to rounding): the first token whose cumulative mass exceeds it. A
+    # filtered-out token adds no mass, so it is never the first to exceed anything.
+    targets = to_device(uniforms_for(generators), torch.float32, filtered.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets, right=True).view(-1).clamp_max_(cdf.shape[1] - 1)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -134,26 +188,4 @@ def sample(
     batch = logits.shape[0]
     if not (len(params) == len(generators) == batch):
         raise ValueError(f"{batch} logit rows but {len(params)} params and {len(generators)} generators")
-    logits = logits.to(torch.float32, copy=True)  # penalties work in place; the caller's logits stay untouched
-    apply_logit_bias(logits, params)
-    if prompt_token_ids is not None or output_token_ids is not None:
-        empty: list[list[int]] = [[] for _ in range(batch)]
-        logits = apply_penalties(logits, params, prompt_token_ids or empty, output_token_ids or empty)
-    if masks is not None:  # on the float copy: the caller's logits (its logprobs) stay the model's
-        apply_masks(logits, *masks)
-
-    sampled_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
-    if not sampled_rows:
-        return logits.argmax(dim=-1)
-    unseeded = iter(torch.rand(sum(generators[i] is None for i in sampled_rows), dtype=torch.float64).tolist())
-    # Capped below 1 so that in float32 u * total stays under the total (else the clamp could pick a filtered tail).
-    uniforms = [min(next(unseeded) if (g := generators[i]) is None else g.random(), 1 - 2**-20)
-                for i in sampled_rows]
-    rows = None if len(sampled_rows) == batch else to_device(sampled_rows, torch.long, logits.device)
-    chosen = logits if rows is None else logits.index_select(0, rows)
-    cdf = filter_logits(chosen, [params[i] for i in sampled_rows]).softmax(dim=-1).cumsum_(dim=-1)
-    # u scaled by the row's total mass (1 up to rounding): the first token whose cumulative mass exceeds it. A
-    # filtered-out token adds no mass, so it is never the first to exceed anything.
-    targets = to_device(uniforms, torch.float32, logits.device)[:, None] * cdf[:, -1:]
-    picked = torch.searchsorted(cdf, targets, right=True).view(-1).clamp_max_(cdf.shape[1] - 1)
-    return picked if rows is None else logits.argmax(dim=-1).index_copy_(0, rows, picked)
+    return draw(prepare_logits(logits, params, prompt_token_ids, output_token_ids, masks), params, generators)

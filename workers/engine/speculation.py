@@ -8,9 +8,9 @@ appeared (in its prompt or its output) are proposed as its next tokens, and the 
 It pays where the output repeats its input (editing a text, quoting a document, code): a decode step reads the
 weights once for K + 1 tokens. Where nothing repeats nothing is proposed and the step is a plain decode.
 
-Greedy requests only: the model's token at each row is its argmax, so the output is the one non-speculative
-decoding gives (a draft is kept only where it equals that argmax). Requests under a grammar, asking for logprobs or
-sampling at a temperature decode one token a step, as before.
+Which drafts are kept is verification.py's: a greedy request's output is the one decoding a token a step gives, a
+sampled one's is distributed as it. Requests under a grammar or asking for logprobs decode one token a step, as
+before.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from switchyard.scheduler import Sequence
-from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE
 from switchyard.workers.engine.sequences import choice_of
 
 MIN_NGRAM = 2  # a single repeated token is too weak a clue: most proposals from it would be rejected
@@ -44,12 +43,11 @@ class _Index:
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether ``seq`` may run drafts: greedy, under no grammar, without logprobs, past its first token, and not a
-    prefill worker's part (which ends at its first token)."""
+    """Whether ``seq`` may run drafts: under no grammar, without logprobs, past its first token, and not a prefill
+    worker's part (which ends at its first token)."""
     choice = choice_of(seq)
-    request = choice.request
-    return (request.params.temperature < GREEDY_TEMPERATURE and choice.matcher is None
-            and choice.unreported_logprobs is None and not request.handover and seq.num_output_tokens > 0)
+    return (choice.matcher is None and choice.unreported_logprobs is None and not choice.request.handover
+            and seq.num_output_tokens > 0)
 
 
 class PromptLookup:
