@@ -26,9 +26,11 @@ class RecordingEngine(Engine):
         on_tokens = self._deltas.on_tokens
 
         def recording(seq, num_new=1):
-            self.token_ids[seq.data.request.request_id].extend(seq.token_ids[-num_new:])
+            first = seq.num_tokens - num_new
+            delta = on_tokens(seq, num_new)  # may drop the tokens after a stop among them
+            self.token_ids[seq.data.request.request_id].extend(seq.token_ids[first:])
             self.num_preemptions = max(self.num_preemptions, seq.num_preemptions)
-            return on_tokens(seq, num_new)
+            return delta
 
         self._deltas.on_tokens = recording  # type: ignore[method-assign]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, S
 from switchyard.workers.executor.transfers import to_host_list
 from switchyard.workers.kv_tiers.remote import KVPeers
 from switchyard.workers.serving.choice import RequestState
-from switchyard.workers.serving.guided import Grammars, fill_masks
+from switchyard.workers.serving.guided import Grammars, fill_masks, fill_masks_along
 from switchyard.workers.serving.interface import ROLES, BlockReader, EngineCapabilities
 from switchyard.workers.serving.kv_changes import KVChanges
 from switchyard.workers.serving.output_filter import OutputSafety, SafetyEvent
@@ -373,8 +374,16 @@ class Engine:
         # Drafts: a row per draft and one after them (ModelRunner.begin), each row prepared with the drafts before it
         # as its output so far (penalties count them); verification.py keeps the drafts and draws the token after.
         rows = [(s.seq, s.draft_token_ids[:i]) for s in to_sample for i in range(len(s.draft_token_ids) + 1)]
-        prepared = self._prepare(logits, [seq for seq, _ in rows], [seq.output_token_ids + d for seq, d in rows])
         choices = [choice_of(s.seq) for s in to_sample]
+        masks = None
+        if guided := [j for j, c in enumerate(choices) if c.matcher is not None]:  # each row's mask, past its drafts
+            starts = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in to_sample), initial=0))
+            masks = ([starts[j] + i for j in guided for i in range(len(to_sample[j].draft_token_ids) + 1)],
+                     fill_masks_along([choices[j].matcher for j in guided],
+                                      [to_sample[j].draft_token_ids for j in guided], logits.shape[1],
+                                      logits.is_cuda))
+        prepared = self._prepare(logits, [seq for seq, _ in rows], [seq.output_token_ids + d for seq, d in rows],
+                                 masks)
         verdicts = verify(prepared, [c.request.params for c in choices], [c.generator for c in choices],
                           [s.draft_token_ids for s in to_sample])
         sampled: dict[str, int] = {}
@@ -393,14 +402,15 @@ class Engine:
             if any(c.request.params.logprobs for c in choices) else {}
         return sampled, logprobs, accepted
 
-    def _prepare(self, logits, seqs: list[Sequence], outputs: list[list[int]]):
+    def _prepare(self, logits, seqs: list[Sequence], outputs: list[list[int]],
+                 masks: tuple[list[int], torch.Tensor] | None = None):
         """``logits`` with each row's bias, penalties (``seqs[i]``'s output so far being ``outputs[i]``) and grammar
-        mask applied (sampling.prepare_logits)."""
+        mask applied (sampling.prepare_logits); ``masks``: the rows' masks when they were made already (drafts),
+        else each grammar's mask now."""
         choices = [choice_of(seq) for seq in seqs]
         matchers = {i: c.matcher for i, c in enumerate(choices) if c.matcher is not None}
         # The masks are computed while the device still runs the forward (its kernels are only queued).
-        masks = None
-        if matchers:
+        if matchers and masks is None:
             masks = (list(matchers), fill_masks(list(matchers.values()), logits.shape[1], logits.is_cuda))
         return prepare_logits(logits, [c.request.params for c in choices],
                               prompt_token_ids=[seq.prompt_token_ids for seq in seqs], output_token_ids=outputs,

@@ -9,8 +9,8 @@ It pays where the output repeats its input (editing a text, quoting a document, 
 weights once for K + 1 tokens. Where nothing repeats nothing is proposed and the step is a plain decode.
 
 Which drafts are kept is verification.py's: a greedy request's output is the one decoding a token a step gives, a
-sampled one's is distributed as it. Requests under a grammar or asking for logprobs decode one token a step, as
-before.
+sampled one's is distributed as it. Under a grammar, drafts are cut at the first the grammar forbids, and each row is
+masked as the grammar stands after the drafts before it. Requests asking for logprobs decode one token a step.
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ class _Index:
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether ``seq`` may run drafts: under no grammar, without logprobs, past its first token, and not a prefill
-    worker's part (which ends at its first token)."""
+    """Whether ``seq`` may run drafts: without logprobs, past its first token, and not a prefill worker's part
+    (which ends at its first token)."""
     choice = choice_of(seq)
-    return (choice.matcher is None and choice.unreported_logprobs is None and not choice.request.handover
-            and seq.num_output_tokens > 0)
+    return choice.unreported_logprobs is None and not choice.request.handover and seq.num_output_tokens > 0
 
 
 class PromptLookup:
@@ -72,7 +71,10 @@ class PromptLookup:
                 index.pause -= 1
                 index.drafts = []
                 continue
-            index.drafts = seq.draft_token_ids = self._lookup(index, tokens)[:index.limit]
+            drafts = self._lookup(index, tokens)[:index.limit]
+            if drafts and (matcher := choice_of(seq).matcher) is not None:
+                drafts = drafts[:matcher.validate_tokens(drafts)]  # a draft its grammar forbids cannot be kept
+            index.drafts = seq.draft_token_ids = drafts
             index.proposed_at = len(tokens)
         for seq_id in [i for i, (seq, _) in self._indexes.items() if seq.is_finished]:
             del self._indexes[seq_id]

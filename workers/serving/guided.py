@@ -172,6 +172,27 @@ def fill_masks(matchers: list[llguidance.LLMatcher], vocab_size: int, pin_memory
     return bitmask
 
 
+def fill_masks_along(matchers: list[llguidance.LLMatcher], drafts: list[list[int]], vocab_size: int,
+                     pin_memory: bool = False) -> torch.Tensor:
+    """The masks of each matcher before each of its drafts and after the last (speculative decoding: the rows a
+    step computes for it), ``len(drafts[j]) + 1`` rows for matcher ``j``, matcher after matcher. The drafts must be
+    ones the matcher takes (``validate_tokens``); each matcher is left as it was found."""
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + len(d) + 1)
+    bitmask = torch.full((starts[-1], -(-vocab_size // _BITS)), -1, dtype=torch.int32, pin_memory=pin_memory)
+    depth = 0
+    while live := [j for j, d in enumerate(drafts) if len(d) >= depth]:  # one parallel fill per depth
+        for j in live if depth else ():
+            matchers[j].consume_token(drafts[j][depth - 1])
+        bitmask[[starts[j] + depth for j in live]] = fill_masks([matchers[j] for j in live], vocab_size)
+        depth += 1
+    for matcher, d in zip(matchers, drafts):
+        if d:
+            matcher.rollback(len(d))
+    return bitmask
+
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
