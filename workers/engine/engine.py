@@ -376,12 +376,12 @@ class Engine:
         rows = [(s.seq, s.draft_token_ids[:i]) for s in to_sample for i in range(len(s.draft_token_ids) + 1)]
         choices = [choice_of(s.seq) for s in to_sample]
         masks = None
-        if guided := [j for j, c in enumerate(choices) if c.matcher is not None]:  # each row's mask, past its drafts
+        guided = [(j, c.matcher) for j, c in enumerate(choices) if c.matcher is not None]
+        if guided:  # each row's mask, as its grammar stands past the drafts before it
             starts = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in to_sample), initial=0))
-            masks = ([starts[j] + i for j in guided for i in range(len(to_sample[j].draft_token_ids) + 1)],
-                     fill_masks_along([choices[j].matcher for j in guided],
-                                      [to_sample[j].draft_token_ids for j in guided], logits.shape[1],
-                                      logits.is_cuda))
+            masks = ([starts[j] + i for j, _ in guided for i in range(len(to_sample[j].draft_token_ids) + 1)],
+                     fill_masks_along([m for _, m in guided], [to_sample[j].draft_token_ids for j, _ in guided],
+                                      logits.shape[1], logits.is_cuda))
         prepared = self._prepare(logits, [seq for seq, _ in rows], [seq.output_token_ids + d for seq, d in rows],
                                  masks)
         verdicts = verify(prepared, [c.request.params for c in choices], [c.generator for c in choices],
