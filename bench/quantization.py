@@ -31,37 +31,8 @@ from switchyard.workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk  # noqa: E402
 from switchyard.workers.model_store import load, pull  # noqa: E402
 from tests.support.system import model_cache_dir  # noqa: E402
+from tests.support.texts import CHAT_PROMPTS, FIXED_TEXT  # noqa: E402
 
-# Written for this benchmark (no corpus is reachable here): plain expository English of the kind the model saw.
-FIXED_TEXT = (
-    "Rivers shape the land they cross. Over thousands of years a river carries sand and stones from the mountains "
-    "to the sea, cutting valleys where the rock is soft and leaving waterfalls where it is hard. Near its mouth the "
-    "water slows, drops what it carries, and builds a delta of rich soil, which is why so many of the first cities "
-    "grew up beside great rivers. Farmers used the yearly floods to water their fields, and boats carried grain, "
-    "timber and cloth between towns long before there were roads. Today rivers still supply drinking water to "
-    "billions of people, turn the turbines of power stations, and carry ships far inland. They also need care: "
-    "dams change the flow of water and sediment, factories and farms can pour chemicals into them, and a warmer "
-    "climate alters the snow and rain that feed them. Scientists measure the health of a river by the fish and "
-    "insects that live in it, the clarity of its water, and the amount of oxygen it holds. Where people have "
-    "cleaned up their rivers, salmon and otters have often returned within a few decades, a sign that nature can "
-    "recover when it is given the chance.\n\n"
-    "A computer program is a list of instructions that a machine follows one after another. The instructions are "
-    "written in a programming language, which is stricter than a human language: every symbol must be in the right "
-    "place, or the program will not run. Programmers break a large problem into small steps, test each step, and "
-    "then combine them. When something goes wrong they look for the bug by reading the code, printing values as "
-    "the program runs, or writing tests that check one piece at a time. Good programs are easy to read, because "
-    "the person who changes them next year may be someone else, or the same programmer who has forgotten the "
-    "details. That is why clear names, short functions and comments that explain the reason behind a choice matter "
-    "as much as clever tricks.")
-PROMPTS = [
-    "What is the capital of France?", "Write a haiku about autumn.", "Explain photosynthesis in two sentences.",
-    "List three prime numbers and explain why they are prime.", "Who wrote Hamlet?",
-    "Give me a recipe for pancakes.", "What causes the seasons on Earth?", "Translate 'good morning' into Spanish.",
-    "Describe a cat to someone who has never seen one.", "What is 12 times 7?",
-    "Why is the sky blue?", "Write a short poem about the sea.", "What are the benefits of regular exercise?",
-    "How does a refrigerator keep food cold?", "Name the planets of the solar system.",
-    "What is the difference between weather and climate?",
-]
 CONFIGS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
 
 
@@ -107,9 +78,9 @@ def main() -> None:
         dtype, quantization = CONFIGS[name]
         model, tokenizer = load(path, dtype=dtype, device="cpu")
         ppl = perplexity(model, tokenizer, quantization)
-        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=len(PROMPTS), quantization=quantization))
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=len(CHAT_PROMPTS), quantization=quantization))
         engine.warmup()
-        _, _, outputs = generate(engine, PROMPTS, args.max_tokens, 0)
+        _, _, outputs = generate(engine, CHAT_PROMPTS, args.max_tokens, 0)
         if reference is None:
             reference = outputs
         same = sum(a == b for a, b in zip(outputs, reference))
@@ -117,11 +88,11 @@ def main() -> None:
                                   / max(1, len(b)) for a, b in zip(outputs, reference))
         speeds = []
         for streams in (1, 8):
-            runs = [generate(engine, PROMPTS[:streams], args.max_tokens, 1000 * (r + 1) + 100 * streams)
+            runs = [generate(engine, CHAT_PROMPTS[:streams], args.max_tokens, 1000 * (r + 1) + 100 * streams)
                     for r in range(args.repeats)]
             speeds.append(statistics.median(n / s for s, n, _ in runs))
         bytes_ = engine.runner.packed_weight_bytes or sum(x.numel() * x.element_size() for x in model.parameters())
-        row = [name, f"{bytes_ / 2**20:.0f}", f"{ppl:.3f}", f"{same}/{len(PROMPTS)}", f"{matched:.0%}",
+        row = [name, f"{bytes_ / 2**20:.0f}", f"{ppl:.3f}", f"{same}/{len(CHAT_PROMPTS)}", f"{matched:.0%}",
                f"{speeds[0]:.1f}", f"{speeds[1]:.1f}"]
         rows.append(row)
         print(" | ".join(row), flush=True)
@@ -130,9 +101,9 @@ def main() -> None:
     section = "\n".join([
         f"## Weight-only int8 against float32 and bfloat16, SmolLM2, {cpu_name(report)} ({args.threads} threads)",
         "", f"`{command_line()}`", "",
-        f"Perplexity over the {len(FIXED_TEXT)}-character FIXED_TEXT in bench/quantization.py; greedy agreement over "
-        f"{len(PROMPTS)} chat prompts of {args.max_tokens} tokens against float32; decode speed of the engine driven "
-        f"directly (median of {args.repeats}).", "", table])
+        f"Perplexity over the {len(FIXED_TEXT)}-character FIXED_TEXT in tests/support/texts.py; greedy agreement "
+        f"over {len(CHAT_PROMPTS)} chat prompts of {args.max_tokens} tokens against float32; decode speed of the "
+        f"engine driven directly (median of {args.repeats}).", "", table])
     print(section)
     append_section(section, args.results or Path(__file__).with_name("RESULTS.md"))
 
