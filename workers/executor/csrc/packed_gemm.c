@@ -9,6 +9,8 @@
  * so each panel is one contiguous stream, read from memory once per call and from cache for the row tiles after
  * the first (the tile itself is in gemm_tile.h).
  */
+#include <stdlib.h>
+
 #include "gemm_tile.h"
 
 /* Pack W [n][k] (row stride ldw) into `packed` (layout above). */
@@ -145,32 +147,41 @@ static inline __attribute__((always_inline)) void row_q8(int64_t k, const float 
     for (int j = 0; j < ncols; j++) y[j] = accumulate ? y[j] + row[j] : row[j];
 }
 
-/* y [m][n] (=, or += with `accumulate`) x [m][k] @ W.T, W as pack_weight_q8 packed it. Threads take whole panels;
- * a panel's rows of x in tiles of near-equal size, as rows_times_panel does for fp32. */
+/* y [m][n] (=, or += with `accumulate`) x [m][k] @ W.T, W as pack_weight_q8 packed it. Threads take whole panels.
+ * Up to MR rows, one tile widens each weight as it streams by; more rows (a prefill chunk, a large batch) would widen
+ * it again for every tile, so the panel is widened once, scaled, into the thread's fp32 buffer, and the fp32 tiles
+ * run over that from cache. */
 void packed_gemm_q8(const float *restrict x, int64_t ldx, int64_t m, int64_t k, const int8_t *restrict packed,
                     const float *restrict scales, int64_t n, float *restrict y, int64_t ldy, int accumulate,
                     int num_threads) {
     const int64_t num_panels = (n + NR - 1) / NR;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const int ncols = n - p * NR < NR ? (int)(n - p * NR) : NR;
-        const int8_t *panel = packed + p * k * NR;
-        const int64_t num_tiles = (m + MR - 1) / MR;
-        int64_t row = 0;
-        for (int64_t t = 0; t < num_tiles; t++) {
-            const int mr = (int)((m - row) / (num_tiles - t)) + ((m - row) % (num_tiles - t) != 0);
-            const float *xt = x + row * ldx;
-            float *yt = y + row * ldy + p * NR;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *widened = m > MR ? aligned_alloc(64, (size_t)(k * NR * sizeof(float) + 63) / 64 * 64) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; p++) {
+            const int ncols = n - p * NR < NR ? (int)(n - p * NR) : NR;
+            const int8_t *panel = packed + p * k * NR;
             const float *s = scales + p * NR;
-            switch (mr) {
-            case 6: tile_q8(6, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
-            case 5: tile_q8(5, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
-            case 4: tile_q8(4, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
-            case 3: tile_q8(3, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
-            case 2: tile_q8(2, k, xt, ldx, panel, s, yt, ldy, ncols, accumulate); break;
-            default: row_q8(k, xt, panel, s, yt, ncols, accumulate); break;
+            if (widened != NULL) {
+                const v8 s0 = *(const v8 *)s, s1 = *(const v8 *)(s + 8);
+                for (int64_t kk = 0; kk < k; kk++) {
+                    *(v8 *)(widened + kk * NR) = widen8(panel + kk * NR) * s0;
+                    *(v8 *)(widened + kk * NR + 8) = widen8(panel + kk * NR + 8) * s1;
+                }
+                rows_times_panel(m, k, x, ldx, widened, NR, y + p * NR, ldy, ncols, accumulate);
+            } else if (m == 1) {
+                row_q8(k, x, panel, s, y + p * NR, ncols, accumulate);
+            } else {
+                switch (m) {
+                case 6: tile_q8(6, k, x, ldx, panel, s, y + p * NR, ldy, ncols, accumulate); break;
+                case 5: tile_q8(5, k, x, ldx, panel, s, y + p * NR, ldy, ncols, accumulate); break;
+                case 4: tile_q8(4, k, x, ldx, panel, s, y + p * NR, ldy, ncols, accumulate); break;
+                case 3: tile_q8(3, k, x, ldx, panel, s, y + p * NR, ldy, ncols, accumulate); break;
+                default: tile_q8(2, k, x, ldx, panel, s, y + p * NR, ldy, ncols, accumulate); break;
+                }
             }
-            row += mr;
         }
+        free(widened);
     }
 }
