@@ -3,10 +3,11 @@
     .venv/bin/python bench/engines.py                  # concurrency 1, 8, 32
     .venv/bin/python bench/engines.py --concurrency 32 --requests 48
 
-Three servers of SmolLM2-135M, all started first and then measured in turn at each concurrency (the others idle),
+Four servers of SmolLM2-135M, all started first and then measured in turn at each concurrency (the others idle),
 so that each level compares the sides under the same load of the machine:
 
 - switchyard: the whole system (embedded NATS and Postgres, a gateway) and a worker on our engine;
+- switchyard int8: the same, its worker's weights as int8 (``quantization: int8``, float32 activations);
 - vllm engine: the same system and gateway, a worker on the vLLM engine (``engine: vllm``, in .venv-vllm);
 - vllm serve: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``, .venv-vllm), started with
   the engine arguments the vLLM worker builds (workers/vllm_engine/args.py), so the difference is the platform.
@@ -42,8 +43,11 @@ from bench.serve import lscpu_summary, one, summarize  # noqa: E402
 
 MODEL = "smollm2"
 ADMIN_KEY = "bench-engines-admin"
-SIDES = ("switchyard", "vllm engine", "vllm serve")
-SERVED = {"switchyard": MODEL, "vllm engine": f"{MODEL}-vllm", "vllm serve": MODEL}
+SIDES = ("switchyard", "switchyard int8", "vllm engine", "vllm serve")
+SERVED = {"switchyard": MODEL, "switchyard int8": f"{MODEL}-int8", "vllm engine": f"{MODEL}-vllm",
+          "vllm serve": MODEL}
+# What a side's worker is started with beyond the shared settings.
+WORKER_SETTINGS = {"switchyard": {}, "switchyard int8": {"quantization": "int8"}, "vllm engine": {"engine": "vllm"}}
 DEFAULT_REQUESTS = {1: 2, 8: 12, 32: 48}  # the whole run under 10 minutes on a shared 2-core machine
 
 
@@ -160,7 +164,7 @@ def report(rows: list[dict], args, command: str, lscpu: str, vllm_args: str, dty
         "column is the 1-minute load average while each row ran (2.0 would be this benchmark alone).", "",
         f"Workload: prompts of {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs of {args.output_len[0]}-"
         f"{args.output_len[1]}, greedy, ignore_eos; max_num_seqs {args.max_num_seqs}, dtype {args.dtype} ({dtypes}), "
-        "KV cache 2 GiB on every side; at each concurrency the three sides ran one after another, all three servers "
+        "KV cache 2 GiB on every side; at each concurrency the sides ran one after another, all servers "
         "up. "
         f"vLLM's engine arguments (its worker and `vllm serve` alike): `{vllm_args}`.", "",
         markdown_table(["conc", "side", "reqs", "failed", "out tok", "wall s", "out tok/s", "TTFT p50", "TTFT p99",
@@ -225,17 +229,16 @@ def main() -> int:
             api_key = asyncio.run(support.make_key(config.database_url, "bench-engines", rpm_limit=2**31 - 1,
                                                    tpm_limit=2**31 - 1))
             urls = {}
-            for side in ("switchyard", "vllm engine"):
+            for side, settings in WORKER_SETTINGS.items():
                 if side in args.sides:
-                    system.start_worker(f"worker-{SERVED[side]}", served_model_name=SERVED[side],
-                                        engine="vllm" if side == "vllm engine" else "switchyard")
+                    system.start_worker(f"worker-{SERVED[side]}", served_model_name=SERVED[side], **settings)
                     urls[side] = (system.url(), api_key)
             system.start_gateway()
             if "vllm serve" in args.sides:
                 bare = VllmServe(vllm_python(worker), worker, model_dir, work)
                 bare.wait_until_ready()
                 urls["vllm serve"] = (bare.url, "none")
-            for side in ("switchyard", "vllm engine"):
+            for side in WORKER_SETTINGS:
                 if side in args.sides:
                     system.wait_until_ready(SERVED[side], timeout_s=900)
             httpx.put(f"{system.url()}/admin/tiers/pro", json={"max_wait_s": 3600},
