@@ -1,6 +1,9 @@
 """The engine's Triton kernels compiled ahead of time for real GPUs, on a machine without one.
 
-    python bench/gpu.py --compile-only          # every kernel, sm_80 and sm_90, fp32/bf16/fp16, both model families
+    python bench/gpu.py --compile-only          # every kernel, sm_80 and sm_90, fp32/bf16/fp16, every model family
+
+The kernels: attention (``triton_kernels.py``) at each family's head shapes, and the int8 projection
+(``triton_int8.py``) at its layer and vocabulary sizes.
 
 CI runs the kernels under Triton's interpreter, which never compiles them (and skips bf16): without this, a GPU
 session would be their first compile. Here ``TritonAttention`` launches its kernels into a ``LaunchRecorder`` at a
@@ -31,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-KERNELS = ("_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel")
+KERNELS = ("_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel")  # attention (triton_kernels.py)
+LINEAR_KERNELS = ("_int8_linear_kernel",)  # projections with int8 weights (triton_int8.py)
 # (compute capability, the most shared memory one block may take there): a kernel over it compiles but cannot
 # launch ("out of resource: shared memory"), so that is checked too.
 TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}
@@ -42,6 +46,15 @@ FAMILIES = {
     "SmolLM2-135M": (9, 3, 64),
     "SmolLM2-360M": (15, 5, 64),
     "SmolLM2-1.7B": (32, 32, 64),
+}
+# hidden size, intermediate size, vocabulary, q/k/v output features: the projections int8 weights run through
+# (workers/executor/triton_int8.py)
+LINEAR_SHAPES = {
+    "Llama-3-8B": (4096, 14336, 128256, 6144),
+    "Llama-3-70B": (8192, 28672, 128256, 10240),
+    "SmolLM2-135M": (576, 1536, 49152, 960),
+    "SmolLM2-360M": (960, 2560, 49152, 1600),
+    "SmolLM2-1.7B": (2048, 8192, 49152, 6144),
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_SIZE = 16  # the engine's default KV block (EngineConfig.block_size)
@@ -169,6 +182,34 @@ def record_launches(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
     return recorder.launches
 
 
+def record_linear_launches(family: str, dtype: torch.dtype) -> list[Launch]:
+    """The int8 projections' launches of one family (q/k/v, o, gate/up, down, LM head; with and without a bias), as
+    ``triton_int8.int8_linear`` makes them, on CPU tensors, nothing run."""
+    from switchyard.workers.executor import triton_int8
+
+    hidden, intermediate, vocab, qkv = LINEAR_SHAPES[family]
+    launches = []
+    for n, k, bias in ((qkv, hidden, True), (qkv, hidden, False), (hidden, hidden, False),
+                       (2 * intermediate, hidden, False), (hidden, intermediate, False), (vocab, hidden, False)):
+        rows = 8
+        x, q = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, k, dtype=torch.int8)
+        scales, y = torch.zeros(n), torch.zeros(rows, n, dtype=dtype)
+        launches.append(Launch("_int8_linear_kernel", (x, q, scales, scales, y, rows, n, k, k, k, n), dict(
+            HAS_BIAS=bias, PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_M=triton_int8.BLOCK_M,
+            BLOCK_N=triton_int8.BLOCK_N, BLOCK_K=triton_int8.BLOCK_K)))
+    return launches
+
+
+class _Kernels:
+    """Every kernel by its name: the attention kernels' module, then the int8 projection's."""
+
+    def __getattr__(self, name: str):
+        from switchyard.workers.executor import triton_int8
+        from switchyard.workers.executor.attention import triton_kernels
+
+        return getattr(triton_kernels, name, None) or getattr(triton_int8, name)
+
+
 @dataclass(slots=True)
 class Compiled:
     family: str
@@ -196,10 +237,9 @@ class Compiled:
 
 def compile_family(family: str, dtype_name: str, targets: tuple[str, ...]) -> list[Compiled]:
     """Every distinct launch of one family and dtype, compiled for each target."""
-    from switchyard.workers.executor.attention import triton_kernels
-
+    triton_kernels = _Kernels()
     dtype = getattr(torch, dtype_name)
-    launches = record_launches(*FAMILIES[family], dtype)
+    launches = record_launches(*FAMILIES[family], dtype) + record_linear_launches(family, dtype)
     results = []
     for target in targets:
         seen = set()

@@ -78,9 +78,10 @@ def test_a_failed_check_fails_the_run_but_not_the_other_parts(tmp_path, monkeypa
 
 
 def test_every_triton_kernel_compiles_for_sm80_and_sm90_without_a_gpu(tmp_path):
-    """``--compile-only``: each kernel, in each dtype the engine serves, at both families' head shapes, compiled
-    through ptxas for both targets (and within their shared memory), as a GPU's first launch would compile it."""
-    from bench.triton_aot import DTYPES, FAMILIES, KERNELS, TARGETS
+    """``--compile-only``: each kernel, in each dtype the engine serves, at every family's head shapes (attention)
+    and layer sizes (the int8 projection, with a bias and without), compiled through ptxas for both targets (and
+    within their shared memory), as a GPU's first launch would compile it."""
+    from bench.triton_aot import DTYPES, FAMILIES, KERNELS, LINEAR_KERNELS, TARGETS
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(ROOT / "bench/gpu.py"), "--compile-only", "--out", str(tmp_path)],
@@ -88,9 +89,9 @@ def test_every_triton_kernel_compiles_for_sm80_and_sm90_without_a_gpu(tmp_path):
                           timeout=900)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
     section = (tmp_path / "gpu-compile-only.md").read_text()
-    total = len(FAMILIES) * len(DTYPES) * len(TARGETS) * len(KERNELS)
+    total = len(FAMILIES) * len(DTYPES) * len(TARGETS) * (len(KERNELS) + 2 * len(LINEAR_KERNELS))
     assert f"{total} kernels compiled in" in section and ", 0 failed" in section, section[-3000:]
     rows = {tuple(cell.strip() for cell in line.split("|")[1:5]) for line in section.splitlines()
             if line.startswith("| ") and line.endswith("| ok |")}
     assert rows == {(family, str(dtype).removeprefix("torch."), target, kernel.strip("_")) for family in FAMILIES
-                    for dtype in DTYPES for target in TARGETS for kernel in KERNELS}
+                    for dtype in DTYPES for target in TARGETS for kernel in KERNELS + LINEAR_KERNELS}

@@ -61,11 +61,12 @@ class Linear:
     """One projection: ``weight [out_features, in_features]`` and an optional ``bias [out_features]``.
 
     ``pack=True`` (CPU, fp32 only) packs the weight for the compiled kernel; ``weight`` is kept as given.
-    ``quantize="int8"`` packs it as int8 with a scale per output feature instead (weight-only: the product is fp32,
-    its weights a quarter of the bytes; implies ``pack``).
+    ``quantize="int8"`` keeps it as int8 with a scale per output feature instead (weight-only: the products are in
+    the activations' dtype, accumulated in fp32): on a CPU packed for ``csrc/packed_gemm.c`` (float32 activations),
+    on a GPU as ``[out, in]`` for ``triton_int8.py``.
     """
 
-    __slots__ = ("weight", "bias", "packed", "scales", "_gemm")
+    __slots__ = ("weight", "bias", "packed", "scales", "_gemm", "_triton")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
                  quantize: str | None = None):
@@ -74,9 +75,15 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self._gemm = None
+        self._triton = False
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantization {quantize!r} is not one of {QUANTIZATIONS}")
-        if pack or quantize:
+        if quantize and weight.device.type == "cuda":
+            from switchyard.workers.executor.triton_int8 import quantize_int8
+
+            self.packed, self.scales = quantize_int8(weight)
+            self._triton = True
+        elif pack or quantize:
             lib = load_gemm_kernel()
             if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
                 raise ValueError("packing needs a float32 CPU weight and the compiled packed_gemm kernel")
@@ -113,6 +120,12 @@ class Linear:
         needs no separate add) and that tensor is returned; otherwise the result is a new tensor, or a transposed
         view of one.
         """
+        if self._triton:
+            from switchyard.workers.executor.triton_int8 import int8_linear
+
+            assert self.packed is not None and self.scales is not None  # made with _triton (__init__)
+            out = int8_linear(x, self.packed, self.scales, self.bias)
+            return out if residual is None else residual + out
         if self._gemm is not None:
             assert self.packed is not None  # packed along with the kernel chosen (__init__)
             if x.stride(1) != 1:

@@ -148,7 +148,7 @@ class ModelRunner:
         quantization: str | None = None,
     ):
         """``quantization``: ``int8`` stores every projection's weight (the LM head's too) as int8 with a scale per
-        output feature, for a CPU in float32 (``Linear``); None keeps them as loaded."""
+        output feature (``Linear``: a CPU in float32, or a GPU); None keeps them as loaded."""
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported ({sorted(SUPPORTED_MODEL_TYPES)})")
@@ -178,9 +178,9 @@ class ModelRunner:
         lm_head = model.get_output_embeddings().weight
         self.embed = _param(embed, dev, dt)
         pack = uses_packed_kernel(dev, dt)
-        if quantization is not None and not pack:
-            raise ValueError(f"quantization {quantization!r} runs on a CPU in float32 with the compiled packed_gemm "
-                             f"kernel; this runner is {dev.type}, {dt}")
+        if quantization is not None and not pack and dev.type != "cuda":
+            raise ValueError(f"quantization {quantization!r} runs on a GPU (Triton) or on a CPU in float32 with the "
+                             f"compiled packed_gemm kernel; this runner is {dev.type}, {dt}")
         self.quantization = quantization
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
@@ -208,7 +208,8 @@ class ModelRunner:
         linears = [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         # Packed copies are extra memory next to the HF model's weights: the start-up log names their size.
         self.packed_weight_bytes = sum(x.packed_bytes for x in linears)
-        self.linear_kernel = ("packed_gemm int8" if quantization == "int8" else "packed_gemm") if pack else "torch"
+        self.linear_kernel = ("packed_gemm" if pack else "triton" if quantization else "torch") + (
+            f" {quantization}" if quantization else "")
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (SwiGLU uses silu)")
         self.ops = make_ops(dev, dt)

@@ -29,10 +29,10 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
 
     t0 = time.monotonic()
     path = model_store.resolve(config.worker.model, config.model_cache_dir)
-    dtype = config.worker.dtype
-    if config.worker.quantization and dtype == "auto":
-        dtype = "float32"  # int8 weights are widened to float32 in the kernel's registers (executor/linear.py)
-    model, tokenizer = model_store.load(path, dtype, config.worker.device)
+    dtype, device = config.worker.dtype, model_store.resolve_device(config.worker.device)
+    if config.worker.quantization and dtype == "auto" and device == "cpu":
+        dtype = "float32"  # a CPU widens int8 weights to float32 in its kernel's registers (executor/linear.py)
+    model, tokenizer = model_store.load(path, dtype, device)
     log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
     # The worker publishes what its KV cache holds (workers/service/kv_events.py): the engine records it.
     engine_config = dataclasses.replace(EngineConfig.from_settings(config.worker), kv_events=True)
