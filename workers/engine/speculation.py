@@ -64,7 +64,8 @@ class PromptLookup:
         for seq in seqs:
             if seq.is_finished or not speculates(seq):
                 continue
-            _, index = self._indexes.setdefault(seq.seq_id, (seq, _Index(self.num_tokens)))
+            # One draft to begin with: a sequence earns more by keeping them (a wrong guess costs a row of compute).
+            _, index = self._indexes.setdefault(seq.seq_id, (seq, _Index(1)))
             tokens = seq.all_token_ids
             self._adapt(index, tokens)
             if index.pause:
