@@ -107,6 +107,7 @@ def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True, warm
     import gc
 
     import switchyard.workers.engine.engine as we
+    import switchyard.workers.engine.next_tokens as nt
 
     gc.collect()  # drop the previous run's engine (and its KV cache) first
     engine = we.Engine(model, tok, we.EngineConfig(
@@ -114,14 +115,14 @@ def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True, warm
         block_size=args.block_size, kv_cache_bytes=int(args.kv_gib * 2**30),
         enable_prefix_caching=prefix_caching, max_model_len=args.max_model_len))
     engine.runner.warmup()
-    # Where step time goes: wrap the parts on this instance (and the engine module's `draw`, in this process).
+    # Where step time goes: wrap the parts on this instance (and next_tokens' `draw`, in this process).
     timers = defaultdict(float)
     engine.runner.begin = _timed(timers, "execute", engine.runner.begin)  # the model: both halves of a step
     engine.runner.advance = _timed(timers, "execute", engine.runner.advance)
     engine.scheduler.schedule = _timed(timers, "schedule", engine.scheduler.schedule)
     engine.scheduler.update_from_output = _timed(timers, "update", engine.scheduler.update_from_output)
     engine._deltas.on_tokens = _timed(timers, "on_tokens(detok)", engine._deltas.on_tokens)
-    we.draw = _timed(timers, "sample", getattr(we.draw, "__wrapped__", we.draw))
+    nt.draw = _timed(timers, "sample", getattr(nt.draw, "__wrapped__", nt.draw))
     kv = engine.scheduler.kv_cache
     if warm:
         _drive(engine, warm, [0.0] * len(warm), "w")

@@ -473,19 +473,19 @@ def test_logprobs_are_the_models_and_come_with_their_tokens(tiny, make_request):
 
 
 def test_logprobs_leave_out_the_eos_token(tiny, make_request, monkeypatch):
-    import switchyard.workers.engine.engine as engine_module
+    import switchyard.workers.engine.next_tokens as next_tokens_module
 
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2))
     req = make_request(prompt=PROMPTS[0], max_tokens=40, temperature=0, logprobs=True)
     engine.add_request(req)
-    real_draw, calls = engine_module.draw, count()
+    real_draw, calls = next_tokens_module.draw, count()
 
     def draw_eos_third(logits, *args, **kwargs):  # EOS at the third token, whatever the random weights say
         tokens = real_draw(logits, *args, **kwargs)
         return torch.full_like(tokens, 2) if next(calls) == 2 else tokens
 
-    monkeypatch.setattr(engine_module, "draw", draw_eos_third)
+    monkeypatch.setattr(next_tokens_module, "draw", draw_eos_third)
     res = run(engine)[req.request_id]
     assert res.final.finish_reason == "stop" and res.final.usage.completion_tokens == 3
     assert sum(len(d.logprobs or []) for d in res.deltas) == 2  # the two content tokens, not EOS

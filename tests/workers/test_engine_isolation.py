@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import switchyard.workers.engine.engine as engine_module
+import switchyard.workers.engine.next_tokens as next_tokens_module
 import switchyard.workers.serving.choice as choice_module
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from switchyard.workers.engine.engine import Engine, EngineConfig
@@ -73,7 +73,7 @@ def engine(tiny):
     return Engine(*tiny, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, kv_cache_bytes=1, max_model_len=128))
 
 
-REAL_DRAW = engine_module.draw
+REAL_DRAW = next_tokens_module.draw
 
 
 def _draw_or_fail(logits, params, *args, **kwargs):
@@ -92,7 +92,7 @@ _TOO_LONG = ({"max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "m
 @example(mix=[(*_TOO_LONG, True, 0), (*_TOO_LONG, False, 1), (_TOO_LONG[0], ["fox"], True, 0)], poison=-1)
 def test_random_requests_complete_and_a_failing_one_fails_alone(engine, mix, poison):
     # Patched per example (a function-scoped monkeypatch would last across all of them).
-    with mock.patch.object(engine_module, "draw", _draw_or_fail):
+    with mock.patch.object(next_tokens_module, "draw", _draw_or_fail):
         _check_mix(engine, mix, poison)
 
 

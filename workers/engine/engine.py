@@ -4,10 +4,12 @@
                         │ schedule(): which tokens of which sequences run this step, under a token budget
                         ▼
                     ModelRunner.execute(): one mixed forward (prefill chunks + decodes) over the paged cache
-                        │ logits of sequences whose chunk reached their end
+                        │ logits of sequences whose chunk reached their end (and of each of their drafts)
                         ▼
-                    grammar masks ─▶ sample() ──▶ Scheduler.update_from_output() ──▶ Deltas (deltas.py): eos /
-                    stop strings / detokenize ──▶ tool calls ──▶ TokenDelta
+                    next_tokens(): grammar masks, sampling, drafts kept ──▶ Scheduler.update_from_output() ──▶
+                    Deltas (deltas.py): eos / stop strings / detokenize ──▶ tool calls ──▶ TokenDelta
+                        │
+                        ▼ PromptLookup.propose() (speculation.py): the next step's drafts
 
 ``Engine.step()`` is schedule → run → update and does no I/O; the worker's async loop calls it from a thread.
 A request with ``n > 1`` becomes n sequences over the same prompt. Only the first is scheduled at once; the
@@ -19,33 +21,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import logging
 import threading
 import time
 
 import torch
 
-from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, Sequence, finish_reason
+from switchyard.scheduler import RequestStatus, Scheduler, SchedulerOutput, finish_reason
 from switchyard.scheduler.pausing import PauseRule
-from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta, TokenLogprob
+from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.config import EngineConfig
 from switchyard.workers.engine.deltas import Deltas
 from switchyard.workers.engine.kv_change_log import KVChangeLog
 from switchyard.workers.engine.logprobs import TokenLogprobs
-from switchyard.workers.engine.sampling import draw, prepare_logits
+from switchyard.workers.engine.next_tokens import StepTokens, next_tokens
 from switchyard.workers.engine.sequences import MatcherPrompt, choice_of, new_request
 from switchyard.workers.engine.speculation import PromptLookup
 from switchyard.workers.engine.stats import capacity_of, stats_of
 from switchyard.workers.engine.tiered_prefixes import TieredPrefixes
-from switchyard.workers.engine.verification import verify
 from switchyard.workers.executor.cuda_graphs import GraphPass
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
-from switchyard.workers.executor.transfers import to_host_list
 from switchyard.workers.kv_tiers.remote import KVPeers
 from switchyard.workers.serving.choice import RequestState
-from switchyard.workers.serving.guided import Grammars, fill_masks, fill_masks_along
+from switchyard.workers.serving.guided import Grammars
 from switchyard.workers.serving.interface import ROLES, BlockReader, EngineCapabilities
 from switchyard.workers.serving.kv_changes import KVChanges
 from switchyard.workers.serving.output_filter import OutputSafety, SafetyEvent
@@ -55,9 +54,6 @@ from switchyard.workers.serving.stats import EngineCapacity, EngineStats
 log = logging.getLogger("switchyard.engine")
 
 _LOAD_WAIT_S = 0.01  # a step with nothing to run but prefixes loading waits this long for one
-
-# A step's sampled token per sequence, the logprobs asked for, and the drafts kept per sequence that ran some.
-_Computed = tuple[dict[str, int], dict[str, TokenLogprob], dict[str, list[int]]]
 
 
 class Engine:
@@ -333,11 +329,12 @@ class Engine:
         self._last_batch = (len(plan.scheduled), sum(e.num_new_tokens for e in plan.scheduled))
         if self.tiers is not None and started is not None:
             self.tiers.note_step(self._last_batch[1], time.perf_counter() - started)
-        sampled, logprobs, accepted = computed
-        for seq in self.scheduler.update_from_output(plan, sampled, accepted):
-            if seq.seq_id in logprobs and (unreported := choice_of(seq).unreported_logprobs) is not None:
-                unreported.append(logprobs[seq.seq_id])
-            delta = self._deltas.on_tokens(seq, 1 + len(accepted.get(seq.seq_id, ())))
+        self.num_draft_tokens += computed.num_drafts
+        self.num_accepted_draft_tokens += computed.num_kept
+        for seq in self.scheduler.update_from_output(plan, computed.sampled, computed.accepted):
+            if seq.seq_id in computed.logprobs and (unreported := choice_of(seq).unreported_logprobs) is not None:
+                unreported.append(computed.logprobs[seq.seq_id])
+            delta = self._deltas.on_tokens(seq, 1 + len(computed.accepted.get(seq.seq_id, ())))
             if delta is not None:
                 outputs.append(delta)
         if self._speculator is not None:
@@ -347,7 +344,7 @@ class Engine:
             outputs = self.tiers.hold_handovers(outputs)  # sent once their blocks are in the tier
         return outputs
 
-    def _compute(self, plan: SchedulerOutput) -> _Computed | None:
+    def _compute(self, plan: SchedulerOutput) -> StepTokens | None:
         """Run the model for ``plan`` (or the next layers of the step in flight) and sample; None while a
         batch-only step still has layers to run."""
         if self._in_flight is None:
@@ -361,70 +358,15 @@ class Engine:
             self._in_flight = (plan, fwd)
             return None
         self._in_flight = None
-        to_sample = [s for s in plan.scheduled if s.needs_sample]
-        if not to_sample:
-            return {}, {}, {}
-        if not any(s.draft_token_ids for s in to_sample):
-            seqs = [s.seq for s in to_sample]
-            choices = [choice_of(seq) for seq in seqs]
-            prepared = self._prepare(logits, seqs, [seq.output_token_ids for seq in seqs])
-            token_ids: list[int] = to_host_list(draw(prepared, [c.request.params for c in choices],
-                                                     [c.generator for c in choices]))  # the step's one wait
-            return dict(zip((seq.seq_id for seq in seqs), token_ids)), self._logprobs(logits, seqs, token_ids), {}
-        # Drafts: a row per draft and one after them (ModelRunner.begin), each row prepared with the drafts before it
-        # as its output so far (penalties count them); verification.py keeps the drafts and draws the token after.
-        rows = [(s.seq, s.draft_token_ids[:i]) for s in to_sample for i in range(len(s.draft_token_ids) + 1)]
-        choices = [choice_of(s.seq) for s in to_sample]
-        masks = None
-        guided = [(j, c.matcher) for j, c in enumerate(choices) if c.matcher is not None]
-        if guided:  # each row's mask, as its grammar stands past the drafts before it
-            starts = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in to_sample), initial=0))
-            masks = ([starts[j] + i for j, _ in guided for i in range(len(to_sample[j].draft_token_ids) + 1)],
-                     fill_masks_along([m for _, m in guided], [to_sample[j].draft_token_ids for j, _ in guided],
-                                      logits.shape[1], logits.is_cuda))
-        prepared = self._prepare(logits, [seq for seq, _ in rows], [seq.output_token_ids + d for seq, d in rows],
-                                 masks)
-        verdicts = verify(prepared, [c.request.params for c in choices], [c.generator for c in choices],
-                          [s.draft_token_ids for s in to_sample])
-        sampled: dict[str, int] = {}
-        accepted: dict[str, list[int]] = {}
-        final_rows: list[int] = []
-        row = 0
-        for s, (kept, token) in zip(to_sample, verdicts):
-            sampled[s.seq.seq_id] = token
-            accepted[s.seq.seq_id] = s.draft_token_ids[:kept]
-            self.num_draft_tokens += len(s.draft_token_ids)
-            self.num_accepted_draft_tokens += kept
-            final_rows.append(row + kept)
-            row += len(s.draft_token_ids) + 1
-        seqs = [s.seq for s in to_sample]
-        logprobs = self._logprobs(logits[final_rows], seqs, [sampled[seq.seq_id] for seq in seqs]) \
-            if any(c.request.params.logprobs for c in choices) else {}
-        return sampled, logprobs, accepted
-
-    def _prepare(self, logits, seqs: list[Sequence], outputs: list[list[int]],
-                 masks: tuple[list[int], torch.Tensor] | None = None):
-        """``logits`` with each row's bias, penalties (``seqs[i]``'s output so far being ``outputs[i]``) and grammar
-        mask applied (sampling.prepare_logits); ``masks``: the rows' masks when they were made already (drafts),
-        else each grammar's mask now."""
-        choices = [choice_of(seq) for seq in seqs]
-        matchers = {i: c.matcher for i, c in enumerate(choices) if c.matcher is not None}
-        # The masks are computed while the device still runs the forward (its kernels are only queued).
-        if matchers and masks is None:
-            masks = (list(matchers), fill_masks(list(matchers.values()), logits.shape[1], logits.is_cuda))
-        return prepare_logits(logits, [c.request.params for c in choices],
-                              prompt_token_ids=[seq.prompt_token_ids for seq in seqs], output_token_ids=outputs,
-                              masks=masks)
+        return next_tokens(logits, [s for s in plan.scheduled if s.needs_sample], self._logprobs)
 
     def _compute_each_alone(self, plan: SchedulerOutput, outputs: list[TokenDelta],
-                            ) -> _Computed:
+                            ) -> StepTokens:
         """A step failed: compute each of its sequences alone. A sequence that fails alone fails its request (and
         only it, with a 500); the others get their tokens as if the step had run. Rewriting a chunk's KV slots
         writes the values the failed step may have written already."""
         self.num_failed_steps += 1
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprob] = {}
-        accepted: dict[str, list[int]] = {}
+        tokens = StepTokens()
         error = ErrorInfo("The worker had an error processing your request.", code="internal_error",
                           type="server_error", status=500)
         for entry in plan.scheduled:
@@ -438,10 +380,8 @@ class Engine:
                 outputs.extend(self._end_request(state, RequestStatus.FINISHED_ERROR, error))
                 continue
             if one is not None:
-                sampled.update(one[0])
-                logprobs.update(one[1])
-                accepted.update(one[2])
-        return sampled, logprobs, accepted
+                tokens.update(one)
+        return tokens
 
     def _shed_for_memory(self, plan: SchedulerOutput) -> list[TokenDelta]:
         """The device ran out of memory in a step: preempt the least important running sequence and retry with
