@@ -97,7 +97,8 @@ def test_int8_weights_on_the_gpu_keep_the_logits_and_replay_in_graphs(dtype):
     chunks = [SeqChunk([5], 40, list(range(3)), True)]
     eager = int8.execute(chunks)
     int8.graphs = graphs
-    torch.testing.assert_close(int8.execute(chunks), eager, rtol=1e-3, atol=1e-3)
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2  # a replay may split the context otherwise
+    torch.testing.assert_close(int8.execute(chunks), eager, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("device", DEVICES)
