@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import shutil
 import signal
@@ -304,6 +305,11 @@ def main() -> None:
     from bench.soak_report import report
 
     args = parse_args()
+    if args.results != "-" and importlib.util.find_spec("matplotlib") is None:
+        # Known before hours of load, not after: a recorded run's plot is part of its result (a two-hour run lost
+        # its plot this way).
+        raise SystemExit("bench/soak.py: a run appended to bench/RESULTS.md draws its plot with matplotlib, which is "
+                         "not installed: pip install -e '.[bench]' (or --results - for a run not recorded)")
     print("\n".join(cpu_lines()), flush=True)
     result = Soak(args).run()
     report(result, args)
