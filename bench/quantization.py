@@ -14,10 +14,8 @@ all streams together, median of ``--repeats``.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,40 +24,13 @@ import torch  # noqa: E402
 
 from bench.local import cpu_name, lscpu  # noqa: E402
 from bench.results import append_section, command_line, markdown_table  # noqa: E402
-from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams  # noqa: E402
 from switchyard.workers.engine.engine import Engine, EngineConfig  # noqa: E402
-from switchyard.workers.executor.model_runner import ModelRunner, SeqChunk  # noqa: E402
 from switchyard.workers.model_store import load, pull  # noqa: E402
+from tests.support.engine_runs import perplexity, run_prompts  # noqa: E402
 from tests.support.system import model_cache_dir  # noqa: E402
 from tests.support.texts import CHAT_PROMPTS, FIXED_TEXT  # noqa: E402
 
 CONFIGS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
-
-
-def perplexity(model, tokenizer, quantization: str | None) -> float:
-    ids = tokenizer.encode(FIXED_TEXT)
-    block = 16
-    runner = ModelRunner(model, -(-len(ids) // block) + 1, block, quantization=quantization)
-    logits = runner.execute([SeqChunk(ids, 0, list(range(-(-len(ids) // block))), True, len(ids) - 1)])
-    loss = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
-    return math.exp(loss.item())
-
-
-def generate(engine: Engine, prompts: list[str], max_tokens: int, first_id: int) -> tuple[float, int, list[list[int]]]:
-    """``prompts`` at once to their ends: (seconds, tokens, each prompt's output token ids)."""
-    ids = [f"r{first_id + i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(GenerateRequest(request_id=request_id, model="smollm2", tier="pro", created_at=0.0,
-                                           deadline_at=0.0, messages=[ChatMessage("user", prompt)],
-                                           sampling=SamplingParams(temperature=0, max_tokens=max_tokens)))
-    outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    tokens = 0
-    started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            outputs[delta.request_id] += delta.token_ids or []
-            tokens += delta.num_tokens
-    return time.perf_counter() - started, tokens, [outputs[request_id] for request_id in ids]
 
 
 def main() -> None:
@@ -77,10 +48,10 @@ def main() -> None:
     for name in args.configs:
         dtype, quantization = CONFIGS[name]
         model, tokenizer = load(path, dtype=dtype, device="cpu")
-        ppl = perplexity(model, tokenizer, quantization)
+        ppl = perplexity(model, tokenizer, FIXED_TEXT, quantization)
         engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=len(CHAT_PROMPTS), quantization=quantization))
         engine.warmup()
-        _, _, outputs = generate(engine, CHAT_PROMPTS, args.max_tokens, 0)
+        outputs = run_prompts(engine, CHAT_PROMPTS, args.max_tokens).token_ids
         if reference is None:
             reference = outputs
         same = sum(a == b for a, b in zip(outputs, reference))
@@ -88,9 +59,8 @@ def main() -> None:
                                   / max(1, len(b)) for a, b in zip(outputs, reference))
         speeds = []
         for streams in (1, 8):
-            runs = [generate(engine, CHAT_PROMPTS[:streams], args.max_tokens, 1000 * (r + 1) + 100 * streams)
-                    for r in range(args.repeats)]
-            speeds.append(statistics.median(n / s for s, n, _ in runs))
+            runs = [run_prompts(engine, CHAT_PROMPTS[:streams], args.max_tokens) for _ in range(args.repeats)]
+            speeds.append(statistics.median(run.num_tokens / run.seconds for run in runs))
         bytes_ = engine.runner.packed_weight_bytes or sum(x.numel() * x.element_size() for x in model.parameters())
         row = [name, f"{bytes_ / 2**20:.0f}", f"{ppl:.3f}", f"{same}/{len(CHAT_PROMPTS)}", f"{matched:.0%}",
                f"{speeds[0]:.1f}", f"{speeds[1]:.1f}"]

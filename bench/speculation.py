@@ -6,9 +6,10 @@ and without, where the output repeats the prompt (quoting a document, editing a 
     .venv/bin/python bench/speculation.py --num-speculative-tokens 4 8 --dtype bfloat16
 
 The engine is driven directly (no gateway, no NATS): what is measured is the engine's decode, the part drafts
-change. Each request is greedy (drafts are for greedy requests). A row's time runs from the request's add to its
-end, its prefill included, the same in both arms; the speed-up is plain time over speculative time (median of the
-repeats). Targets (issue 40): at least 1.8x where the output repeats the prompt, at least 0.95x where it does not.
+change. Each request is greedy, so the two arms' outputs can be compared token for token. A row's time runs from
+the request's add to its end, its prefill included, the same in both arms; the speed-up is plain time over
+speculative time (median of the repeats). Targets (issue 40): at least 1.8x where the output repeats the prompt,
+at least 0.95x where it does not.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,77 +25,35 @@ import torch  # noqa: E402
 
 from bench.local import cpu_name, lscpu  # noqa: E402
 from bench.results import append_section, command_line, markdown_table  # noqa: E402
-from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams  # noqa: E402
 from switchyard.workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from switchyard.workers.model_store import load, pull  # noqa: E402
+from tests.support.engine_runs import run_prompts  # noqa: E402
 from tests.support.system import model_cache_dir  # noqa: E402
+from tests.support.texts import FREE_PROMPTS, REPEATING_PROMPTS  # noqa: E402
 
-DOCUMENT = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
-            "members agreed to raise the allowance for repairs to the old library, to hire two more teachers for the "
-            "primary school, and to postpone the new road until the spring, when the ground will be dry enough to "
-            "build on. The treasurer reminded everyone that the accounts must be filed by the end of March.")
-CODE = ("def parse_line(line):\n    fields = line.strip().split(',')\n    name = fields[0]\n    age = int(fields[1])\n"
-        "    city = fields[2]\n    return {'name': name, 'age': age, 'city': city}\n\n\n"
-        "def parse_file(path):\n    with open(path) as f:\n        return [parse_line(line) for line in f]\n")
-WORKLOADS = {
-    "repeats the prompt": [
-        f"Repeat the following text exactly, word for word:\n\n{DOCUMENT}",
-        f"Rewrite the following text, replacing 'committee' with 'council' and changing nothing else:\n\n{DOCUMENT}",
-        f"Add a docstring to each function below and return the whole code:\n\n{CODE}",
-    ],
-    "free writing": [
-        "Write a short story about a fisherman and a storm.",
-        "Explain how a bicycle works to a ten-year-old.",
-        "What are three good habits for studying?",
-    ],
-}
-
-
-def request(i: int, prompt: str, max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(request_id=f"r{i}", model="smollm2", tier="pro", created_at=0.0, deadline_at=0.0,
-                           sampling=SamplingParams(temperature=0, max_tokens=max_tokens),
-                           messages=[ChatMessage("user", prompt)])
-
-
-def run(engine: Engine, prompts: list[str], max_tokens: int, ids) -> tuple[float, int, dict[str, str]]:
-    """Every prompt at once to its end: (seconds, tokens generated, text per prompt)."""
-    texts: dict[str, str] = {}
-    tokens = 0
-    started = time.perf_counter()
-    for prompt in prompts:
-        engine.add_request(request(next(ids), prompt, max_tokens))
-    by_id = {}
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            by_id[delta.request_id] = by_id.get(delta.request_id, "") + delta.text
-            tokens += delta.num_tokens
-    elapsed = time.perf_counter() - started
-    for prompt, request_id in zip(prompts, sorted(by_id, key=lambda r: int(r[1:]))):
-        texts[prompt] = by_id[request_id]
-    return elapsed, tokens, texts
+WORKLOADS = {"repeats the prompt": REPEATING_PROMPTS, "free writing": FREE_PROMPTS}
 
 
 def measure(model, tokenizer, config: EngineConfig, prompts: list[str], streams: int, args) -> dict:
-    """Median seconds and tokens/s over ``args.repeats`` runs of the prompts, ``streams`` at a time."""
+    """Median seconds and tokens/s over ``args.repeats`` runs of the prompts, ``streams`` at a time (one prompt a
+    stream, several streams of each where there are more streams than prompts), and each prompt's output."""
     engine = Engine(model, tokenizer, config)
     engine.warmup()
-    ids = iter(range(10**9))
-    run(engine, prompts[:1], 8, ids)  # first-use costs out of the timed runs
-    times, tokens, texts = [], 0, {}
+    run_prompts(engine, prompts[:1], 8)  # first-use costs out of the timed runs
+    times, tokens, outputs = [], 0, {}
     for _ in range(args.repeats):
-        seconds = 0.0
-        tokens = 0
+        seconds, tokens = 0.0, 0
         for start in range(0, len(prompts), streams):
             batch = prompts[start : start + streams]
             if streams > 1:
-                batch = (batch * streams)[:streams]  # several streams of the same prompts
-            s, n, t = run(engine, batch, args.max_tokens, ids)
-            seconds, tokens = seconds + s, tokens + n
-            texts.update(t)
+                batch = (batch * streams)[:streams]
+            run = run_prompts(engine, batch, args.max_tokens)
+            seconds, tokens = seconds + run.seconds, tokens + run.num_tokens
+            outputs.update(zip(batch, run.token_ids))
         times.append(seconds)
     seconds = statistics.median(times)
     kept = engine.num_accepted_draft_tokens / engine.num_draft_tokens if engine.num_draft_tokens else None
-    return {"seconds": seconds, "tok_s": tokens / seconds, "texts": texts, "acceptance": kept}
+    return {"seconds": seconds, "tok_s": tokens / seconds, "outputs": outputs, "acceptance": kept}
 
 
 def main() -> None:
@@ -118,11 +76,11 @@ def main() -> None:
             for k in args.num_speculative_tokens:
                 config = EngineConfig(max_num_seqs=max(args.streams), speculative="ngram", num_speculative_tokens=k)
                 fast = measure(model, tokenizer, config, prompts, streams, args)
-                same = sum(fast["texts"][q] == plain["texts"][q] for q in plain["texts"])
+                same = sum(fast["outputs"][q] == plain["outputs"][q] for q in plain["outputs"])
                 row = [workload, streams, k, f"{plain['tok_s']:.1f}", f"{fast['tok_s']:.1f}",
                        f"{plain['seconds'] / fast['seconds']:.2f}x",
                        "-" if fast["acceptance"] is None else f"{fast['acceptance']:.0%}",
-                       f"{same}/{len(plain['texts'])}"]
+                       f"{same}/{len(plain['outputs'])}"]
                 rows.append(row)
                 print(" | ".join(map(str, row)), flush=True)
     table = markdown_table(["workload", "streams", "K", "plain tok/s", "drafts tok/s", "speed-up",

@@ -198,6 +198,11 @@ class VllmSettings(BaseModel):
     python: Path | None = None
 
 
+# Prompt lookup's n-gram sizes (speculative: ngram), ours and vLLM's alike: a single repeated token is too weak a clue
+# (most proposals from it would be rejected), and longer matches than 4 add little.
+PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX = 2, 4
+
+
 class EngineSettings(BaseModel):
     """The engine's part of a worker's settings, handed to the engine whole (workers/engine/config.py takes every
     field by its name): a new engine setting is a field here and one in ``EngineConfig``, nothing in between."""

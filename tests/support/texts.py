@@ -1,5 +1,6 @@
-"""Fixed texts for checks of a real model's quality: a text to measure perplexity on, and chat prompts to compare
-greedy outputs over (tests/workers/test_smollm2_fast_paths.py, bench/quantization.py)."""
+"""Fixed texts for checks of a real model: a text to measure perplexity on, chat prompts to compare greedy outputs
+over, and prompts whose answer repeats them or does not (speculative decoding). Used by
+tests/workers/test_smollm2_fast_paths.py, bench/quantization.py and bench/speculation.py."""
 
 # Written for these checks (no corpus is reachable here): plain expository English of the kind the model saw.
 FIXED_TEXT = (
@@ -30,4 +31,23 @@ CHAT_PROMPTS = [
     "Why is the sky blue?", "Write a short poem about the sea.", "What are the benefits of regular exercise?",
     "How does a refrigerator keep food cold?", "Name the planets of the solar system.",
     "What is the difference between weather and climate?",
+]
+
+DOCUMENT = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
+            "members agreed to raise the allowance for repairs to the old library, to hire two more teachers for the "
+            "primary school, and to postpone the new road until the spring, when the ground will be dry enough to "
+            "build on. The treasurer reminded everyone that the accounts must be filed by the end of March.")
+CODE = ("def parse_line(line):\n    fields = line.strip().split(',')\n    name = fields[0]\n    age = int(fields[1])\n"
+        "    city = fields[2]\n    return {'name': name, 'age': age, 'city': city}\n\n\n"
+        "def parse_file(path):\n    with open(path) as f:\n        return [parse_line(line) for line in f]\n")
+# Where an answer repeats its prompt (prompt lookup's drafts are kept), and where it does not.
+REPEATING_PROMPTS = [
+    f"Repeat the following text exactly, word for word:\n\n{DOCUMENT}",
+    f"Rewrite the following text, replacing 'committee' with 'council' and changing nothing else:\n\n{DOCUMENT}",
+    f"Add a docstring to each function below and return the whole code:\n\n{CODE}",
+]
+FREE_PROMPTS = [
+    "Write a short story about a fisherman and a storm.",
+    "Explain how a bicycle works to a ten-year-old.",
+    "What are three good habits for studying?",
 ]

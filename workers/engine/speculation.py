@@ -18,17 +18,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from switchyard.scheduler import Sequence
+from switchyard.shared.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
 from switchyard.workers.engine.sequences import choice_of
 
-MIN_NGRAM = 2  # a single repeated token is too weak a clue: most proposals from it would be rejected
-MAX_NGRAM = 4
 MAX_PAUSE = 64  # steps: the longest a sequence whose drafts keep losing goes without any
 
 
 class _Index:
-    """Where each n-gram of one sequence last ended (n from MIN_NGRAM to MAX_NGRAM), for the n-grams ending
-    before ``indexed``; kept up to date as the sequence grows (it only grows while it runs). With it, the
-    sequence's last drafts, where they were proposed, and how many it may get next (``limit``)."""
+    """Where each n-gram of one sequence last ended (n from PROMPT_LOOKUP_MIN to PROMPT_LOOKUP_MAX), for the
+    n-grams ending before ``indexed``; kept up to date as the sequence grows (it only grows while it runs). With it,
+    the sequence's last drafts, where they were proposed, and how many it may get next (``limit``)."""
 
     __slots__ = ("last_end", "indexed", "drafts", "proposed_at", "limit", "pause", "next_pause")
 
@@ -103,10 +102,10 @@ class PromptLookup:
         ``num_tokens``); [] when none of its suffixes occurred before."""
         last = len(tokens) - 1
         for end in range(index.indexed, last):  # every n-gram ending before the last token
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, end + 1) + 1):
+            for n in range(PROMPT_LOOKUP_MIN, min(PROMPT_LOOKUP_MAX, end + 1) + 1):
                 index.last_end[tuple(tokens[end + 1 - n : end + 1])] = end
         index.indexed = max(index.indexed, last)
-        for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
+        for n in range(min(PROMPT_LOOKUP_MAX, len(tokens)), PROMPT_LOOKUP_MIN - 1, -1):
             found = index.last_end.get(tuple(tokens[len(tokens) - n :]))
             if found is not None:
                 return tokens[found + 1 : found + 1 + self.num_tokens]

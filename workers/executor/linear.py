@@ -12,6 +12,7 @@ own). Where the kernel cannot be built, or for other dtypes and devices, ``F.lin
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +67,7 @@ class Linear:
     on a GPU as ``[out, in]`` for ``triton_int8.py``.
     """
 
-    __slots__ = ("weight", "bias", "packed", "scales", "_gemm", "_triton")
+    __slots__ = ("weight", "bias", "packed", "scales", "_gemm", "_weight_ptrs", "_int8_linear")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
                  quantize: str | None = None):
@@ -75,14 +76,15 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self._gemm = None
-        self._triton = False
+        self._weight_ptrs: tuple[int, ...] = ()  # the C kernel's weight arguments (packed, and scales for int8)
+        self._int8_linear: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> x @ W.T + b, on a GPU
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantization {quantize!r} is not one of {QUANTIZATIONS}")
         if quantize and weight.device.type == "cuda":
-            from switchyard.workers.executor.triton_int8 import quantize_int8
+            from switchyard.workers.executor.triton_int8 import int8_linear, quantize_int8
 
-            self.packed, self.scales = quantize_int8(weight)
-            self._triton = True
+            self.packed, self.scales = q, scales = quantize_int8(weight)
+            self._int8_linear = lambda x: int8_linear(x, q, scales, bias)
         elif pack or quantize:
             lib = load_gemm_kernel()
             if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -101,6 +103,7 @@ class Linear:
                 lib.pack_weight_f32(w.data_ptr(), w.stride(0), out_features, in_features, self.packed.data_ptr(),
                                     torch.get_num_threads())
                 self._gemm = lib.packed_gemm_f32
+            self._weight_ptrs = tuple(t.data_ptr() for t in (self.packed, self.scales) if t is not None)
 
     @property
     def packed_bytes(self) -> int:
@@ -120,23 +123,17 @@ class Linear:
         needs no separate add) and that tensor is returned; otherwise the result is a new tensor, or a transposed
         view of one.
         """
-        if self._triton:
-            from switchyard.workers.executor.triton_int8 import int8_linear
-
-            assert self.packed is not None and self.scales is not None  # made with _triton (__init__)
-            out = int8_linear(x, self.packed, self.scales, self.bias)
+        if self._int8_linear is not None:
+            out = self._int8_linear(x)
             return out if residual is None else residual + out
         if self._gemm is not None:
-            assert self.packed is not None  # packed along with the kernel chosen (__init__)
             if x.stride(1) != 1:
                 x = x.contiguous()
             rows, in_features = x.shape
             accumulate = residual is not None and residual.is_contiguous()
             out = (residual if accumulate and residual is not None
                    else torch.empty(rows, self.out_features, dtype=torch.float32))
-            weights = (self.packed.data_ptr(),) if self.scales is None else \
-                (self.packed.data_ptr(), self.scales.data_ptr())
-            self._gemm(x.data_ptr(), x.stride(0), rows, in_features, *weights, self.out_features,
+            self._gemm(x.data_ptr(), x.stride(0), rows, in_features, *self._weight_ptrs, self.out_features,
                        out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads())
             if self.bias is not None:
                 out.add_(self.bias)

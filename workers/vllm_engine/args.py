@@ -15,7 +15,7 @@ Pure (no vLLM import), so the mapping is tested where vLLM is not installed.
 
 from __future__ import annotations
 
-from switchyard.shared.config import WorkerConfig
+from switchyard.shared.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, WorkerConfig
 from switchyard.workers.vllm_engine import kv_transfer
 
 # OpenAI's most top_logprobs (chat); vLLM refuses more than max_logprobs.
@@ -85,11 +85,11 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
 
 
 def _speculative_config(worker: WorkerConfig) -> dict | None:
-    """The worker's ``speculative`` setting as vLLM's (its n-gram method looks up the same n-gram sizes as ours)."""
+    """The worker's ``speculative`` setting as vLLM's n-gram method, with our n-gram sizes."""
     if worker.speculative != "ngram":
         return None
     return {"method": "ngram", "num_speculative_tokens": worker.num_speculative_tokens,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+            "prompt_lookup_min": PROMPT_LOOKUP_MIN, "prompt_lookup_max": PROMPT_LOOKUP_MAX}
 
 
 def kv_events_subscription(kwargs: dict) -> tuple[str, str] | None:
