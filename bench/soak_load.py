@@ -147,36 +147,36 @@ class Load:
         return True
 
     async def _chat_stream(self, http, headers, tenant, out: Outcome) -> None:
-        cut = self.random.random() < 0.1
-        start, chunks, done, finish = time.monotonic(), 0, False, None
-        async with http.stream("POST", "/v1/chat/completions", headers=headers,
-                               json=self._chat_body(tenant, True)) as r:
+        """A streamed chat (a tenth cut by its client on purpose). One whose connection breaks (its gateway
+        killed) is resumed on the other gateway with the ``Last-Event-ID`` of the last event read, as a client of
+        resumable streams does (gateway/stream_resume.py): lost only if that fails too."""
+        body = self._chat_body(tenant, True)
+        stream = _ChatStream(cut=self.random.random() < 0.1, start=time.monotonic())
+        async with http.stream("POST", "/v1/chat/completions", headers=headers, json=body) as r:
             if r.status_code != 200:
                 await r.aread()
             if self._refused(out, r):
                 return
             out.request_ids.append(r.headers.get("X-Request-Id", ""))
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                chunks += 1
-                if out.ttft_s is None:
-                    out.ttft_s = time.monotonic() - start
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.status, out.code = "failed", f"event {event['error'].get('code')}"
-                    continue
-                for choice in event.get("choices") or []:
-                    finish = choice.get("finish_reason") or finish
-                if event.get("usage"):
-                    out.completion_tokens = event["usage"]["completion_tokens"]
-                if cut and chunks >= CUT_AFTER_CHUNKS:
-                    out.status = "cut"
+            try:
+                await stream.read(r, out)
+            except httpx.TransportError:
+                if stream.last_event_id is None or stream.ended:
+                    raise
+                broken = True
+            else:
+                broken = False
+        if broken:
+            resume = {**headers, "Last-Event-ID": stream.last_event_id}
+            async with self._client_of(tenant, other=True).stream("POST", "/v1/chat/completions", headers=resume,
+                                                                  json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    out.code = f"resume {r.status_code} {r.text[:60]}"
                     return
-        if out.status == "lost" and done and finish is not None:
+                out.code = "resumed"
+                await stream.read(r, out)
+        if out.status == "lost" and stream.done and stream.finish is not None:
             out.status = "completed"
 
     async def _chat(self, http, headers, tenant, out: Outcome) -> None:
@@ -370,3 +370,40 @@ async def _get(http: httpx.AsyncClient, url: str, headers: dict) -> httpx.Respon
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(1.0)
+
+
+class _ChatStream:
+    """What a streamed chat's client has read, across a resume: the last event's id, the end and the finish."""
+
+    def __init__(self, cut: bool, start: float) -> None:
+        self.cut, self.start = cut, start
+        self.chunks, self.done, self.finish = 0, False, None
+        self.last_event_id: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.done or self.cut and self.chunks >= CUT_AFTER_CHUNKS
+
+    async def read(self, r: httpx.Response, out: Outcome) -> None:
+        async for line in r.aiter_lines():
+            if line.startswith("id: "):
+                self.last_event_id = line[4:]
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                self.done = True
+                return
+            self.chunks += 1
+            if out.ttft_s is None:
+                out.ttft_s = time.monotonic() - self.start
+            event = json.loads(line[6:])
+            if "error" in event:
+                out.status, out.code = "failed", f"event {event['error'].get('code')}"
+                continue
+            for choice in event.get("choices") or []:
+                self.finish = choice.get("finish_reason") or self.finish
+            if event.get("usage"):
+                out.completion_tokens = event["usage"]["completion_tokens"]
+            if self.cut and self.chunks >= CUT_AFTER_CHUNKS:
+                out.status = "cut"
+                return

@@ -116,15 +116,20 @@ class Hedging:
             counter.labels(self._metrics.model_label(request.model), request.tier).inc()
 
     async def _free_worker(self, model: str, running_on: Collection[str]) -> str | None:
-        """The live worker of ``model`` with the most seats free, none of ``running_on``, or None."""
-        try:
-            workers = (await self._registry.models()).get(model, [])
-        except Exception:  # the registry unreadable: no hedge, the request goes on where it runs
-            return None
-        free = [(self._liveness.free_seats(w.worker_id), w.worker_id) for w in workers
-                if w.takes_whole_requests and w.worker_id not in running_on]
-        seats, worker = max(free, default=(0, None))
-        return worker if seats > 0 else None
+        """The live worker of ``model`` with the most seats free, none of ``running_on``, or None. The cached
+        listing first; when it has none, a fresh one: a worker that joined within the cache's second is the one
+        a stalled request most likely needs, and a hedge is rare enough to pay the read."""
+        for fresh in (False, True):
+            try:
+                workers = (await self._registry.models(fresh=fresh)).get(model, [])
+            except Exception:  # the registry unreadable: no hedge, the request goes on where it runs
+                return None
+            free = [(self._liveness.free_seats(w.worker_id), w.worker_id) for w in workers
+                    if w.takes_whole_requests and w.worker_id not in running_on]
+            seats, worker = max(free, default=(0, None))
+            if seats > 0:
+                return worker
+        return None
 
     def _count_skipped(self, request: GenerateRequest, reason: str) -> None:
         if self._metrics is not None:

@@ -24,6 +24,7 @@ from switchyard.shared.messages import (
     ErrorInfo,
     GenerateRequest,
     TokenDelta,
+    Usage,
     decode,
 )
 
@@ -129,10 +130,11 @@ class RelayedRequest:
                             delta.seq, delta.worker_id)
                 if await self._continue_elsewhere(None):
                     return await self._next(None if timeout is None else max(timeout, DEADLINE_GRACE_S))
-                await self._bill_lost()  # the dismissed worker bills nothing: the streamed tokens are billed here
+                # The dismissed worker bills nothing: the streamed tokens are billed here.
+                billed = await self._bill_lost()
                 return await self._abandon(ErrorInfo(
                     "Part of the response was lost in transit (a message of the stream never arrived); please "
-                    "retry.", code="stream_gap", type="server_error", status=502))
+                    "retry.", code="stream_gap", type="server_error", status=502), billed)
             if verdict.deliver:
                 break
         self._account(delta)
@@ -151,9 +153,9 @@ class RelayedRequest:
             continuation = await self._failover.hand_over(self.request, self._token_ids, self._text_len,
                                                           self.worker_id, delta.kv_transfer)
         if continuation is None:  # not queued (queue full, NATS away): what ran is billed, the client told
-            await self._bill_lost()
+            billed = await self._bill_lost()
             return await self._abandon(ErrorInfo("The request could not go on after its prefill; please retry.",
-                                                 code="worker_lost", type="server_error", status=503))
+                                                 code="worker_lost", type="server_error", status=503), billed)
         self._go_on_as(continuation)
         return msgspec.structs.replace(delta, finish_reason=None, is_last=False, usage=None)
 
@@ -177,11 +179,12 @@ class RelayedRequest:
             self._token_ids += delta.token_ids or ()
             self._text_len += len(delta.text)
 
-    async def _abandon(self, error: ErrorInfo) -> TokenDelta:
-        """Give up on the request: the worker is told to stop, and the client gets ``error`` as the last delta."""
+    async def _abandon(self, error: ErrorInfo, billed: Usage | None = None) -> TokenDelta:
+        """Give up on the request: the worker is told to stop, and the client gets ``error`` as the last delta
+        (with ``billed``, what this gateway billed for it, as a worker's error delta carries what it ran)."""
         await self.cancel()
         self.state.finish()
-        return TokenDelta(self.request.request_id, error=error)
+        return TokenDelta(self.request.request_id, error=error, usage=billed)
 
     def fall_back(self, at: float, publish: Callable[[], Awaitable[object]]) -> None:
         """The request was offered to one worker: unless a first message comes by unix time ``at``, ``publish()``
@@ -244,17 +247,18 @@ class RelayedRequest:
                 error = self._silence_error(time.monotonic() - heard_at)
                 if error is None:
                     continue
+                billed = None
                 if error.code == "worker_lost":
                     if self.worker_id is not None and await self._continue_elsewhere(self.worker_id):
                         heard_at = time.monotonic()
                         continue
-                    await self._bill_lost()
+                    billed = await self._bill_lost()
                 elif error.code == "stream_gap":
                     if await self._continue_elsewhere(None):
                         heard_at = time.monotonic()
                         continue
-                    await self._bill_lost()  # the dismissed worker bills nothing: the streamed tokens are billed here
-                delta = await self._abandon(error)
+                    billed = await self._bill_lost()  # the dismissed worker bills nothing: billed here
+                delta = await self._abandon(error, billed)
             yield delta
 
     def _hedge_wait(self) -> float | None:
@@ -317,10 +321,12 @@ class RelayedRequest:
             target = worker_id if attempt is None else f"{worker_id}:{attempt}"
             await self._nc.publish(subjects.cancel_subject(self.request.request_id), target.encode())
 
-    async def _bill_lost(self) -> None:
+    async def _bill_lost(self) -> Usage:
+        """Bill what was streamed of a request whose worker will not (dismissed or dead); returns that usage."""
         if self._failover is not None:
             await self._failover.bill_lost(self.request, self.worker_id or self._ran_on, self._prompt_tokens,
                                            self._num_tokens, self._taken_at, self._first_token_at)
+        return Usage(self._prompt_tokens, self._num_tokens)
 
     @property
     def buffered_bytes(self) -> int:

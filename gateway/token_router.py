@@ -12,6 +12,11 @@ waits for a slow reader is counted in bytes (gateway/client_watch.py bounds it).
 Every idle tick the router also says the gateway lives (``llm.gw.alive.<gateway_id>``): a worker whose stream's
 gateway stops saying so keeps the stream for another gateway to take over (gateway/stream_resume.py).
 
+A second ``open`` for a request this gateway already relays (its client resuming here, gateway/stream_resume.py)
+routes its deltas to the new inbox; the one it displaced keeps its ticks, and is routed to again, with what the new
+one received and nobody read, if the new one closes while it is still open (a take-over that failed must leave the
+run it would have replaced as it was, not deaf).
+
 An inbox is registered before its request is published, and the subscription exists from the gateway's start, so
 no delta can come before there is somewhere for it to go. A delta for a request no longer relayed (its client left,
 a superseded worker's late one) is dropped here.
@@ -47,11 +52,12 @@ class DeltaInbox:
     """One request's deltas, as encoded ``TokenDelta`` bytes in arrival order. Made with ``TokenRouter.open``;
     ``close`` stops its routing."""
 
-    __slots__ = ("_router", "request_id", "_items", "pending_bytes", "_waiter", "_idle")
+    __slots__ = ("_router", "request_id", "_items", "pending_bytes", "_waiter", "_idle", "displaced")
 
-    def __init__(self, router: TokenRouter, request_id: str) -> None:
+    def __init__(self, router: TokenRouter, request_id: str, displaced: DeltaInbox | None = None) -> None:
         self._router = router
         self.request_id = request_id
+        self.displaced = displaced  # the request's inbox this one replaced in routing, if any
         self._items: collections.deque = collections.deque()
         self.pending_bytes = 0  # the deltas received and not taken yet, in bytes
         self._waiter: asyncio.Future | None = None
@@ -95,6 +101,13 @@ class DeltaInbox:
         if self._idle and self._waiter is not None:
             _expire(self._waiter)
 
+    def take_pending(self) -> list:
+        """Every delta received and not taken yet, taken."""
+        items = list(self._items)
+        self._items.clear()
+        self.pending_bytes = 0
+        return items
+
     async def close(self) -> None:
         self._router.drop(self)
 
@@ -111,7 +124,8 @@ class TokenRouter:
         self._nc = nc
         self.gateway_id = uuid.uuid4().hex
         self.subject = subjects.gateway_token_subject(self.gateway_id)  # this process's alone
-        self._inboxes: dict[str, DeltaInbox] = {}
+        self._inboxes: dict[str, DeltaInbox] = {}  # request id -> the inbox its deltas go to
+        self._open: set[DeltaInbox] = set()  # every inbox not closed, displaced ones too: each is ticked
         self._sub: Subscription | None = None
         self._ticking: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the inboxes' (read once here, not per wait)
@@ -128,13 +142,15 @@ class TokenRouter:
             with contextlib.suppress(Exception):  # NATS away: the workers judge this gateway by what they hear
                 await self._nc.publish(alive, b"")
             await asyncio.sleep(IDLE_TICK_S)
-            for inbox in list(self._inboxes.values()):
+            for inbox in list(self._open):
                 inbox.tick()
 
     def open(self, request_id: str) -> DeltaInbox:
-        """The inbox of ``request_id``'s deltas, from now until it is closed."""
-        inbox = DeltaInbox(self, request_id)
+        """The inbox of ``request_id``'s deltas, from now until it is closed (one already open is displaced: see
+        the module docstring)."""
+        inbox = DeltaInbox(self, request_id, self._inboxes.get(request_id))
         self._inboxes[request_id] = inbox
+        self._open.add(inbox)
         return inbox
 
     def inbox_of(self, request_id: str) -> DeltaInbox | None:
@@ -142,8 +158,17 @@ class TokenRouter:
         return self._inboxes.get(request_id)
 
     def drop(self, inbox: DeltaInbox) -> None:
-        if self._inboxes.get(inbox.request_id) is inbox:
-            del self._inboxes[inbox.request_id]
+        self._open.discard(inbox)
+        if self._inboxes.get(inbox.request_id) is not inbox:
+            return
+        del self._inboxes[inbox.request_id]
+        displaced = inbox.displaced
+        while displaced is not None and displaced not in self._open:
+            displaced = displaced.displaced
+        if displaced is not None:
+            self._inboxes[inbox.request_id] = displaced
+            for data in inbox.take_pending():
+                displaced.put(data)
 
     @property
     def num_open(self) -> int:

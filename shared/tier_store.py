@@ -114,22 +114,31 @@ class PolicyCache:
         self._js = js
         self._policies: dict[str, TierPolicy] = dict(DEFAULT_POLICIES)
         self._read_at = float("-inf")
+        # Bumped by invalidate: a read begun before a change neither serves nor freshens what comes after it.
+        self._generation = 0
         self._reads: SingleFlight[None] = SingleFlight()  # a burst's requests wait for one read, not one each
 
     def invalidate(self) -> None:
         """Read afresh next time (this process just changed a policy)."""
+        self._generation += 1
         self._read_at = float("-inf")
 
     async def get(self) -> dict[str, TierPolicy]:
         """The policies; while NATS cannot be read (restarting, unreachable) the last ones read, so a request is
         judged by yesterday's limits rather than failed."""
         if time.monotonic() - self._read_at >= CACHE_S:
-            await self._reads.run(None, self._read)
+            generation = self._generation
+            await self._reads.run(generation, lambda: self._read(generation))
         return self._policies
 
-    async def _read(self) -> None:
+    async def _read(self, generation: int) -> None:
         try:
-            self._policies = await read_policies(self._js)
+            policies = await read_policies(self._js)
         except Exception as exc:
             log.warning("cannot read the tier policies, keeping the last ones: %r", exc)
+            policies = None
+        if generation != self._generation:
+            return  # changed while this read ran: what it read may predate the change
+        if policies is not None:
+            self._policies = policies
         self._read_at = time.monotonic()

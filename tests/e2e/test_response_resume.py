@@ -1,8 +1,8 @@
 """A streamed response outlives its gateway, on real processes (gateway/responses_service.py's ``resume``): its
 gateway killed mid-stream, the client asks another with ``GET /v1/responses/{id}?stream=true&starting_after=N`` and
 gets every later event once, the response stored and billed once; a client that comes back elsewhere while its
-first gateway lives moves the stream, and that gateway lets go of it quietly. Bad asks get a 400, 404 or 410 and
-learn nothing."""
+first gateway lives moves the stream, and that gateway lets go of it quietly; one whose worker never answers the
+ask leaves the run where it was, to end stored once. Bad asks get a 400, 404 or 410 and learn nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import uuid
 from collections.abc import AsyncIterator
 
+import asyncpg
 import httpx
 import openai
 
@@ -67,6 +68,19 @@ async def _stream_then_kill_its_gateway(e2e, auth: dict, body: dict, texts: int)
         gw.stop()
     assert events[-1]["type"] == "response.output_text.delta"
     return events
+
+
+async def _background_running(http: httpx.AsyncClient, url: str, auth: dict, model: str) -> str:
+    """A background response created through ``url``, once it runs: its id."""
+    queued = (await http.post(f"{url}/v1/responses", headers=auth,
+                              json=_body(model, stream=False, background=True))).json()
+
+    async def running() -> bool:
+        r = await http.get(f"{url}/v1/responses/{queued['id']}", headers=auth)
+        return r.json()["status"] == "in_progress"
+
+    await poll(running, timeout_s=30, what="the background response running")
+    return queued["id"]
 
 
 def _resume_url(url: str, response_id: str, starting_after: int | None = None) -> str:
@@ -139,15 +153,7 @@ async def test_a_background_response_whose_gateway_died_is_streamed_and_run_to_i
     gw, url = _gateway(e2e, sim_model)
     try:
         async with httpx.AsyncClient(timeout=60) as http:
-            queued = (await http.post(f"{url}/v1/responses", headers=auth,
-                                      json=_body(sim_model, stream=False, background=True))).json()
-            response_id = queued["id"]
-
-            async def running() -> bool:
-                r = await http.get(f"{url}/v1/responses/{response_id}", headers=auth)
-                return r.json()["status"] == "in_progress"
-
-            await poll(running, timeout_s=30, what="the background response running")
+            response_id = await _background_running(http, url, auth, sim_model)
             os.kill(gw.pid, signal.SIGKILL)
             # Its client streams it from another gateway, from the start, then leaves after a few events: the
             # response goes on to its end there all the same, as a background one does.
@@ -197,3 +203,42 @@ async def test_a_client_back_elsewhere_while_its_gateway_lives_moves_the_stream_
         assert [row["completion_tokens"] for row in rows] == [TOKENS]
     finally:
         gw.stop()
+
+
+async def test_a_take_over_its_stalled_worker_never_answers_leaves_the_run_on_its_gateway_to_end_once(
+        e2e, system, auth, nats_url, database_url):
+    # The two-hour soak's lost response: a background run's client streamed it from the gateway running it, the
+    # worker did not answer the take-over in time (410), and the run, its deltas routed to the failed take-over's
+    # inbox and no longer woken to look after its worker, waited with no end, its row kept alive, its seat held.
+    name = f"sim-stalled-ask-{uuid.uuid4().hex[:6]}"
+    worker = e2e.start_worker(name, max_num_seqs=4, engine="simulated", simulated_tokens_per_s=20)
+    try:
+        wait_until_ready(system, name, timeout_s=60, watch=[worker])
+        async with httpx.AsyncClient(timeout=60) as http:
+            response_id = await _background_running(http, system, auth, name)
+            os.kill(worker.pid, signal.SIGSTOP)  # it answers nothing, and misses its pings
+            try:
+                r = await http.get(_resume_url(system, response_id), headers=auth)  # the gateway running it
+            finally:
+                os.kill(worker.pid, signal.SIGCONT)
+            assert r.status_code == 410 and r.json()["error"]["code"] == "stream_expired", r.text
+
+            async def ended() -> dict | None:
+                body = (await http.get(f"{system}/v1/responses/{response_id}", headers=auth)).json()
+                return body if body["status"] not in ("queued", "in_progress") else None
+
+            stored = await poll(ended, timeout_s=60, what="the background response's end")
+        # Its only worker went silent past the gateway's patience: the run, hearing nothing, took it for lost and
+        # failed it (with a second worker it would have gone on there), billing what it had streamed, once.
+        assert stored["status"] == "failed" and stored["error"]["code"] == "worker_lost", stored["error"]
+        request_id = response_id.removeprefix("resp_")
+        rows = await usage_rows(database_url, nats_url, request_id, "completion_tokens")
+        assert [row["completion_tokens"] for row in rows] == [stored["usage"]["output_tokens"]]  # as it was told
+        conn = await asyncpg.connect(database_url)
+        try:
+            await poll(lambda: conn.fetchval("SELECT count(*) FROM open_requests WHERE request_id = $1", request_id),
+                       until=lambda n: n == 0, timeout_s=10, what="its seat given back")
+        finally:
+            await conn.close()
+    finally:
+        worker.stop()

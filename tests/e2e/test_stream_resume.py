@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import uuid
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -51,9 +52,11 @@ class Events:
         self.done = False
         self.roles = 0  # a chat stream's opening chunks
 
-    async def read(self, response: httpx.Response, stop_after_texts: int | None = None) -> None:
+    async def read(self, response: httpx.Response | AsyncIterator[str], stop_after_texts: int | None = None) -> None:
+        """Read events (``stop_after_texts``: then stop; pass the lines' iterator, not the response, to read on)."""
         event_id, texts = None, 0
-        async for line in response.aiter_lines():
+        lines = response.aiter_lines() if isinstance(response, httpx.Response) else response
+        async for line in lines:
             if line.startswith("id: "):
                 event_id = line[4:]
             elif line.startswith("data: "):
@@ -194,12 +197,7 @@ async def test_a_client_back_elsewhere_while_its_gateway_lives_moves_the_stream_
             async with http.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", headers=auth,
                                    json=body) as first:
                 lines = first.aiter_lines()
-
-                class Lines:  # Events.read on the lines read so far, so reading can go on after
-                    def aiter_lines(self):
-                        return lines
-
-                await before.read(Lines(), stop_after_texts=5)
+                await before.read(lines, stop_after_texts=5)
                 # The first connection hangs, not closed: the client comes back on another gateway.
                 async with http.stream("POST", f"{system}/v1/chat/completions", json=body,
                                        headers={**auth, "Last-Event-ID": before.ids[-1]}) as r:
@@ -215,3 +213,30 @@ async def test_a_client_back_elsewhere_while_its_gateway_lives_moves_the_stream_
         assert row["completion_tokens"] == TOKENS
     finally:
         gw.stop()
+
+
+async def test_an_ask_that_fails_on_the_gateway_relaying_the_stream_leaves_the_stream_whole(
+        system, auth, sim_model, new_key, nats_url, database_url):
+    # Another tenant's ask for the stream (never answered) and its owner's ask from an event never sent ("ahead"),
+    # each made to the gateway that relays it while it runs: each is refused, and the stream reads on to its end,
+    # nothing missing, billed once. (The take-over's inbox had displaced the stream's own, and left it deaf.)
+    body = _body(sim_model, max_tokens=200)  # 10 s: running still when the other tenant's ask has waited its 5 s
+    _, other_key = await new_key()
+    events = Events()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=20)) as http:
+        async with http.stream("POST", f"{system}{_path(body)}", headers=auth, json=body) as r:
+            assert r.status_code == 200
+            request_id = r.headers["X-Request-Id"]
+            lines = r.aiter_lines()
+            await events.read(lines, stop_after_texts=3)
+            request, attempt, seq, _ = events.ids[-1].rsplit(".", 3)
+            for key, last_event_id in ((f"Bearer {other_key}", events.ids[-1]),
+                                       (auth["Authorization"], f"{request}.{attempt}.{int(seq) + 500}.0")):
+                refused = await _resume(system, {"Authorization": key}, body, last_event_id)
+                assert refused.status_code == 404, (key == auth["Authorization"], refused.text)
+                assert refused.json()["error"]["code"] == "stream_not_found"
+            await events.read(lines)
+    assert events.done and events.usage is not None and events.usage["completion_tokens"] == 200
+    assert events.text == await _reference_text(system, auth, body)
+    (row,) = await usage_rows(database_url, nats_url, request_id, "completion_tokens")
+    assert row["completion_tokens"] == 200

@@ -24,11 +24,12 @@ class Policies:
 
 
 class Registry:
-    def __init__(self, *workers: WorkerInfo) -> None:
+    def __init__(self, *workers: WorkerInfo, joined: tuple[WorkerInfo, ...] = ()) -> None:
         self.workers = list(workers)
+        self.joined = list(joined)  # in the KV bucket, not yet in the cached listing
 
     async def models(self, fresh: bool = False):
-        return {"m": self.workers}
+        return {"m": self.workers + self.joined if fresh else self.workers}
 
 
 class Liveness:
@@ -86,6 +87,14 @@ async def test_no_hedge_without_a_free_seat_elsewhere():
     await hedge.delay(req)
     assert await hedge.offer(req, running_on=["a"]) is None and publisher.published == []
     assert metrics.hedges_skipped.labels("", "enterprise", "no_free_seat")._value.get() == 1
+
+
+async def test_a_worker_that_joined_since_the_cached_listing_takes_the_hedge():
+    hedge, publisher = hedging(registry=Registry(worker("a"), joined=(worker("b"),)), liveness=Liveness(a=4, b=4))
+    req = request()
+    await hedge.delay(req)
+    placed = await hedge.offer(req, running_on=["a"])
+    assert placed is not None and placed[0] == "b" and len(publisher.published) == 1
 
 
 async def test_the_budget_bounds_hedges_to_its_share_of_the_tiers_requests():

@@ -21,6 +21,7 @@ from switchyard.shared.messages import (
     RoutedDelta,
     SamplingParams,
     TokenDelta,
+    Usage,
     encode,
 )
 
@@ -83,6 +84,35 @@ async def _request_and_router(nc) -> tuple[GenerateRequest, TokenRouter]:
     router = TokenRouter(nc)
     await router.start()
     return request, router
+
+
+class NowhereFailover(RecordingFailover):
+    """A failover that finds no worker to go on on."""
+
+    async def continue_elsewhere(self, request, dead_worker, token_ids, text_len):
+        return None
+
+
+async def test_a_stream_that_cannot_go_on_tells_its_client_what_was_billed_for_it(nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        request, router = await _request_and_router(nc)
+        rid = request.request_id
+        failover = NowhereFailover()
+        relayed = RelayedRequest(nc, request, router.open(rid), stall_timeout_s=10, retry_after_s=1,
+                                 failover=failover)
+        for data in [encode(TokenDelta(rid, seq=0, prompt_tokens=5)), encode(TokenDelta(rid, "ab", 2, seq=1)),
+                     _delta(rid, 3, "c")]:  # seq 2 never came
+            await nc.publish(router.subject, _routed(rid, data))
+        await nats_client.settled(nc)
+        await relayed.first()
+        got = [d async for d in relayed.deltas()]
+        assert got[-1].error is not None and got[-1].error.code == "stream_gap"
+        # What this gateway billed (the worker, told to stop, bills nothing) is what its client is told it used.
+        assert failover.billed == [2] and got[-1].usage == Usage(prompt_tokens=5, completion_tokens=2)
+        await relayed.close()
+    finally:
+        await nc.close()
 
 
 async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old_run_is_ignored(nats_url):

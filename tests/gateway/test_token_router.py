@@ -94,3 +94,31 @@ async def test_a_closed_inbox_gets_nothing_more_and_a_bad_message_spoils_no_othe
     await nc.publish(router.subject, _step(("closed", "x"), ("open", "still here")))
     assert await _texts(open_, 1) == ["still here"]
     assert closed.pending == 0 and router.num_open == 1
+
+
+async def test_an_inbox_displaced_by_a_take_over_that_failed_is_routed_to_again_with_what_it_missed(router):
+    nc, router = router
+    running = router.open("r")  # the run this gateway relays
+    taking_over = router.open("r")  # its client resumes here, and the take-over waits for the worker's answer
+    await nc.publish(router.subject, _step(("r", "1"), ("r", "2")))
+    await nc.flush()
+    assert taking_over.pending == 2 and running.pending == 0
+    await taking_over.close()  # no answer: the take-over failed
+    await nc.publish(router.subject, _step(("r", "3")))
+    assert await _texts(running, 3) == ["1", "2", "3"]  # all of it, in order: the run hears its worker again
+    await running.close()
+    assert router.num_open == 0
+
+
+async def test_a_displaced_inbox_is_still_ticked_and_one_closed_first_is_not_routed_to_again(router):
+    nc, router = router
+    running = router.open("r")
+    taking_over = router.open("r")
+    reading = asyncio.ensure_future(running.next())
+    done, _ = await asyncio.wait({reading}, timeout=5)  # its reader is woken each tick, to look after its worker
+    assert reading in done and isinstance(reading.exception(), TimeoutError)
+    await running.close()  # it ended (told of the take-over): the new inbox alone is routed to, and then none
+    await nc.publish(router.subject, _step(("r", "x")))
+    assert await _texts(taking_over, 1) == ["x"]
+    await taking_over.close()
+    assert router.inbox_of("r") is None and running.pending == 0
