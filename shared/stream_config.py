@@ -22,7 +22,7 @@ def is_subject_cap(error: APIError) -> bool:
 
 REQUEST_MAX_AGE_S = 3600.0
 
-# Consumers a request stream may hold: one per tenant and model queued in its tier within the last hour
+# Consumers a request stream may hold: one per tenant and model queued in its tier within the last ten minutes
 # (REQUEST_CONSUMER_IDLE_S), and one per worker for offers. Set on the stream because nats-server 2.15 gives a
 # stream that sets none a default of 1,000 (``default_max_consumers``): the 1,001st tenant active in a tier would get
 # no consumer, and its requests would wait in the stream until their deadline.

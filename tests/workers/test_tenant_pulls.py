@@ -82,7 +82,7 @@ async def test_an_empty_queue_is_answered_and_a_deleted_consumer_is_made_again(n
     with pytest.raises(ConsumerGone):
         await pulls.next(stream, consumer, timeout_s=30.0)
 
-    # Through the queues: the consumer JetStream deleted (idle for an hour, say) is made again on the next pull.
+    # Through the queues: the consumer JetStream deleted (idle for ten minutes, say) is made again on the next pull.
     queues = TenantQueues(nc, js, MODEL, [TIER])
     await js.publish(subjects.request_subject(MODEL, TIER, "a"), b"first")
     await queues.sweep()

@@ -9,8 +9,9 @@ the worker's core subscription too) and, for what rings no bell (redeliveries, r
 started, bells lost on the way), from a sweep of the stream's per-subject counts. Within a tier the backlogged
 tenant that was served least goes first (scheduler/tenant_share.py); between tiers the worker's weighted tier
 share decides. A consumer is made when a tenant first has work here, and again when a pull finds it gone
-(JetStream deletes a consumer nobody pulled from for an hour); every pull goes through one subscription
-(pulls.py), so a thousand active tenants cost the worker no subscription each.
+(JetStream deletes a consumer nobody pulled from for ten minutes, and the worker forgets its name then too,
+consumer_names.py); every pull goes through one subscription (pulls.py), so a thousand active tenants cost the
+worker no subscription each.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from switchyard.scheduler.pausing import ahead_in_share
 from switchyard.scheduler.tenant_share import TenantShare
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_affinity_consumer, ensure_request_consumer, queued_tenants
+from switchyard.workers.service.consumer_names import ConsumerNames
 from switchyard.workers.service.prepare_cost import is_cheap_message
 from switchyard.workers.service.pulls import ConsumerGone, ConsumerPulls
 
 log = logging.getLogger("switchyard.worker")
-
-MAX_KNOWN_CONSUMERS = 100_000  # names of consumers made here, remembered to skip making them again (a set of str)
 
 
 class TenantQueues:
@@ -46,7 +46,7 @@ class TenantQueues:
         self._tiers = list(tiers)
         self._pending: dict[str, set[str]] = {t: set() for t in tiers}  # tier -> tenant tokens that may have work
         self._shares: dict[str, TenantShare] = {t: TenantShare() for t in tiers}
-        self._consumers: dict[tuple[str, str], tuple[str, str]] = {}  # (tier, tenant) -> (stream, consumer) made
+        self._consumers = ConsumerNames()  # (tier, tenant) -> (stream, consumer) made
         # (tier, tenant) -> the number of its last doorbell (see ``_emptied``); only for tenants pending
         self._rung: dict[tuple[str, str], int] = {}
         # (tier, tenant) -> its doorbells not yet matched by a request taken here (see ``_took_last``); only for
@@ -238,11 +238,11 @@ class TenantQueues:
                 stream, consumer = await self._consumer(*key)
                 return await self._pulls.next(stream, consumer, timeout_s)
             except ConsumerGone:
-                self._consumers.pop(key, None)  # deleted while idle, or a fresh server: made again, once
+                self._consumers.pop(key)  # deleted while idle, or a fresh server: made again, once
             except Exception as exc:
                 # A JetStream refusal names its cause in its description (a consumer limit, a stream gone).
                 log.warning("fetch from %s failed: %r %s", "/".join(key), exc, getattr(exc, "description", "") or "")
-                self._consumers.pop(key, None)
+                self._consumers.pop(key)
                 return None
         return None
 
@@ -283,9 +283,7 @@ class TenantQueues:
         else:
             # The consumer is named after the token, which is what the subject carries: make it for that token.
             known = (subjects.request_stream(tier), await ensure_request_consumer(self._js, self._model, tier, tenant))
-        if len(self._consumers) >= MAX_KNOWN_CONSUMERS:
-            self._consumers.clear()  # only names: making a consumer that exists again is a no-op on the server
-        self._consumers[key] = known
+        self._consumers.put(key, known)
         return known
 
 
