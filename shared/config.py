@@ -243,6 +243,10 @@ class EngineSettings(BaseModel):
     # Our engine's weights as int8 with a scale per output feature (weight-only: activations and sums stay float32;
     # a CPU in float32, which ``dtype: auto`` then takes). None: as loaded. A vLLM worker's is vllm.quantization.
     quantization: Literal["int8"] | None = None
+    # Our engine on a CPU: each step runs on the thread count (all the worker's, half, or one) that its recent steps
+    # of that size ran fastest on, tried again now and then (workers/executor/thread_tuner.py). Other processes on
+    # the same cores set a step's threads aside at its barriers, and fewer threads then finish sooner.
+    tune_threads: bool = False
 
 
 class WorkerConfig(EngineSettings):

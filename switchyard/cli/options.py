@@ -58,6 +58,9 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
                    help="speculative decoding: ngram guesses a greedy request's next tokens from its own prompt and "
                         "output (prompt lookup), checked several at once (default: off)")
     p.add_argument("--num-speculative-tokens", type=int, help="the most drafts a step checks per request (default 4)")
+    p.add_argument("--tune-threads", dest="tune_threads", action="store_true", default=None,
+                   help="our engine on a CPU: run each step on the thread count its recent steps of that size ran "
+                        "fastest on, measured while serving (default: off)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="run every GPU step eagerly (no CUDA graphs captured at start)")
     p.add_argument("--batch-seqs-when-busy", type=int,

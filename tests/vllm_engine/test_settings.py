@@ -50,6 +50,11 @@ def test_our_engines_quantization_is_refused_for_vllm_which_has_its_own():
         engine_kwargs(WorkerConfig(quantization="int8"), "/m", on_gpu=False)
 
 
+def test_our_engines_thread_tuning_is_refused_for_vllm_which_binds_its_own_threads():
+    with pytest.raises(ValueError, match="tune_threads"):
+        engine_kwargs(WorkerConfig(tune_threads=True), "/m", on_gpu=False)
+
+
 # Run in the vLLM environment, for each set of kwargs given: vLLM's own EngineArgs built from them (it refuses an
 # unknown field), and the quantization method, KV cache dtype and speculative method among those vLLM names, the
 # speculative config's keys its fields (vLLM checks these against the model only when it builds the engine). One line

@@ -13,6 +13,7 @@ import torch
 
 from switchyard.shared.messages import TokenDelta
 from switchyard.workers.engine.engine import Engine, EngineConfig
+from switchyard.workers.executor import thread_tuner
 from switchyard.workers.serving.prompts import RequestRejected, prepare_prompt
 
 
@@ -119,6 +120,26 @@ def test_greedy_matches_hf_generate_with_concurrent_requests(tiny, make_request,
     if config is CONFIGS["preemption"]:
         assert engine.num_preemptions > 0
     assert engine.num_free_blocks == engine.num_blocks, "every block is free once all requests ended"
+
+
+def test_steps_whose_thread_count_the_tuner_changes_give_the_same_tokens(tiny, make_request, monkeypatch):
+    monkeypatch.setattr(thread_tuner, "EXPLORE_EVERY_S", 0.0)  # every step a try: the count changes all along
+    monkeypatch.setattr(thread_tuner, "MAX_EXPLORE_EVERY_S", 0.0)
+    model, tokenizer = tiny
+    threads = torch.get_num_threads()
+    try:
+        engine = RecordingEngine(model, tokenizer, EngineConfig(max_num_seqs=8, tune_threads=True))
+        used: list[int] = []
+        monkeypatch.setattr(engine._threads, "_set_threads", lambda n: (used.append(n), torch.set_num_threads(n)))
+        reqs = [make_request(prompt=p, temperature=0.0, max_tokens=20) for p in PROMPTS]
+        for req in reqs:
+            engine.add_request(req)
+        run(engine)
+    finally:
+        torch.set_num_threads(threads)
+    for req, prompt in zip(reqs, PROMPTS):
+        assert engine.token_ids[req.request_id] == hf_greedy(model, tokenizer, prompt, 20)
+    assert len(set(used)) >= 2 if threads > 1 else used == []  # on one core there is nothing to choose
 
 
 def test_chat_request_uses_chat_template(tiny, make_request):

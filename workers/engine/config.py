@@ -65,6 +65,9 @@ class EngineConfig:
     speculative: str | None = None  # "ngram": prompt lookup (speculation.py); None: off
     num_speculative_tokens: int = 4
     quantization: str | None = None  # "int8": weight-only int8 projections (executor/linear.py); None: as loaded
+    # CPU: each step's thread count chosen by measuring steps while serving (executor/thread_tuner.py); off: the
+    # threads torch was given, always.
+    tune_threads: bool = False
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> EngineConfig:

@@ -42,6 +42,7 @@ from switchyard.workers.engine.stats import capacity_of, stats_of
 from switchyard.workers.engine.tiered_prefixes import TieredPrefixes
 from switchyard.workers.executor.cuda_graphs import GraphPass
 from switchyard.workers.executor.model_runner import ForwardPass, ModelRunner, SeqChunk
+from switchyard.workers.executor.thread_tuner import ThreadTuner
 from switchyard.workers.kv_tiers.remote import KVPeers
 from switchyard.workers.serving.choice import RequestState
 from switchyard.workers.serving.guided import Grammars
@@ -97,6 +98,8 @@ class Engine:
         self._logprobs = TokenLogprobs(tokenizer)
         # Speculative decoding (speculation.py): drafts proposed after each step for the next.
         self._speculator = PromptLookup(config.num_speculative_tokens) if config.speculative == "ngram" else None
+        self._threads = ThreadTuner(torch.get_num_threads(), torch.set_num_threads) \
+            if config.tune_threads and device.type == "cpu" else None
         self.num_draft_tokens = 0  # drafts computed since start, and those kept: the acceptance rate
         self.num_accepted_draft_tokens = 0
         # prepare() runs off the step thread, on up to config.prepare_threads threads at once: each on a tokenizer
@@ -347,9 +350,13 @@ class Engine:
     def _compute(self, plan: SchedulerOutput) -> StepTokens | None:
         """Run the model for ``plan`` (or the next layers of the step in flight) and sample; None while a
         batch-only step still has layers to run."""
+        timed = None  # (tokens, threads, start) of a step run whole, for the thread tuner
         if self._in_flight is None:
             chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, s.needs_sample, len(s.draft_token_ids))
                       for s in plan.scheduled]
+            if self._threads is not None and not plan.is_background_only:
+                num_tokens = sum(len(c.token_ids) for c in chunks)
+                timed = (num_tokens, self._threads.choose(num_tokens), time.perf_counter())
             fwd = self.runner.begin(chunks)
         else:
             fwd = self._in_flight[1]
@@ -358,7 +365,11 @@ class Engine:
             self._in_flight = (plan, fwd)
             return None
         self._in_flight = None
-        return next_tokens(logits, [s for s in plan.scheduled if s.needs_sample], self._logprobs)
+        tokens = next_tokens(logits, [s for s in plan.scheduled if s.needs_sample], self._logprobs)
+        if timed is not None:
+            assert self._threads is not None
+            self._threads.observed(timed[0], timed[1], time.perf_counter() - timed[2])
+        return tokens
 
     def _compute_each_alone(self, plan: SchedulerOutput, outputs: list[TokenDelta],
                             ) -> StepTokens:

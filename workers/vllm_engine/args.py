@@ -34,6 +34,9 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     if worker.quantization is not None:
         raise ValueError("quantization: our engine's weight-only int8; a vLLM worker's is vllm.quantization (one of "
                          "the methods vLLM names, e.g. fp8)")
+    if worker.tune_threads:
+        raise ValueError("tune_threads: our engine's CPU step threads; vLLM-CPU binds its own threads "
+                         "(VLLM_CPU_OMP_THREADS_BIND)")
     if worker.kv_offload_dir is not None:
         raise ValueError("kv_offload_dir: the disk KV tier is our engine's; a vLLM worker offloads to host memory only "
                          "(kv_offload_gib, vLLM's kv_offloading_size)")
