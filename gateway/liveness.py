@@ -15,6 +15,10 @@ from switchyard.shared import subjects
 
 ALIVE_INTERVAL_S = subjects.ALIVE_INTERVAL_S
 DEAD_AFTER_S = 3 * ALIVE_INTERVAL_S  # three pings missed: gone
+# A ping's free seats are believed this long: one ping late is a loaded machine's jitter (an event loop behind by
+# half a second now and then, at either end), which must not stop hedging when it is needed most; two missed and
+# the worker is taken for stalled, with nowhere to hedge on it.
+SEATS_BELIEVED_S = 2.5 * ALIVE_INTERVAL_S
 
 
 class WorkerLiveness:
@@ -60,9 +64,9 @@ class WorkerLiveness:
         return time.monotonic() - last > DEAD_AFTER_S
 
     def free_seats(self, worker_id: str) -> int:
-        """The seats ``worker_id`` said it had free at its last ping, if that ping is recent (within one interval
-        and a half: a worker that missed one is stalled or busy beyond its pings), else 0."""
+        """The seats ``worker_id`` said it had free at its last ping, if that ping is recent (``SEATS_BELIEVED_S``),
+        else 0."""
         last = self._last_heard.get(worker_id)
-        if last is None or time.monotonic() - last > 1.5 * ALIVE_INTERVAL_S:
+        if last is None or time.monotonic() - last > SEATS_BELIEVED_S:
             return 0
         return self._free_seats.get(worker_id, 0)
