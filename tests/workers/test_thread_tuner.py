@@ -46,8 +46,20 @@ def test_all_threads_until_a_try_shows_one_thread_faster_under_contention_then_o
     switched = tried.index(1)  # the try, at 5 s
     assert switched <= 1 and set(tried[switched:]) == {1}  # and after it one thread is kept: faster
     machine.seconds = {2: 0.02, 1: 0.03}  # the neighbour left
-    later = run(machine, tuner, EXPLORE_EVERY_S + 1.0)
+    later = run(machine, tuner, MAX_EXPLORE_EVERY_S + 1.0)
     assert later[-1] == 2 and tuner.best(8) == 2  # tried again, and back to both
+
+
+def test_a_change_in_what_else_runs_is_tried_at_once_not_at_the_next_periodic_try():
+    machine = Machine({2: 0.02, 1: 0.04})  # quiet: two threads
+    tuner = ThreadTuner(2, machine.applied.append, machine.clock)
+    run(machine, tuner, 300.0)  # tries now MAX_EXPLORE_EVERY_S apart, all lost
+    machine.seconds = {2: 0.08, 1: 0.03}  # a neighbour arrives: two threads four times slower
+    started = machine.now
+    used = run(machine, tuner, 5.0)
+    switched = used.index(1)
+    assert machine.now - started < MAX_EXPLORE_EVERY_S and set(used[switched:]) == {1}
+    assert switched < 10  # within a few steps of the change, not at the next periodic try
 
 
 def test_a_try_that_loses_comes_later_each_time_and_the_cost_stays_small():

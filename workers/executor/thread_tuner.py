@@ -8,10 +8,11 @@ Which is faster depends on what else runs, which changes, so it is measured, not
 
     each step ──▶ its size class (its tokens, by powers of two: a 1-token decode and a 512-token prefill differ)
               ──▶ the thread count with the lowest recent seconds per step in that class (all of them at first)
-              ──▶ every EXPLORE_EVERY_S a class's next EXPLORE_STEPS steps run on another count instead, so an
-                  estimate made under other conditions is made again (the cost: a few slower steps); after a try
-                  that changes nothing the next comes twice as late, up to MAX_EXPLORE_EVERY_S, and after one
-                  that changes the count, EXPLORE_EVERY_S later again
+              ──▶ now and then a class's next EXPLORE_STEPS steps run on another count instead, so an estimate
+                  made under other conditions is made again (the cost: a few slower steps): EXPLORE_EVERY_S after
+                  the class is first seen, then each time twice as late, up to MAX_EXPLORE_EVERY_S; and at once,
+                  from EXPLORE_EVERY_S again, when the count in use has become DRIFT times slower or faster than
+                  when it was chosen (what else runs on the cores changed)
 
 The candidates are the cores given, half of them and one. An estimate is a moving average of a class's step times
 on a count, the one in use kept current by every step, another's made afresh by each try.
@@ -29,6 +30,7 @@ SMOOTHING = 0.3  # weight of the newest step time in its estimate
 # Another count replaces the one in use only when its estimate is this much lower (steps are noisy; a change
 # back and forth on noise costs a region's pool resize each time).
 SWITCH_MARGIN = 0.9
+DRIFT = 1.5
 
 
 class ThreadTuner:
@@ -46,6 +48,7 @@ class ThreadTuner:
         self._exploring: dict[int, tuple[int, int]] = {}  # size class -> (count tried, steps left)
         self._turns: dict[int, int] = {}  # size class -> explorations so far (whose turn among the others)
         self._explore_every: dict[int, float] = {}  # size class -> seconds from one try to the next
+        self._chosen_at: dict[int, float] = {}  # size class -> its count's estimate when last chosen or checked
 
     def choose(self, num_tokens: int) -> int:
         """The thread count for a step of ``num_tokens`` tokens, applied; report its time with ``observed``."""
@@ -75,13 +78,22 @@ class ThreadTuner:
                 self._exploring[size] = (threads, trying[1] - 1)
                 return
             del self._exploring[size]
-            before, self._best[size] = self._best.get(size, self.candidates[0]), self._pick(size)
-            every = EXPLORE_EVERY_S if self._best[size] != before else min(
-                MAX_EXPLORE_EVERY_S, 2 * self._explore_every.get(size, EXPLORE_EVERY_S))
-            self._explore_every[size] = every
+            self._best[size] = self._pick(size)
+            every = self._explore_every[size] = min(MAX_EXPLORE_EVERY_S,
+                                                    2 * self._explore_every.get(size, EXPLORE_EVERY_S / 2))
             self._explore_at[size] = self._clock() + every
+            self._chosen_at[size] = self._estimates.get((size, self._best[size]), 0.0)
             return
-        self._best[size] = self._pick(size)
+        chosen_at = self._chosen_at.get(size)
+        if chosen_at and threads == self._best.get(size) and not (chosen_at / DRIFT < self._estimates[key]
+                                                                  < chosen_at * DRIFT):
+            self._explore_at[size] = self._clock()  # conditions changed: the next step of the class tries
+            self._explore_every[size] = EXPLORE_EVERY_S / 2
+            self._chosen_at[size] = self._estimates[key]
+        best = self._pick(size)
+        if best != self._best.get(size, self.candidates[0]):
+            self._chosen_at[size] = self._estimates.get((size, best), 0.0)
+        self._best[size] = best
 
     def best(self, num_tokens: int) -> int:
         """The count steps of ``num_tokens`` tokens run on now (outside exploration)."""
