@@ -278,20 +278,24 @@ class Load:
                 out.code = f"stream {r.status_code} {r.text[:60]}"
         other = self._client_of(tenant, other=True)
         if last >= 0:
-            async with other.stream("GET", f"/v1/responses/{response_id}", headers=headers,
-                                    params={"stream": "true", "starting_after": str(last)}) as r:
-                if r.status_code == 200:
-                    async for event in _events(r):
-                        if event["sequence_number"] != last + 1:
-                            out.status, out.code = "failed", f"resumed at {event['sequence_number']} after {last}"
-                            return
-                        last = event["sequence_number"]
-                        if event["type"] in ENDED:
-                            self._finish_response(out, event["response"])
-                            return
-                else:
-                    await r.aread()  # it ended meanwhile (410): read it whole
-                    out.code = f"resume {r.status_code} {r.text[:60]}"
+            try:
+                async with other.stream("GET", f"/v1/responses/{response_id}", headers=headers,
+                                        params={"stream": "true", "starting_after": str(last)}) as r:
+                    if r.status_code == 200:
+                        async for event in _events(r):
+                            if event["sequence_number"] != last + 1:
+                                out.status, out.code = "failed", f"resumed at {event['sequence_number']} after {last}"
+                                return
+                            last = event["sequence_number"]
+                            if event["type"] in ENDED:
+                                self._finish_response(out, event["response"])
+                                return
+                    else:
+                        await r.aread()  # it ended meanwhile (410): read it whole
+                        out.code = f"resume {r.status_code} {r.text[:60]}"
+            except httpx.TransportError as exc:  # the other gateway down (killed, restarting): ask this one
+                out.code = f"resume {type(exc).__name__}"
+                other = http
         await self._poll_response(other, headers, out, {"id": response_id, "status": "in_progress"})
 
     async def _embeddings(self, http, headers, tenant, out: Outcome) -> None:
