@@ -77,13 +77,16 @@ class RecordingFailover:
         self.billed.append(completion_tokens)
 
 
-async def _request_and_router(nc) -> tuple[GenerateRequest, TokenRouter]:
-    """A request to relay, and a started token router on ``nc`` for its deltas."""
+async def _relayed_with(nc, failover) -> tuple[str, TokenRouter, RelayedRequest]:
+    """A request relayed with ``failover`` through a started token router on ``nc``: its id, the router, the
+    relayed request."""
     request = GenerateRequest(uuid.uuid4().hex, "m", "pro", SamplingParams(max_tokens=9), created_at=time.time(),
                               deadline_at=time.time() + 30, prompt="x")
     router = TokenRouter(nc)
     await router.start()
-    return request, router
+    relayed = RelayedRequest(nc, request, router.open(request.request_id), stall_timeout_s=10, retry_after_s=1,
+                             failover=failover)
+    return request.request_id, router, relayed
 
 
 class NowhereFailover(RecordingFailover):
@@ -96,11 +99,8 @@ class NowhereFailover(RecordingFailover):
 async def test_a_stream_that_cannot_go_on_tells_its_client_what_was_billed_for_it(nats_url):
     nc = await nats.connect(nats_url)
     try:
-        request, router = await _request_and_router(nc)
-        rid = request.request_id
         failover = NowhereFailover()
-        relayed = RelayedRequest(nc, request, router.open(rid), stall_timeout_s=10, retry_after_s=1,
-                                 failover=failover)
+        rid, router, relayed = await _relayed_with(nc, failover)
         for data in [encode(TokenDelta(rid, seq=0, prompt_tokens=5)), encode(TokenDelta(rid, "ab", 2, seq=1)),
                      _delta(rid, 3, "c")]:  # seq 2 never came
             await nc.publish(router.subject, _routed(rid, data))
@@ -118,12 +118,9 @@ async def test_a_stream_that_cannot_go_on_tells_its_client_what_was_billed_for_i
 async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old_run_is_ignored(nats_url):
     nc = await nats.connect(nats_url)
     try:
-        request, router = await _request_and_router(nc)
-        rid = request.request_id
-        cancels = await nc.subscribe(subjects.cancel_subject(rid))
         failover = RecordingFailover()
-        relayed = RelayedRequest(nc, request, router.open(rid), stall_timeout_s=10, retry_after_s=1,
-                                 failover=failover)
+        rid, router, relayed = await _relayed_with(nc, failover)
+        cancels = await nc.subscribe(subjects.cancel_subject(rid))
 
         def delta(seq, text="", ids=(), attempt=0, worker="w1", **kw):
             return encode(TokenDelta(rid, text=text, num_tokens=len(ids), seq=seq, token_ids=list(ids) or None,
@@ -154,11 +151,8 @@ async def test_a_continuation_handed_off_to_another_gateway_is_not_billed_here_o
     another gateway took the stream over does not (it goes on there, and its worker bills it)."""
     nc = await nats.connect(nats_url)
     try:
-        request, router = await _request_and_router(nc)
-        rid = request.request_id
         failover = RecordingFailover()
-        relayed = RelayedRequest(nc, request, router.open(rid), stall_timeout_s=10, retry_after_s=1,
-                                 failover=failover)
+        rid, router, relayed = await _relayed_with(nc, failover)
 
         def delta(seq, text="", ids=(), attempt=0, **kw):
             return encode(TokenDelta(rid, text=text, num_tokens=len(ids), seq=seq, token_ids=list(ids) or None,
