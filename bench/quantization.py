@@ -1,5 +1,6 @@
-"""Weight-only int8 in our engine on SmolLM2, against float32 and bfloat16: perplexity on a fixed text, greedy
-agreement with float32 over a set of prompts, and decode tokens/s of 1 and 8 streams.
+"""Quantized weights in our engine on SmolLM2 (weight-only int8, and w8a8: int8 activations too), against float32 and
+bfloat16: perplexity on a fixed text, greedy agreement with float32 over a set of prompts, and decode tokens/s of 1,
+8 and 32 streams.
 
     .venv/bin/python bench/quantization.py
     .venv/bin/python bench/quantization.py --configs float32 int8 --max-tokens 64
@@ -30,7 +31,8 @@ from tests.support.engine_runs import perplexity, run_prompts  # noqa: E402
 from tests.support.system import model_cache_dir  # noqa: E402
 from tests.support.texts import CHAT_PROMPTS, FIXED_TEXT  # noqa: E402
 
-CONFIGS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
+CONFIGS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
+           "w8a8": ("float32", "w8a8")}
 
 
 def main() -> None:
@@ -39,6 +41,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--results", default=None, help="markdown file to append to; '-' for none")
     args = p.parse_args()
     report = lscpu()
@@ -49,7 +52,8 @@ def main() -> None:
         dtype, quantization = CONFIGS[name]
         model, tokenizer = load(path, dtype=dtype, device="cpu")
         ppl = perplexity(model, tokenizer, FIXED_TEXT, quantization)
-        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=len(CHAT_PROMPTS), quantization=quantization))
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max(len(CHAT_PROMPTS), *args.streams),
+                                                       quantization=quantization))
         engine.warmup()
         outputs = run_prompts(engine, CHAT_PROMPTS, args.max_tokens).token_ids
         if reference is None:
@@ -58,18 +62,21 @@ def main() -> None:
         matched = statistics.mean(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                                   / max(1, len(b)) for a, b in zip(outputs, reference))
         speeds = []
-        for streams in (1, 8):
-            runs = [run_prompts(engine, CHAT_PROMPTS[:streams], args.max_tokens) for _ in range(args.repeats)]
+        for streams in args.streams:
+            prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(streams)]
+            runs = [run_prompts(engine, prompts, args.max_tokens) for _ in range(args.repeats)]
             speeds.append(statistics.median(run.num_tokens / run.seconds for run in runs))
         bytes_ = engine.runner.packed_weight_bytes or sum(x.numel() * x.element_size() for x in model.parameters())
         row = [name, f"{bytes_ / 2**20:.0f}", f"{ppl:.3f}", f"{same}/{len(CHAT_PROMPTS)}", f"{matched:.0%}",
-               f"{speeds[0]:.1f}", f"{speeds[1]:.1f}"]
+               *(f"{speed:.1f}" for speed in speeds)]
         rows.append(row)
         print(" | ".join(row), flush=True)
     table = markdown_table(["weights", "MiB streamed a step", "perplexity", "same greedy output as float32",
-                            "tokens before the first difference", "tok/s, 1 stream", "tok/s, 8 streams"], rows)
+                            "tokens before the first difference", *(f"tok/s, {n} streams" for n in args.streams)],
+                           rows)
     section = "\n".join([
-        f"## Weight-only int8 against float32 and bfloat16, SmolLM2, {cpu_name(report)} ({args.threads} threads)",
+        f"## Quantized weights (int8, w8a8) against float32 and bfloat16, SmolLM2, {cpu_name(report)} "
+        f"({args.threads} threads)",
         "", f"`{command_line()}`", "",
         f"Perplexity over the {len(FIXED_TEXT)}-character FIXED_TEXT in tests/support/texts.py; greedy agreement "
         f"over {len(CHAT_PROMPTS)} chat prompts of {args.max_tokens} tokens against float32; decode speed of the "

@@ -240,9 +240,11 @@ class EngineSettings(BaseModel):
     # once (ours: workers/engine/speculation.py; vLLM: its ngram method). None: off.
     speculative: Literal["ngram"] | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
-    # Our engine's weights as int8 with a scale per output feature (weight-only: activations and sums stay float32;
-    # a CPU in float32, which ``dtype: auto`` then takes). None: as loaded. A vLLM worker's is vllm.quantization.
-    quantization: Literal["int8"] | None = None
+    # Our engine's weights as int8 with a scale per output feature. int8: weight-only (activations and sums stay
+    # float32; a CPU or a GPU). w8a8: each step's activations as int8 too, one scale per token, products in int32 on
+    # the CPU's integer dot-product instructions (a CPU only). On a CPU both run in float32, which ``dtype: auto``
+    # then takes. None: as loaded. A vLLM worker's is vllm.quantization.
+    quantization: Literal["int8", "w8a8"] | None = None
     # Our engine on a CPU: each step runs on the thread count (all the worker's, half, or one) that its recent steps
     # of that size ran fastest on, tried again now and then (workers/executor/thread_tuner.py). Other processes on
     # the same cores set a step's threads aside at its barriers, and fewer threads then finish sooner.

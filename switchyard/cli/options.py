@@ -51,9 +51,9 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--kv-offload-disk-gib", type=float, help="the disk tier's size (default 16)")
     p.add_argument("--kv-offload-host-dir", type=Path,
                    help="where the host tier's files live (default: /dev/shm/switchyard-kv; `up`: one of its own)")
-    p.add_argument("--quantization", choices=["int8"],
-                   help="our engine's weights as int8 with a scale per output feature (a CPU, in float32; default: "
-                        "as loaded)")
+    p.add_argument("--quantization", choices=["int8", "w8a8"],
+                   help="our engine's weights as int8 with a scale per output feature; w8a8: each step's activations "
+                        "as int8 too, products in int32 (a CPU; default: as loaded)")
     p.add_argument("--speculative", choices=["ngram"],
                    help="speculative decoding: ngram guesses a greedy request's next tokens from its own prompt and "
                         "output (prompt lookup), checked several at once (default: off)")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from switchyard.workers.executor.linear import Linear, load_gemm_kernel, uses_packed_kernel
+from switchyard.workers.executor.linear import Linear, load_gemm_kernel, load_w8a8_kernel, uses_packed_kernel
 
 CPU = torch.device("cpu")
 
@@ -124,3 +126,81 @@ def test_int8_holds_a_quarter_of_the_bytes_and_refuses_what_it_cannot_run(kernel
         Linear(weight, quantize="int4")
     with pytest.raises(ValueError, match="float32"):
         Linear(weight.bfloat16(), quantize="int8")
+
+
+@pytest.fixture(scope="module")
+def w8a8_kernel(compiled):
+    return compiled(load_w8a8_kernel, "csrc/int8_gemm.c")
+
+
+def _w8a8_reference(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
+    """x @ W.T as csrc/int8_gemm.c computes it: W per output feature and x per ``group`` inputs of a row, each
+    rounded half away from zero to int8, the products summed exactly."""
+    rows, k = x.shape
+    padded = -(-k // group) * group
+    xg = F.pad(x, (0, padded - k)).view(rows, -1, group)
+    peak = xg.abs().amax(-1, keepdim=True)
+    q = xg * torch.where(peak > 0, 127 / peak, 0)
+    xq = (torch.where(q < 0, q - 0.5, q + 0.5).trunc() * (peak / 127)).view(rows, padded)[:, :k]
+    return (xq.double() @ _int8_reference(weight).double().T).float()
+
+
+# Rows through every tile remainder of each instruction set's tile (8 rows for VNNI, 3 for AVX2); inputs that fill
+# whole groups of 32 and ones that leave a partial last group.
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (50, 72), (7, 576), (1000, 40), (33, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 32])
+def test_w8a8_matches_its_integer_reference_and_stays_near_the_float_product(w8a8_kernel, out_features,
+                                                                              in_features, rows):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + 11)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    weight[0] = 0  # an all-zero output feature: its scale is 0, its outputs the bias
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    x[-1, : max(1, in_features // 2)] = 0  # a group of zeros: its scale is 0
+    expected = _w8a8_reference(x, weight, w8a8_kernel.w8a8_group())
+    for b in (None, bias):
+        out = Linear(weight, b, quantize="w8a8")(x)
+        torch.testing.assert_close(out, expected if b is None else expected + b, rtol=1e-4, atol=1e-3)
+        if in_features >= 32:  # the quantization error itself (Gaussian weights and inputs: about 1%)
+            error = (out - F.linear(x, weight, b)).norm() / F.linear(x, weight, b).norm()
+            assert error < 0.03, error
+
+
+def test_w8a8_adds_into_the_residual_and_takes_strided_rows(w8a8_kernel):
+    weight, bias = torch.randn(50, 48), torch.randn(50)
+    wide, residual = torch.randn(7, 100), torch.randn(7, 50)
+    x = wide[:, 10:58]
+    expected = residual + _w8a8_reference(x, weight, w8a8_kernel.w8a8_group()) + bias
+    out = Linear(weight, bias, quantize="w8a8")(x, residual=residual)
+    assert out is residual
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_w8a8_holds_about_a_quarter_of_the_bytes_and_refuses_what_it_cannot_run(w8a8_kernel):
+    weight = torch.randn(64, 128)
+    groups = 128 // w8a8_kernel.w8a8_group()
+    assert Linear(weight, quantize="w8a8").packed_bytes == 64 * 128 + 64 * 4 + 64 * groups * 4
+    with pytest.raises(ValueError, match="float32"):
+        Linear(weight.bfloat16(), quantize="w8a8")
+
+
+# The instruction sets other CPUs take (csrc/int8_gemm.c picks one at compile time): each built here as it would be
+# there, where this CPU can run it, and checked against the same reference.
+@pytest.mark.parametrize("flags,instructions", [(("-mno-avx512f",), 1), (("-mno-avx512f", "-mno-avx2"), 0)])
+def test_w8a8_on_every_instruction_set_matches_its_integer_reference(w8a8_kernel, tmp_path, monkeypatch, flags,
+                                                                       instructions):
+    from switchyard.workers.executor import kernels, linear
+
+    if instructions == 1 and "avx2" not in kernels.cpu_flags().split():
+        pytest.skip("this CPU has no AVX2")
+    target = tmp_path / "int8_gemm.so"
+    kernels.compile_kernel("int8_gemm", target, kernels.find_compiler() or "cc", flags)
+    lib = ctypes.CDLL(str(target))
+    lib.w8a8_instructions.restype = ctypes.c_int
+    assert lib.w8a8_instructions() == instructions
+    monkeypatch.setattr(linear, "load_library", lambda name: lib)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 3, 4, 7):
+        weight, x = torch.randn(40, 100, generator=gen), torch.randn(rows, 100, generator=gen)
+        out = Linear(weight, quantize="w8a8")(x)
+        torch.testing.assert_close(out, _w8a8_reference(x, weight, 32), rtol=1e-4, atol=1e-3)

@@ -270,14 +270,17 @@ def test_a_chunk_with_drafts_gives_the_logits_of_each_row_as_hf_does():
 
 
 @torch.no_grad()
-def test_int8_weights_keep_the_logits_and_their_argmax_close_to_float32():
-    from switchyard.workers.executor.linear import load_gemm_kernel
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_int8_weights_keep_the_logits_and_their_argmax_close_to_float32(quantization):
+    from switchyard.workers.executor.linear import load_gemm_kernel, load_w8a8_kernel
 
-    if load_gemm_kernel() is None:
+    if load_gemm_kernel() is None or load_w8a8_kernel() is None:
         pytest.skip("the C kernels cannot be built here")
     model = build("llama-tied-bias")
-    full, int8 = (ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, quantization=q) for q in (None, "int8"))
-    assert int8.linear_kernel == "packed_gemm int8" and int8.packed_weight_bytes < full.packed_weight_bytes / 3.5
+    full, int8 = (ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, quantization=q) for q in (None, quantization))
+    assert int8.linear_kernel.startswith(f"packed_gemm {quantization}")
+    # A byte a weight, and a scale a feature; w8a8 also an int32 a feature per 32 inputs (csrc/int8_gemm.c).
+    assert int8.packed_weight_bytes < full.packed_weight_bytes / (3.5 if quantization == "int8" else 3.3)
     (ids,) = prompts(40)
     pool = BlockPool()
     rows = [runner.execute([SeqChunk(ids, 0, pool.table(len(ids)), True, num_drafts=len(ids) - 1)])
@@ -286,7 +289,7 @@ def test_int8_weights_keep_the_logits_and_their_argmax_close_to_float32():
     assert similarity.min() > 0.999, similarity.min()
     assert (rows[0].argmax(-1) == rows[1].argmax(-1)).float().mean() >= 0.9
     with pytest.raises(ValueError, match="float32"):
-        ModelRunner(build(dtype=torch.bfloat16), NUM_BLOCKS, BLOCK_SIZE, quantization="int8")
+        ModelRunner(build(dtype=torch.bfloat16), NUM_BLOCKS, BLOCK_SIZE, quantization=quantization)
 
 
 def test_backend_choice_falls_back_to_sdpa():

@@ -64,7 +64,8 @@ class EngineConfig:
     kv_offload_wait_when_behind: bool = False
     speculative: str | None = None  # "ngram": prompt lookup (speculation.py); None: off
     num_speculative_tokens: int = 4
-    quantization: str | None = None  # "int8": weight-only int8 projections (executor/linear.py); None: as loaded
+    # "int8": weight-only int8 projections; "w8a8": int8 activations too (executor/linear.py); None: as loaded
+    quantization: str | None = None
     # CPU: each step's thread count chosen by measuring steps while serving (executor/thread_tuner.py); off: the
     # threads torch was given, always.
     tune_threads: bool = False

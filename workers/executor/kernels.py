@@ -35,7 +35,7 @@ from pathlib import Path
 
 log = logging.getLogger("switchyard.cpu_kernels")
 
-KERNELS = ("paged_decode", "prefill_attention", "packed_gemm", "cpu_ops")
+KERNELS = ("paged_decode", "prefill_attention", "packed_gemm", "int8_gemm", "cpu_ops")
 SOURCES = Path(__file__).with_name("csrc")
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 # Linked in a step of its own, without -ffast-math: gcc would link crtfastmath.o, whose constructor turns on
@@ -112,9 +112,10 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def compile_kernel(name: str, target: Path, compiler: str) -> None:
+def compile_kernel(name: str, target: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> None:
     """Build ``csrc/<name>.c`` into the shared library ``target``, atomically (concurrent builders each install a
-    whole file). The one build command, used at install time (``setup.py``) and at run time alike."""
+    whole file). The one build command, used at install time (``setup.py``) and at run time alike; ``extra_flags``
+    (e.g. ``-mno-avx512f``) let a test build the paths this CPU would not take."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -123,7 +124,8 @@ def compile_kernel(name: str, target: Path, compiler: str) -> None:
             objs = []
             for source in (f"{name}.c", BUILD_ID_SOURCE):
                 objs.append(str(Path(objects) / f"{Path(source).stem}.o"))
-                subprocess.run([compiler, *COMPILE_FLAGS, f'-DSWITCHYARD_BUILD_ID="{build_identity(name)}"', "-c",
+                subprocess.run([compiler, *COMPILE_FLAGS, *extra_flags,
+                                f'-DSWITCHYARD_BUILD_ID="{build_identity(name)}"', "-c",
                                 str(SOURCES / source), "-o", objs[-1]],
                                check=True, capture_output=True, text=True, timeout=120)
             subprocess.run([compiler, *objs, "-o", tmp, *LINK_FLAGS], check=True, capture_output=True, text=True,

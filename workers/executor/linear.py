@@ -38,6 +38,20 @@ def load_gemm_kernel() -> ctypes.CDLL | None:
     return lib
 
 
+def load_w8a8_kernel() -> ctypes.CDLL | None:
+    """The compiled ``int8_gemm`` library (int8 weights times int8 activations), or None where it cannot be had."""
+    lib = load_library("int8_gemm")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.pack_weight_w8a8.argtypes = [p, i64, i64, i64, p, p, p, i32]
+        lib.pack_weight_w8a8.restype = None
+        lib.gemm_w8a8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i64, i32, i32]
+        lib.gemm_w8a8.restype = None
+        lib.w8a8_instructions.restype = i32
+        lib.w8a8_group.restype = i32
+    return lib
+
+
 def uses_packed_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``Linear`` on this device and dtype packs its weight for ``csrc/packed_gemm.c``."""
     return device.type == "cpu" and dtype == torch.float32 and load_gemm_kernel() is not None
@@ -55,7 +69,13 @@ def _transposed_product_is_faster(rows: int, out_features: int) -> bool:
     return 2 <= rows <= 4 or rows >= 13
 
 
-QUANTIZATIONS = ("int8",)
+def w8a8_instructions() -> str:
+    """What ``csrc/int8_gemm.c`` multiplies with on this machine, as the worker's log names it."""
+    lib = load_w8a8_kernel()
+    return "none" if lib is None else ("plain C", "AVX2", "AVX-512 VNNI")[lib.w8a8_instructions()]
+
+
+QUANTIZATIONS = ("int8", "w8a8")
 
 
 class Linear:
@@ -64,10 +84,11 @@ class Linear:
     ``pack=True`` (CPU, fp32 only) packs the weight for the compiled kernel; ``weight`` is kept as given.
     ``quantize="int8"`` keeps it as int8 with a scale per output feature instead (weight-only: the products are in
     the activations' dtype, accumulated in fp32): on a CPU packed for ``csrc/packed_gemm.c`` (float32 activations),
-    on a GPU as ``[out, in]`` for ``triton_int8.py``.
+    on a GPU as ``[out, in]`` for ``triton_int8.py``. ``quantize="w8a8"`` (CPU, fp32) quantizes each call's rows of
+    x to int8 as well, one scale per row, and sums the products in int32 (``csrc/int8_gemm.c``).
     """
 
-    __slots__ = ("weight", "bias", "packed", "scales", "_gemm", "_weight_ptrs", "_int8_linear")
+    __slots__ = ("weight", "bias", "packed", "scales", "compensation", "_gemm", "_weight_ptrs", "_int8_linear")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
                  quantize: str | None = None):
@@ -75,12 +96,15 @@ class Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+        self.compensation: torch.Tensor | None = None  # w8a8: per feature and group of inputs (csrc/int8_gemm.c)
         self._gemm = None
-        self._weight_ptrs: tuple[int, ...] = ()  # the C kernel's weight arguments (packed, and scales for int8)
+        self._weight_ptrs: tuple[int, ...] = ()  # the C kernel's weight arguments (packed, scales, ...)
         self._int8_linear: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> x @ W.T + b, on a GPU
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantization {quantize!r} is not one of {QUANTIZATIONS}")
-        if quantize and weight.device.type == "cuda":
+        if quantize == "w8a8":
+            self._pack_w8a8(weight)
+        elif quantize and weight.device.type == "cuda":
             from switchyard.workers.executor.triton_int8 import int8_linear, quantize_int8
 
             self.packed, self.scales = q, scales = quantize_int8(weight)
@@ -105,12 +129,28 @@ class Linear:
                 self._gemm = lib.packed_gemm_f32
             self._weight_ptrs = tuple(t.data_ptr() for t in (self.packed, self.scales) if t is not None)
 
+    def _pack_w8a8(self, weight: torch.Tensor) -> None:
+        lib = load_w8a8_kernel()
+        if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError("w8a8 needs a float32 CPU weight and the compiled int8_gemm kernel")
+        out_features, in_features = weight.shape
+        padded = -(-out_features // PANEL_WIDTH) * PANEL_WIDTH
+        groups = -(-in_features // lib.w8a8_group())
+        w = weight if weight.stride(1) == 1 else weight.contiguous()
+        self.packed = torch.empty(padded * groups * lib.w8a8_group(), dtype=torch.int8)
+        self.scales = torch.empty(padded, dtype=torch.float32)
+        self.compensation = torch.empty(padded * groups, dtype=torch.int32)
+        lib.pack_weight_w8a8(w.data_ptr(), w.stride(0), out_features, in_features, self.packed.data_ptr(),
+                             self.scales.data_ptr(), self.compensation.data_ptr(), torch.get_num_threads())
+        self._gemm = lib.gemm_w8a8
+        self._weight_ptrs = (self.packed.data_ptr(), self.scales.data_ptr(), self.compensation.data_ptr())
+
     @property
     def packed_bytes(self) -> int:
         """Bytes of the packed copy (and its scales): memory beside the model's own weights."""
         if self.packed is None:
             return 0
-        return self.packed.nbytes + (0 if self.scales is None else self.scales.nbytes)
+        return sum(t.nbytes for t in (self.packed, self.scales, self.compensation) if t is not None)
 
     @property
     def out_features(self) -> int:

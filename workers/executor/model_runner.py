@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from switchyard.workers.executor.attention import AttentionMetadata, PagedAttention, make_attention
 from switchyard.workers.executor.cuda_graphs import DecodeGraphs, GraphPass
 from switchyard.workers.executor.fused_ops import make_ops
-from switchyard.workers.executor.linear import Linear, uses_packed_kernel
+from switchyard.workers.executor.linear import Linear, uses_packed_kernel, w8a8_instructions
 from switchyard.workers.executor.transfers import to_device
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -148,7 +148,8 @@ class ModelRunner:
         quantization: str | None = None,
     ):
         """``quantization``: ``int8`` stores every projection's weight (the LM head's too) as int8 with a scale per
-        output feature (``Linear``: a CPU in float32, or a GPU); None keeps them as loaded."""
+        output feature (``Linear``: a CPU in float32, or a GPU); ``w8a8`` quantizes each step's activations to int8
+        too (a CPU in float32 only); None keeps them as loaded."""
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported ({sorted(SUPPORTED_MODEL_TYPES)})")
@@ -178,6 +179,9 @@ class ModelRunner:
         lm_head = model.get_output_embeddings().weight
         self.embed = _param(embed, dev, dt)
         pack = uses_packed_kernel(dev, dt)
+        if quantization == "w8a8" and not pack:
+            raise ValueError(f"quantization 'w8a8' runs on a CPU in float32 with the compiled kernels; this runner is "
+                             f"{dev.type}, {dt} (on a GPU: int8)")
         if quantization is not None and not pack and dev.type != "cuda":
             raise ValueError(f"quantization {quantization!r} runs on a GPU (Triton) or on a CPU in float32 with the "
                              f"compiled packed_gemm kernel; this runner is {dev.type}, {dt}")
@@ -209,7 +213,8 @@ class ModelRunner:
         # Packed copies are extra memory next to the HF model's weights: the start-up log names their size.
         self.packed_weight_bytes = sum(x.packed_bytes for x in linears)
         self.linear_kernel = ("packed_gemm" if pack else "triton" if quantization else "torch") + (
-            f" {quantization}" if quantization else "")
+            f" {quantization}" if quantization else "") + (
+            f" ({w8a8_instructions()})" if quantization == "w8a8" else "")
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (SwiGLU uses silu)")
         self.ops = make_ops(dev, dt)

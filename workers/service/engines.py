@@ -31,7 +31,7 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
     path = model_store.resolve(config.worker.model, config.model_cache_dir)
     dtype, device = config.worker.dtype, model_store.resolve_device(config.worker.device)
     if config.worker.quantization and dtype == "auto" and device == "cpu":
-        dtype = "float32"  # a CPU widens int8 weights to float32 in its kernel's registers (executor/linear.py)
+        dtype = "float32"  # the CPU kernels take float32 activations and scale back to float32 (executor/linear.py)
     model, tokenizer = model_store.load(path, dtype, device)
     log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
     # The worker publishes what its KV cache holds (workers/service/kv_events.py): the engine records it.

@@ -32,7 +32,7 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     prefix caching, which is what hashes blocks."""
     v = worker.vllm
     if worker.quantization is not None:
-        raise ValueError("quantization: our engine's weight-only int8; a vLLM worker's is vllm.quantization (one of "
+        raise ValueError("quantization: our engine's int8 or w8a8; a vLLM worker's is vllm.quantization (one of "
                          "the methods vLLM names, e.g. fp8)")
     if worker.tune_threads:
         raise ValueError("tune_threads: our engine's CPU step threads; vLLM-CPU binds its own threads "
