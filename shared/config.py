@@ -245,6 +245,10 @@ class EngineSettings(BaseModel):
     # the CPU's integer dot-product instructions (a CPU only). On a CPU both run in float32, which ``dtype: auto``
     # then takes. None: as loaded. A vLLM worker's is vllm.quantization.
     quantization: Literal["int8", "w8a8"] | None = None
+    # Our engine's KV cache: auto (the model's dtype), or int8: each position's K and V per KV head as int8 with one
+    # float scale (a CPU in float32, on its compiled attention kernels): 3.8x the positions a pool of float32 holds,
+    # and a quarter of the bytes each decode step reads. A vLLM worker's is vllm.kv_cache_dtype.
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
     # Our engine on a CPU: each step runs on the thread count (all the worker's, half, or one) that its recent steps
     # of that size ran fastest on, tried again now and then (workers/executor/thread_tuner.py). Other processes on
     # the same cores set a step's threads aside at its barriers, and fewer threads then finish sooner.

@@ -36,7 +36,7 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
               prepare_threads=3, grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536, status_token="scrape-token",
               kv_offload_gib=4.0, kv_offload_host_dir=Path("/dev/shm/sy"), kv_offload_dir=Path("/var/kv"),
               kv_offload_disk_gib=64.0, kv_offload_tenant_share=0.25, role="decode", speculative="ngram",
-              num_speculative_tokens=6, quantization="int8", tune_threads=True)
+              num_speculative_tokens=6, quantization="int8", kv_cache_dtype="int8", tune_threads=True)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,

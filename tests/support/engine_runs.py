@@ -50,11 +50,11 @@ def run_prompts(engine: Engine, prompts: list[str], max_tokens: int, first_id: i
     return Run(time.perf_counter() - started, num_tokens, [token_ids[i] for i in ids], [texts[i] for i in ids])
 
 
-def perplexity(model, tokenizer, text: str, quantization: str | None = None) -> float:
+def perplexity(model, tokenizer, text: str, quantization: str | None = None, kv_cache_dtype: str = "auto") -> float:
     """exp of the model's mean next-token loss over ``text``: one forward of the whole text through our runner (its
-    weights as ``quantization`` says), every row's logits."""
+    weights as ``quantization`` says, its KV cache as ``kv_cache_dtype``), every row's logits."""
     ids = tokenizer.encode(text)
     blocks = -(-len(ids) // 16)
-    runner = ModelRunner(model, blocks, 16, quantization=quantization)
+    runner = ModelRunner(model, blocks, 16, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     logits = runner.execute([SeqChunk(ids, 0, list(range(blocks)), True, len(ids) - 1)])
     return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item())

@@ -10,7 +10,7 @@ import torch
 
 from switchyard.workers.executor import kernels
 from switchyard.workers.executor.attention import SdpaAttention, make_attention
-from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention, load_kernel
+from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention, int8_rows, int8_values, load_kernel
 from switchyard.workers.executor.kernels import load_library
 
 CPU = torch.device("cpu")
@@ -192,3 +192,66 @@ def test_infinite_scores_get_no_weight_as_in_sdpa(kernel):
     want, _, _ = _attend(SdpaAttention, shape, step)
     assert torch.isfinite(want).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _int8_step(shape, contexts, prefill, seed):
+    """A random step (``_step``) with int8 caches, and the same step in float32 (for the error bound)."""
+    chunks, cache, q, k, v = _step(*shape, contexts, prefill=prefill, seed=seed)
+    return (chunks, [int8_rows(c) for c in cache], q, k, v), (chunks, cache, q, k, v)
+
+
+def _attend_int8(shape, step):
+    chunks, (k_cache, v_cache), q, k, v = step
+    attention = CpuPagedAttention(*shape, CPU, kv_int8=True)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    return attention.forward(q, k, v, k_cache, v_cache, attention.prepare(chunks)), k_cache, v_cache
+
+
+def _slots(chunks, block_size):
+    return [table[p // block_size] * block_size + p % block_size for start, n, table in chunks
+            for p in range(start, start + n)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 16, 8)])
+@pytest.mark.parametrize("prefill", [(0, 37), (45, 33)])
+def test_int8_cache_attends_as_fp32_over_the_values_it_holds(kernel, heads, kv_heads, head_dim, block_size, prefill):
+    """Both kernels widen each int8 row and compute in fp32: equal to fp32 attention over the values the cache holds
+    (the step's new K/V as the kernel wrote them); and it wrote them as ``int8_rows`` quantizes them (within one
+    step of rounding: the C code's division may differ from torch's in the last bit)."""
+    shape = (heads, kv_heads, head_dim, block_size)
+    step, _ = _int8_step(shape, [0, 1, block_size, 3 * block_size + 5, 300, 11], prefill, seed=sum(prefill))
+    chunks, int8_cache, q, k, v = step
+    got, k_got, v_got = _attend_int8(shape, step)
+    slots = _slots(chunks, block_size)
+    written = [c.view(-1, kv_heads, head_dim + 4)[slots] for c in (k_got, v_got)]
+    held = (chunks, [int8_values(c) for c in int8_cache], q, *(int8_values(w) for w in written))
+    expected, k_ref, v_ref = _attend(SdpaAttention, shape, held)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(int8_values(k_got), k_ref) and torch.equal(int8_values(v_got), v_ref)  # the same slots
+    for rows, x in zip(written, (k, v)):
+        reference = int8_rows(x)
+        assert (rows[..., :head_dim].int() - reference[..., :head_dim].int()).abs().max() <= 1
+        scales = [r[..., head_dim:].contiguous().view(torch.float32) for r in (rows, reference)]
+        torch.testing.assert_close(*scales, atol=0, rtol=1e-6)
+
+
+def test_int8_cache_stays_within_its_error_bound_of_fp32_attention(kernel):
+    """The quantization error itself: one scale per row of 64 keeps attention outputs within 2% of fp32's (random
+    rows: about 0.7%)."""
+    shape = (9, 3, 64, 16)
+    step, full = _int8_step(shape, [random.Random(4).randint(1, 600) for _ in range(16)], (0, 40), seed=4)
+    expected, _, _ = _attend(CpuPagedAttention, shape, full)
+    got, _, _ = _attend_int8(shape, step)
+    error = (got - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert error.max() < 0.02 and error.mean() < 0.01, error
+
+
+def test_int8_cache_refuses_what_its_kernels_cannot_read(kernel):
+    with pytest.raises(ValueError, match="with fp32"):
+        CpuPagedAttention(9, 3, 64, 16, CPU, torch.bfloat16, kv_int8=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        CpuPagedAttention(6, 2, 40, 16, CPU, kv_int8=True)  # the SDPA fallback cannot read int8 rows
+    for backend in ("sdpa", "triton"):
+        with pytest.raises(ValueError, match="cpu_paged"):
+            make_attention(9, 3, 64, 16, CPU, backend, kv_cache_dtype="int8")
+    assert make_attention(9, 3, 64, 16, CPU, kv_cache_dtype="int8").kv_int8

@@ -171,3 +171,23 @@ def _seq_of(engine, prompt: str):
 
     ids = engine.tokenizer.encode(prompt)
     return Sequence("probe", ids, max_tokens=1, cache_salt="tenant:a")
+
+
+def test_an_int8_cache_goes_through_the_tiers_byte_for_byte(tiny, make_request, tmp_path):
+    """An int8 KV cache (``kv_cache_dtype``) moves its rows and their scales through the tiers as they are: a prefix
+    loaded back continues exactly as the same engine without tiers does; its blocks are a layout of their own, so a
+    float32 cache never loads them."""
+    int8 = {"max_num_seqs": 2, "kv_cache_bytes": 1, "max_model_len": 128, "kv_cache_dtype": "int8"}
+    plain = RecordingEngine(*tiny, EngineConfig(**int8))
+    expected = {p: _ask(plain, make_request, p)[0] for p in (A, B, C)}
+    engine = RecordingEngine(*tiny, _config(tmp_path, kv_cache_dtype="int8"))
+    assert engine.tiers.layout.dtype == "int8"
+    for prompt in (A, B, C):
+        assert _ask(engine, make_request, prompt) == (expected[prompt], 0)
+    tokens, cached = _ask(engine, make_request, A)
+    assert tokens == expected[A] and cached > 0 and engine.tiers.num_loaded_blocks > 0
+    engine.shutdown()
+    full = RecordingEngine(*tiny, _config(tmp_path))
+    assert full.tiers.layout != engine.tiers.layout
+    assert _ask(full, make_request, A)[1] == 0  # the same host tier, nothing this float32 cache may load
+    full.shutdown()

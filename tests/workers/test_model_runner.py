@@ -318,3 +318,47 @@ def test_decodes_grouped_by_length_match_one_padded_call():
     torch.testing.assert_close(logits[4], logits[1], atol=1e-5, rtol=1e-5)
     for p, row in zip(ids, logits[4]):
         torch.testing.assert_close(row, hf_last_logits(model, p), atol=1e-4, rtol=1e-4)
+
+
+def _greedy(runner: ModelRunner, ids: list[int], table: list[int], num_new: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill ``ids``, then decode ``num_new`` tokens greedily: the tokens and every step's logits."""
+    logits = [runner.execute([SeqChunk(ids, 0, table, True)])[0]]
+    tokens = list(ids)
+    for _ in range(num_new):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(runner.execute([SeqChunk([tokens[-1]], len(tokens) - 1, table, True)])[0])
+    return tokens[len(ids):], torch.stack(logits)
+
+
+@torch.no_grad()
+def test_int8_kv_cache_keeps_the_logits_close_to_float32_and_moves_its_blocks_whole():
+    model = build("llama")
+    full = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE)
+    int8 = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, kv_cache_dtype="int8")
+    assert int8.kv_dtype == torch.int8 and int8.block_shape == (2, 2, BLOCK_SIZE, 2, 16 + 4)
+    (ids,) = prompts(30)
+    table = BlockPool().table(len(ids) + 12)
+    expected, full_logits = _greedy(full, ids, table, 12)
+    got, int8_logits = _greedy(int8, ids, table, 12)
+    assert torch.nn.functional.cosine_similarity(full_logits, int8_logits, dim=-1).min() > 0.999
+    assert sum(a == b for a, b in zip(got, expected)) >= 10
+    # What the KV tiers do: a prefix's blocks copied out and into another cache's blocks continue it the same.
+    other = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, kv_cache_dtype="int8")
+    moved = BlockPool(seed=7).table(len(ids) + 12)
+    other.write_blocks(moved, int8.read_blocks(table))
+    position = len(ids) + 11
+    step = [SeqChunk([got[-1]], position, table, True)], [SeqChunk([got[-1]], position, moved, True)]
+    assert torch.equal(int8.execute(step[0]), other.execute(step[1]))
+
+
+def test_int8_kv_cache_sizing_and_what_it_refuses():
+    config = LlamaConfig(**DIMS)
+    per_token = ModelRunner.kv_bytes_per_token(config, torch.float32, "int8")
+    assert per_token == 2 * 2 * 2 * (16 + 4)  # K+V, layers, kv heads, a row of int8 values and its float32 scale
+    assert ModelRunner.num_blocks_for_budget(config, torch.float32, 16, per_token * 16 * 10 + 5, "int8") == 10
+    with pytest.raises(ValueError, match="float32"):
+        ModelRunner(build(dtype=torch.bfloat16), NUM_BLOCKS, BLOCK_SIZE, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="cpu_paged"):
+        ModelRunner(build(), NUM_BLOCKS, BLOCK_SIZE, attention_backend="sdpa", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        ModelRunner(build(), NUM_BLOCKS, BLOCK_SIZE, kv_cache_dtype="fp8")

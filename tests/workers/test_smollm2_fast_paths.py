@@ -1,7 +1,7 @@
-"""The engine's fast paths on the real SmolLM2: int8 weights (weight-only, and w8a8 with int8 activations) keep the
-model's quality (perplexity on a fixed text, greedy agreement with float32 no worse than bench/RESULTS.md reports),
-and speculative decoding keeps greedy
-outputs token for token where drafts are kept (quoting, editing) and where they are not (free writing)."""
+"""The engine's fast paths on the real SmolLM2: int8 weights (weight-only, and w8a8 with int8 activations) and an
+int8 KV cache keep the model's quality (perplexity on a fixed text, greedy agreement with float32 no worse than
+bench/RESULTS.md reports), and speculative decoding keeps greedy outputs token for token where drafts are kept
+(quoting, editing) and where they are not (free writing)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.model
 # bfloat16's within two prompts; w8a8: 7 of 16, at any batch size, as each row is quantized on its own), less one
 # for another CPU's float32 parts. Fewer is a regression, not noise: all are deterministic.
 SAME_OF_16 = {"int8": 9, "w8a8": 6}
+KV_INT8_SAME_OF_16 = 10  # an int8 KV cache's (11 measured)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,17 @@ def test_int8_weights_keep_perplexity_and_greedy_agreement(smollm2, quantization
                             CHAT_PROMPTS, 16).token_ids
     same = sum(a == b for a, b in zip(quantized, reference))
     assert same >= SAME_OF_16[quantization], f"{same} of {len(CHAT_PROMPTS)} the same"
+
+
+def test_an_int8_kv_cache_keeps_perplexity_and_greedy_agreement(smollm2):
+    model, tokenizer = smollm2
+    full, int8 = perplexity(model, tokenizer, FIXED_TEXT), perplexity(model, tokenizer, FIXED_TEXT, None, "int8")
+    assert abs(int8 / full - 1) < 0.01, (full, int8)
+    reference = run_prompts(Engine(model, tokenizer, EngineConfig(max_num_seqs=16)), CHAT_PROMPTS, 16).token_ids
+    quantized = run_prompts(Engine(model, tokenizer, EngineConfig(max_num_seqs=16, kv_cache_dtype="int8")),
+                            CHAT_PROMPTS, 16).token_ids
+    same = sum(a == b for a, b in zip(quantized, reference))
+    assert same >= KV_INT8_SAME_OF_16, f"{same} of {len(CHAT_PROMPTS)} the same"
 
 
 def test_speculative_decoding_keeps_every_greedy_output(smollm2):

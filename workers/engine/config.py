@@ -66,6 +66,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     # "int8": weight-only int8 projections; "w8a8": int8 activations too (executor/linear.py); None: as loaded
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "int8": K/V rows as int8 and a scale each (executor/attention/cpu_paged.py)
     # CPU: each step's thread count chosen by measuring steps while serving (executor/thread_tuner.py); off: the
     # threads torch was given, always.
     tune_threads: bool = False

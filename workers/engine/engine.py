@@ -69,14 +69,16 @@ class Engine:
         hf_config = model.config
         self.max_context = min(int(hf_config.max_position_embeddings), config.max_model_len or 1 << 30)
         budget = config.kv_budget(device)
-        num_blocks = ModelRunner.num_blocks_for_budget(hf_config, dtype, config.block_size, budget)
+        num_blocks = ModelRunner.num_blocks_for_budget(hf_config, dtype, config.block_size, budget,
+                                                       config.kv_cache_dtype)
         blocks_per_seq = -(-self.max_context // config.block_size)
         # Never more than every slot at full context twice over (the rest would only hold stale prefixes), and
         # never fewer than one full-context sequence needs, or that sequence could never run.
         num_blocks = min(num_blocks, 2 * config.max_num_seqs * blocks_per_seq)
         num_blocks = max(num_blocks, blocks_per_seq + 1)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device=device, dtype=dtype,
-                                  attention_backend=config.attention_backend, quantization=config.quantization)
+                                  attention_backend=config.attention_backend, quantization=config.quantization,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         if config.cuda_graphs and device.type == "cuda" and self.runner.attention.name == "triton":
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_context)
         tiers = config.tier_settings(device)
@@ -114,11 +116,12 @@ class Engine:
         # A background-only step part-way through its layers, and whether it must be dropped at the next call.
         self._in_flight: tuple[SchedulerOutput, ForwardPass | GraphPass] | None = None
         self._drop_in_flight = False
-        bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype)
+        bytes_per_token = ModelRunner.kv_bytes_per_token(hf_config, dtype, config.kv_cache_dtype)
         log.info(
-            "KV cache: %d bytes/token, %d blocks of %d tokens (%.1f MiB), %d tokens, max %d sequences at full "
+            "KV cache: %s, %d bytes/token, %d blocks of %d tokens (%.1f MiB), %d tokens, max %d sequences at full "
             "context %d; attention backend %s; linear layers %s (%.0f MiB packed); elementwise ops %s; CUDA graphs %s",
-            bytes_per_token, num_blocks, config.block_size, num_blocks * config.block_size * bytes_per_token / 2**20,
+            str(self.runner.kv_dtype).removeprefix("torch."), bytes_per_token, num_blocks, config.block_size,
+            num_blocks * config.block_size * bytes_per_token / 2**20,
             num_blocks * config.block_size, num_blocks * config.block_size // self.max_context, self.max_context,
             self.runner.attention.name, self.runner.linear_kernel, self.runner.packed_weight_bytes / 2**20,
             self.runner.ops.name, "on" if self.runner.graphs is not None else "off")

@@ -54,7 +54,7 @@ class TieredPrefixes:
 
     def __init__(self, settings: TierSettings, model, runner: ModelRunner, kv_cache: KVCacheManager,
                  record_events: bool = False) -> None:
-        dtype = str(runner.dtype).removeprefix("torch.")
+        dtype = str(runner.kv_dtype).removeprefix("torch.")
         self.layout = BlockLayout(model_fingerprint(model), dtype, runner.block_shape)
         on_cuda = runner.device.type == "cuda"
         self.tiers = KVTiers(settings, self.layout, record_events, pin_memory=on_cuda,
@@ -125,7 +125,7 @@ class TieredPrefixes:
             ids = self._kv.import_blocks(chain[: start + len(loaded.blocks)], now)
             if ids and loaded.kv is not None:
                 kv = loaded.kv[skip : skip + len(ids)]
-                self._runner.write_blocks(ids, kv.view(self._runner.dtype).view(len(ids), *self.layout.shape),
+                self._runner.write_blocks(ids, kv.view(self._runner.kv_dtype).view(len(ids), *self.layout.shape),
                                           loaded.ready)
                 self.num_loaded_blocks += len(ids)
             ready.append((loaded.key, len(ids) * self.layout.block_bytes if loaded.kv is not None else 0))

@@ -122,6 +122,14 @@ def _stack_linears(linears, device, dtype) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
+def _row_elems(head_dim: int, kv_cache_dtype: str) -> int:
+    """Elements of one cached (position, KV head) row: an int8 cache's row carries its float32 scale after the
+    values (``attention/cpu_paged.py``)."""
+    if kv_cache_dtype not in ("auto", "int8"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of ('auto', 'int8')")
+    return head_dim + (4 if kv_cache_dtype == "int8" else 0)
+
+
 def _param(t: torch.Tensor, device, dtype) -> torch.Tensor:
     return t.detach().to(device=device, dtype=dtype)
 
@@ -146,10 +154,13 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         attention_backend: str | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """``quantization``: ``int8`` stores every projection's weight (the LM head's too) as int8 with a scale per
         output feature (``Linear``: a CPU in float32, or a GPU); ``w8a8`` quantizes each step's activations to int8
-        too (a CPU in float32 only); None keeps them as loaded."""
+        too (a CPU in float32 only); None keeps them as loaded. ``kv_cache_dtype``: ``auto`` keeps K and V in the
+        model's dtype; ``int8`` stores each position's row per KV head as int8 and its float scale (a CPU in
+        float32, on the cpu_paged kernels: ``attention/cpu_paged.py``)."""
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported ({sorted(SUPPORTED_MODEL_TYPES)})")
@@ -220,28 +231,33 @@ class ModelRunner:
         self.ops = make_ops(dev, dt)
 
         self.attention: PagedAttention[Any] = make_attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, block_size, dev, attention_backend, dt
+            self.num_heads, self.num_kv_heads, self.head_dim, block_size, dev, attention_backend, dt, kv_cache_dtype
         )
+        self.kv_dtype = torch.int8 if kv_cache_dtype == "int8" else dt  # the cache tensors' element type
         # With the triton backend one spare block past the pool takes the K/V writes of a decode graph's padding
         # rows (executor.cuda_graphs).
         self.spare_block = num_blocks if self.attention.name == "triton" else None
-        shape = (num_blocks + (self.spare_block is not None), block_size, self.num_kv_heads, self.head_dim)
+        self.row_elems = _row_elems(self.head_dim, kv_cache_dtype)
+        shape = (num_blocks + (self.spare_block is not None), block_size, self.num_kv_heads, self.row_elems)
         # Zeroed, not empty: padded gather rows are masked out, but 0 * NaN from garbage memory would still be NaN.
-        self.k_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.layers]
+        self.k_cache = [torch.zeros(shape, device=dev, dtype=self.kv_dtype) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, device=dev, dtype=self.kv_dtype) for _ in self.layers]
         self.graphs: DecodeGraphs | None = None
 
     @staticmethod
-    def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(hf_config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """K and V of one token across all layers."""
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-        return 2 * hf_config.num_hidden_layers * num_kv_heads * _head_dim(hf_config) * dtype.itemsize
+        if kv_cache_dtype == "int8":
+            dtype = torch.int8
+        row_bytes = _row_elems(_head_dim(hf_config), kv_cache_dtype) * dtype.itemsize
+        return 2 * hf_config.num_hidden_layers * num_kv_heads * row_bytes
 
     @property
     def block_shape(self) -> tuple[int, ...]:
         """One block's K and V across layers, as ``read_blocks`` gives them: (layers, 2, block size, KV heads,
-        head dim)."""
-        return (len(self.layers), 2, self.block_size, self.num_kv_heads, self.head_dim)
+        row), a row being head dim elements of ``kv_dtype`` (and an int8 cache's 4 bytes of scale)."""
+        return (len(self.layers), 2, self.block_size, self.num_kv_heads, self.row_elems)
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -289,14 +305,15 @@ class ModelRunner:
             main = torch.cuda.current_stream(self.device)
             main.wait_event(ready)
             kv.record_stream(main)  # made on the copy stream, read on this one
-        kv = kv.to(self.device, self.dtype, non_blocking=True)
+        kv = kv.to(self.device, self.kv_dtype, non_blocking=True)
         for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
             k.index_copy_(0, ids, kv[:, layer, 0])
             v.index_copy_(0, ids, kv[:, layer, 1])
 
     @staticmethod
-    def num_blocks_for_budget(hf_config, dtype: torch.dtype, block_size: int, kv_bytes_budget: int) -> int:
-        return kv_bytes_budget // (ModelRunner.kv_bytes_per_token(hf_config, dtype) * block_size)
+    def num_blocks_for_budget(hf_config, dtype: torch.dtype, block_size: int, kv_bytes_budget: int,
+                              kv_cache_dtype: str = "auto") -> int:
+        return kv_bytes_budget // (ModelRunner.kv_bytes_per_token(hf_config, dtype, kv_cache_dtype) * block_size)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run one step; returns float32 logits ``[rows, vocab]`` in chunk order, on the runner's device: one row

@@ -45,7 +45,8 @@ class BlockLayout:
 
     @property
     def payload_bytes(self) -> int:
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}[self.dtype]
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                    "int8": 1}[self.dtype]
         n = itemsize
         for dim in self.shape:
             n *= dim

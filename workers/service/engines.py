@@ -30,7 +30,7 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
     t0 = time.monotonic()
     path = model_store.resolve(config.worker.model, config.model_cache_dir)
     dtype, device = config.worker.dtype, model_store.resolve_device(config.worker.device)
-    if config.worker.quantization and dtype == "auto" and device == "cpu":
+    if (config.worker.quantization or config.worker.kv_cache_dtype == "int8") and dtype == "auto" and device == "cpu":
         dtype = "float32"  # the CPU kernels take float32 activations and scale back to float32 (executor/linear.py)
     model, tokenizer = model_store.load(path, dtype, device)
     log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)

@@ -34,6 +34,9 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     if worker.quantization is not None:
         raise ValueError("quantization: our engine's int8 or w8a8; a vLLM worker's is vllm.quantization (one of "
                          "the methods vLLM names, e.g. fp8)")
+    if worker.kv_cache_dtype != "auto":
+        raise ValueError("kv_cache_dtype: our engine's int8 KV cache; a vLLM worker's is vllm.kv_cache_dtype (e.g. "
+                         "fp8)")
     if worker.tune_threads:
         raise ValueError("tune_threads: our engine's CPU step threads; vLLM-CPU binds its own threads "
                          "(VLLM_CPU_OMP_THREADS_BIND)")

@@ -33,10 +33,19 @@ def make_attention(
     device: torch.device,
     backend: str | None = None,
     dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: str = "auto",
 ) -> PagedAttention[Any]:
     """``backend`` None picks, on CUDA, flash-attn when it is importable and the block size allows, else the Triton
     kernels; on CPU the compiled kernels for fp32 and bf16 caches when they build; else SDPA. The choice and its
-    reason are logged."""
+    reason are logged. An int8 cache (``kv_cache_dtype``) is read by the CPU kernels only; elsewhere it is refused."""
+    if kv_cache_dtype == "int8":
+        if device.type != "cpu" or dtype != torch.float32 or backend not in (None, "cpu_paged"):
+            raise ValueError(f"an int8 KV cache is read by the cpu_paged kernels, on a CPU in float32; this is "
+                             f"{device.type}, {str(dtype).removeprefix('torch.')}, backend {backend or 'auto'}")
+        from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention
+
+        log.info("attention backend cpu_paged: an int8 cache")
+        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size, device, dtype, kv_int8=True)
     if backend is None:
         backend, reason = "sdpa", "no paged kernel for this device and dtype"
         if device.type == "cuda":

@@ -28,9 +28,11 @@ def load_kernel() -> ctypes.CDLL | None:
     lib = load_library("paged_decode")
     if lib is not None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        for kernel in (lib.paged_decode_f32, lib.paged_decode_bf16):
+        for kernel in (lib.paged_decode_f32, lib.paged_decode_bf16, lib.paged_decode_i8):
             kernel.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
             kernel.restype = i32
+        lib.write_kv_i8.argtypes = [p, i64, p, i64, p, i64, i32, i32, p, p]
+        lib.write_kv_i8.restype = None
     return lib
 
 
@@ -41,10 +43,27 @@ def load_prefill_kernel() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.prefill_workspace_floats.argtypes = [i64, i32, i32, i32, i32]
         lib.prefill_workspace_floats.restype = i64
-        lib.prefill_attention_f32.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i32, i32, i32, i32, ctypes.c_float,
-                                              p, i32]
-        lib.prefill_attention_f32.restype = i32
+        for kernel in (lib.prefill_attention_f32, lib.prefill_attention_i8):
+            kernel.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i32, i32, i32, i32, ctypes.c_float, p, i32]
+            kernel.restype = i32
     return lib
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """K or V ``[T, kv_heads, d]`` (float32) as an int8 cache stores them: ``[T, kv_heads, d + 4]`` int8, each row's
+    values rounded half away from zero to ``x / scale`` with ``scale = max|row| / 127``, then ``scale``'s four bytes.
+    The reference of ``csrc/paged_decode.c``'s ``write_kv_i8``, which the runner uses."""
+    peak = x.float().abs().amax(-1, keepdim=True)
+    q = x * torch.where(peak > 0, 127 / peak, 0)
+    rows = torch.empty(*x.shape[:-1], x.shape[-1] + 4, dtype=torch.int8)
+    rows[..., : x.shape[-1]] = torch.where(q < 0, q - 0.5, q + 0.5).trunc()
+    rows[..., x.shape[-1] :] = (peak * (1 / 127)).view(torch.int8)
+    return rows
+
+
+def int8_values(rows: torch.Tensor) -> torch.Tensor:
+    """What int8 cache rows (``int8_rows``) hold, as float32: ``[..., d + 4]`` -> ``[..., d]``."""
+    return rows[..., :-4].float() * rows[..., -4:].contiguous().view(torch.float32)
 
 
 @dataclass(slots=True)
@@ -55,24 +74,39 @@ class CpuPagedMetadata(AttentionMetadata):
 
 
 class CpuPagedAttention(HeadLayout):
-    """C kernels for decodes (``csrc/paged_decode.c``, fp32 and bf16 caches) and prefill chunks
-    (``csrc/prefill_attention.c``: fp32 caches, where it builds and takes the head size; SDPA otherwise), on CPU."""
+    """C kernels for decodes (``csrc/paged_decode.c``, fp32, bf16 and int8 caches) and prefill chunks
+    (``csrc/prefill_attention.c``: fp32 and int8 caches, where it builds and takes the head size; SDPA otherwise), on
+    CPU.
+
+    ``kv_int8``: the cache holds each (position, KV head) row as ``head_dim`` int8 values and then the float32 scale
+    they were quantized by (symmetric: the row's largest magnitude is 127), ``[..., head_dim + 4]`` int8. One scale a
+    row, not a block, as decode appends one position at a time and a block's scale would have to change under the
+    rows already in it. The kernels widen each row once and keep fp32 arithmetic; SDPA cannot read such a cache, so
+    it needs the prefill kernel too."""
 
     name = "cpu_paged"
-    dtypes = (torch.float32, torch.bfloat16)  # the caches the decode kernel reads
+    dtypes = (torch.float32, torch.bfloat16)  # the caches the decode kernel reads (and int8 rows)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32):
-        if dtype not in self.dtypes:
-            raise ValueError(f"the CPU decode kernel reads fp32 or bf16 caches, not {dtype}")
+                 dtype: torch.dtype = torch.float32, kv_int8: bool = False):
+        if dtype not in self.dtypes or (kv_int8 and dtype != torch.float32):
+            raise ValueError(f"the CPU decode kernel reads fp32, bf16 or (with fp32) int8 caches, not {dtype}")
         lib = load_kernel()
         if lib is None:
             raise RuntimeError("the CPU decode kernel (csrc/paged_decode.c) could not be built")
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, device)
-        self._decode_kernel = lib.paged_decode_f32 if dtype == torch.float32 else lib.paged_decode_bf16
+        self.kv_int8 = kv_int8
+        self._write_kv_i8 = lib.write_kv_i8
+        self._decode_kernel = (lib.paged_decode_i8 if kv_int8 else
+                               lib.paged_decode_f32 if dtype == torch.float32 else lib.paged_decode_bf16)
         self._decode_kernel_name = self._decode_kernel.__name__
         fp32_prefill = dtype == torch.float32 and head_dim % PANEL_WIDTH == 0
         self._prefill_lib = load_prefill_kernel() if fp32_prefill else None
+        if kv_int8 and self._prefill_lib is None:
+            raise ValueError(f"an int8 KV cache needs the prefill kernel (csrc/prefill_attention.c), which takes "
+                             f"head sizes that are a multiple of {PANEL_WIDTH} (this is {head_dim}) where it builds")
+        self._prefill_kernel = None if self._prefill_lib is None else (
+            self._prefill_lib.prefill_attention_i8 if kv_int8 else self._prefill_lib.prefill_attention_f32)
         self._sdpa = None if self._prefill_lib is not None else SdpaAttention(
             num_heads, num_kv_heads, head_dim, block_size, device)
         self._workspace = torch.empty(0)
@@ -97,7 +131,10 @@ class CpuPagedAttention(HeadLayout):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuPagedMetadata) -> torch.Tensor:
         """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (rotary applied) -> attention output ``[T, heads * d]``."""
-        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        if self.kv_int8:
+            self._write_int8(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         outs = []
         for span in meta.prefills:
             rows = slice(span.row, span.row + span.num_tokens)
@@ -109,18 +146,27 @@ class CpuPagedAttention(HeadLayout):
             outs.append(self._attend_decodes(q[meta.num_prefill_tokens :], k_cache, v_cache, meta))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def _write_int8(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
+        """The step's new K/V rows into int8 caches (``int8_rows``' format), in one C call a layer."""
+        if k.stride(2) != 1 or k.stride(1) != self.head_dim:
+            k = k.contiguous()
+        if v.stride(2) != 1 or v.stride(1) != self.head_dim:
+            v = v.contiguous()
+        self._write_kv_i8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
+                          self.num_kv_heads, self.head_dim, k_cache.data_ptr(), v_cache.data_ptr())
+
     def _attend_prefill(self, span: PrefillSpan, qs, k_cache, v_cache) -> torch.Tensor:
-        assert self._prefill_lib is not None  # forward comes here only where SDPA is not needed: the kernel loaded
+        assert self._prefill_kernel is not None  # forward comes here only where SDPA is not needed: the kernel loaded
         if qs.stride(2) != 1 or qs.stride(1) != self.head_dim:
             qs = qs.contiguous()
         out = qs.new_empty(span.num_tokens, self.num_heads * self.head_dim)
-        status = self._prefill_lib.prefill_attention_f32(
+        status = self._prefill_kernel(
             qs.data_ptr(), qs.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), span.table.data_ptr(),
             span.start_pos, span.num_tokens, out.data_ptr(), out.stride(0), self.num_heads, self.num_kv_heads,
             self.head_dim, self.block_size, self.scale, self._workspace.data_ptr(), torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"prefill_attention_f32 failed with status {status}")
+            raise RuntimeError(f"{self._prefill_kernel.__name__} failed with status {status}")
         return out
 
     def _attend_decodes(self, q_dec, k_cache, v_cache, meta: CpuPagedMetadata) -> torch.Tensor:

@@ -1,5 +1,5 @@
-/* Decode attention straight from the paged KV cache (fp32 or bf16 caches, CPU; fp32 arithmetic), compiled at first use
- * by executor/kernels.py.
+/* Decode attention straight from the paged KV cache (fp32, bf16 or int8 caches, CPU; fp32 arithmetic), compiled at
+ * first use by executor/kernels.py.
  *
  * One query token per sequence. For sequence b and KV head kh, the `group` query heads that share kh are done
  * together, so each cached K/V row is read once per (b, kh) and never copied:
@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -49,6 +50,18 @@ static inline const float *row_bf16(float *restrict buf, const uint16_t *restric
     return buf;
 }
 
+/* int8 caches: a row is head_dim int8 values, then the float scale they were quantized by (value = q * scale), as
+ * attention/cpu_paged.py's write_kv_int8 stores them; widened and scaled into `buf` once per row, for every query
+ * head that shares it. */
+#define INT8_ROW_BYTES(hd) ((hd) + (int)sizeof(float))
+
+static inline const float *row_i8(float *restrict buf, const int8_t *restrict src, int n) {
+    float scale;
+    memcpy(&scale, src + n, sizeof scale);
+    for (int i = 0; i < n; i++) buf[i] = (float)src[i] * scale;
+    return buf;
+}
+
 static inline void store_f32(float *restrict dst, const float *restrict src, float scale, int n) {
     for (int i = 0; i < n; i++) dst[i] = src[i] * scale;
 }
@@ -57,10 +70,10 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
     for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i] * scale);
 }
 
-/* The body for one (sequence, KV head) over caches of element type T (float or uint16_t for bf16), whose rows ROW
- * reads as floats and whose output STORE writes; q is given as floats. HD is a compile-time head_dim where the
- * caller could give one, so the inner loops unroll into whole vector registers. */
-#define DECODE_ONE(HD, T, ROW, STORE)                                                                               \
+/* The body for one (sequence, KV head) over caches of element type C (float, uint16_t for bf16, int8_t), rows of
+ * RS(HD) elements that ROW reads as floats, and output that STORE writes; q is given as floats. HD is a
+ * compile-time head_dim where the caller could give one, so the inner loops unroll into whole vector registers. */
+#define DECODE_ONE(HD, C, RS, ROW, STORE)                                                                           \
     do {                                                                                                            \
         float mx[MAX_GROUP], sum[MAX_GROUP], row[MAX_HEAD_DIM];                                                     \
         for (int g = 0; g < group; g++) mx[g] = -FLT_MAX, sum[g] = 0.f;                                              \
@@ -68,7 +81,7 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
             const int64_t base = table[j0 / block_size] * block_size;                                               \
             const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                                        \
             for (int64_t j = 0; j < n; j++) {                                                                       \
-                const float *kj = ROW(row, (const T *)k_cache + ((base + j) * num_kv_heads + kh) * (HD), (HD));     \
+                const float *kj = ROW(row, (const C *)k_cache + ((base + j) * num_kv_heads + kh) * RS(HD), (HD));   \
                 for (int g = 0; g < group; g++) {                                                                   \
                     float s = dot(qb + g * (HD), kj, (HD)) * scale;                                                 \
                     scores[g * ctx + j0 + j] = s;                                                                   \
@@ -89,18 +102,20 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
             const int64_t base = table[j0 / block_size] * block_size;                                               \
             const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                                        \
             for (int64_t j = 0; j < n; j++) {                                                                       \
-                const float *vj = ROW(row, (const T *)v_cache + ((base + j) * num_kv_heads + kh) * (HD), (HD));     \
+                const float *vj = ROW(row, (const C *)v_cache + ((base + j) * num_kv_heads + kh) * RS(HD), (HD));   \
                 for (int g = 0; g < group; g++) axpy(acc + g * (HD), scores[g * ctx + j0 + j], vj, (HD));           \
             }                                                                                                       \
         }                                                                                                           \
         for (int g = 0; g < group; g++) STORE(ob + g * (HD), acc + g * (HD), 1.f / sum[g], (HD));                   \
     } while (0)
 
-/* The whole kernel for element type T: q [batch][q_row_stride] (heads * head_dim used), out [batch][num_heads *
- * head_dim], block_tables [batch][table_stride], context_lens [batch]. Returns 0; -1 for shapes this kernel does not
- * take, -2 when a score buffer could not be allocated. */
-#define PAGED_DECODE(NAME, T, ROW, STORE)                                                                           \
-    int NAME(const T *q, int64_t q_row_stride, const T *k_cache, const T *v_cache, const int64_t *block_tables,     \
+/* The whole kernel for q and out of element type T (read by QROW, written by STORE) and caches of C (rows of RS
+ * elements, read by ROW): q [batch][q_row_stride] (heads * head_dim used), out [batch][num_heads * head_dim],
+ * block_tables [batch][table_stride], context_lens [batch]. Returns 0; -1 for shapes this kernel does not take, -2
+ * when a score buffer could not be allocated. */
+#define SAME_ELEMS(hd) (hd)
+#define PAGED_DECODE(NAME, T, QROW, STORE, C, RS, ROW)                                                              \
+    int NAME(const T *q, int64_t q_row_stride, const C *k_cache, const C *v_cache, const int64_t *block_tables,     \
              int64_t table_stride, const int64_t *context_lens, T *out, int batch, int num_heads, int num_kv_heads,  \
              int head_dim, int block_size, float scale, int num_threads) {                                          \
         const int group = num_heads / num_kv_heads;                                                                 \
@@ -124,20 +139,44 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
                     }                                                                                               \
                 }                                                                                                   \
                 const int64_t *table = block_tables + b * table_stride;                                             \
-                const float *qb = ROW(qbuf, q + b * q_row_stride + (int64_t)kh * group * head_dim,                  \
-                                      group * head_dim);                                                            \
+                const float *qb = QROW(qbuf, q + b * q_row_stride + (int64_t)kh * group * head_dim,                 \
+                                       group * head_dim);                                                           \
                 T *ob = out + ((int64_t)b * num_heads + (int64_t)kh * group) * head_dim;                            \
                 if (head_dim == 64)                                                                                 \
-                    DECODE_ONE(64, T, ROW, STORE);                                                                  \
+                    DECODE_ONE(64, C, RS, ROW, STORE);                                                              \
                 else if (head_dim == 128)                                                                           \
-                    DECODE_ONE(128, T, ROW, STORE);                                                                 \
+                    DECODE_ONE(128, C, RS, ROW, STORE);                                                             \
                 else                                                                                                \
-                    DECODE_ONE(head_dim, T, ROW, STORE);                                                            \
+                    DECODE_ONE(head_dim, C, RS, ROW, STORE);                                                        \
             }                                                                                                       \
             free(scores);                                                                                           \
         }                                                                                                           \
         return failed ? -2 : 0;                                                                                     \
     }
 
-PAGED_DECODE(paged_decode_f32, float, row_f32, store_f32)
-PAGED_DECODE(paged_decode_bf16, uint16_t, row_bf16, store_bf16)
+PAGED_DECODE(paged_decode_f32, float, row_f32, store_f32, float, SAME_ELEMS, row_f32)
+PAGED_DECODE(paged_decode_bf16, uint16_t, row_bf16, store_bf16, uint16_t, SAME_ELEMS, row_bf16)
+PAGED_DECODE(paged_decode_i8, float, row_f32, store_f32, int8_t, INT8_ROW_BYTES, row_i8)
+
+/* Store a step's new K and V [t][num_kv_heads][head_dim] (fp32, rows k_stride and v_stride floats apart) into int8
+ * caches at
+ * their flat slots: each row's values rounded to x / scale (half away from zero), scale = max|row| / 127, then the
+ * scale's four bytes (INT8_ROW_BYTES). One pass, where torch took a dozen operations a layer. */
+void write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots, int64_t t,
+                 int num_kv_heads, int head_dim, int8_t *k_cache, int8_t *v_cache) {
+    for (int64_t i = 0; i < t; i++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int h = 0; h < num_kv_heads; h++) {
+                const float *x = kv ? v + i * v_stride + (int64_t)h * head_dim : k + i * k_stride + (int64_t)h * head_dim;
+                int8_t *dst = (kv ? v_cache : k_cache) + (slots[i] * num_kv_heads + h) * INT8_ROW_BYTES(head_dim);
+                float peak = 0.f;
+                for (int d = 0; d < head_dim; d++) peak = fmaxf(peak, fabsf(x[d]));
+                /* peak * (1 / 127), as -ffast-math would make peak / 127 anyway: int8_rows computes the same */
+                const float inverse = peak > 0.f ? 127.f / peak : 0.f, scale = peak * (1.f / 127.f);
+                for (int d = 0; d < head_dim; d++) {
+                    const float q = x[d] * inverse;
+                    dst[d] = (int8_t)(q < 0 ? q - 0.5f : q + 0.5f);
+                }
+                memcpy(dst + head_dim, &scale, sizeof scale);
+            }
+}

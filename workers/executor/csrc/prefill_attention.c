@@ -1,4 +1,4 @@
-/* Causal attention of one prefill chunk over its sequence's paged KV cache (fp32, CPU); compiled at first use by
+/* Causal attention of one prefill chunk over its sequence's paged KV cache (fp32 or int8 caches, CPU); compiled at first use by
  * workers/cpu_kernels.py.
  *
  * torch's CPU SDPA ran a 512-token causal prefill of SmolLM2 (9 query / 3 KV heads of 64) at about 45 GFLOP/s on a
@@ -31,13 +31,28 @@ int64_t prefill_workspace_floats(int64_t ctx, int num_heads, int num_kv_heads, i
            (int64_t)num_threads * (rows * ctx_pad + 2 * rows * head_dim);
 }
 
+/* The cached row of (slot, KV head) as head_dim floats into dst (dst_stride apart): an fp32 cache's row, or an int8
+ * cache's row (head_dim int8 values, then the float scale they were quantized by; see paged_decode.c) widened. */
+static inline void gather_row(const void *cache, int int8_rows, int64_t slot, int num_kv_heads, int kh, int hd,
+                              float *restrict dst, int64_t dst_stride) {
+    if (int8_rows) {
+        const int8_t *row = (const int8_t *)cache + (slot * num_kv_heads + kh) * (hd + (int64_t)sizeof(float));
+        float s;
+        memcpy(&s, row + hd, sizeof s);
+        for (int d = 0; d < hd; d++) dst[d * dst_stride] = (float)row[d] * s;
+    } else {
+        const float *row = (const float *)cache + (slot * num_kv_heads + kh) * hd;
+        for (int d = 0; d < hd; d++) dst[d * dst_stride] = row[d];
+    }
+}
+
 /* q: row i of the chunk at q + i * q_row_stride, heads of head_dim back to back; out likewise (out_row_stride).
  * table: the sequence's block ids covering positions [0, start + n). Returns 0, or -1 for shapes it does not take
  * (head_dim not a multiple of NR, or heads not a multiple of KV heads). */
-int prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
-                          const int64_t *table, int64_t start, int64_t n, float *out, int64_t out_row_stride,
-                          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                          float *workspace, int num_threads) {
+static inline __attribute__((always_inline)) int prefill_attention(
+    const float *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, int int8_rows,
+    const int64_t *table, int64_t start, int64_t n, float *out, int64_t out_row_stride, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, float scale, float *workspace, int num_threads) {
     if (head_dim % NR || num_heads % num_kv_heads) return -1;
     const int group = num_heads / num_kv_heads, hd = head_dim;
     const int64_t ctx = start + n, ctx_pad = round_up(ctx, NR), num_key_panels = ctx_pad / NR;
@@ -57,9 +72,8 @@ int prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_c
                 float *vrow = v_all + (kh * ctx_pad + pos) * hd;
                 if (pos < ctx) {
                     const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                    const float *krow = k_cache + (slot * num_kv_heads + kh) * hd;
-                    for (int d = 0; d < hd; d++) kp[d * NR + j] = krow[d];
-                    memcpy(vrow, v_cache + (slot * num_kv_heads + kh) * hd, sizeof(float) * hd);
+                    gather_row(k_cache, int8_rows, slot, num_kv_heads, kh, hd, kp + j, NR);
+                    gather_row(v_cache, int8_rows, slot, num_kv_heads, kh, hd, vrow, 1);
                 } else { /* padding: zero keys get zero weight below, zero values keep 0 * garbage out */
                     for (int d = 0; d < hd; d++) kp[d * NR + j] = 0.f;
                     memset(vrow, 0, sizeof(float) * hd);
@@ -103,4 +117,21 @@ int prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_c
         }
     }
     return 0;
+}
+
+int prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                          const int64_t *table, int64_t start, int64_t n, float *out, int64_t out_row_stride,
+                          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                          float *workspace, int num_threads) {
+    return prefill_attention(q, q_row_stride, k_cache, v_cache, 0, table, start, n, out, out_row_stride, num_heads,
+                             num_kv_heads, head_dim, block_size, scale, workspace, num_threads);
+}
+
+/* The same over int8 caches (rows as gather_row reads them). */
+int prefill_attention_i8(const float *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,
+                         const int64_t *table, int64_t start, int64_t n, float *out, int64_t out_row_stride,
+                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                         float *workspace, int num_threads) {
+    return prefill_attention(q, q_row_stride, k_cache, v_cache, 1, table, start, n, out, out_row_stride, num_heads,
+                             num_kv_heads, head_dim, block_size, scale, workspace, num_threads);
 }
