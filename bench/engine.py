@@ -113,7 +113,8 @@ def run_engine(name, model, tok, reqs, arrivals, args, prefix_caching=True, warm
     engine = we.Engine(model, tok, we.EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_bytes=int(args.kv_gib * 2**30),
-        enable_prefix_caching=prefix_caching, max_model_len=args.max_model_len))
+        enable_prefix_caching=prefix_caching, max_model_len=args.max_model_len, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype))
     engine.runner.warmup()
     # Where step time goes: wrap the parts on this instance (and next_tokens' `draw`, in this process).
     timers = defaultdict(float)
@@ -353,6 +354,8 @@ def main():
     p.add_argument("--prefix-len", type=int, default=400)
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-output", type=int, default=32)
+    p.add_argument("--quantization", choices=["int8", "w8a8"], help="our engine's weights (float32 only)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="our engine's KV cache")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
