@@ -108,16 +108,6 @@ def test_int8_matches_the_dequantized_weight_and_stays_near_the_float_one(kernel
         assert error < 0.02, error
 
 
-def test_int8_adds_into_the_residual_and_takes_strided_rows(kernel):
-    weight, bias = torch.randn(50, 48), torch.randn(50)
-    wide, residual = torch.randn(7, 100), torch.randn(7, 50)
-    x = wide[:, 10:58]
-    expected = residual + F.linear(x, _int8_reference(weight), bias)
-    out = Linear(weight, bias, quantize="int8")(x, residual=residual)
-    assert out is residual
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
-
-
 def test_int8_holds_a_quarter_of_the_bytes_and_refuses_what_it_cannot_run(kernel):
     weight = torch.randn(64, 128)
     assert Linear(weight, quantize="int8").packed_bytes == 64 * 128 + 64 * 4
@@ -166,12 +156,15 @@ def test_w8a8_matches_its_integer_reference_and_stays_near_the_float_product(w8a
             assert error < 0.03, error
 
 
-def test_w8a8_adds_into_the_residual_and_takes_strided_rows(w8a8_kernel):
+@pytest.mark.parametrize("quantize", ["int8", "w8a8"])
+def test_int8_adds_into_the_residual_and_takes_strided_rows(kernel, w8a8_kernel, quantize):
     weight, bias = torch.randn(50, 48), torch.randn(50)
     wide, residual = torch.randn(7, 100), torch.randn(7, 50)
     x = wide[:, 10:58]
-    expected = residual + _w8a8_reference(x, weight, w8a8_kernel.w8a8_group()) + bias
-    out = Linear(weight, bias, quantize="w8a8")(x, residual=residual)
+    product = (F.linear(x, _int8_reference(weight)) if quantize == "int8"
+               else _w8a8_reference(x, weight, w8a8_kernel.w8a8_group()))
+    expected = residual + product + bias
+    out = Linear(weight, bias, quantize=quantize)(x, residual=residual)
     assert out is residual
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
 

@@ -43,9 +43,9 @@ def load_prefill_kernel() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.prefill_workspace_floats.argtypes = [i64, i32, i32, i32, i32]
         lib.prefill_workspace_floats.restype = i64
-        for kernel in (lib.prefill_attention_f32, lib.prefill_attention_i8):
-            kernel.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i32, i32, i32, i32, ctypes.c_float, p, i32]
-            kernel.restype = i32
+        lib.prefill_attention.argtypes = [p, i64, p, p, i32, p, i64, i64, p, i64, i32, i32, i32, i32, ctypes.c_float,
+                                          p, i32]
+        lib.prefill_attention.restype = i32
     return lib
 
 
@@ -105,8 +105,6 @@ class CpuPagedAttention(HeadLayout):
         if kv_int8 and self._prefill_lib is None:
             raise ValueError(f"an int8 KV cache needs the prefill kernel (csrc/prefill_attention.c), which takes "
                              f"head sizes that are a multiple of {PANEL_WIDTH} (this is {head_dim}) where it builds")
-        self._prefill_kernel = None if self._prefill_lib is None else (
-            self._prefill_lib.prefill_attention_i8 if kv_int8 else self._prefill_lib.prefill_attention_f32)
         self._sdpa = None if self._prefill_lib is not None else SdpaAttention(
             num_heads, num_kv_heads, head_dim, block_size, device)
         self._workspace = torch.empty(0)
@@ -156,17 +154,18 @@ class CpuPagedAttention(HeadLayout):
                           self.num_kv_heads, self.head_dim, k_cache.data_ptr(), v_cache.data_ptr())
 
     def _attend_prefill(self, span: PrefillSpan, qs, k_cache, v_cache) -> torch.Tensor:
-        assert self._prefill_kernel is not None  # forward comes here only where SDPA is not needed: the kernel loaded
+        assert self._prefill_lib is not None  # forward comes here only where SDPA is not needed: the kernel loaded
         if qs.stride(2) != 1 or qs.stride(1) != self.head_dim:
             qs = qs.contiguous()
         out = qs.new_empty(span.num_tokens, self.num_heads * self.head_dim)
-        status = self._prefill_kernel(
-            qs.data_ptr(), qs.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), span.table.data_ptr(),
-            span.start_pos, span.num_tokens, out.data_ptr(), out.stride(0), self.num_heads, self.num_kv_heads,
-            self.head_dim, self.block_size, self.scale, self._workspace.data_ptr(), torch.get_num_threads(),
+        status = self._prefill_lib.prefill_attention(
+            qs.data_ptr(), qs.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(self.kv_int8),
+            span.table.data_ptr(), span.start_pos, span.num_tokens, out.data_ptr(), out.stride(0), self.num_heads,
+            self.num_kv_heads, self.head_dim, self.block_size, self.scale, self._workspace.data_ptr(),
+            torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"{self._prefill_kernel.__name__} failed with status {status}")
+            raise RuntimeError(f"prefill_attention failed with status {status}")
         return out
 
     def _attend_decodes(self, q_dec, k_cache, v_cache, meta: CpuPagedMetadata) -> torch.Tensor:

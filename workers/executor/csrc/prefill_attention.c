@@ -24,7 +24,7 @@
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* Floats of workspace prefill_attention_f32 needs for a context of ctx positions. */
+/* Floats of workspace prefill_attention needs for a context of ctx positions. */
 int64_t prefill_workspace_floats(int64_t ctx, int num_heads, int num_kv_heads, int head_dim, int num_threads) {
     const int64_t ctx_pad = round_up(ctx, NR), rows = (int64_t)QT * (num_heads / num_kv_heads);
     return 2 * (int64_t)num_kv_heads * ctx_pad * head_dim +
@@ -47,9 +47,10 @@ static inline void gather_row(const void *cache, int int8_rows, int64_t slot, in
 }
 
 /* q: row i of the chunk at q + i * q_row_stride, heads of head_dim back to back; out likewise (out_row_stride).
- * table: the sequence's block ids covering positions [0, start + n). Returns 0, or -1 for shapes it does not take
- * (head_dim not a multiple of NR, or heads not a multiple of KV heads). */
-static inline __attribute__((always_inline)) int prefill_attention(
+ * k_cache, v_cache: fp32, or with int8_rows int8 rows (gather_row). table: the sequence's block ids covering
+ * positions [0, start + n). Returns 0, or -1 for shapes it does not take (head_dim not a multiple of NR, or heads
+ * not a multiple of KV heads). */
+int prefill_attention(
     const float *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, int int8_rows,
     const int64_t *table, int64_t start, int64_t n, float *out, int64_t out_row_stride, int num_heads,
     int num_kv_heads, int head_dim, int block_size, float scale, float *workspace, int num_threads) {
@@ -117,21 +118,4 @@ static inline __attribute__((always_inline)) int prefill_attention(
         }
     }
     return 0;
-}
-
-int prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
-                          const int64_t *table, int64_t start, int64_t n, float *out, int64_t out_row_stride,
-                          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                          float *workspace, int num_threads) {
-    return prefill_attention(q, q_row_stride, k_cache, v_cache, 0, table, start, n, out, out_row_stride, num_heads,
-                             num_kv_heads, head_dim, block_size, scale, workspace, num_threads);
-}
-
-/* The same over int8 caches (rows as gather_row reads them). */
-int prefill_attention_i8(const float *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,
-                         const int64_t *table, int64_t start, int64_t n, float *out, int64_t out_row_stride,
-                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                         float *workspace, int num_threads) {
-    return prefill_attention(q, q_row_stride, k_cache, v_cache, 1, table, start, n, out, out_row_stride, num_heads,
-                             num_kv_heads, head_dim, block_size, scale, workspace, num_threads);
 }
