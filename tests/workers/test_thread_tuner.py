@@ -87,3 +87,29 @@ def test_one_core_has_nothing_to_choose():
     machine = Machine({1: 0.03})
     tuner = ThreadTuner(1, machine.applied.append, machine.clock)
     assert set(run(machine, tuner, 60.0)) == {1} and machine.applied == []
+
+
+class ResizingMachine(Machine):
+    """As ``Machine``, and the first step after a change of count takes ``resize_s`` longer (threads woken)."""
+
+    def __init__(self, seconds: dict[int, float], resize_s: float) -> None:
+        super().__init__(seconds)
+        self.resize_s = resize_s
+        self.last: int | None = None
+
+    def step(self, tuner: ThreadTuner, num_tokens: int = 8) -> int:
+        threads = tuner.choose(num_tokens)
+        took = self.seconds[threads] + (self.resize_s if self.last not in (None, threads) else 0.0)
+        self.last = threads
+        self.now += took
+        tuner.observed(num_tokens, threads, took)
+        return threads
+
+
+def test_the_first_step_after_a_change_of_count_does_not_decide():
+    # One thread is faster, but switching to it costs its first step 0.2 s: counted, it would lose every try.
+    machine = ResizingMachine({2: 0.05, 1: 0.03}, resize_s=0.2)
+    tuner = ThreadTuner(2, machine.applied.append, machine.clock)
+    run(machine, tuner, EXPLORE_EVERY_S + 2.0)
+    assert tuner.best(8) == 1
+
