@@ -10,7 +10,7 @@ import torch
 
 from switchyard.workers.executor import kernels
 from switchyard.workers.executor.attention import SdpaAttention, make_attention
-from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention, int8_rows, int8_values, load_kernel
+from switchyard.workers.executor.attention.cpu_paged import CpuPagedAttention, load_kernel
 from switchyard.workers.executor.kernels import load_library
 
 CPU = torch.device("cpu")
@@ -192,6 +192,23 @@ def test_infinite_scores_get_no_weight_as_in_sdpa(kernel):
     want, _, _ = _attend(SdpaAttention, shape, step)
     assert torch.isfinite(want).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """K or V ``[T, kv_heads, d]`` (float32) as an int8 cache stores them: ``[T, kv_heads, d + 4]`` int8, each row's
+    values rounded half away from zero to ``x / scale`` with ``scale = max|row| / 127``, then ``scale``'s four bytes.
+    The reference of ``csrc/paged_decode.c``'s ``write_kv_i8``."""
+    peak = x.float().abs().amax(-1, keepdim=True)
+    q = x * torch.where(peak > 0, 127 / peak, 0)
+    rows = torch.empty(*x.shape[:-1], x.shape[-1] + 4, dtype=torch.int8)
+    rows[..., : x.shape[-1]] = torch.where(q < 0, q - 0.5, q + 0.5).trunc()
+    rows[..., x.shape[-1] :] = (peak * (1 / 127)).view(torch.int8)
+    return rows
+
+
+def int8_values(rows: torch.Tensor) -> torch.Tensor:
+    """What int8 cache rows (``int8_rows``) hold, as float32: ``[..., d + 4]`` -> ``[..., d]``."""
+    return rows[..., :-4].float() * rows[..., -4:].contiguous().view(torch.float32)
 
 
 def _int8_step(shape, contexts, prefill, seed):

@@ -85,7 +85,7 @@ class Linear:
     ``quantize="int8"`` keeps it as int8 with a scale per output feature instead (weight-only: the products are in
     the activations' dtype, accumulated in fp32): on a CPU packed for ``csrc/packed_gemm.c`` (float32 activations),
     on a GPU as ``[out, in]`` for ``triton_int8.py``. ``quantize="w8a8"`` (CPU, fp32) quantizes each call's rows of
-    x to int8 as well, one scale per row, and sums the products in int32 (``csrc/int8_gemm.c``).
+    x to int8 as well, one scale per 32 inputs, and sums the products in int32 (``csrc/int8_gemm.c``).
     """
 
     __slots__ = ("weight", "bias", "packed", "scales", "compensation", "_gemm", "_weight_ptrs", "_int8_linear")

@@ -49,23 +49,6 @@ def load_prefill_kernel() -> ctypes.CDLL | None:
     return lib
 
 
-def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """K or V ``[T, kv_heads, d]`` (float32) as an int8 cache stores them: ``[T, kv_heads, d + 4]`` int8, each row's
-    values rounded half away from zero to ``x / scale`` with ``scale = max|row| / 127``, then ``scale``'s four bytes.
-    The reference of ``csrc/paged_decode.c``'s ``write_kv_i8``, which the runner uses."""
-    peak = x.float().abs().amax(-1, keepdim=True)
-    q = x * torch.where(peak > 0, 127 / peak, 0)
-    rows = torch.empty(*x.shape[:-1], x.shape[-1] + 4, dtype=torch.int8)
-    rows[..., : x.shape[-1]] = torch.where(q < 0, q - 0.5, q + 0.5).trunc()
-    rows[..., x.shape[-1] :] = (peak * (1 / 127)).view(torch.int8)
-    return rows
-
-
-def int8_values(rows: torch.Tensor) -> torch.Tensor:
-    """What int8 cache rows (``int8_rows``) hold, as float32: ``[..., d + 4]`` -> ``[..., d]``."""
-    return rows[..., :-4].float() * rows[..., -4:].contiguous().view(torch.float32)
-
-
 @dataclass(slots=True)
 class CpuPagedMetadata(AttentionMetadata):
     prefills: list[PrefillSpan]  # with SDPA's masks only where the prefill kernel is not available
@@ -145,7 +128,7 @@ class CpuPagedAttention(HeadLayout):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _write_int8(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
-        """The step's new K/V rows into int8 caches (``int8_rows``' format), in one C call a layer."""
+        """The step's new K/V rows into int8 caches (the class doc's format), in one C call a layer."""
         if k.stride(2) != 1 or k.stride(1) != self.head_dim:
             k = k.contiguous()
         if v.stride(2) != 1 or v.stride(1) != self.head_dim:
