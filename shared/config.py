@@ -241,7 +241,7 @@ class EngineSettings(BaseModel):
     speculative: Literal["ngram"] | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     # Our engine's weights as int8 with a scale per output feature. int8: weight-only (activations and sums stay
-    # float32; a CPU or a GPU). w8a8: each step's activations as int8 too, one scale per token, products in int32 on
+    # float32; a CPU or a GPU). w8a8: each step's activations as int8 too, a scale per 32 inputs, products in int32 on
     # the CPU's integer dot-product instructions (a CPU only). On a CPU both run in float32, which ``dtype: auto``
     # then takes. None: as loaded. A vLLM worker's is vllm.quantization.
     quantization: Literal["int8", "w8a8"] | None = None
