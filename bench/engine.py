@@ -354,7 +354,7 @@ def main():
     p.add_argument("--prefix-len", type=int, default=400)
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-output", type=int, default=32)
-    p.add_argument("--quantization", choices=["int8", "w8a8"], help="our engine's weights (float32 only)")
+    p.add_argument("--quantization", choices=["int8", "w8a8", "int4"], help="our engine's weights (float32 only)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="our engine's KV cache")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

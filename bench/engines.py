@@ -10,6 +10,7 @@ so that each level compares the sides under the same load of the machine:
 - switchyard int8: the same, its worker's weights as int8 (``quantization: int8``, float32 activations);
 - switchyard w8a8: the same, its worker's weights and activations as int8 (``quantization: w8a8``);
 - switchyard w8a8 kv-int8: w8a8 and an int8 KV cache (``kv_cache_dtype: int8``);
+- switchyard int4 kv-int8: 4-bit weights (``quantization: int4``) and an int8 KV cache;
 - vllm engine: the same system and gateway, a worker on the vLLM engine (``engine: vllm``, in .venv-vllm);
 - vllm serve: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``, .venv-vllm), started with
   the engine arguments the vLLM worker builds (workers/vllm_engine/args.py), so the difference is the platform.
@@ -45,13 +46,16 @@ from bench.serve import lscpu_summary, one, summarize  # noqa: E402
 
 MODEL = "smollm2"
 ADMIN_KEY = "bench-engines-admin"
-SIDES = ("switchyard", "switchyard int8", "switchyard w8a8", "switchyard w8a8 kv-int8", "vllm engine", "vllm serve")
+SIDES = ("switchyard", "switchyard int8", "switchyard w8a8", "switchyard w8a8 kv-int8", "switchyard int4 kv-int8",
+         "vllm engine", "vllm serve")
 SERVED = {"switchyard": MODEL, "switchyard int8": f"{MODEL}-int8", "switchyard w8a8": f"{MODEL}-w8a8",
-          "switchyard w8a8 kv-int8": f"{MODEL}-w8a8-kv8", "vllm engine": f"{MODEL}-vllm", "vllm serve": MODEL}
+          "switchyard w8a8 kv-int8": f"{MODEL}-w8a8-kv8", "switchyard int4 kv-int8": f"{MODEL}-int4-kv8",
+          "vllm engine": f"{MODEL}-vllm", "vllm serve": MODEL}
 # What a side's worker is started with beyond the shared settings.
 WORKER_SETTINGS = {"switchyard": {}, "switchyard int8": {"quantization": "int8"},
                    "switchyard w8a8": {"quantization": "w8a8"},
                    "switchyard w8a8 kv-int8": {"quantization": "w8a8", "kv_cache_dtype": "int8"},
+                   "switchyard int4 kv-int8": {"quantization": "int4", "kv_cache_dtype": "int8"},
                    "vllm engine": {"engine": "vllm"}}
 DEFAULT_REQUESTS = {1: 2, 8: 12, 32: 48}  # the whole run under 10 minutes on a shared 2-core machine
 

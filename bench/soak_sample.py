@@ -43,6 +43,31 @@ def process_usage(pid: int) -> tuple[int, int]:
     return memory, fds
 
 
+# Postgres's shared memory: the main segment (shared buffers, an anonymous shared mapping shown as /dev/zero), the
+# small System V segment, and dynamic shared memory under /dev/shm. Its size is fixed by configuration
+# (shared_buffers), and it fills as pages are first read: counted apart so that its filling is not read as a leak.
+SHARED_SEGMENT_PREFIXES = ("/dev/zero", "/SYSV", "/dev/shm/")
+
+
+def split_shared_memory(pid: int) -> tuple[int, int]:
+    """(memory outside shared segments, memory in them) of ``pid`` and every process below it, both as PSS."""
+    private = shared = 0
+    try:
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                for m in p.memory_maps(grouped=True):
+                    if m.path.startswith(SHARED_SEGMENT_PREFIXES):
+                        shared += m.pss
+                    else:
+                        private += m.pss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    except psutil.NoSuchProcess:
+        pass
+    return private, shared
+
+
 def dir_bytes(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
@@ -117,6 +142,10 @@ async def sample(at: float, pids: dict[str, int], nats_url: str, database_url: s
                  gateways: dict[str, str]) -> Sample:
     """One window's figures; a server that cannot be read right now (a fault) leaves its part empty."""
     out = Sample(at, {name: process_usage(pid) for name, pid in pids.items()}, data_dir_bytes=dir_bytes(data_dir))
+    if "postgres" in pids:
+        private, shared = split_shared_memory(pids["postgres"])
+        out.processes["postgres, outside shared memory"] = (private, out.processes["postgres"][1])
+        out.processes["postgres, shared memory (shared_buffers)"] = (shared, 0)
     try:
         out.streams = await jetstream_state(nats_url)
         out.tenant_state = await tenant_state(gateways, nats_url)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 log = logging.getLogger("switchyard.cpu_kernels")
 
-KERNELS = ("paged_decode", "prefill_attention", "packed_gemm", "int8_gemm", "cpu_ops")
+KERNELS = ("paged_decode", "prefill_attention", "packed_gemm", "int8_gemm", "int4_gemm", "cpu_ops")
 SOURCES = Path(__file__).with_name("csrc")
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 # Linked in a step of its own, without -ffast-math: gcc would link crtfastmath.o, whose constructor turns on

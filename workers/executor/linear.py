@@ -52,6 +52,52 @@ def load_w8a8_kernel() -> ctypes.CDLL | None:
     return lib
 
 
+def load_w4a8_kernel() -> ctypes.CDLL | None:
+    """The compiled ``int4_gemm`` library (4-bit weights times int8 activations), or None where it cannot be had."""
+    lib = load_library("int4_gemm")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.gemm_w4a8.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32]
+        lib.gemm_w4a8.restype = None
+        lib.w4a8_instructions.restype = i32
+        lib.w4a8_block_bytes.restype = i32
+    return lib
+
+
+INT4_GROUP = 32  # GROUP in csrc/int8_rows.h: inputs per 4-bit group (GGUF's Q4_1 blocks are 32 too)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [n, k]`` as GGUF's Q4_1 holds it: per output feature and group of 32 inputs, ``d = (max - min) / 15``
+    and ``m = min`` in float16, and ``q = round((w - m) / d)`` in 0..15 (from the float16 d and m, so that
+    ``d * q + m`` is as near w as they allow). Returns q ``[n, groups, 32]`` uint8 (k padded with zeros), d and m
+    ``[n, groups]`` float16. A weight that came from a Q4_1 file (dequantized, even through bfloat16) gets its
+    file's q back."""
+    n, k = weight.shape
+    groups = -(-k // INT4_GROUP)
+    w = F.pad(weight.float(), (0, groups * INT4_GROUP - k)).view(n, groups, INT4_GROUP)
+    low, high = w.amin(-1), w.amax(-1)
+    d, m = ((high - low) / 15).half(), low.half()
+    step = d.float().unsqueeze(-1)
+    q = torch.where(step > 0, ((w - m.float().unsqueeze(-1)) / step).round(), torch.zeros_like(w))
+    return q.clamp_(0, 15).to(torch.uint8), d, m
+
+
+def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``quantize_int4``'s q, d and m in ``csrc/int4_gemm.c``'s layout: a block per panel of 16 features and group
+    of 32 inputs, the nibbles of 4 chunks of 8 inputs (input c*8+t in the low nibble, c*8+4+t in the high one of
+    byte t of a feature's 4), then the 16 d, then the 16 m."""
+    n, groups, _ = q.shape
+    panels = -(-n // PANEL_WIDTH)
+    pad = panels * PANEL_WIDTH - n
+    q, d, m = F.pad(q, (0, 0, 0, 0, 0, pad)), F.pad(d, (0, 0, 0, pad)), F.pad(m, (0, 0, 0, pad))
+    halves = q.view(panels, PANEL_WIDTH, groups, 4, 2, 4)  # panel, feature, group, chunk, half, t
+    nibbles = (halves[..., 0, :] | (halves[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # panel, group, chunk, feature, t
+    scales = [t.view(panels, PANEL_WIDTH, groups).transpose(1, 2).contiguous().view(torch.uint8)
+              .view(panels, groups, 2 * PANEL_WIDTH) for t in (d, m)]
+    return torch.cat([nibbles.reshape(panels, groups, -1), *scales], dim=-1).contiguous().view(-1)
+
+
 def uses_packed_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``Linear`` on this device and dtype packs its weight for ``csrc/packed_gemm.c``."""
     return device.type == "cpu" and dtype == torch.float32 and load_gemm_kernel() is not None
@@ -75,7 +121,13 @@ def w8a8_instructions() -> str:
     return "none" if lib is None else ("plain C", "AVX2", "AVX-512 VNNI")[lib.w8a8_instructions()]
 
 
-QUANTIZATIONS = ("int8", "w8a8")
+def w4a8_instructions() -> str:
+    """What ``csrc/int4_gemm.c`` multiplies with on this machine, as the worker's log names it."""
+    lib = load_w4a8_kernel()
+    return "none" if lib is None else ("plain C", "AVX2", "AVX-512 VNNI")[lib.w4a8_instructions()]
+
+
+QUANTIZATIONS = ("int8", "w8a8", "int4")
 
 
 class Linear:
@@ -86,6 +138,8 @@ class Linear:
     the activations' dtype, accumulated in fp32): on a CPU packed for ``csrc/packed_gemm.c`` (float32 activations),
     on a GPU as ``[out, in]`` for ``triton_int8.py``. ``quantize="w8a8"`` (CPU, fp32) quantizes each call's rows of
     x to int8 as well, one scale per 32 inputs, and sums the products in int32 (``csrc/int8_gemm.c``).
+    ``quantize="int4"`` (CPU, fp32) keeps 4 bits a weight with a scale and an offset per 32 inputs (GGUF's Q4_1)
+    and multiplies them by the rows quantized as w8a8 does (``csrc/int4_gemm.c``).
     """
 
     __slots__ = ("weight", "bias", "packed", "scales", "compensation", "_gemm", "_weight_ptrs", "_int8_linear")
@@ -104,6 +158,8 @@ class Linear:
             raise ValueError(f"quantization {quantize!r} is not one of {QUANTIZATIONS}")
         if quantize == "w8a8":
             self._pack_w8a8(weight)
+        elif quantize == "int4":
+            self._pack_int4(weight)
         elif quantize and weight.device.type == "cuda":
             from switchyard.workers.executor.triton_int8 import int8_linear, quantize_int8
 
@@ -144,6 +200,14 @@ class Linear:
                              self.scales.data_ptr(), self.compensation.data_ptr(), torch.get_num_threads())
         self._gemm = lib.gemm_w8a8
         self._weight_ptrs = (self.packed.data_ptr(), self.scales.data_ptr(), self.compensation.data_ptr())
+
+    def _pack_int4(self, weight: torch.Tensor) -> None:
+        lib = load_w4a8_kernel()
+        if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError("int4 needs a float32 CPU weight and the compiled int4_gemm kernel")
+        self.packed = pack_int4(*quantize_int4(weight))
+        self._gemm = lib.gemm_w4a8
+        self._weight_ptrs = (self.packed.data_ptr(),)
 
     @property
     def packed_bytes(self) -> int:

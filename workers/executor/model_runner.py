@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from switchyard.workers.executor.attention import AttentionMetadata, PagedAttention, make_attention
 from switchyard.workers.executor.cuda_graphs import DecodeGraphs, GraphPass
 from switchyard.workers.executor.fused_ops import make_ops
-from switchyard.workers.executor.linear import Linear, uses_packed_kernel, w8a8_instructions
+from switchyard.workers.executor.linear import Linear, uses_packed_kernel, w4a8_instructions, w8a8_instructions
 from switchyard.workers.executor.transfers import to_device
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -158,7 +158,8 @@ class ModelRunner:
     ):
         """``quantization``: ``int8`` stores every projection's weight (the LM head's too) as int8 with a scale per
         output feature (``Linear``: a CPU in float32, or a GPU); ``w8a8`` quantizes each step's activations to int8
-        too (a CPU in float32 only); None keeps them as loaded. ``kv_cache_dtype``: ``auto`` keeps K and V in the
+        too (a CPU in float32 only); ``int4`` keeps 4 bits a weight, a scale and an offset per 32 inputs, on int8
+        activations as w8a8 (a CPU in float32 only); None keeps them as loaded. ``kv_cache_dtype``: ``auto`` keeps K and V in the
         model's dtype; ``int8`` stores each position's row per KV head as int8 and its float scale (a CPU in
         float32, on the cpu_paged kernels: ``attention/cpu_paged.py``)."""
         config = model.config
@@ -190,18 +191,20 @@ class ModelRunner:
         lm_head = model.get_output_embeddings().weight
         self.embed = _param(embed, dev, dt)
         pack = uses_packed_kernel(dev, dt)
-        if quantization == "w8a8" and not pack:
-            raise ValueError(f"quantization 'w8a8' runs on a CPU in float32 with the compiled kernels; this runner is "
-                             f"{dev.type}, {dt} (on a GPU: int8)")
+        if quantization in ("w8a8", "int4") and not pack:
+            raise ValueError(f"quantization {quantization!r} runs on a CPU in float32 with the compiled kernels; this "
+                             f"runner is {dev.type}, {dt} (on a GPU: int8)")
         if quantization is not None and not pack and dev.type != "cuda":
             raise ValueError(f"quantization {quantization!r} runs on a GPU (Triton) or on a CPU in float32 with the "
                              f"compiled packed_gemm kernel; this runner is {dev.type}, {dt}")
         self.quantization = quantization
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(weight, bias, pack, quantization)
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False) -> Linear:
+            # int4 keeps the LM head in 8 bits, as Q4 GGUF files keep it (the default model's is Q8_0): 4 bits there
+            # cost SmolLM2 most of int4's perplexity (bench/RESULTS.md).
+            return Linear(weight, bias, pack, "w8a8" if head and quantization == "int4" else quantization)
 
-        self.lm_head = linear(self.embed if lm_head is embed else _param(lm_head, dev, dt))
+        self.lm_head = linear(self.embed if lm_head is embed else _param(lm_head, dev, dt), head=True)
         self.final_norm = _param(model.model.norm.weight, dev, dt)
         self.layers = []
         for layer in model.model.layers:
@@ -223,9 +226,9 @@ class ModelRunner:
         linears = [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         # Packed copies are extra memory next to the HF model's weights: the start-up log names their size.
         self.packed_weight_bytes = sum(x.packed_bytes for x in linears)
+        instructions = {"w8a8": w8a8_instructions, "int4": w4a8_instructions}.get(quantization or "")
         self.linear_kernel = ("packed_gemm" if pack else "triton" if quantization else "torch") + (
-            f" {quantization}" if quantization else "") + (
-            f" ({w8a8_instructions()})" if quantization == "w8a8" else "")
+            f" {quantization}" if quantization else "") + (f" ({instructions()})" if instructions else "")
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (SwiGLU uses silu)")
         self.ops = make_ops(dev, dt)

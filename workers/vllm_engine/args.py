@@ -32,7 +32,7 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     prefix caching, which is what hashes blocks."""
     v = worker.vllm
     if worker.quantization is not None:
-        raise ValueError("quantization: our engine's int8 or w8a8; a vLLM worker's is vllm.quantization (one of "
+        raise ValueError("quantization: our engine's int8, w8a8 or int4; a vLLM worker's is vllm.quantization (one of "
                          "the methods vLLM names, e.g. fp8)")
     if worker.kv_cache_dtype != "auto":
         raise ValueError("kv_cache_dtype: our engine's int8 KV cache; a vLLM worker's is vllm.kv_cache_dtype (e.g. "

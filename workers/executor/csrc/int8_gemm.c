@@ -4,8 +4,7 @@
  * Weight-only int8 (packed_gemm.c) streams a quarter of fp32's bytes but still multiplies in fp32; from a few rows
  * up a step is bound by those fp32 multiply-adds, not by memory (SmolLM2 at 32 rows: 127 GFLOP/s on two cores,
  * near the FMA units' limit). Here each row of x is quantized on the fly, one scale per GROUP consecutive inputs
- * (as GGUF's Q8 activations are: one scale per row cost SmolLM2 5% perplexity, one per 32 inputs 0.1%), and 4
- * weights x 4 activations are summed per 32-bit lane in one instruction:
+ * (int8_rows.h), and 4 weights x 4 activations are summed per 32-bit lane in one instruction:
  *
  *   AVX-512 VNNI  vpdpbusd: 64 products per instruction, unsigned x signed bytes; the activations carry +128 so
  *                 they are unsigned, and `comp[j][g] = 128 * sum over group g of W[j]` takes it back out.
@@ -25,8 +24,7 @@
 #include <string.h>
 
 #include "gemm_tile.h"
-
-#define GROUP 32
+#include "int8_rows.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define W8A8_VNNI 1
@@ -43,8 +41,6 @@
 #if defined(W8A8_VNNI) || defined(W8A8_AVX2)
 #include <immintrin.h>
 #endif
-
-static inline int64_t padded_k(int64_t k) { return (k + GROUP - 1) / GROUP * GROUP; }
 
 /* Which instructions this build multiplies with: 2 VNNI, 1 AVX2, 0 plain C (the worker's log names it). */
 int w8a8_instructions(void) {
@@ -84,21 +80,6 @@ void pack_weight_w8a8(const float *restrict w, int64_t ldw, int64_t n, int64_t k
             }
             scales[p * NR + j] = peak / 127.f;
         }
-    }
-}
-
-/* Row x [k] as kg bytes (zeros past k) and a scale per group: q = round(x / scale) + ACTIVATION_BIAS. */
-static void quantize_row(const float *restrict x, int64_t k, int64_t kg, uint8_t *restrict q,
-                         float *restrict scale) {
-    for (int64_t g = 0; g * GROUP < kg; g++) {
-        float peak = 0.f;
-        for (int64_t kk = g * GROUP; kk < (g + 1) * GROUP && kk < k; kk++) peak = fmaxf(peak, fabsf(x[kk]));
-        const float inverse = peak > 0.f ? 127.f / peak : 0.f;
-        for (int64_t kk = g * GROUP; kk < (g + 1) * GROUP; kk++) {
-            const float v = kk < k ? x[kk] * inverse : 0.f;
-            q[kk] = (uint8_t)((int)(v < 0 ? v - 0.5f : v + 0.5f) + ACTIVATION_BIAS);
-        }
-        scale[g] = peak / 127.f;
     }
 }
 
@@ -195,7 +176,7 @@ void gemm_w8a8(const float *restrict x, int64_t ldx, int64_t m, int64_t k, const
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) quantize_row(x + i * ldx, k, kg, xq + i * kg, x_scale + i * groups);
+        for (int64_t i = 0; i < m; i++) quantize_row(x + i * ldx, k, kg, ACTIVATION_BIAS, xq + i * kg, x_scale + i * groups, NULL);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < num_panels; p++) {
             const int ncols = n - p * NR < NR ? (int)(n - p * NR) : NR;
