@@ -1,6 +1,6 @@
 """Quantized weights in our engine on SmolLM2 (weight-only int8; w8a8: int8 activations too; int4: 4-bit weights in
-groups of 32, on int8 activations), against float32 and bfloat16: perplexity on a fixed text, greedy agreement with float32 over a set of prompts, and decode tokens/s of 1,
-8 and 32 streams.
+groups of 32, on int8 activations), against float32 and bfloat16: perplexity on a fixed text, greedy agreement with
+float32 over a set of prompts, and decode tokens/s of 1, 8 and 32 streams.
 
     .venv/bin/python bench/quantization.py
     .venv/bin/python bench/quantization.py --configs float32 int8 --max-tokens 64
