@@ -160,8 +160,8 @@ class ModelRunner:
         output feature (``Linear``: a CPU in float32, or a GPU); ``w8a8`` quantizes each step's activations to int8
         too (a CPU in float32 only); ``int4`` keeps 4 bits a weight, a scale and an offset per 32 inputs, on int8
         activations as w8a8, and the LM head in w8a8 (a CPU in float32 only); None keeps them as loaded.
-        ``kv_cache_dtype``: ``auto`` keeps K and V in the model's dtype; ``int8`` stores each position's row per KV head as int8 and its float scale (a CPU in
-        float32, on the cpu_paged kernels: ``attention/cpu_paged.py``)."""
+        ``kv_cache_dtype``: ``auto`` keeps K and V in the model's dtype; ``int8`` stores each position's row per KV
+        head as int8 and its float scale (a CPU in float32, on the cpu_paged kernels: ``attention/cpu_paged.py``)."""
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported ({sorted(SUPPORTED_MODEL_TYPES)})")
