@@ -1,9 +1,13 @@
-"""Speculative decoding by prompt lookup on SmolLM2: decode tokens/s of one stream, and of 8 at once, with drafts
-and without, where the output repeats the prompt (quoting a document, editing a given text) and where it does not
-(free writing), and whether the two outputs are the same.
+"""Speculative decoding on SmolLM2, by prompt lookup or by a draft model: decode tokens/s of one stream, and of 8 at
+once, with drafts and without, where the output repeats the prompt (quoting a document, editing a given text) and
+where it does not (free writing), and whether the two outputs are the same.
 
-    .venv/bin/python bench/speculation.py                      # K = 4, float32, 128 tokens, 3 repeats
+    .venv/bin/python bench/speculation.py                      # prompt lookup, K = 4, float32, 128 tokens
     .venv/bin/python bench/speculation.py --num-speculative-tokens 4 8 --dtype bfloat16
+    .venv/bin/python bench/speculation.py --method draft --draft-quantization int4   # SmolLM2 in int4 drafts
+
+There is no smaller model of SmolLM2's tokenizer here, so ``--method draft`` drafts with SmolLM2 itself, quantized
+as ``--draft-quantization`` says: what it shows is the mechanism's cost and what a draft that agrees often gains.
 
 The engine is driven directly (no gateway, no NATS): what is measured is the engine's decode, the part drafts
 change. Each request is greedy, so the two arms' outputs can be compared token for token. A row's time runs from
@@ -34,10 +38,10 @@ from tests.support.texts import FREE_PROMPTS, REPEATING_PROMPTS  # noqa: E402
 WORKLOADS = {"repeats the prompt": REPEATING_PROMPTS, "free writing": FREE_PROMPTS}
 
 
-def measure(model, tokenizer, config: EngineConfig, prompts: list[str], streams: int, args) -> dict:
+def measure(model, tokenizer, config: EngineConfig, prompts: list[str], streams: int, args, draft=None) -> dict:
     """Median seconds and tokens/s over ``args.repeats`` runs of the prompts, ``streams`` at a time (one prompt a
     stream, several streams of each where there are more streams than prompts), and each prompt's output."""
-    engine = Engine(model, tokenizer, config)
+    engine = Engine(model, tokenizer, config, draft)
     engine.warmup()
     run_prompts(engine, prompts[:1], 8)  # first-use costs out of the timed runs
     times, tokens, outputs = [], 0, {}
@@ -58,6 +62,9 @@ def measure(model, tokenizer, config: EngineConfig, prompts: list[str], streams:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    p.add_argument("--draft-quantization", choices=["int8", "w8a8", "int4"], default="int4",
+                   help="--method draft: SmolLM2 drafts for itself with its weights so (float32)")
     p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[4])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
@@ -68,14 +75,19 @@ def main() -> None:
     args = p.parse_args()
     report = lscpu()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load(pull("smollm2", model_cache_dir()), dtype=args.dtype, device="cpu")
+    path = pull("smollm2", model_cache_dir())
+    model, tokenizer = load(path, dtype=args.dtype, device="cpu")
+    draft = load(path, dtype="float32", device="cpu")[0] if args.method == "draft" else None
+    draft_quantization = args.draft_quantization if draft is not None else None
     rows = []
     for workload, prompts in WORKLOADS.items():
         for streams in args.streams:
             plain = measure(model, tokenizer, EngineConfig(max_num_seqs=max(args.streams)), prompts, streams, args)
             for k in args.num_speculative_tokens:
-                config = EngineConfig(max_num_seqs=max(args.streams), speculative="ngram", num_speculative_tokens=k)
-                fast = measure(model, tokenizer, config, prompts, streams, args)
+                config = EngineConfig(max_num_seqs=max(args.streams), speculative=args.method,
+                                      num_speculative_tokens=k,
+                                      speculative_quantization=draft_quantization)
+                fast = measure(model, tokenizer, config, prompts, streams, args, draft)
                 same = sum(fast["outputs"][q] == plain["outputs"][q] for q in plain["outputs"])
                 row = [workload, streams, k, f"{plain['tok_s']:.1f}", f"{fast['tok_s']:.1f}",
                        f"{plain['seconds'] / fast['seconds']:.2f}x",
@@ -86,7 +98,9 @@ def main() -> None:
     table = markdown_table(["workload", "streams", "K", "plain tok/s", "drafts tok/s", "speed-up",
                             "drafts kept", "same output"], rows)
     section = "\n".join([
-        f"## Speculative decoding by prompt lookup, SmolLM2 ({args.dtype}, {args.threads} threads), "
+        f"## Speculative decoding by "
+        f"{'prompt lookup' if draft is None else f'a draft model (SmolLM2 in {args.draft_quantization})'}, "
+        f"SmolLM2 ({args.dtype}, {args.threads} threads), "
         f"{cpu_name(report)}", "", f"`{command_line()}`", "",
         f"{args.max_tokens} tokens a request, greedy; tokens/s of all streams together, median of {args.repeats}. "
         "Engine only (no gateway): what drafts change is the engine's decode.", "", table])

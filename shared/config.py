@@ -237,9 +237,14 @@ class EngineSettings(BaseModel):
     kv_offload_tenant_share: float = Field(0.5, gt=0, le=1)
     # Speculative decoding: ``ngram`` (prompt lookup) guesses a greedy request's next tokens from where its latest
     # tokens appeared before in its prompt or output, and a step checks up to num_speculative_tokens of them at
-    # once (ours: workers/engine/speculation.py; vLLM: its ngram method). None: off.
-    speculative: Literal["ngram"] | None = None
+    # once (ours: workers/engine/speculation.py; vLLM: its ngram method). ``draft``: speculative_model, a model of
+    # the same tokenizer (a name as for ``model``, or a directory), runs greedily ahead of each request (ours:
+    # workers/engine/draft_model.py, its weights as speculative_quantization says, as for ``quantization``; vLLM:
+    # its draft-model method). None: off.
+    speculative: Literal["ngram", "draft"] | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    speculative_model: str | None = None
+    speculative_quantization: Literal["int8", "w8a8", "int4"] | None = None
     # Our engine's weights quantized as they load. int8: a scale per output feature, weight-only (activations and
     # sums stay float32; a CPU or a GPU). w8a8: each step's activations as int8 too, a scale per 32 inputs, products
     # in int32 on the CPU's integer dot-product instructions (a CPU only). int4: 4 bits a weight with a scale and an
@@ -255,6 +260,14 @@ class EngineSettings(BaseModel):
     # of that size ran fastest on, tried again now and then (workers/executor/thread_tuner.py). Other processes on
     # the same cores set a step's threads aside at its barriers, and fewer threads then finish sooner.
     tune_threads: bool = False
+
+    @model_validator(mode="after")
+    def _draft(self) -> EngineSettings:
+        if (self.speculative == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative: draft and speculative_model go together (the draft model to run)")
+        if self.speculative_quantization is not None and self.speculative != "draft":
+            raise ValueError("speculative_quantization is the draft model's (speculative: draft)")
+        return self
 
 
 class WorkerConfig(EngineSettings):

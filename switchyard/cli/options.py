@@ -51,15 +51,22 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--kv-offload-disk-gib", type=float, help="the disk tier's size (default 16)")
     p.add_argument("--kv-offload-host-dir", type=Path,
                    help="where the host tier's files live (default: /dev/shm/switchyard-kv; `up`: one of its own)")
-    p.add_argument("--quantization", choices=["int8", "w8a8"],
+    p.add_argument("--quantization", choices=["int8", "w8a8", "int4"],
                    help="our engine's weights as int8 with a scale per output feature; w8a8: each step's activations "
-                        "as int8 too, products in int32 (a CPU; default: as loaded)")
+                        "as int8 too, products in int32 (a CPU); int4: 4 bits a weight in groups of 32 (GGUF's "
+                        "Q4_1), on int8 activations (a CPU; default: as loaded)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
                    help="our engine's KV cache: int8 holds 3.8x the positions of float32, a quarter of "
                         "the bytes a step reads (a CPU; default: auto, the model's dtype)")
-    p.add_argument("--speculative", choices=["ngram"],
+    p.add_argument("--speculative", choices=["ngram", "draft"],
                    help="speculative decoding: ngram guesses a greedy request's next tokens from its own prompt and "
-                        "output (prompt lookup), checked several at once (default: off)")
+                        "output (prompt lookup); draft runs --speculative-model ahead of each request; either's "
+                        "drafts are checked several at once (default: off)")
+    p.add_argument("--speculative-model",
+                   help="--speculative draft: the draft model, of the same tokenizer (a name as for --model, or a "
+                        "directory)")
+    p.add_argument("--speculative-quantization", choices=["int8", "w8a8", "int4"],
+                   help="--speculative draft: the draft model's weights, as --quantization (default: as loaded)")
     p.add_argument("--num-speculative-tokens", type=int, help="the most drafts a step checks per request (default 4)")
     p.add_argument("--tune-threads", dest="tune_threads", action="store_true", default=None,
                    help="our engine on a CPU: run each step on the thread count its recent steps of that size ran "

@@ -35,8 +35,9 @@ WORKER = dict(model="/models/some-llama", served_model_name="llama", aliases=["l
                                 engine_args={"seed": 3}, python=Path(sys.executable)),
               prepare_threads=3, grammar_lexer_fuel=2_000_000, max_grammar_bytes=65_536, status_token="scrape-token",
               kv_offload_gib=4.0, kv_offload_host_dir=Path("/dev/shm/sy"), kv_offload_dir=Path("/var/kv"),
-              kv_offload_disk_gib=64.0, kv_offload_tenant_share=0.25, role="decode", speculative="ngram",
-              num_speculative_tokens=6, quantization="int8", kv_cache_dtype="int8", tune_threads=True)
+              kv_offload_disk_gib=64.0, kv_offload_tenant_share=0.25, role="decode", speculative="draft",
+              num_speculative_tokens=6, speculative_model="/models/draft", speculative_quantization="int4",
+              quantization="int8", kv_cache_dtype="int8", tune_threads=True)
 GATEWAY = dict(host="0.0.0.0", port=9001, queue_timeout_s=7.5, stall_timeout_s=9.0, retry_after_s=3,
                max_request_bytes=1234, allow_tier_header=True, admin_key="admin-secret", run_jobs=False,
                shared_prefix_cache=True, drain_timeout_s=7.0, num_gateways=3, flex_wait_s=42.0,
@@ -91,8 +92,11 @@ def test_up_flags_land_in_the_settings(clean_env):
         "--max-num-seqs", "5", "--max-num-batched-tokens", "64", "--kv-cache-gib", "0.5", "--no-prefix-caching",
         "--batch-seqs-when-busy", "3", "--host", "0.0.0.0", "--port", "8123", "--nats-url", "nats://x:1",
         "--kv-offload-gib", "4", "--kv-offload-dir", "/var/kv", "--kv-offload-disk-gib", "32",
+        "--speculative", "draft", "--speculative-model", "smollm2", "--speculative-quantization", "int4",
     ])
     config = load_config(args)
+    assert config.worker.model_dump(include={"speculative", "speculative_model", "speculative_quantization"}) == dict(
+        speculative="draft", speculative_model="smollm2", speculative_quantization="int4")
     assert config.worker.model_dump(include={"model", "served_model_name", "dtype", "device", "max_num_seqs",
                                              "max_num_batched_tokens", "kv_cache_gib", "enable_prefix_caching",
                                              "batch_seqs_when_busy"}) == dict(
@@ -228,3 +232,10 @@ def test_up_refuses_prefill_workers_without_decode_workers_before_starting_anyth
                            str(tmp_path / "data")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "prefill_workers needs decode_workers" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("settings", [dict(speculative="draft"), dict(speculative_model="smollm2"),
+                                      dict(speculative="ngram", speculative_quantization="int4")])
+def test_a_draft_model_and_its_settings_go_together(settings):
+    with pytest.raises(ValueError, match="speculative"):
+        WorkerConfig(**settings)

@@ -1,11 +1,12 @@
-"""A worker started with speculative decoding (`--speculative ngram`), on real processes: its greedy outputs are the
-ones a worker without it gives, its usage counts the tokens its client got, and its metrics say how many drafts it
-computed and kept."""
+"""A worker started with speculative decoding (`--speculative ngram`, or `--speculative draft` with the tiny model
+drafting for itself), on real processes: its greedy outputs are the ones a worker without it gives, its usage counts
+the tokens its client got, and its metrics say how many drafts it computed and kept."""
 
 from __future__ import annotations
 
 import httpx
 import nats
+import pytest
 
 from switchyard.deploy.services import wait_until_ready
 from switchyard.shared.jetstream import live_workers
@@ -17,8 +18,11 @@ PROMPTS = ["one two three four one two three four one two three four one two",
            "The cat sat on the mat. The cat sat on the mat. The cat sat on"]
 
 
-async def test_a_speculative_worker_answers_as_a_plain_one_and_counts_its_drafts(e2e, system, auth, nats_url):
-    worker = e2e.start_worker(MODEL, max_num_seqs=4, speculative="ngram", num_speculative_tokens=4)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+async def test_a_speculative_worker_answers_as_a_plain_one_and_counts_its_drafts(e2e, system, auth, nats_url,
+                                                                              method):
+    draft = {"speculative_model": e2e.config.worker.model} if method == "draft" else {}
+    worker = e2e.start_worker(MODEL, max_num_seqs=4, speculative=method, num_speculative_tokens=4, **draft)
     try:
         wait_until_ready(system, MODEL, timeout_s=120, watch=[worker])
         async with httpx.AsyncClient(base_url=system, headers=auth, timeout=60) as http:

@@ -50,6 +50,8 @@ def test_our_engines_quantization_is_refused_for_vllm_which_has_its_own():
         engine_kwargs(WorkerConfig(quantization="int8"), "/m", on_gpu=False)
     with pytest.raises(ValueError, match="vllm.kv_cache_dtype"):
         engine_kwargs(WorkerConfig(kv_cache_dtype="int8"), "/m", on_gpu=False)
+    with pytest.raises(ValueError, match="vllm.speculative_config"):
+        engine_kwargs(WorkerConfig(speculative="draft", speculative_model="smollm2"), "/m", on_gpu=False)
 
 
 def test_our_engines_thread_tuning_is_refused_for_vllm_which_binds_its_own_threads():

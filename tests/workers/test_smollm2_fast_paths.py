@@ -1,14 +1,14 @@
-"""The engine's fast paths on the real SmolLM2: int8 weights (weight-only, and w8a8 with int8 activations) and an
-int8 KV cache keep the model's quality (perplexity on a fixed text, greedy agreement with float32 no worse than
-bench/RESULTS.md reports), and speculative decoding keeps greedy outputs token for token where drafts are kept
-(quoting, editing) and where they are not (free writing)."""
+"""The engine's fast paths on the real SmolLM2: quantized weights (int8 weight-only, w8a8 with int8 activations, int4
+on int8 activations) and an int8 KV cache keep the model's quality (perplexity on a fixed text, greedy agreement with
+float32 no worse than bench/RESULTS.md reports), and speculative decoding keeps greedy outputs token for token where
+drafts are kept (quoting, editing) and where they are not (free writing)."""
 
 from __future__ import annotations
 
 import pytest
 
 from switchyard.workers.engine.engine import Engine, EngineConfig
-from switchyard.workers.executor.linear import load_gemm_kernel, load_w8a8_kernel
+from switchyard.workers.executor.linear import load_gemm_kernel, load_w4a8_kernel, load_w8a8_kernel
 from switchyard.workers.model_store import load
 from tests.support.engine_runs import perplexity, run_prompts
 from tests.support.texts import CHAT_PROMPTS, FIXED_TEXT, FREE_PROMPTS, REPEATING_PROMPTS
@@ -16,9 +16,9 @@ from tests.support.texts import CHAT_PROMPTS, FIXED_TEXT, FREE_PROMPTS, REPEATIN
 pytestmark = pytest.mark.model
 
 # The agreement measured against float32 over 16 tokens (int8: 10 of 16 prompts the same, the same share as
-# bfloat16's within two prompts; w8a8: 7 of 16, at any batch size, as each row is quantized on its own), less one
-# for another CPU's float32 parts. Fewer is a regression, not noise: all are deterministic.
-SAME_OF_16 = {"int8": 9, "w8a8": 6}
+# bfloat16's within two prompts; w8a8: 7 of 16 and int4: 10 of 16, at any batch size, as each row is quantized on
+# its own), less one for another CPU's float32 parts. Fewer is a regression, not noise: all are deterministic.
+SAME_OF_16 = {"int8": 9, "w8a8": 6, "int4": 9}
 KV_INT8_SAME_OF_16 = 10  # an int8 KV cache's (11 measured)
 
 
@@ -27,9 +27,9 @@ def smollm2(smollm2_dir):
     return load(smollm2_dir, dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
-def test_int8_weights_keep_perplexity_and_greedy_agreement(smollm2, quantization):
-    if load_gemm_kernel() is None or load_w8a8_kernel() is None:
+@pytest.mark.parametrize("quantization", ["int8", "w8a8", "int4"])
+def test_quantized_weights_keep_perplexity_and_greedy_agreement(smollm2, quantization):
+    if load_gemm_kernel() is None or load_w8a8_kernel() is None or load_w4a8_kernel() is None:
         pytest.skip("the C kernels cannot be built here")
     model, tokenizer = smollm2
     full, int8 = perplexity(model, tokenizer, FIXED_TEXT), perplexity(model, tokenizer, FIXED_TEXT, quantization)
@@ -59,3 +59,17 @@ def test_speculative_decoding_keeps_every_greedy_output(smollm2):
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, speculative="ngram"))
     assert run_prompts(engine, prompts, 48).token_ids == plain
     assert engine.num_accepted_draft_tokens > 0.5 * engine.num_draft_tokens > 0
+
+
+def test_a_draft_model_keeps_every_greedy_output(smollm2):
+    """SmolLM2 in int4 drafts for itself in float32 (there is no smaller model of its tokenizer here): the output is
+    float32's token for token, and most drafts are kept."""
+    if load_w4a8_kernel() is None:
+        pytest.skip("the C kernels cannot be built here")
+    model, tokenizer = smollm2
+    prompts = REPEATING_PROMPTS[:1] + FREE_PROMPTS[:2]
+    plain = run_prompts(Engine(model, tokenizer, EngineConfig(max_num_seqs=4)), prompts, 32).token_ids
+    config = EngineConfig(max_num_seqs=4, speculative="draft", speculative_quantization="int4")
+    engine = Engine(model, tokenizer, config, draft_model=model)
+    assert run_prompts(engine, prompts, 32).token_ids == plain
+    assert engine.num_accepted_draft_tokens > 0.6 * engine.num_draft_tokens > 0

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from switchyard.workers.engine.engine import Engine, EngineConfig
-from switchyard.workers.engine.speculation import PromptLookup, _Index
+from switchyard.workers.engine.speculation import DraftBudget, PromptLookup, _Index
 from tests.workers.test_engine import RecordingEngine, run
 
 # Texts that repeat themselves, as an edit or a quote does: the tiny model's greedy output falls into loops too.
@@ -27,48 +27,41 @@ PROMPTS = REPEATING + OTHERS + [f"{p} {q}" for p in REPEATING for q in OTHERS[:3
 
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
     lookup = PromptLookup(num_tokens=3)
-    index = _Index(3)
+    index = _Index()
     assert lookup._lookup(index, [5, 6, 7, 8]) == []  # nothing repeats
     # [1, 2, 3] ended at position 2 and at 7: the latest earlier one (7) is followed by 20, 21, 22.
     assert lookup._lookup(index, [1, 2, 3, 9, 9, 1, 2, 3, 20, 21, 22, 23, 1, 2, 3]) == [20, 21, 22]
-    assert lookup._lookup(_Index(3), [7, 1, 2, 7, 1, 2]) == [7, 1, 2]
+    assert lookup._lookup(_Index(), [7, 1, 2, 7, 1, 2]) == [7, 1, 2]
     # The index grows with the sequence: a later call sees the tokens added since.
     tokens = [4, 5, 6, 4, 5]
-    index = _Index(3)
+    index = _Index()
     assert lookup._lookup(index, tokens) == [6, 4, 5]
     tokens += [6, 8, 4, 5]
     assert lookup._lookup(index, tokens) == [6, 8, 4]
-    assert lookup._lookup(index, [1, 1]) == [] and lookup._lookup(_Index(3), [3]) == []
+    assert lookup._lookup(index, [1, 1]) == [] and lookup._lookup(_Index(), [3]) == []
 
 
 def test_a_sequence_whose_drafts_are_rejected_gets_fewer_and_one_whose_drafts_are_kept_more():
-    lookup = PromptLookup(num_tokens=4)
-    index = _Index(4)
+    budget = DraftBudget()
 
-    def proposed(drafts: list[int], at: int) -> None:
-        index.drafts, index.proposed_at = drafts, at
+    def judged(drafts: list[int], at: int, tokens: list[int]) -> int:
+        """How many drafts the sequence gets once ``drafts``, proposed at ``at``, met ``tokens``."""
+        budget.drafts, budget.proposed_at = drafts, at
+        return budget.allowed(tokens, 4)
 
-    proposed([1, 2, 3, 4], 10)
-    lookup._adapt(index, [0] * 10 + [9])  # the first draft was wrong: none kept
-    assert index.limit == 2
-    proposed([1, 2], 11)
-    lookup._adapt(index, [0] * 11 + [7])
-    assert index.limit == 1
-    lookup._adapt(index, [0] * 11 + [7])  # a single draft rejected: none for two steps, then for four
-    assert (index.limit, index.pause) == (1, 2)
-    lookup._adapt(index, [0] * 11 + [7])
-    assert (index.limit, index.pause) == (1, 4)
-    proposed([5], 12)
-    lookup._adapt(index, [0] * 12 + [5, 6])  # kept, and the model's token after it
-    assert index.limit == 2
-    proposed([5, 6], 14)
-    lookup._adapt(index, [0] * 14 + [5, 8])  # one of two kept: as it was
-    assert index.limit == 2
-    proposed([1, 2], 16)
-    lookup._adapt(index, [0] * 16 + [1, 2, 3])
-    proposed([1, 2, 3, 4], 19)
-    lookup._adapt(index, [0] * 19 + [1, 2, 3, 4, 5])
-    assert index.limit == 4  # never above num_tokens
+    assert budget.allowed([0] * 10, 4) == 1  # one to begin with
+    budget.limit = 4
+    assert judged([1, 2, 3, 4], 10, [0] * 10 + [9]) == 2  # the first draft was wrong: none kept, half as many
+    assert judged([1, 2], 11, [0] * 11 + [7]) == 1
+    assert judged([1], 12, [0] * 12 + [7]) == 0  # a single draft rejected: none for two steps
+    assert budget.allowed([0] * 14, 4) == 0
+    assert budget.allowed([0] * 15, 4) == 1
+    assert judged([3], 15, [0] * 15 + [7]) == 0  # rejected again: none for four
+    assert [budget.allowed([0] * 16, 4) for _ in range(4)] == [0, 0, 0, 1]
+    assert judged([5], 16, [0] * 16 + [5, 6]) == 2  # kept, and the model's token after it: twice as many
+    assert judged([5, 6], 18, [0] * 18 + [5, 8]) == 2  # one of two kept: as it was
+    assert judged([1, 2], 20, [0] * 20 + [1, 2, 3]) == 4
+    assert judged([1, 2, 3, 4], 23, [0] * 23 + [1, 2, 3, 4, 5]) == 4  # never above the most a step checks
 
 
 def _run_all(tiny, make_request, config: EngineConfig, requests: list[dict],

@@ -62,8 +62,11 @@ class EngineConfig:
     # The tiers are how this engine's KV leaves (a prefill worker): a step waits for a writer too far behind rather
     # than drop its blocks (TierSettings.wait_when_behind); the worker turns it on.
     kv_offload_wait_when_behind: bool = False
-    speculative: str | None = None  # "ngram": prompt lookup (speculation.py); None: off
+    # "ngram": prompt lookup (speculation.py); "draft": a draft model (draft_model.py, given to the Engine); None: off
+    speculative: str | None = None
     num_speculative_tokens: int = 4
+    speculative_model: str | None = None  # the draft model's name: the worker loads it (workers/service/engines.py)
+    speculative_quantization: str | None = None  # the draft model's weights, as ``quantization`` (None: as loaded)
     # "int8": weight-only int8 projections; "w8a8": int8 activations too (executor/linear.py); None: as loaded
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "int8": K/V rows as int8 and a scale each (executor/attention/cpu_paged.py)

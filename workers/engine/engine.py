@@ -9,7 +9,8 @@
                     next_tokens(): grammar masks, sampling, drafts kept ──▶ Scheduler.update_from_output() ──▶
                     Deltas (deltas.py): eos / stop strings / detokenize ──▶ tool calls ──▶ TokenDelta
                         │
-                        ▼ PromptLookup.propose() (speculation.py): the next step's drafts
+                        ▼ PromptLookup.propose() (speculation.py) or DraftModel.propose() (draft_model.py): the
+                          next step's drafts
 
 ``Engine.step()`` is schedule → run → update and does no I/O; the worker's async loop calls it from a thread.
 A request with ``n > 1`` becomes n sequences over the same prompt. Only the first is scheduled at once; the
@@ -33,6 +34,7 @@ from switchyard.shared.messages import ErrorInfo, GenerateRequest, TokenDelta
 from switchyard.shared.tiers import BATCH_TIER, TIER_NAMES, get_tier
 from switchyard.workers.engine.config import EngineConfig
 from switchyard.workers.engine.deltas import Deltas
+from switchyard.workers.engine.draft_model import DraftModel
 from switchyard.workers.engine.kv_change_log import KVChangeLog
 from switchyard.workers.engine.logprobs import TokenLogprobs
 from switchyard.workers.engine.next_tokens import StepTokens, next_tokens
@@ -61,7 +63,9 @@ class Engine:
     """Runs many requests at once on a Llama-family model; see the module docstring. The worker serves from it
     through ``ServingEngine`` (workers/serving/interface.py); tests and benchmarks also drive it directly."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, draft_model=None) -> None:
+        """``draft_model``: the model that proposes drafts where ``config.speculative`` is "draft" (draft_model.py),
+        of ``tokenizer``'s vocabulary, on the same device."""
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         device = next(model.parameters()).device
@@ -98,8 +102,18 @@ class Engine:
         self._pending: list[TokenDelta] = []  # finals of aborted requests, sent with the next step's output
         self.safety = OutputSafety()  # output filters; the worker takes their verdicts after each step
         self._logprobs = TokenLogprobs(tokenizer)
-        # Speculative decoding (speculation.py): drafts proposed after each step for the next.
-        self._speculator = PromptLookup(config.num_speculative_tokens) if config.speculative == "ngram" else None
+        # Speculative decoding (speculation.py, draft_model.py): drafts proposed after each step for the next.
+        self._speculator: PromptLookup | DraftModel | None = None
+        if config.speculative == "ngram":
+            self._speculator = PromptLookup(config.num_speculative_tokens)
+        elif config.speculative == "draft":
+            if draft_model is None:
+                raise ValueError("speculative 'draft' needs a draft model")
+            # Its own cache of as many blocks as the pool; its weights as speculative_quantization says.
+            self._speculator = DraftModel(ModelRunner(draft_model, num_blocks, config.block_size, device=device,
+                                                      dtype=next(draft_model.parameters()).dtype,
+                                                      quantization=config.speculative_quantization),
+                                          config.num_speculative_tokens)
         self._threads = ThreadTuner(torch.get_num_threads(), torch.set_num_threads) \
             if config.tune_threads and device.type == "cpu" else None
         self.num_draft_tokens = 0  # drafts computed since start, and those kept: the acceptance rate

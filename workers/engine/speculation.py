@@ -24,21 +24,58 @@ from switchyard.workers.engine.sequences import choice_of
 MAX_PAUSE = 64  # steps: the longest a sequence whose drafts keep losing goes without any
 
 
-class _Index:
-    """Where each n-gram of one sequence last ended (n from PROMPT_LOOKUP_MIN to PROMPT_LOOKUP_MAX), for the
-    n-grams ending before ``indexed``; kept up to date as the sequence grows (it only grows while it runs). With it,
-    the sequence's last drafts, where they were proposed, and how many it may get next (``limit``)."""
+class DraftBudget:
+    """One sequence's last drafts, where they were proposed, and how many it may get next, from how those did: all
+    kept, twice as many (up to the most a step checks); none kept, half as many; a single one rejected, none for 2,
+    4, ... up to MAX_PAUSE steps. A draft costs a row of compute (on a CPU a step of 5 rows takes about twice one of
+    1), and a sequence whose drafts keep losing should pay next to nothing for them. Every proposer keeps one per
+    sequence (prompt lookup here, a draft model in draft_model.py)."""
 
-    __slots__ = ("last_end", "indexed", "drafts", "proposed_at", "limit", "pause", "next_pause")
+    __slots__ = ("drafts", "proposed_at", "limit", "pause", "next_pause")
 
-    def __init__(self, limit: int) -> None:
-        self.last_end: dict[tuple[int, ...], int] = {}
-        self.indexed = 0
+    def __init__(self) -> None:
         self.drafts: list[int] = []
         self.proposed_at = 0
-        self.limit = limit
+        self.limit = 1  # one draft to begin with: a sequence earns more by keeping them
         self.pause = 0  # steps left without drafts
         self.next_pause = 0  # how long the next pause is
+
+    def allowed(self, tokens: list[int], most: int) -> int:
+        """How many drafts the sequence, now ``tokens`` long, may get this step (0 while paused), after judging its
+        last ones against the tokens that followed them."""
+        if self.drafts:
+            new = tokens[self.proposed_at : self.proposed_at + len(self.drafts)]
+            kept = next((i for i, (a, b) in enumerate(zip(new, self.drafts)) if a != b), len(new))
+            if kept:
+                self.next_pause = 0
+            if kept >= len(self.drafts):
+                self.limit = min(most, 2 * self.limit)
+            elif kept == 0 and self.limit > 1:
+                self.limit //= 2
+            elif kept == 0:
+                self.pause = self.next_pause = min(MAX_PAUSE, max(2, 2 * self.next_pause))
+        self.drafts = []
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return min(self.limit, most)
+
+    def proposed(self, seq: Sequence, drafts: list[int]) -> None:
+        """``drafts`` are ``seq``'s for the next step."""
+        self.drafts = seq.draft_token_ids = drafts
+        self.proposed_at = len(seq.all_token_ids)
+
+
+class _Index:
+    """Where each n-gram of one sequence last ended (n from PROMPT_LOOKUP_MIN to PROMPT_LOOKUP_MAX), for the
+    n-grams ending before ``indexed``; kept up to date as the sequence grows (it only grows while it runs)."""
+
+    __slots__ = ("last_end", "indexed", "budget")
+
+    def __init__(self) -> None:
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0
+        self.budget = DraftBudget()
 
 
 def speculates(seq: Sequence) -> bool:
@@ -46,6 +83,13 @@ def speculates(seq: Sequence) -> bool:
     (which ends at its first token)."""
     choice = choice_of(seq)
     return choice.unreported_logprobs is None and not choice.request.handover and seq.num_output_tokens > 0
+
+
+def grammar_allows(seq: Sequence, drafts: list[int]) -> list[int]:
+    """``drafts`` up to the first that ``seq``'s grammar forbids (a draft it forbids cannot be kept)."""
+    if drafts and (matcher := choice_of(seq).matcher) is not None:
+        return drafts[:matcher.validate_tokens(drafts)]
+    return drafts
 
 
 class PromptLookup:
@@ -63,39 +107,14 @@ class PromptLookup:
         for seq in seqs:
             if seq.is_finished or not speculates(seq):
                 continue
-            # One draft to begin with: a sequence earns more by keeping them (a wrong guess costs a row of compute).
-            _, index = self._indexes.setdefault(seq.seq_id, (seq, _Index(1)))
+            _, index = self._indexes.setdefault(seq.seq_id, (seq, _Index()))
             tokens = seq.all_token_ids
-            self._adapt(index, tokens)
-            if index.pause:
-                index.pause -= 1
-                index.drafts = []
+            allowed = index.budget.allowed(tokens, self.num_tokens)
+            if not allowed:
                 continue
-            drafts = self._lookup(index, tokens)[:index.limit]
-            if drafts and (matcher := choice_of(seq).matcher) is not None:
-                drafts = drafts[:matcher.validate_tokens(drafts)]  # a draft its grammar forbids cannot be kept
-            index.drafts = seq.draft_token_ids = drafts
-            index.proposed_at = len(tokens)
+            index.budget.proposed(seq, grammar_allows(seq, self._lookup(index, tokens)[:allowed]))
         for seq_id in [i for i, (seq, _) in self._indexes.items() if seq.is_finished]:
             del self._indexes[seq_id]
-
-    def _adapt(self, index: _Index, tokens: list[int]) -> None:
-        """How many drafts the sequence gets next, from how its last ones did: all kept, twice as many (up to
-        ``num_tokens``); none kept, half as many; a single one rejected, none for 2, 4, ... up to MAX_PAUSE steps.
-        A draft costs a row of compute (on a CPU a step of 5 rows takes about twice one of 1), and a sequence whose
-        output does not repeat its input should pay next to nothing for drafts that lose."""
-        if not index.drafts:
-            return
-        new = tokens[index.proposed_at : index.proposed_at + len(index.drafts)]
-        kept = next((i for i, (a, b) in enumerate(zip(new, index.drafts)) if a != b), len(new))
-        if kept:
-            index.next_pause = 0
-        if kept >= len(index.drafts):
-            index.limit = min(self.num_tokens, 2 * index.limit)
-        elif kept == 0 and index.limit > 1:
-            index.limit //= 2
-        elif kept == 0:
-            index.pause = index.next_pause = min(MAX_PAUSE, max(2, 2 * index.next_pause))
 
     def _lookup(self, index: _Index, tokens: list[int]) -> list[int]:
         """The tokens after the latest earlier occurrence of the longest suffix of ``tokens`` found (at most

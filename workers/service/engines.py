@@ -34,6 +34,14 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
         dtype = "float32"  # the CPU kernels take float32 activations and scale back to float32 (executor/linear.py)
     model, tokenizer = model_store.load(path, dtype, device)
     log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
+    draft = None  # speculative: draft's model (workers/engine/draft_model.py)
+    if config.worker.speculative_model is not None:
+        quantized = config.worker.speculative_quantization and config.worker.dtype == "auto" and device == "cpu"
+        draft_path = model_store.resolve(config.worker.speculative_model, config.model_cache_dir)
+        draft, draft_tokenizer = model_store.load(draft_path, "float32" if quantized else dtype, device)
+        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"speculative_model {config.worker.speculative_model!r} has another vocabulary than "
+                             f"{config.worker.model!r}: its drafts could not be checked token by token")
     # The worker publishes what its KV cache holds (workers/service/kv_events.py): the engine records it.
     engine_config = dataclasses.replace(EngineConfig.from_settings(config.worker), kv_events=True)
     if config.worker.role != "both" and engine_config.kv_offload_gib is None:
@@ -41,7 +49,7 @@ def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
         engine_config = dataclasses.replace(engine_config, kv_offload_gib=ROLE_HOST_TIER_GIB)
     if config.worker.role == "prefill":  # and a block it drops is one the decode worker computes again
         engine_config = dataclasses.replace(engine_config, kv_offload_wait_when_behind=True)
-    engine = Engine(model, tokenizer, engine_config)
+    engine = Engine(model, tokenizer, engine_config, draft)
     engine.warmup()
     _load_safety_classifier(config)
     return engine

@@ -34,6 +34,9 @@ def engine_kwargs(worker: WorkerConfig, model_path: str, on_gpu: bool, native_bf
     if worker.quantization is not None:
         raise ValueError("quantization: our engine's int8, w8a8 or int4; a vLLM worker's is vllm.quantization (one of "
                          "the methods vLLM names, e.g. fp8)")
+    if worker.speculative == "draft":
+        raise ValueError("speculative: draft is our engine's draft model; a vLLM worker's is vllm.speculative_config "
+                         "(e.g. {\"model\": \"path/to/draft\", \"num_speculative_tokens\": 3})")
     if worker.kv_cache_dtype != "auto":
         raise ValueError("kv_cache_dtype: our engine's int8 KV cache; a vLLM worker's is vllm.kv_cache_dtype (e.g. "
                          "fp8)")
