@@ -32,16 +32,17 @@ def chat_request(request_id: str, prompt: str, max_tokens: int, **sampling) -> G
                            0.0, 0.0, messages=[ChatMessage("user", prompt)])
 
 
-def run_prompts(engine: Engine, prompts: list[str], max_tokens: int, first_id: int = 0) -> Run:
+def run_prompts(engine: Engine, prompts: list[str], max_tokens: int, first_id: int = 0, **sampling) -> Run:
     """``prompts`` added at once and stepped to their ends (request ids from ``first_id``: an engine keeps none
-    after a request ends, so later runs may start anywhere past the ones still running)."""
+    after a request ends, so later runs may start anywhere past the ones still running); greedy unless
+    ``sampling`` says otherwise."""
     ids = [f"r{first_id + i}" for i in range(len(prompts))]
     token_ids: dict[str, list[int]] = {request_id: [] for request_id in ids}
     texts = dict.fromkeys(ids, "")
     num_tokens = 0
     started = time.perf_counter()
     for request_id, prompt in zip(ids, prompts):
-        engine.add_request(chat_request(request_id, prompt, max_tokens))
+        engine.add_request(chat_request(request_id, prompt, max_tokens, **sampling))
     while engine.has_unfinished_requests():
         for delta in engine.step():
             token_ids[delta.request_id] += delta.token_ids or []
