@@ -6,6 +6,7 @@ and changes nothing; every block of the draft's cache is free again once the req
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -87,3 +88,23 @@ def test_a_draft_pool_that_cannot_hold_a_sequence_gives_it_no_drafts_and_changes
 def test_draft_needs_its_model(tiny):
     with pytest.raises(ValueError, match="draft model"):
         Engine(*tiny, DRAFT)
+
+
+def test_the_draft_reads_a_long_prompt_over_several_steps_within_the_token_budget(tiny, make_request):
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, speculative="draft", num_speculative_tokens=4)
+    long = dict(prompt=" ".join(REPEATING), temperature=0, max_tokens=40, ignore_eos=True)
+    requests = [long, *GREEDY[:3]]
+    plain, plain_results = _run_all(tiny, make_request, dataclasses.replace(config, speculative=None), requests)
+    model, tokenizer = tiny
+    fast = RecordingEngine(model, tokenizer, config, model)
+    runner = fast._speculator.runner
+    read: list[int] = []  # the tokens the draft reads, in each of its forward passes
+    execute = runner.execute
+    runner.execute = lambda chunks: read.append(sum(len(c.token_ids) for c in chunks)) or execute(chunks)
+    for i, kwargs in enumerate(requests):
+        fast.add_request(make_request(request_id=f"r{i}", **kwargs))
+    fast_results = run(fast)
+    assert _outputs(fast, fast_results) == _outputs(plain, plain_results)
+    # The budget, and a row for each sequence's last token (4 at most) beyond it: never the long prompt at once.
+    assert max(read) <= 16 + 4 < len(tokenizer.encode(long["prompt"]))
+    assert fast.num_accepted_draft_tokens > 0

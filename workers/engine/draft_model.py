@@ -12,6 +12,9 @@ request's output distributed exactly as without drafts, and a greedy one's token
 The draft keeps a paged KV cache of its own (a ``ModelRunner`` of its own, with as many blocks as the engine's
 pool). A sequence's draft cache holds its tokens up to those it had when its drafts were made; the positions its
 drafts took are written over next time. A sequence the draft's pool cannot hold gets no drafts, never an error.
+The draft reads at most ``max_tokens`` unseen tokens a step, all sequences together, as the engine's own prefill is
+chunked: a long prompt is read over several steps (its sequence getting drafts once it has caught up), so that no
+step waits for the draft to read it whole.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ class _DraftCache:
 class DraftModel:
     """Proposes up to ``num_tokens`` drafts for each sequence it is given (``propose``), from ``runner``'s model."""
 
-    def __init__(self, runner: ModelRunner, num_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, num_tokens: int, max_tokens: int) -> None:
         if num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
         self.runner = runner
         self.num_tokens = num_tokens
+        self.max_tokens = max_tokens  # unseen tokens read a step (the engine's max_num_batched_tokens)
         self._free = list(range(runner.num_blocks))
         self._caches: dict[str, tuple[Sequence, _DraftCache]] = {}
 
@@ -61,27 +65,41 @@ class DraftModel:
             self._free += self._caches.pop(seq_id)[1].blocks
         if not wanted:
             return
-        drafts = self._run(wanted)
-        for (seq, cache, _), proposed in zip(wanted, drafts):
+        ready, drafts = self._run(wanted)
+        for (seq, cache, _), proposed in zip(ready, drafts):
             cache.budget.proposed(seq, grammar_allows(seq, proposed))
 
-    def _run(self, wanted: list[tuple[Sequence, _DraftCache, int]]) -> list[list[int]]:
-        """Each sequence's greedy drafts: first its unseen tokens (at least its last, whose logits give the first
-        draft), then one draft at a time for those allowed more."""
-        chunks = []
-        for seq, cache, _ in wanted:
+    def _run(self, wanted: list[tuple[Sequence, _DraftCache, int]],
+             ) -> tuple[list[tuple[Sequence, _DraftCache, int]], list[list[int]]]:
+        """The greedy drafts of those of ``wanted`` whose unseen tokens fit this step's ``max_tokens`` (and the
+        sequences they are for). Each reads its unseen tokens, whose last one's logits give its first draft, then
+        one draft at a time for those allowed more. A sequence that does not fit reads what is left of the budget
+        and gets no drafts this step."""
+        chunks, ready, left = [], [], self.max_tokens
+        for entry in wanted:
+            seq, cache, _ = entry
             tokens = seq.all_token_ids
             start = min(cache.computed, len(tokens) - 1)
-            chunks.append(SeqChunk(tokens[start:], start, cache.blocks, True))
-            cache.computed = len(tokens)
-        drafts = [[token] for token in self.runner.execute(chunks).argmax(-1).tolist()]
-        for n in range(1, max(allowed for _, _, allowed in wanted)):
-            going = [i for i, (_, _, allowed) in enumerate(wanted) if allowed > n]
-            chunks = [SeqChunk([drafts[i][-1]], wanted[i][1].computed + n - 1, wanted[i][1].blocks, True)
+            unseen = len(tokens) - 1 - start  # before the last, which every ready sequence reads
+            if unseen <= left:
+                chunks.append(SeqChunk(tokens[start:], start, cache.blocks, True))
+                cache.computed = len(tokens)
+                ready.append(entry)
+            elif left:
+                chunks.append(SeqChunk(tokens[start : start + left], start, cache.blocks, False))
+                cache.computed = start + left
+            left -= min(unseen, left)
+        logits = self.runner.execute(chunks) if chunks else None
+        if not ready or logits is None:
+            return [], []
+        drafts = [[token] for token in logits.argmax(-1).tolist()]
+        for n in range(1, max(allowed for _, _, allowed in ready)):
+            going = [i for i, (_, _, allowed) in enumerate(ready) if allowed > n]
+            chunks = [SeqChunk([drafts[i][-1]], ready[i][1].computed + n - 1, ready[i][1].blocks, True)
                       for i in going]
             for i, token in zip(going, self.runner.execute(chunks).argmax(-1).tolist()):
                 drafts[i].append(token)
-        return drafts
+        return ready, drafts
 
     def _hold(self, cache: _DraftCache, positions: int) -> bool:
         """Whether ``cache`` has (or now gets) blocks for ``positions`` positions; False where the pool has not

@@ -113,7 +113,7 @@ class Engine:
             self._speculator = DraftModel(ModelRunner(draft_model, num_blocks, config.block_size, device=device,
                                                       dtype=next(draft_model.parameters()).dtype,
                                                       quantization=config.speculative_quantization),
-                                          config.num_speculative_tokens)
+                                          config.num_speculative_tokens, config.max_num_batched_tokens)
         self._threads = ThreadTuner(torch.get_num_threads(), torch.set_num_threads) \
             if config.tune_threads and device.type == "cpu" else None
         self.num_draft_tokens = 0  # drafts computed since start, and those kept: the acceptance rate
