@@ -22,26 +22,32 @@ log = logging.getLogger("switchyard.worker")
 ROLE_HOST_TIER_GIB = 1.0
 
 
+def _kernel_dtype(dtype: str, device: str, quantized: bool) -> str:
+    """The dtype to load a model in: as set, but float32 for ``auto`` on a CPU when its weights or KV cache are
+    quantized (the CPU kernels take float32 activations and scale back to float32, executor/linear.py)."""
+    return "float32" if quantized and dtype == "auto" and device == "cpu" else dtype
+
+
 def _switchyard(config: SwitchyardConfig) -> ServingEngine[Any]:
     """Ours: continuous batching over a paged KV cache, Llama-family models (workers/engine/engine.py)."""
     from switchyard.workers import model_store
     from switchyard.workers.engine.engine import Engine, EngineConfig
 
     t0 = time.monotonic()
-    path = model_store.resolve(config.worker.model, config.model_cache_dir)
-    dtype, device = config.worker.dtype, model_store.resolve_device(config.worker.device)
-    if (config.worker.quantization or config.worker.kv_cache_dtype == "int8") and dtype == "auto" and device == "cpu":
-        dtype = "float32"  # the CPU kernels take float32 activations and scale back to float32 (executor/linear.py)
-    model, tokenizer = model_store.load(path, dtype, device)
-    log.info("loaded %s from %s in %.2f s", config.worker.model, path, time.monotonic() - t0)
+    w = config.worker
+    path = model_store.resolve(w.model, config.model_cache_dir)
+    device = model_store.resolve_device(w.device)
+    model, tokenizer = model_store.load(
+        path, _kernel_dtype(w.dtype, device, bool(w.quantization or w.kv_cache_dtype == "int8")), device)
+    log.info("loaded %s from %s in %.2f s", w.model, path, time.monotonic() - t0)
     draft = None  # speculative: draft's model (workers/engine/draft_model.py)
-    if config.worker.speculative_model is not None:
-        quantized = config.worker.speculative_quantization and config.worker.dtype == "auto" and device == "cpu"
-        draft_path = model_store.resolve(config.worker.speculative_model, config.model_cache_dir)
-        draft, draft_tokenizer = model_store.load(draft_path, "float32" if quantized else dtype, device)
+    if w.speculative_model is not None:
+        draft_path = model_store.resolve(w.speculative_model, config.model_cache_dir)
+        draft, draft_tokenizer = model_store.load(
+            draft_path, _kernel_dtype(w.dtype, device, w.speculative_quantization is not None), device)
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"speculative_model {config.worker.speculative_model!r} has another vocabulary than "
-                             f"{config.worker.model!r}: its drafts could not be checked token by token")
+            raise ValueError(f"speculative_model {w.speculative_model!r} has another vocabulary than {w.model!r}: "
+                             f"its drafts could not be checked token by token")
     # The worker publishes what its KV cache holds (workers/service/kv_events.py): the engine records it.
     engine_config = dataclasses.replace(EngineConfig.from_settings(config.worker), kv_events=True)
     if config.worker.role != "both" and engine_config.kv_offload_gib is None:
