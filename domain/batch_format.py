@@ -21,12 +21,13 @@ from switchyard.domain.api.chat import ChatCompletionRequest
 from switchyard.domain.api.completions import CompletionRequest
 from switchyard.domain.api.shapes import CHAT, TEXT, choice_json, usage_json
 from switchyard.shared.messages import BatchResult, ErrorInfo, GenerateRequest
+from switchyard.shared.tiers import BATCH_COMPLETION_WINDOW_S
 
 ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
 }
-COMPLETION_WINDOWS = {"24h": 24 * 3600.0}
+COMPLETION_WINDOWS = {"24h": BATCH_COMPLETION_WINDOW_S}
 CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request ran."}
 EXPIRED = {"code": "batch_expired", "message": "The batch expired before this request ran."}
 

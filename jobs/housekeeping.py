@@ -1,5 +1,5 @@
-"""Periodic upkeep: lowered queue caps step toward their target as queues drain, old rate-limit windows go,
-background responses a crashed gateway left are failed."""
+"""Periodic upkeep: lowered queue caps step toward their target as queues drain (and queue ages follow the tiers'
+waits), old rate-limit windows go, background responses a crashed gateway left are failed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 
 from switchyard.domain.limits import Limiter
 from switchyard.domain.responses import fail_abandoned
-from switchyard.shared.tier_store import read_policies, reconcile_queue_caps
+from switchyard.shared.tier_store import read_policies, reconcile_queue_limits
 
 log = logging.getLogger("switchyard.housekeeping")
 
@@ -18,7 +18,7 @@ ABANDONED_EVERY_ROUNDS = 30  # background responses no gateway runs any more, lo
 
 
 async def run_housekeeping(js, limiter: Limiter, stop: asyncio.Event, pool=None) -> None:
-    """Every second: move lowered queue caps toward their target (see ``shared.tier_store.apply_queue_cap``);
+    """Every second: move lowered queue caps toward their target (see ``shared.tier_store.apply_queue_limits``);
     every half minute: fail background responses no gateway runs (with ``pool``); every few minutes: drop old
     rate-limit windows.
     Until ``stop``."""
@@ -28,7 +28,7 @@ async def run_housekeeping(js, limiter: Limiter, stop: asyncio.Event, pool=None)
             await asyncio.wait_for(stop.wait(), timeout=1.0)
         rounds += 1
         try:
-            await reconcile_queue_caps(js, await read_policies(js))
+            await reconcile_queue_limits(js, await read_policies(js))
             if rounds % PRUNE_EVERY_ROUNDS == 0:
                 await limiter.prune()
             if pool is not None and rounds % ABANDONED_EVERY_ROUNDS == 0:

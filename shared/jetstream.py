@@ -29,7 +29,7 @@ from switchyard.shared.stream_config import (
     tier_stream_config,
     usage_stream_config,
 )
-from switchyard.shared.tier_store import read_policies, seed_policies
+from switchyard.shared.tier_store import apply_queue_limits, read_policies, seed_policies
 from switchyard.shared.tiers import TIER_NAMES
 
 __all__ = ["QUEUE_FULL_CODES", "ensure_batch_results_consumer", "ensure_held_writes_consumer",
@@ -128,11 +128,12 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 1, seed: bool = T
         await seed_policies(js, replicas)
     policies = await read_policies(js)
     for tier in TIER_NAMES:
-        config = tier_stream_config(tier, policies[tier].max_queued, policies[tier].tenant_cap)
+        config = tier_stream_config(tier, policies[tier])
         await _ensure_stream(js, config, replicas)
         await _upgrade_request_stream(js, config)
         if seed:  # the gateway's role may update the queue streams; a worker's may not
             await _lift_consumer_limit(js, config)
+            await apply_queue_limits(js, tier, policies[tier])  # an earlier version's one-hour age, say
     for config in (usage_stream_config(), events_stream_config(), batch_results_stream_config(),
                    held_writes_stream_config(), dead_letter_stream_config(), affinity_stream_config()):
         await _ensure_stream(js, config, replicas)

@@ -8,6 +8,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import APIError
 
 from switchyard.shared import subjects
+from switchyard.shared.tiers import BATCH_COMPLETION_WINDOW_S, TierPolicy, get_tier
 
 # JetStream's error code for a publish refused because a stream (the tier) or subject (a tenant's queue) limit is
 # reached (discard-new); nats-server 2.15 answers 10077 for both and tells them apart in the description.
@@ -20,7 +21,22 @@ def is_subject_cap(error: APIError) -> bool:
     """Whether a queue-full refusal is a subject's cap (one tenant's queue), not the whole stream's (the tier)."""
     return error.err_code == ERR_MAX_MSGS_PER_SUBJECT or "per subject" in (error.description or "")
 
-REQUEST_MAX_AGE_S = 3600.0
+# JetStream drops a queued request this long after the longest any request of its tier may wait: a backstop for a
+# message nothing will ever answer, never a second deadline. A request's own deadline (the tier's max_wait_s; a
+# batch line's is its batch's completion window) is kept by the gateway and the worker, which answer queue_timeout.
+# A stream that dropped a request first would leave it unanswered: in a two-hour soak, batch lines that had waited
+# an hour behind interactive load were dropped by an age of one hour, and their batches could not finish.
+REQUEST_AGE_MARGIN_S = 3600.0
+
+
+def request_max_age_s(tier: str, policy: TierPolicy) -> float:
+    """How long the stream of ``tier`` keeps a queued request under ``policy``: an hour past the longest wait any of
+    its requests may have been given."""
+    longest = policy.max_wait_s
+    if not get_tier(tier).interactive:
+        longest = max(longest, BATCH_COMPLETION_WINDOW_S)
+    return longest + REQUEST_AGE_MARGIN_S
+
 
 # Consumers a request stream may hold: one per tenant and model queued in its tier within the last ten minutes
 # (REQUEST_CONSUMER_IDLE_S), and one per worker for offers. Set on the stream because nats-server 2.15 gives a
@@ -33,12 +49,12 @@ BATCH_RESULTS_MAX_AGE_S = 7 * 24 * 3600.0
 DEAD_LETTER_MAX_AGE_S = 30 * 24 * 3600.0
 
 
-def tier_stream_config(tier: str, max_queued: int, tenant_cap: int) -> StreamConfig:
+def tier_stream_config(tier: str, policy: TierPolicy) -> StreamConfig:
     # Discard-new makes JetStream itself refuse work beyond a tier's cap (every model) and beyond a tenant's cap
     # (each subject is one tenant's queue of one model), whatever the number of gateways; the refusal reaches the
     # publisher synchronously, so the client gets 429 at once.
-    return _work_queue(subjects.request_stream(tier), subjects.tier_subjects(tier), REQUEST_MAX_AGE_S,
-                       max_msgs=max_queued, max_msgs_per_subject=tenant_cap, discard=DiscardPolicy.NEW,
+    return _work_queue(subjects.request_stream(tier), subjects.tier_subjects(tier), request_max_age_s(tier, policy),
+                       max_msgs=policy.max_queued, max_msgs_per_subject=policy.tenant_cap, discard=DiscardPolicy.NEW,
                        discard_new_per_subject=True, max_consumers=MAX_QUEUE_CONSUMERS)
 
 

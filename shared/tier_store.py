@@ -4,7 +4,8 @@
     stream REQUESTS_<TIER>            subjects llm.req.*.<tier>.*: a subject per model and tenant;
                                       max_msgs = policy.max_queued (the tier), max_msgs_per_subject =
                                       policy.tenant_cap (one tenant's queue of one model); discard new: JetStream
-                                      itself refuses the 429s
+                                      itself refuses the 429s; max_age = an hour past the longest wait a request
+                                      may be given (stream_config.request_max_age_s)
 
 One stream per tier because JetStream caps every subject of a stream alike, and tiers need their own caps.
 Readers cache for ``CACHE_S`` so a change applies everywhere within about a second without a KV read per request.
@@ -24,6 +25,7 @@ from nats.js.kv import KeyValue
 from switchyard.shared import subjects
 from switchyard.shared.messages import decode, encode
 from switchyard.shared.single_flight import SingleFlight
+from switchyard.shared.stream_config import request_max_age_s
 from switchyard.shared.tiers import DEFAULT_POLICIES, TIER_NAMES, TierPolicy
 
 TIERS_BUCKET = "tiers"
@@ -69,13 +71,15 @@ async def _queue_depths(js: JetStreamContext, tier: str) -> tuple[int, int]:
     return info.state.messages, max((info.state.subjects or {}).values(), default=0)
 
 
-async def apply_queue_cap(js: JetStreamContext, tier: str, policy: TierPolicy) -> tuple[int, int]:
+async def apply_queue_limits(js: JetStreamContext, tier: str, policy: TierPolicy) -> tuple[int, int]:
     """Bring the tier stream's caps (the tier's, and each tenant's) to ``policy``'s without dropping queued
-    requests; returns the caps set.
+    requests, and raise its max age to what ``policy``'s wait needs; returns the caps set.
 
     JetStream enforces a lowered cap by deleting the oldest messages, which would lose accepted work. So a cap
     never goes below what is queued: while the queue is over the target, new requests are refused (it is full),
-    and as it drains, `reconcile_queue_caps` lowers the cap step by step until it reaches the target.
+    and as it drains, `reconcile_queue_limits` lowers the cap step by step until it reaches the target. The age is
+    only ever raised, for the same reason: a request accepted under a longer wait keeps the deadline it was given.
+    A stream made before the age followed the policy (one hour for every tier) is raised here too.
     """
     info = await js.stream_info(subjects.request_stream(tier))
     current = tuple(v if v is not None and v >= 0 else float("inf")  # JetStream's -1: no limit
@@ -88,23 +92,30 @@ async def apply_queue_cap(js: JetStreamContext, tier: str, policy: TierPolicy) -
         # int() is exact: a cap of inf (no limit) is never below a depth, so min() picks a whole number.
         caps = (max(target[0], int(min(current[0], total))) if target[0] < current[0] else target[0],
                 max(target[1], int(min(current[1], deepest))) if target[1] < current[1] else target[1])
-    if caps != current:
+    age = info.config.max_age or 0.0  # 0: no limit, which is long enough
+    if 0.0 < age < request_max_age_s(tier, policy):
+        age = request_max_age_s(tier, policy)
+    if caps != current or age != (info.config.max_age or 0.0):
+        log.info("stream %s: caps %s, max age %.0f s", info.config.name, caps, age)
         # From the stream's own config: replicas and anything else set at creation stay as they are.
-        await js.update_stream(dataclasses.replace(info.config, max_msgs=caps[0], max_msgs_per_subject=caps[1]))
+        await js.update_stream(dataclasses.replace(info.config, max_msgs=caps[0], max_msgs_per_subject=caps[1],
+                                                   max_age=age))
     return caps
 
 
-async def reconcile_queue_caps(js: JetStreamContext, policies: dict[str, TierPolicy]) -> None:
-    """Finish lowering any cap that is still above its target (run every second by each gateway)."""
+async def reconcile_queue_limits(js: JetStreamContext, policies: dict[str, TierPolicy]) -> None:
+    """Finish lowering any cap that is still above its target, and raise any age below its policy's (run every
+    second by the jobs' housekeeping)."""
     for tier in TIER_NAMES:
-        await apply_queue_cap(js, tier, policies[tier])
+        await apply_queue_limits(js, tier, policies[tier])
 
 
 async def write_policy(js: JetStreamContext, tier: str, policy: TierPolicy) -> None:
-    """Apply ``policy`` live: the stream's caps at once, the rest as readers' caches expire (about a second)."""
+    """Apply ``policy`` live: the stream's caps and age at once, the rest as readers' caches expire (about a
+    second)."""
     kv = await tiers_bucket(js)
     await kv.put(tier, encode(policy))
-    await apply_queue_cap(js, tier, policy)
+    await apply_queue_limits(js, tier, policy)
 
 
 class PolicyCache:

@@ -72,6 +72,10 @@ class Tier:
     scale_activation: int = 0
 
 
+# The longest a batch line may wait to run: its batch's completion window (domain/batch_format.py offers "24h"),
+# whatever the batch tier's max_wait_s says.
+BATCH_COMPLETION_WINDOW_S = 24 * 3600.0
+
 TIERS: tuple[Tier, ...] = (
     Tier("enterprise", 0, TierPolicy(max_queued=1000, max_wait_s=60.0, weight=8.0, rpm=6000, tpm=2_000_000,
                                      max_streams=512, max_sequences=2048), scale_threshold=4),
@@ -86,7 +90,7 @@ TIERS: tuple[Tier, ...] = (
     # Batch takes what the interactive tiers leave idle, plus a small guaranteed share (see BatchShare); it may
     # wait hours by design, so it asks for workers only once its queue is deep, and lines do not wake a GPU one by
     # one.
-    Tier("batch", 3, TierPolicy(max_queued=100_000, max_wait_s=24 * 3600.0, weight=0.05, rpm=0, tpm=0),
+    Tier("batch", 3, TierPolicy(max_queued=100_000, max_wait_s=BATCH_COMPLETION_WINDOW_S, weight=0.05, rpm=0, tpm=0),
          interactive=False, scale_threshold=1024, scale_activation=64),
 )
 

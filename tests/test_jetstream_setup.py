@@ -1,6 +1,7 @@
 """JetStream setup on a store left by an earlier layout: the old all-tiers REQUESTS stream overlaps the per-tier
 streams, so an empty one is removed and one still holding requests stops the start with a clear message; a tier's
-stream holds a queue for every tenant active in it, past the server's default consumer limit."""
+stream holds a queue for every tenant active in it, past the server's default consumer limit, and keeps a request
+as long as the longest wait the tier may give it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 from nats.js.api import RetentionPolicy, StreamConfig
@@ -16,6 +18,8 @@ from switchyard.deploy.launcher import NatsServer
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import ensure_request_consumer, ensure_streams
 from switchyard.shared.stream_config import MAX_QUEUE_CONSUMERS
+from switchyard.shared.tier_store import read_policies, reconcile_queue_limits, write_policy
+from switchyard.shared.tiers import BATCH_COMPLETION_WINDOW_S, INTERACTIVE_TIERS, TIER_NAMES
 
 
 @pytest.fixture
@@ -93,5 +97,39 @@ async def test_a_tier_holds_a_queue_for_more_tenants_than_the_servers_default_co
         [msg] = await sub.fetch(1, timeout=5)
         assert msg.data == b"the last tenant's request"
         assert (await js.stream_info(stream)).state.consumer_count == len(tenants)
+    finally:
+        await nc.close()
+
+
+async def test_a_queued_request_outlives_the_longest_wait_its_tier_may_give_it(js_url):
+    """A queued request is answered by its deadline (queue_timeout), never dropped by the stream before it: a batch
+    line may wait its batch's whole 24-hour window (a two-hour soak lost lines to a one-hour age). A stream made by
+    an earlier version (one hour everywhere) is raised when the gateway sets up; a longer wait set live raises its
+    tier's age at once; a shorter one never lowers it (requests already queued keep the wait they were given)."""
+    nc = await nats.connect(js_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        ages = {tier: (await js.stream_info(subjects.request_stream(tier))).config.max_age for tier in TIER_NAMES}
+        policies = await read_policies(js)
+        assert ages["batch"] >= BATCH_COMPLETION_WINDOW_S + 3600
+        for tier in INTERACTIVE_TIERS:
+            assert ages[tier] >= policies[tier].max_wait_s + 3600
+
+        stream = subjects.request_stream("batch")
+        earlier = (await js.stream_info(stream)).config
+        earlier.max_age = 3600.0
+        await js.update_stream(earlier)
+        await js.publish(subjects.request_subject("m", "batch", "t"), b"a line queued under the old age")
+        await ensure_streams(js)
+        info = await js.stream_info(stream)
+        assert (info.config.max_age, info.state.messages) == (ages["batch"], 1)
+
+        pro = subjects.request_stream("pro")
+        await write_policy(js, "pro", msgspec.structs.replace(policies["pro"], max_wait_s=2 * 3600.0))
+        assert (await js.stream_info(pro)).config.max_age == 3 * 3600.0
+        await write_policy(js, "pro", policies["pro"])
+        await reconcile_queue_limits(js, await read_policies(js))
+        assert (await js.stream_info(pro)).config.max_age == 3 * 3600.0
     finally:
         await nc.close()
