@@ -13,7 +13,7 @@ import torch
 
 from switchyard.shared.messages import TokenDelta
 from switchyard.workers.engine.engine import Engine, EngineConfig
-from switchyard.workers.executor import thread_tuner
+from switchyard.workers.executor import measured_choice
 from switchyard.workers.serving.prompts import RequestRejected, prepare_prompt
 
 
@@ -123,8 +123,8 @@ def test_greedy_matches_hf_generate_with_concurrent_requests(tiny, make_request,
 
 
 def test_steps_whose_thread_count_the_tuner_changes_give_the_same_tokens(tiny, make_request, monkeypatch):
-    monkeypatch.setattr(thread_tuner, "EXPLORE_EVERY_S", 0.0)  # every step a try: the count changes all along
-    monkeypatch.setattr(thread_tuner, "MAX_EXPLORE_EVERY_S", 0.0)
+    monkeypatch.setattr(measured_choice, "EXPLORE_EVERY_S", 0.0)  # every step a try: the count changes all along
+    monkeypatch.setattr(measured_choice, "MAX_EXPLORE_EVERY_S", 0.0)
     model, tokenizer = tiny
     threads = torch.get_num_threads()
     try:

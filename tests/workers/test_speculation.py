@@ -5,6 +5,8 @@ while taking fewer steps where the output repeats its prompt."""
 from __future__ import annotations
 
 import json
+import time
+from types import SimpleNamespace
 
 import jsonschema
 import msgspec
@@ -172,3 +174,29 @@ def test_under_a_grammar_drafts_follow_it_and_the_output_is_the_same(tiny, make_
     for result in fast_results.values():
         jsonschema.validate(json.loads(result.text), TAGS)
     assert fast.num_accepted_draft_tokens > 0
+
+
+def test_a_batch_whose_drafts_cost_more_than_they_give_goes_on_without_them_and_its_output_is_the_same(
+        tiny, make_request):
+    # Drafts made slow (100 ms a proposal, a draft model far too big, say): measured per token, no drafts win.
+    requests = [dict(prompt=p, temperature=0, max_tokens=120, ignore_eos=True) for p in REPEATING * 2]
+    plain, plain_results = _run_all(tiny, make_request, PLAIN, requests)
+    model, tokenizer = tiny
+    fast = RecordingEngine(model, tokenizer, SPECULATIVE)
+    gate = fast._gate
+    assert gate is not None
+    propose = gate.speculator.propose
+
+    def slow_propose(seqs):
+        seqs = list(seqs)
+        if seqs:
+            time.sleep(0.1)
+        propose(seqs)
+
+    gate.speculator = SimpleNamespace(propose=slow_propose)
+    for i, kwargs in enumerate(requests):
+        fast.add_request(make_request(request_id=f"r{i}", **kwargs))
+    fast_results = run(fast)
+    assert _outputs(fast, fast_results) == _outputs(plain, plain_results)
+    assert not gate.speculates(len(requests)) and gate.num_steps_off >= 30  # of some 110 steps
+    assert fast.num_accepted_draft_tokens > 0  # they were kept while on: it is their cost that lost

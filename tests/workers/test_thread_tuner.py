@@ -3,11 +3,8 @@ count has been tried, the faster count kept per step size, tried again later, ne
 
 from __future__ import annotations
 
-from switchyard.workers.executor.thread_tuner import (
-    EXPLORE_EVERY_S,
-    MAX_EXPLORE_EVERY_S,
-    ThreadTuner,
-)
+from switchyard.workers.executor.measured_choice import EXPLORE_EVERY_S, MAX_EXPLORE_EVERY_S
+from switchyard.workers.executor.thread_tuner import ThreadTuner
 
 
 class Machine:

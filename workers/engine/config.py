@@ -67,6 +67,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_model: str | None = None  # the draft model's name: the worker loads it (workers/service/engines.py)
     speculative_quantization: str | None = None  # the draft model's weights, as ``quantization`` (None: as loaded)
+    # Speculate only in batches where it was measured to give more tokens a second (speculation_gate.py); off: drafts
+    # in every step (benchmarks and tests that count drafts).
+    speculation_measured: bool = True
     # "int8": weight-only int8 projections; "w8a8": int8 activations too (executor/linear.py); None: as loaded
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "int8": K/V rows as int8 and a scale each (executor/attention/cpu_paged.py)

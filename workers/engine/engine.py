@@ -10,7 +10,8 @@
                     Deltas (deltas.py): eos / stop strings / detokenize ──▶ tool calls ──▶ TokenDelta
                         │
                         ▼ PromptLookup.propose() (speculation.py) or DraftModel.propose() (draft_model.py): the
-                          next step's drafts
+                          next step's drafts, where the batch's size was measured to gain by them
+                          (speculation_gate.py)
 
 ``Engine.step()`` is schedule → run → update and does no I/O; the worker's async loop calls it from a thread.
 A request with ``n > 1`` becomes n sequences over the same prompt. Only the first is scheduled at once; the
@@ -40,6 +41,7 @@ from switchyard.workers.engine.logprobs import TokenLogprobs
 from switchyard.workers.engine.next_tokens import StepTokens, next_tokens
 from switchyard.workers.engine.sequences import MatcherPrompt, choice_of, new_request
 from switchyard.workers.engine.speculation import PromptLookup
+from switchyard.workers.engine.speculation_gate import SpeculationGate
 from switchyard.workers.engine.stats import capacity_of, stats_of
 from switchyard.workers.engine.tiered_prefixes import TieredPrefixes
 from switchyard.workers.executor.cuda_graphs import GraphPass
@@ -116,6 +118,9 @@ class Engine:
                                           config.num_speculative_tokens, config.max_num_batched_tokens)
         self._threads = ThreadTuner(torch.get_num_threads(), torch.set_num_threads) \
             if config.tune_threads and device.type == "cpu" else None
+        # Whether a batch speculates is measured (speculation_gate.py): drafts that pay alone may not in a batch.
+        self._gate = (SpeculationGate(self._speculator) if self._speculator is not None and config.speculation_measured
+                      else None)
         self.num_draft_tokens = 0  # drafts computed since start, and those kept: the acceptance rate
         self.num_accepted_draft_tokens = 0
         # prepare() runs off the step thread, on up to config.prepare_threads threads at once: each on a tokenizer
@@ -351,6 +356,9 @@ class Engine:
             self.tiers.note_step(self._last_batch[1], time.perf_counter() - started)
         self.num_draft_tokens += computed.num_drafts
         self.num_accepted_draft_tokens += computed.num_kept
+        if self._gate is not None and started is not None:
+            self._gate.observed(len(plan.scheduled), _is_decode(plan), time.perf_counter() - started,
+                                sum(e.needs_sample for e in plan.scheduled) + computed.num_kept)
         for seq in self.scheduler.update_from_output(plan, computed.sampled, computed.accepted):
             if seq.seq_id in computed.logprobs and (unreported := choice_of(seq).unreported_logprobs) is not None:
                 unreported.append(computed.logprobs[seq.seq_id])
@@ -358,7 +366,8 @@ class Engine:
             if delta is not None:
                 outputs.append(delta)
         if self._speculator is not None:
-            self._speculator.propose(e.seq for e in plan.scheduled if e.needs_sample)
+            sampled = [e.seq for e in plan.scheduled if e.needs_sample]
+            (self._gate or self._speculator).propose(sampled)
         if self.tiers is not None:
             self.tiers.store_new()
             outputs = self.tiers.hold_handovers(outputs)  # sent once their blocks are in the tier
@@ -438,3 +447,8 @@ class Engine:
     @property
     def num_blocks(self) -> int:
         return self.scheduler.kv_cache.num_blocks
+
+
+def _is_decode(plan: SchedulerOutput) -> bool:
+    """Whether every sequence of ``plan`` reads only its last token and its drafts (no prompt chunk)."""
+    return all(e.needs_sample and e.num_new_tokens == 1 + len(e.draft_token_ids) for e in plan.scheduled)
