@@ -48,5 +48,8 @@ async def test_a_speculative_worker_answers_as_a_plain_one_and_counts_its_drafts
         drafts = value(samples, "switchyard:spec_decode_num_draft_tokens_total", model=served)
         kept = value(samples, "switchyard:spec_decode_num_accepted_tokens_total", model=served)
         assert drafts >= kept > 0, (drafts, kept)
+        # Steps without drafts where they were measured to lose: counted (how many depends on this machine's speed).
+        assert ("switchyard:spec_decode_steps_without_drafts_total",
+                frozenset({("model", served)})) in samples, sorted(name for name, _ in samples)
     finally:
         worker.stop()

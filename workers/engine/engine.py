@@ -190,7 +190,8 @@ class Engine:
     def stats(self) -> EngineStats:
         """Load per tier and counters since start; call it where steps run (it reads the scheduler's lists)."""
         return stats_of(self.scheduler, *self._last_batch, kv_tiers=self.tiers.stats() if self.tiers else [],
-                        drafts=(self.num_draft_tokens, self.num_accepted_draft_tokens))
+                        drafts=(self.num_draft_tokens, self.num_accepted_draft_tokens,
+                                self._gate.num_steps_off if self._gate is not None else 0))
 
     @property
     def _num_loading(self) -> int:

@@ -21,9 +21,10 @@ def capacity_of(scheduler: Scheduler, num_loading: int = 0) -> EngineCapacity:
 
 
 def stats_of(scheduler: Scheduler, batch_size: int, num_batched_tokens: int,
-             kv_tiers: list[KVTierStats] | None = None, drafts: tuple[int, int] = (0, 0)) -> EngineStats:
+             kv_tiers: list[KVTierStats] | None = None, drafts: tuple[int, int, int] = (0, 0, 0)) -> EngineStats:
     """``scheduler``'s load per tier and counters since start, with the size of the last step that ran;
-    ``drafts``: the draft tokens computed and kept since start (speculative decoding)."""
+    ``drafts``: the draft tokens computed and kept since start, and the decode steps run without drafts where they
+    were measured to lose (speculative decoding)."""
     running, waiting = scheduler.counts_by_priority()
     return EngineStats(
         running={_TIER_BY_PRIORITY.get(p, "other"): n for p, n in running.items()},
@@ -38,4 +39,5 @@ def stats_of(scheduler: Scheduler, batch_size: int, num_batched_tokens: int,
         kv_tiers=kv_tiers or [],
         num_draft_tokens=drafts[0],
         num_accepted_draft_tokens=drafts[1],
+        num_steps_without_drafts=drafts[2],
     )

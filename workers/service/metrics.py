@@ -117,6 +117,9 @@ class _EngineCollector:
                       "Draft tokens computed by speculative decoding.", m.model, stats.num_draft_tokens)
         yield _single(CounterMetricFamily, "spec_decode_num_accepted_tokens",
                       "Draft tokens the model agreed with (kept).", m.model, stats.num_accepted_draft_tokens)
+        yield _single(CounterMetricFamily, "spec_decode_steps_without_drafts",
+                      "Decode steps run without drafts, as their batch's size was measured faster so.", m.model,
+                      stats.num_steps_without_drafts)
         yield from _kv_tiers(m.model, stats)
 
 

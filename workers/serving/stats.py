@@ -43,3 +43,4 @@ class EngineStats(msgspec.Struct):
     num_pauses: int = 0  # running sequences paused for a waiting tenant, their KV kept (scheduler/pausing.py)
     num_draft_tokens: int = 0  # speculative decoding: draft tokens computed, and those the model agreed with
     num_accepted_draft_tokens: int = 0
+    num_steps_without_drafts: int = 0  # decode steps run without drafts: measured faster so for their batch's size
