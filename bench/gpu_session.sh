@@ -65,7 +65,8 @@ case "$call" in
     [[ -n $rehearsal ]] && how=(--collect-only)
     step tests 150 "$py" -m pytest --rootdir "$repo" -c "$repo/pyproject.toml" --noconftest -p no:cacheprovider \
       "${how[@]}" -q -rs "$repo/tests/workers/test_triton_attention.py" \
-      "$repo/tests/workers/test_cuda_engine.py" "$repo/tests/workers/test_sampling.py"
+      "$repo/tests/workers/test_cuda_engine.py" "$repo/tests/workers/test_sampling.py" \
+      "$repo/tests/workers/test_triton_int8.py" "$repo/tests/workers/test_triton_int4.py"
     step floors "$(left 5)" "$py" "$repo/bench/gpu.py" "${dry[@]}" --parts device decode prefill tiny --out "$out" \
       --results - ;;
   two)

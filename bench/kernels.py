@@ -2,10 +2,13 @@
 
     .venv/bin/python bench/kernels.py                    # 2 threads, all rows and prefill sizes below
     .venv/bin/python bench/kernels.py --rows 1 8 32 --prefills 0:512
+    .venv/bin/python bench/kernels.py --quantized --rows 1 8 32 --prefills    # w8a8 and int4 beside packed fp32
 
 * projections: every matrix of the model once (30 layers of qkv, o, gate_up, down, plus the 49152-row LM head) for
   ``--rows`` rows of input, by MKL (``x @ W.T``, or ``(W @ x.T).T`` where that is faster: the fallback's rule) and by
-  the packed kernel (``workers/linear.py``); weight bytes over the packed time is the bandwidth it reached;
+  the packed kernel (``workers/linear.py``); weight bytes over the packed time is the bandwidth it reached; with
+  ``--quantized``, the same through the w8a8 and int4 kernels (their own bytes: 1 and 0.625 a weight), and the time
+  of a call whose weight is tiny (16 x 32): what each call costs whatever its size;
 * prefill attention: one chunk of ``start:tokens`` through 30 layers, SDPA against ``csrc/prefill_attention.c``.
 
 Both run alternately in one process and the median of ``--repeats`` is reported, so drift of a shared machine
@@ -69,6 +72,42 @@ def bench_projections(rows_list, repeats):
     return out
 
 
+def bench_quantized(rows_list, repeats):
+    """Rows of (rows, kind, seconds for every matrix, bytes its weights take, seconds of one call on a 16 x 32
+    weight) for packed fp32, w8a8 and int4."""
+    import torch
+
+    from switchyard.workers.executor.linear import Linear
+
+    weights = [torch.randn(*s) for s in LAYER_SHAPES for _ in range(LAYERS)]
+    kinds = {"fp32": {"pack": True}, "w8a8": {"quantize": "w8a8"}, "int4": {"quantize": "int4"}}
+    linears = {kind: [Linear(w, **kw) for w in weights] for kind, kw in kinds.items()}
+    tiny = {kind: Linear(torch.randn(16, 32), **kw) for kind, kw in kinds.items()}
+    numel = sum(w.numel() for w in weights)
+    per_weight = {"fp32": 4.0, "w8a8": 1.0 + 8 / 32, "int4": 0.5 + 4 / 32}  # weights, and scales per group
+    out = []
+    for rows in rows_list:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        x_tiny = torch.randn(rows, 32)
+
+        def run(kind):
+            for lin, w in zip(linears[kind], weights):
+                lin(xs[w.shape[1]])
+
+        def calls(kind, n=200):
+            for _ in range(n):
+                tiny[kind](x_tiny)
+
+        t = alternate({kind: (lambda kind=kind: run(kind)) for kind in kinds}, repeats)
+        c = alternate({kind: (lambda kind=kind: calls(kind)) for kind in kinds}, repeats)
+        for kind in kinds:
+            nbytes = numel * per_weight[kind]
+            out.append((rows, kind, t[kind], nbytes, c[kind] / 200))
+            print(f"{kind:5s} {rows:3d} rows: {t[kind] * 1e3:6.2f} ms for {len(weights)} matrices, "
+                  f"{nbytes / t[kind] / 1e9:5.1f} GB/s; a tiny call {c[kind] / 200 * 1e6:5.1f} us", flush=True)
+    return out
+
+
 def bench_prefill(prefills, repeats):
     import torch
 
@@ -100,7 +139,8 @@ def bench_prefill(prefills, repeats):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 512])
-    p.add_argument("--prefills", nargs="+", default=["0:128", "0:512", "200:480"], help="start:tokens")
+    p.add_argument("--prefills", nargs="*", default=["0:128", "0:512", "200:480"], help="start:tokens")
+    p.add_argument("--quantized", action="store_true", help="w8a8 and int4 projections beside packed fp32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--results", default=str(RESULTS))
@@ -112,13 +152,19 @@ def main():
     projections = bench_projections(args.rows, args.repeats)
     prefills = bench_prefill([tuple(int(x) for x in s.split(":")) for s in args.prefills], args.repeats)
 
+    quantized = ""
+    if args.quantized:
+        quantized = markdown_table(("rows", "weights", "ms (120 matrices)", "GB/s", "us a tiny call"),
+                                   [(r, kind, f"{t * 1e3:.2f}", f"{b / t / 1e9:.1f}", f"{c * 1e6:.1f}")
+                                    for r, kind, t, b, c in bench_quantized(args.rows, args.repeats)])
     gemm = markdown_table(("rows", "MKL ms", "packed ms", "packed GFLOP/s", "weights GB/s (packed)"),
                           [(r, f"{m * 1e3:.1f}", f"{k * 1e3:.1f}", f"{f / k / 1e9:.0f}", f"{b / k / 1e9:.1f}")
                            for r, m, k, f, b in projections])
     attention = markdown_table(("prefill chunk (start, tokens)", "SDPA ms (30 layers)", "kernel ms"),
                                [(f"{s}, {n}", f"{a * 1e3:.1f}", f"{b * 1e3:.1f}") for s, n, a, b in prefills])
     append_section(f"## bench/kernels.py\n\n`{command_line()}` (SmolLM2 shapes, fp32, {args.threads} threads, "
-                   f"median of {args.repeats}, run alternately)\n\n{gemm}\n\n{attention}\n", args.results)
+                   f"median of {args.repeats}, run alternately)\n\n{gemm}\n\n{attention}\n{quantized}\n",
+                   args.results)
 
 if __name__ == "__main__":
     main()

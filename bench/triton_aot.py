@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 KERNELS = ("_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel")  # attention (triton_kernels.py)
-LINEAR_KERNELS = ("_int8_linear_kernel",)  # projections with int8 weights (triton_int8.py)
+# projections with int8 weights (triton_int8.py) and with 4-bit ones (triton_int4.py)
+LINEAR_KERNELS = ("_int8_linear_kernel", "_int4_linear_kernel")
 # (compute capability, the most shared memory one block may take there): a kernel over it compiles but cannot
 # launch ("out of resource: shared memory"), so that is checked too.
 TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}
@@ -47,8 +48,8 @@ FAMILIES = {
     "SmolLM2-360M": (15, 5, 64),
     "SmolLM2-1.7B": (32, 32, 64),
 }
-# hidden size, intermediate size, vocabulary, q/k/v output features: the projections int8 weights run through
-# (workers/executor/triton_int8.py)
+# hidden size, intermediate size, vocabulary, q/k/v output features: the projections int8 and int4 weights run
+# through (workers/executor/triton_int8.py, triton_int4.py)
 LINEAR_SHAPES = {
     "Llama-3-8B": (4096, 14336, 128256, 6144),
     "Llama-3-70B": (8192, 28672, 128256, 10240),
@@ -183,9 +184,9 @@ def record_launches(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
 
 
 def record_linear_launches(family: str, dtype: torch.dtype) -> list[Launch]:
-    """The int8 projections' launches of one family (q/k/v, o, gate/up, down, LM head; with and without a bias), as
-    ``triton_int8.int8_linear`` makes them, on CPU tensors, nothing run."""
-    from switchyard.workers.executor import triton_int8
+    """The int8 and int4 projections' launches of one family (q/k/v, o, gate/up, down, LM head; with and without a
+    bias), as ``triton_int8.int8_linear`` and ``triton_int4.int4_linear`` make them, on CPU tensors, nothing run."""
+    from switchyard.workers.executor import triton_int4, triton_int8
 
     hidden, intermediate, vocab, qkv = LINEAR_SHAPES[family]
     launches = []
@@ -197,17 +198,24 @@ def record_linear_launches(family: str, dtype: torch.dtype) -> list[Launch]:
         launches.append(Launch("_int8_linear_kernel", (x, q, scales, scales, y, rows, n, k, k, k, n), dict(
             HAS_BIAS=bias, PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_M=triton_int8.BLOCK_M,
             BLOCK_N=triton_int8.BLOCK_N, BLOCK_K=triton_int8.BLOCK_K)))
+        groups = -(-k // triton_int4.GROUP)
+        packed, scales = torch.zeros(n, groups * 16, dtype=torch.uint8), torch.zeros(n, groups, dtype=torch.float16)
+        launches.append(Launch("_int4_linear_kernel", (x, packed, scales, scales, scales, y, rows, n, k, k,
+                                                       groups * 16, groups, n), dict(
+            HAS_BIAS=bias, PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_M=triton_int4.BLOCK_M,
+            BLOCK_N=triton_int4.BLOCK_N)))
     return launches
 
 
 class _Kernels:
-    """Every kernel by its name: the attention kernels' module, then the int8 projection's."""
+    """Every kernel by its name: the attention kernels' module, then the int8 and int4 projections'."""
 
     def __getattr__(self, name: str):
-        from switchyard.workers.executor import triton_int8
+        from switchyard.workers.executor import triton_int4, triton_int8
         from switchyard.workers.executor.attention import triton_kernels
 
-        return getattr(triton_kernels, name, None) or getattr(triton_int8, name)
+        return (getattr(triton_kernels, name, None) or getattr(triton_int8, name, None)
+                or getattr(triton_int4, name))
 
 
 @dataclass(slots=True)

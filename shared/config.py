@@ -248,9 +248,9 @@ class EngineSettings(BaseModel):
     # Our engine's weights quantized as they load. int8: a scale per output feature, weight-only (activations and
     # sums stay float32; a CPU or a GPU). w8a8: each step's activations as int8 too, a scale per 32 inputs, products
     # in int32 on the CPU's integer dot-product instructions (a CPU only). int4: 4 bits a weight with a scale and an
-    # offset per 32 inputs (GGUF's Q4_1, which the default model's file holds), on int8 activations as w8a8, the LM
-    # head in w8a8 (a CPU only). On a CPU they run in float32, which ``dtype: auto`` then takes. None: as loaded. A
-    # vLLM worker's is vllm.quantization.
+    # offset per 32 inputs (GGUF's Q4_1, which the default model's file holds), the LM head in 8 bits (a CPU, on int8
+    # activations as w8a8; or a GPU, through Triton). On a CPU they run in float32, which ``dtype: auto`` then takes.
+    # None: as loaded. A vLLM worker's is vllm.quantization.
     quantization: Literal["int8", "w8a8", "int4"] | None = None
     # Our engine's KV cache: auto (the model's dtype), or int8: each position's K and V per KV head as int8 with one
     # float scale (a CPU in float32, on its compiled attention kernels): 3.8x the positions a pool of float32 holds,

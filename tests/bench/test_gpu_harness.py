@@ -79,8 +79,8 @@ def test_a_failed_check_fails_the_run_but_not_the_other_parts(tmp_path, monkeypa
 
 def test_every_triton_kernel_compiles_for_sm80_and_sm90_without_a_gpu(tmp_path):
     """``--compile-only``: each kernel, in each dtype the engine serves, at every family's head shapes (attention)
-    and layer sizes (the int8 projection, with a bias and without), compiled through ptxas for both targets (and
-    within their shared memory), as a GPU's first launch would compile it."""
+    and layer sizes (the int8 and int4 projections, with a bias and without), compiled through ptxas for both targets
+    (and within their shared memory), as a GPU's first launch would compile it."""
     from bench.triton_aot import DTYPES, FAMILIES, KERNELS, LINEAR_KERNELS, TARGETS
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -138,11 +138,13 @@ class Linear:
     the activations' dtype, accumulated in fp32): on a CPU packed for ``csrc/packed_gemm.c`` (float32 activations),
     on a GPU as ``[out, in]`` for ``triton_int8.py``. ``quantize="w8a8"`` (CPU, fp32) quantizes each call's rows of
     x to int8 as well, one scale per 32 inputs, and sums the products in int32 (``csrc/int8_gemm.c``).
-    ``quantize="int4"`` (CPU, fp32) keeps 4 bits a weight with a scale and an offset per 32 inputs (GGUF's Q4_1)
-    and multiplies them by the rows quantized as w8a8 does (``csrc/int4_gemm.c``).
+    ``quantize="int4"`` keeps 4 bits a weight with a scale and an offset per 32 inputs (GGUF's Q4_1): on a CPU (fp32)
+    multiplied by the rows quantized as w8a8 does (``csrc/int4_gemm.c``), on a GPU widened to the activations'
+    dtype inside the product (``triton_int4.py``).
     """
 
-    __slots__ = ("weight", "bias", "packed", "scales", "compensation", "_gemm", "_weight_ptrs", "_int8_linear")
+    __slots__ = ("weight", "bias", "packed", "scales", "offsets", "compensation", "_gemm", "_weight_ptrs",
+                 "_gpu_linear")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
                  quantize: str | None = None):
@@ -150,21 +152,29 @@ class Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+        self.offsets: torch.Tensor | None = None  # int4 on a GPU: each group's m (its d is in scales)
         self.compensation: torch.Tensor | None = None  # w8a8: per feature and group of inputs (csrc/int8_gemm.c)
         self._gemm = None
         self._weight_ptrs: tuple[int, ...] = ()  # the C kernel's weight arguments (packed, scales, ...)
-        self._int8_linear: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> x @ W.T + b, on a GPU
+        # x -> x @ W.T + b, on a GPU (Triton: int8 or int4 weights)
+        self._gpu_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantization {quantize!r} is not one of {QUANTIZATIONS}")
         if quantize == "w8a8":
             self._pack_w8a8(weight)
+        elif quantize == "int4" and weight.device.type == "cuda":
+            from switchyard.workers.executor.triton_int4 import int4_linear, pack_int4_rows
+
+            q, d, m = quantize_int4(weight)
+            self.packed, self.scales, self.offsets = packed, d, m = pack_int4_rows(q), d, m
+            self._gpu_linear = lambda x: int4_linear(x, packed, d, m, bias)
         elif quantize == "int4":
             self._pack_int4(weight)
         elif quantize and weight.device.type == "cuda":
             from switchyard.workers.executor.triton_int8 import int8_linear, quantize_int8
 
             self.packed, self.scales = q, scales = quantize_int8(weight)
-            self._int8_linear = lambda x: int8_linear(x, q, scales, bias)
+            self._gpu_linear = lambda x: int8_linear(x, q, scales, bias)
         elif pack or quantize:
             lib = load_gemm_kernel()
             if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -214,7 +224,7 @@ class Linear:
         """Bytes of the packed copy (and its scales): memory beside the model's own weights."""
         if self.packed is None:
             return 0
-        return sum(t.nbytes for t in (self.packed, self.scales, self.compensation) if t is not None)
+        return sum(t.nbytes for t in (self.packed, self.scales, self.offsets, self.compensation) if t is not None)
 
     @property
     def out_features(self) -> int:
@@ -227,8 +237,8 @@ class Linear:
         needs no separate add) and that tensor is returned; otherwise the result is a new tensor, or a transposed
         view of one.
         """
-        if self._int8_linear is not None:
-            out = self._int8_linear(x)
+        if self._gpu_linear is not None:
+            out = self._gpu_linear(x)
             return out if residual is None else residual + out
         if self._gemm is not None:
             if x.stride(1) != 1:

@@ -158,8 +158,9 @@ class ModelRunner:
     ):
         """``quantization``: ``int8`` stores every projection's weight (the LM head's too) as int8 with a scale per
         output feature (``Linear``: a CPU in float32, or a GPU); ``w8a8`` quantizes each step's activations to int8
-        too (a CPU in float32 only); ``int4`` keeps 4 bits a weight, a scale and an offset per 32 inputs, on int8
-        activations as w8a8, and the LM head in w8a8 (a CPU in float32 only); None keeps them as loaded.
+        too (a CPU in float32 only); ``int4`` keeps 4 bits a weight, a scale and an offset per 32 inputs, and the LM
+        head in 8 bits (a CPU in float32, on int8 activations as w8a8; or a GPU, the head as ``int8``); None keeps
+        them as loaded.
         ``kv_cache_dtype``: ``auto`` keeps K and V in the model's dtype; ``int8`` stores each position's row per KV
         head as int8 and its float scale (a CPU in float32, on the cpu_paged kernels: ``attention/cpu_paged.py``)."""
         config = model.config
@@ -191,9 +192,9 @@ class ModelRunner:
         lm_head = model.get_output_embeddings().weight
         self.embed = _param(embed, dev, dt)
         pack = uses_packed_kernel(dev, dt)
-        if quantization in ("w8a8", "int4") and not pack:
+        if quantization == "w8a8" and not pack:
             raise ValueError(f"quantization {quantization!r} runs on a CPU in float32 with the compiled kernels; this "
-                             f"runner is {dev.type}, {dt} (on a GPU: int8)")
+                             f"runner is {dev.type}, {dt} (on a GPU: int8 or int4)")
         if quantization is not None and not pack and dev.type != "cuda":
             raise ValueError(f"quantization {quantization!r} runs on a GPU (Triton) or on a CPU in float32 with the "
                              f"compiled packed_gemm kernel; this runner is {dev.type}, {dt}")
@@ -202,7 +203,8 @@ class ModelRunner:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False) -> Linear:
             # int4 keeps the LM head in 8 bits, as Q4 GGUF files keep it (the default model's is Q8_0): 4 bits there
             # cost SmolLM2 most of int4's perplexity (bench/RESULTS.md).
-            return Linear(weight, bias, pack, "w8a8" if head and quantization == "int4" else quantization)
+            eight_bits = "w8a8" if pack else "int8"
+            return Linear(weight, bias, pack, eight_bits if head and quantization == "int4" else quantization)
 
         self.lm_head = linear(self.embed if lm_head is embed else _param(lm_head, dev, dt), head=True)
         self.final_norm = _param(model.model.norm.weight, dev, dt)
