@@ -51,16 +51,23 @@ static inline const float *row_bf16(float *restrict buf, const uint16_t *restric
 }
 
 /* int8 caches: a row is head_dim int8 values, then the float scale they were quantized by (value = q * scale), as
- * attention/cpu_paged.py's write_kv_int8 stores them; widened and scaled into `buf` once per row, for every query
- * head that shares it. */
+ * attention/cpu_paged.py's write_kv_int8 stores them; widened into `buf` once per row, for every query head that
+ * shares it, and its scale applied to what the row gives (a score, a softmax weight), not to each element. */
 #define INT8_ROW_BYTES(hd) ((hd) + (int)sizeof(float))
 
 static inline const float *row_i8(float *restrict buf, const int8_t *restrict src, int n) {
-    float scale;
-    memcpy(&scale, src + n, sizeof scale);
-    for (int i = 0; i < n; i++) buf[i] = (float)src[i] * scale;
+    for (int i = 0; i < n; i++) buf[i] = (float)src[i];
     return buf;
 }
+
+/* What a row read by ROW is still to be multiplied by: its int8 scale; 1 for fp32 and bf16 rows. */
+static inline float scale_i8(const int8_t *restrict src, int n) {
+    float scale;
+    memcpy(&scale, src + n, sizeof scale);
+    return scale;
+}
+
+#define UNSCALED(src, n) 1.f
 
 static inline void store_f32(float *restrict dst, const float *restrict src, float scale, int n) {
     for (int i = 0; i < n; i++) dst[i] = src[i] * scale;
@@ -71,9 +78,10 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
 }
 
 /* The body for one (sequence, KV head) over caches of element type C (float, uint16_t for bf16, int8_t), rows of
- * RS(HD) elements that ROW reads as floats, and output that STORE writes; q is given as floats. HD is a
- * compile-time head_dim where the caller could give one, so the inner loops unroll into whole vector registers. */
-#define DECODE_ONE(HD, C, RS, ROW, STORE)                                                                           \
+ * RS(HD) elements that ROW reads as floats (times RSCALE), and output that STORE writes; q is given as floats. HD
+ * is a compile-time head_dim where the caller could give one, so the inner loops unroll into whole vector
+ * registers. */
+#define DECODE_ONE(HD, C, RS, ROW, RSCALE, STORE)                                                                   \
     do {                                                                                                            \
         float mx[MAX_GROUP], sum[MAX_GROUP], row[MAX_HEAD_DIM];                                                     \
         for (int g = 0; g < group; g++) mx[g] = -FLT_MAX, sum[g] = 0.f;                                              \
@@ -81,9 +89,11 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
             const int64_t base = table[j0 / block_size] * block_size;                                               \
             const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                                        \
             for (int64_t j = 0; j < n; j++) {                                                                       \
-                const float *kj = ROW(row, (const C *)k_cache + ((base + j) * num_kv_heads + kh) * RS(HD), (HD));   \
+                const C *src = (const C *)k_cache + ((base + j) * num_kv_heads + kh) * RS(HD);                      \
+                const float *kj = ROW(row, src, (HD));                                                              \
+                const float row_scale = scale * RSCALE(src, (HD));                                                  \
                 for (int g = 0; g < group; g++) {                                                                   \
-                    float s = dot(qb + g * (HD), kj, (HD)) * scale;                                                 \
+                    float s = dot(qb + g * (HD), kj, (HD)) * row_scale;                                             \
                     scores[g * ctx + j0 + j] = s;                                                                   \
                     if (s > mx[g]) mx[g] = s;                                                                       \
                 }                                                                                                   \
@@ -102,8 +112,11 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
             const int64_t base = table[j0 / block_size] * block_size;                                               \
             const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                                        \
             for (int64_t j = 0; j < n; j++) {                                                                       \
-                const float *vj = ROW(row, (const C *)v_cache + ((base + j) * num_kv_heads + kh) * RS(HD), (HD));   \
-                for (int g = 0; g < group; g++) axpy(acc + g * (HD), scores[g * ctx + j0 + j], vj, (HD));           \
+                const C *src = (const C *)v_cache + ((base + j) * num_kv_heads + kh) * RS(HD);                      \
+                const float *vj = ROW(row, src, (HD));                                                              \
+                const float row_scale = RSCALE(src, (HD));                                                          \
+                for (int g = 0; g < group; g++)                                                                     \
+                    axpy(acc + g * (HD), scores[g * ctx + j0 + j] * row_scale, vj, (HD));                           \
             }                                                                                                       \
         }                                                                                                           \
         for (int g = 0; g < group; g++) STORE(ob + g * (HD), acc + g * (HD), 1.f / sum[g], (HD));                   \
@@ -114,7 +127,7 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
  * block_tables [batch][table_stride], context_lens [batch]. Returns 0; -1 for shapes this kernel does not take, -2
  * when a score buffer could not be allocated. */
 #define SAME_ELEMS(hd) (hd)
-#define PAGED_DECODE(NAME, T, QROW, STORE, C, RS, ROW)                                                              \
+#define PAGED_DECODE(NAME, T, QROW, STORE, C, RS, ROW, RSCALE)                                                      \
     int NAME(const T *q, int64_t q_row_stride, const C *k_cache, const C *v_cache, const int64_t *block_tables,     \
              int64_t table_stride, const int64_t *context_lens, T *out, int batch, int num_heads, int num_kv_heads,  \
              int head_dim, int block_size, float scale, int num_threads) {                                          \
@@ -143,20 +156,20 @@ static inline void store_bf16(uint16_t *restrict dst, const float *restrict src,
                                        group * head_dim);                                                           \
                 T *ob = out + ((int64_t)b * num_heads + (int64_t)kh * group) * head_dim;                            \
                 if (head_dim == 64)                                                                                 \
-                    DECODE_ONE(64, C, RS, ROW, STORE);                                                              \
+                    DECODE_ONE(64, C, RS, ROW, RSCALE, STORE);                                                      \
                 else if (head_dim == 128)                                                                           \
-                    DECODE_ONE(128, C, RS, ROW, STORE);                                                             \
+                    DECODE_ONE(128, C, RS, ROW, RSCALE, STORE);                                                     \
                 else                                                                                                \
-                    DECODE_ONE(head_dim, C, RS, ROW, STORE);                                                        \
+                    DECODE_ONE(head_dim, C, RS, ROW, RSCALE, STORE);                                                \
             }                                                                                                       \
             free(scores);                                                                                           \
         }                                                                                                           \
         return failed ? -2 : 0;                                                                                     \
     }
 
-PAGED_DECODE(paged_decode_f32, float, row_f32, store_f32, float, SAME_ELEMS, row_f32)
-PAGED_DECODE(paged_decode_bf16, uint16_t, row_bf16, store_bf16, uint16_t, SAME_ELEMS, row_bf16)
-PAGED_DECODE(paged_decode_i8, float, row_f32, store_f32, int8_t, INT8_ROW_BYTES, row_i8)
+PAGED_DECODE(paged_decode_f32, float, row_f32, store_f32, float, SAME_ELEMS, row_f32, UNSCALED)
+PAGED_DECODE(paged_decode_bf16, uint16_t, row_bf16, store_bf16, uint16_t, SAME_ELEMS, row_bf16, UNSCALED)
+PAGED_DECODE(paged_decode_i8, float, row_f32, store_f32, int8_t, INT8_ROW_BYTES, row_i8, scale_i8)
 
 /* Store a step's new K and V [t][num_kv_heads][head_dim] (fp32, rows k_stride and v_stride floats apart) into int8
  * caches at
