@@ -5,6 +5,7 @@ where it does not (free writing), and whether the two outputs are the same.
     .venv/bin/python bench/speculation.py                      # prompt lookup, K = 4, float32, 128 tokens
     .venv/bin/python bench/speculation.py --num-speculative-tokens 4 8 --dtype bfloat16
     .venv/bin/python bench/speculation.py --method draft --draft-quantization int4   # SmolLM2 in int4 drafts
+    .venv/bin/python bench/speculation.py --every-step     # and drafts in every step, the measured choice off
 
 There is no smaller model of SmolLM2's tokenizer here, so ``--method draft`` drafts with SmolLM2 itself, quantized
 as ``--draft-quantization`` says: what it shows is the mechanism's cost and what a draft that agrees often gains.
@@ -19,6 +20,7 @@ at least 0.95x where it does not.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -57,7 +59,8 @@ def measure(model, tokenizer, config: EngineConfig, prompts: list[str], streams:
         times.append(seconds)
     seconds = statistics.median(times)
     kept = engine.num_accepted_draft_tokens / engine.num_draft_tokens if engine.num_draft_tokens else None
-    return {"seconds": seconds, "tok_s": tokens / seconds, "outputs": outputs, "acceptance": kept}
+    return {"seconds": seconds, "tok_s": tokens / seconds, "outputs": outputs, "acceptance": kept,
+            "without_drafts": engine.stats().num_steps_without_drafts}
 
 
 def main() -> None:
@@ -71,6 +74,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--every-step", action="store_true",
+                   help="also drafts in every step (the worker's measured choice off): what that choice changes")
     p.add_argument("--results", default=None, help="markdown file to append to; '-' for none")
     args = p.parse_args()
     report = lscpu()
@@ -89,21 +94,29 @@ def main() -> None:
                                       speculative_quantization=draft_quantization)
                 fast = measure(model, tokenizer, config, prompts, streams, args, draft)
                 same = sum(fast["outputs"][q] == plain["outputs"][q] for q in plain["outputs"])
-                row = [workload, streams, k, f"{plain['tok_s']:.1f}", f"{fast['tok_s']:.1f}",
+                every = []
+                if args.every_step:
+                    always = measure(model, tokenizer, dataclasses.replace(config, speculation_measured=False),
+                                     prompts, streams, args, draft)
+                    every = [f"{always['tok_s']:.1f} ({plain['seconds'] / always['seconds']:.2f}x)"]
+                row = [workload, streams, k, f"{plain['tok_s']:.1f}", *every, f"{fast['tok_s']:.1f}",
                        f"{plain['seconds'] / fast['seconds']:.2f}x",
                        "-" if fast["acceptance"] is None else f"{fast['acceptance']:.0%}",
-                       f"{same}/{len(plain['outputs'])}"]
+                       fast["without_drafts"], f"{same}/{len(plain['outputs'])}"]
                 rows.append(row)
                 print(" | ".join(map(str, row)), flush=True)
-    table = markdown_table(["workload", "streams", "K", "plain tok/s", "drafts tok/s", "speed-up",
-                            "drafts kept", "same output"], rows)
+    table = markdown_table(["workload", "streams", "K", "plain tok/s",
+                            *(["drafts every step tok/s"] if args.every_step else []), "drafts tok/s", "speed-up",
+                            "drafts kept", "steps without drafts", "same output"], rows)
     section = "\n".join([
         f"## Speculative decoding by "
         f"{'prompt lookup' if draft is None else f'a draft model (SmolLM2 in {args.draft_quantization})'}, "
         f"SmolLM2 ({args.dtype}, {args.threads} threads), "
         f"{cpu_name(report)}", "", f"`{command_line()}`", "",
         f"{args.max_tokens} tokens a request, greedy; tokens/s of all streams together, median of {args.repeats}. "
-        "Engine only (no gateway): what drafts change is the engine's decode.", "", table])
+        "Engine only (no gateway): what drafts change is the engine's decode. Steps without drafts: decode steps the "
+        "engine ran without them, as measured faster for their batch's size (workers/engine/speculation_gate.py), "
+        "its tries included.", "", table])
     print(section)
     append_section(section, args.results or Path(__file__).with_name("RESULTS.md"))
 
