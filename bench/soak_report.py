@@ -158,8 +158,11 @@ def plot_series(result, path: Path) -> Path | None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     minutes = [s.at / 60 for s in result.samples]
     for name in sorted({n for s in result.samples for n in s.processes}):
-        axes[0][0].plot(minutes, [s.processes.get(name, (0, 0))[0] / 2**20 for s in result.samples], label=name)
-    axes[0][0].set_title("memory, PSS (MiB)")
+        # NaN where the process was not there (killed, or not started yet): a gap, not a fall to zero.
+        axes[0][0].plot(minutes, [s.processes[name][0] / 2**20 if name in s.processes else float("nan")
+                                  for s in result.samples], label=name)
+    axes[0][0].set_title("memory, PSS (MiB, log scale: NATS beside a model's worker)")
+    axes[0][0].set_yscale("log")
     for name in sorted({n for s in result.samples for n in s.streams}):
         axes[0][1].plot(minutes, [s.streams.get(name, (0, 0, 0))[0] for s in result.samples], label=name)
     axes[0][1].set_title("JetStream messages")
