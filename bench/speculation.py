@@ -5,7 +5,7 @@ where it does not (free writing), and whether the two outputs are the same.
     .venv/bin/python bench/speculation.py                      # prompt lookup, K = 4, float32, 128 tokens
     .venv/bin/python bench/speculation.py --num-speculative-tokens 4 8 --dtype bfloat16
     .venv/bin/python bench/speculation.py --method draft --draft-quantization int4   # SmolLM2 in int4 drafts
-    .venv/bin/python bench/speculation.py --every-step     # and drafts in every step, the measured choice off
+    .venv/bin/python bench/speculation.py --measured       # and drafts only where measured faster
 
 There is no smaller model of SmolLM2's tokenizer here, so ``--method draft`` drafts with SmolLM2 itself, quantized
 as ``--draft-quantization`` says: what it shows is the mechanism's cost and what a draft that agrees often gains.
@@ -74,8 +74,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--every-step", action="store_true",
-                   help="also drafts in every step (the worker's measured choice off): what that choice changes")
+    p.add_argument("--measured", action="store_true",
+                   help="also with drafts only where measured faster (speculation_gate.py): what that choice changes")
     p.add_argument("--results", default=None, help="markdown file to append to; '-' for none")
     args = p.parse_args()
     report = lscpu()
@@ -95,28 +95,29 @@ def main() -> None:
                 fast = measure(model, tokenizer, config, prompts, streams, args, draft)
                 same = sum(fast["outputs"][q] == plain["outputs"][q] for q in plain["outputs"])
                 every = []
-                if args.every_step:
-                    always = measure(model, tokenizer, dataclasses.replace(config, speculation_measured=False),
-                                     prompts, streams, args, draft)
-                    every = [f"{always['tok_s']:.1f} ({plain['seconds'] / always['seconds']:.2f}x)"]
+                if args.measured:
+                    gated = measure(model, tokenizer, dataclasses.replace(config, speculation_measured=True),
+                                    prompts, streams, args, draft)
+                    every = [f"{gated['tok_s']:.1f} ({plain['seconds'] / gated['seconds']:.2f}x)",
+                             gated["without_drafts"]]
                 row = [workload, streams, k, f"{plain['tok_s']:.1f}", *every, f"{fast['tok_s']:.1f}",
                        f"{plain['seconds'] / fast['seconds']:.2f}x",
                        "-" if fast["acceptance"] is None else f"{fast['acceptance']:.0%}",
-                       fast["without_drafts"], f"{same}/{len(plain['outputs'])}"]
+                       f"{same}/{len(plain['outputs'])}"]
                 rows.append(row)
                 print(" | ".join(map(str, row)), flush=True)
     table = markdown_table(["workload", "streams", "K", "plain tok/s",
-                            *(["drafts every step tok/s"] if args.every_step else []), "drafts tok/s", "speed-up",
-                            "drafts kept", "steps without drafts", "same output"], rows)
+                            *(["measured drafts tok/s", "steps without drafts"] if args.measured else []),
+                            "drafts tok/s", "speed-up", "drafts kept", "same output"], rows)
     section = "\n".join([
         f"## Speculative decoding by "
         f"{'prompt lookup' if draft is None else f'a draft model (SmolLM2 in {args.draft_quantization})'}, "
         f"SmolLM2 ({args.dtype}, {args.threads} threads), "
         f"{cpu_name(report)}", "", f"`{command_line()}`", "",
         f"{args.max_tokens} tokens a request, greedy; tokens/s of all streams together, median of {args.repeats}. "
-        "Engine only (no gateway): what drafts change is the engine's decode. Steps without drafts: decode steps the "
-        "engine ran without them, as measured faster for their batch's size (workers/engine/speculation_gate.py), "
-        "its tries included.", "", table])
+        "Engine only (no gateway): what drafts change is the engine's decode. Measured drafts: drafts only where "
+        "measured faster for the batch's size (workers/engine/speculation_gate.py); steps without drafts: the decode "
+        "steps it ran without them, its tries included.", "", table])
     print(section)
     append_section(section, args.results or Path(__file__).with_name("RESULTS.md"))
 

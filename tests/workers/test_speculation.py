@@ -4,6 +4,7 @@ while taking fewer steps where the output repeats its prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from types import SimpleNamespace
@@ -182,7 +183,7 @@ def test_a_batch_whose_drafts_cost_more_than_they_give_goes_on_without_them_and_
     requests = [dict(prompt=p, temperature=0, max_tokens=120, ignore_eos=True) for p in REPEATING * 2]
     plain, plain_results = _run_all(tiny, make_request, PLAIN, requests)
     model, tokenizer = tiny
-    fast = RecordingEngine(model, tokenizer, SPECULATIVE)
+    fast = RecordingEngine(model, tokenizer, dataclasses.replace(SPECULATIVE, speculation_measured=True))
     gate = fast._gate
     assert gate is not None
     propose = gate.speculator.propose

@@ -67,9 +67,10 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_model: str | None = None  # the draft model's name: the worker loads it (workers/service/engines.py)
     speculative_quantization: str | None = None  # the draft model's weights, as ``quantization`` (None: as loaded)
-    # Speculate only in batches where it was measured to give more tokens a second (speculation_gate.py); off: drafts
-    # in every step (benchmarks and tests that count drafts).
-    speculation_measured: bool = True
+    # Speculate only in batches where it was measured to give more tokens a second (speculation_gate.py). Off by
+    # default: in bench/speculation.py's runs it also chose no drafts at one stream, where they win, and gave 0.90-1.05x
+    # of drafts in every step (bench/RESULTS.md); off, every step of a speculating engine gets drafts.
+    speculation_measured: bool = False
     # "int8": weight-only int8 projections; "w8a8": int8 activations too (executor/linear.py); None: as loaded
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "int8": K/V rows as int8 and a scale each (executor/attention/cpu_paged.py)
