@@ -231,6 +231,12 @@ class StepLoop:
         """A step's outcome, out: its deltas (one message per gateway), then the records of what finished."""
         held, out, metrics = self._held, self._out, self._metrics
         metrics.safety_flagged(result.safety_events)  # counted before a client can see the halt
+        if self._kv_events is not None:
+            # Before the deltas: a client that reads a request's end and sends its next turn at once must find the
+            # gateways' KV index knowing the seat it freed and the blocks it cached (a core NATS publish: no wait).
+            # And before they are numbered: from a delta's number to its send nothing may wait, or a delta sent
+            # alone meanwhile (an intake's answer for the same request) would go out ahead of it.
+            await self._kv_events.publish(result.kv_changes, result.capacity)
         step = StepDeltas()
         now = time.time()
         generated: dict[str, int] = {}
@@ -259,10 +265,6 @@ class StepLoop:
                 if running.superseded:
                     metrics.dismissed(req.tier, running.prompt_tokens, running.completion_tokens)
                 ended.append((running, delta.finish_reason))
-        if self._kv_events is not None:
-            # Before the deltas: a client that reads a request's end and sends its next turn at once must find the
-            # gateways' KV index knowing the seat it freed and the blocks it cached (a core NATS publish: no wait).
-            await self._kv_events.publish(result.kv_changes, result.capacity)
         await out.send(step)  # before the records: a usage record retried through an outage holds no token back
         for tracked, finish_reason in ended:
             record_request_trace(tracked, out.worker_id, finish_reason, now)
