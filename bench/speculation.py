@@ -94,13 +94,13 @@ def main() -> None:
                                       speculative_quantization=draft_quantization)
                 fast = measure(model, tokenizer, config, prompts, streams, args, draft)
                 same = sum(fast["outputs"][q] == plain["outputs"][q] for q in plain["outputs"])
-                every = []
+                measured_cells = []
                 if args.measured:
                     gated = measure(model, tokenizer, dataclasses.replace(config, speculation_measured=True),
                                     prompts, streams, args, draft)
-                    every = [f"{gated['tok_s']:.1f} ({plain['seconds'] / gated['seconds']:.2f}x)",
+                    measured_cells = [f"{gated['tok_s']:.1f} ({plain['seconds'] / gated['seconds']:.2f}x)",
                              gated["without_drafts"]]
-                row = [workload, streams, k, f"{plain['tok_s']:.1f}", *every, f"{fast['tok_s']:.1f}",
+                row = [workload, streams, k, f"{plain['tok_s']:.1f}", *measured_cells, f"{fast['tok_s']:.1f}",
                        f"{plain['seconds'] / fast['seconds']:.2f}x",
                        "-" if fast["acceptance"] is None else f"{fast['acceptance']:.0%}",
                        f"{same}/{len(plain['outputs'])}"]

@@ -93,8 +93,8 @@ async def apply_queue_limits(js: JetStreamContext, tier: str, policy: TierPolicy
         caps = (max(target[0], int(min(current[0], total))) if target[0] < current[0] else target[0],
                 max(target[1], int(min(current[1], deepest))) if target[1] < current[1] else target[1])
     age = info.config.max_age or 0.0  # 0: no limit, which is long enough
-    if 0.0 < age < request_max_age_s(tier, policy):
-        age = request_max_age_s(tier, policy)
+    if age > 0.0:
+        age = max(age, request_max_age_s(tier, policy))
     if caps != current or age != (info.config.max_age or 0.0):
         log.info("stream %s: caps %s, max age %.0f s", info.config.name, caps, age)
         # From the stream's own config: replicas and anything else set at creation stay as they are.
