@@ -41,6 +41,24 @@ def near_fault(result, out: Outcome) -> bool:
     return any(f.at <= at <= f.ended_at + AFTER_FAULT_S for f in result.faults)
 
 
+AFTER_FAULT_BUCKETS_S = (0, 30, 60, 90, 120, 180, 240, 300)  # the edges of the buckets after a fault's end
+
+
+def after_fault_rows(result) -> list[list[str]]:
+    """Per fault: streamed TTFT p99 (every tier) of the requests sent in each bucket after its last step, and in
+    the minute before it, so the time latency takes to settle after each fault is read, not guessed."""
+    rows = []
+    streamed = [o for o in result.ledger if o.kind == "chat_stream" and o.ttft_s is not None]
+    for fault in result.faults:
+        def p99(begin: float, end: float) -> str:
+            ttft = [o.ttft_s for o in streamed if begin <= o.sent_at - result.started_wall < end]
+            return _s(_pct(ttft, 99))
+        edges = AFTER_FAULT_BUCKETS_S
+        rows.append([fault.name, f"{fault.at / 60:.1f}", p99(fault.at - 60, fault.at),
+                     *(p99(fault.ended_at + a, fault.ended_at + b) for a, b in zip(edges, edges[1:], strict=False))])
+    return rows
+
+
 def window_rows(result) -> list[list[str]]:
     """Per window: requests by outcome, and streamed TTFT p50/p99 per tier outside the minute after a fault."""
     rows = []
@@ -109,6 +127,11 @@ def report(result, args) -> str:
              "### Faults", "",
              markdown_table(["fault", "at min", "recovered in s"],
                             [[f.name, f"{f.at / 60:.1f}", _s(f.recovered_s)] for f in result.faults]), "",
+             "### Streamed TTFT p99 (s) around each fault: the minute before it, then by seconds after its end", "",
+             markdown_table(["fault", "at min", "before",
+                             *(f"{a}-{b}" for a, b in zip(AFTER_FAULT_BUCKETS_S, AFTER_FAULT_BUCKETS_S[1:],
+                                                          strict=False))],
+                            after_fault_rows(result)), "",
              "### Processes (memory as PSS MiB, open fds; growth after the first 20 min, per hour)", "",
              markdown_table(["process", "MiB first", "MiB last", "growth/h", "fds first", "fds last"],
                             process_rows(result)), "",

@@ -52,6 +52,7 @@ class Verdict:
     why: str = ""  # why they are dismissed, for the log
     stale: tuple[str, int] | None = None  # a worker to tell to stop one earlier attempt
     broken: bool = False  # the run the client is on has a hole: go on elsewhere or end the request
+    expected_seq: int | None = None  # broken: the number the run's next delta should have had
     hedge_won: bool | None = None  # a hedge was decided: True when the second worker won
 
 
@@ -117,7 +118,7 @@ class RelayState:
             self._dismissed.add((key, self.attempt))
             return Verdict(dismiss=[key], why=f"it runs on {self.worker_id} (delivered twice)")
         if delta.seq != run.next_seq:
-            return self._broken(key)
+            return self._broken(key, run.next_seq)
         run.next_seq += 1
         run.taken = True
         produced = bool(delta.num_tokens or delta.text or delta.is_last or delta.error is not None)
@@ -134,14 +135,14 @@ class RelayState:
             self.handed_off = notice  # a notice in its run's numbering (a hedged run's) hands it off too
         return verdict
 
-    def _broken(self, worker: str) -> Verdict:
+    def _broken(self, worker: str, expected_seq: int) -> Verdict:
         """``worker``'s stream has a hole: hedged, the other run goes on alone; else the relay continues the
         request elsewhere (``lost``, ``continued``) or ends it."""
         if self.phase is Phase.HEDGED:
             self._dismissed.add((worker, self.attempt))
             self._keep_only(next(w for w in self.runs if w != worker))
             return Verdict(dismiss=[worker], why="its stream has a hole")
-        return Verdict(broken=True)
+        return Verdict(broken=True, expected_seq=expected_seq)
 
     def _keep_only(self, worker: str) -> None:
         for other in [w for w in self.runs if w != worker]:

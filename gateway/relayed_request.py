@@ -126,8 +126,10 @@ class RelayedRequest:
                 # gateway reconnected to another): the text would have a hole. The request goes on from what the
                 # client has, as after a worker's death (any live worker, this one too, takes the continuation);
                 # when it cannot, it ends with an error rather than stream a text with a hole.
-                log.warning("request %s: delta %d of worker %s arrived out of order", self.request.request_id,
-                            delta.seq, delta.worker_id)
+                log.warning("request %s: delta %d of worker %s arrived out of order (expected %s; attempt %d, "
+                            "%d tokens streamed, last=%s, error=%s)", self.request.request_id, delta.seq,
+                            delta.worker_id, verdict.expected_seq, delta.attempt, self._num_tokens, delta.is_last,
+                            None if delta.error is None else delta.error.code)
                 if await self._continue_elsewhere(None):
                     return await self._next(None if timeout is None else max(timeout, DEADLINE_GRACE_S))
                 # The dismissed worker bills nothing: the streamed tokens are billed here.

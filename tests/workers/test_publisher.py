@@ -107,3 +107,32 @@ async def test_a_stream_taken_over_tells_the_gateway_that_relayed_it_out_of_the_
     assert notice.is_last and notice.error.code == "stream_taken_over" and notice.seq == 3
     moved = [decode(r.delta, TokenDelta).seq for m in await _all(g2) for r in decode_routed(m)]
     assert len(answers) == 1 and moved == [1, 2, 3]  # the client's delta again, the next, then the later one
+
+
+async def test_a_delta_sent_alone_while_a_step_holds_one_of_the_same_request_is_numbered_after_it(nc):
+    """The order a gateway reads is the order of the numbers: a delta made in a step that has not gone out yet, and
+    one sent alone meanwhile (an intake's answer for the same request id), arrive numbered as they were sent."""
+    g = await nc.subscribe(subjects.gateway_token_subject("g"))
+    out = Publisher(nc, None, "worker-1")
+    req = _request("r", "g")
+    step = StepDeltas()
+    await out.delta(req, TokenDelta("r", text="a", num_tokens=1), step)  # the step's, not sent yet
+    await out.delta(req, TokenDelta("r", text="b", num_tokens=1))  # alone, at once
+    await out.send(step)
+    await nats_client.settled(nc)
+    got = [decode(r.delta, TokenDelta) for m in await _all(g) for r in decode_routed(m)]
+    assert [(d.seq, d.text) for d in got] == [(0, "b"), (1, "a")]
+
+
+async def test_a_runs_last_delta_ends_its_numbering(nc):
+    """A request's last delta (or its error) ends its run: a later run of the same id (a copy delivered again)
+    starts at 0, and the worker keeps no number for it."""
+    g = await nc.subscribe(subjects.gateway_token_subject("g"))
+    out = Publisher(nc, None, "worker-1")
+    req = _request("r", "g")
+    await out.delta(req, TokenDelta("r", text="a", num_tokens=1))
+    await out.delta(req, TokenDelta("r", text="", is_last=True, finish_reason="stop"))
+    await out.error(req, ErrorInfo("boom", code="boom"))
+    await nats_client.settled(nc)
+    got = [decode(r.delta, TokenDelta) for m in await _all(g) for r in decode_routed(m)]
+    assert [d.seq for d in got] == [0, 1, 0]

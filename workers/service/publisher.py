@@ -50,19 +50,15 @@ RECORD_RETRY_S = 30.0
 
 
 class StepDeltas:
-    """A step's deltas, by the subject they go to, in the order they were added."""
+    """A step's deltas, in the order they were added; numbered, encoded and routed only when sent."""
 
-    __slots__ = ("by_subject",)
+    __slots__ = ("items",)
 
     def __init__(self) -> None:
-        self.by_subject: dict[str, list[RoutedDelta]] = {}
+        self.items: list[tuple[GenerateRequest, TokenDelta]] = []
 
-    def add(self, subject: str, request_id: str, data: bytes) -> None:
-        routed = RoutedDelta(request_id, msgspec.Raw(data))
-        if (listed := self.by_subject.get(subject)) is None:
-            self.by_subject[subject] = [routed]
-        else:
-            listed.append(routed)
+    def add(self, request: GenerateRequest, delta: TokenDelta) -> None:
+        self.items.append((request, delta))
 
 
 def messages_of(deltas: list[RoutedDelta], max_bytes: int) -> list[bytes]:
@@ -97,35 +93,53 @@ class Publisher:
         self._sending = asyncio.Lock()
 
     async def delta(self, request: GenerateRequest, delta: TokenDelta, step: StepDeltas | None = None) -> None:
-        """Number ``delta`` and send it, or add it to ``step`` (sent with the step's others by ``send``)."""
-        delta.seq = self._next_seq.get(delta.request_id, 0)
-        delta.worker_id = self.worker_id
-        self._next_seq[delta.request_id] = delta.seq + 1
-        data = encode(delta)
-        route = request.reply_subject
-        if self._replays is not None:
-            self._replays.record(request, delta, data)
-            route = self._replays.route(request)
-        if route is None:  # a wire client subscribed to the request's own subject
-            await self._nc.publish(subjects.token_subject(delta.request_id), data)
-        elif step is not None:
-            step.add(route, delta.request_id, data)
-        else:  # outside a step (a refusal from the intake): alone, at once
-            alone = StepDeltas()
-            alone.add(route, delta.request_id, data)
-            await self.send(alone)
+        """Add ``delta`` to ``step`` (sent with the step's others by ``send``), or send it now, alone."""
+        if step is not None:
+            step.add(request, delta)
+            return
+        alone = StepDeltas()  # outside a step (a refusal from the intake): at once
+        alone.add(request, delta)
+        await self.send(alone)
 
     async def send(self, step: StepDeltas) -> None:
-        """Every delta added to ``step``: a message per gateway (more where one would pass NATS's max_payload)."""
+        """Every delta added to ``step``, numbered now: a message per gateway (more where one would pass NATS's
+        max_payload). A delta gets its number as it goes out, under the one lock every send takes, so that a
+        request's deltas leave in their numbers' order whichever task sends them (a delta numbered when made and
+        sent at the end of its step would be passed by one sent alone meanwhile, and its gateway would see a
+        hole)."""
         async with self._sending:
-            await self._send(step)
+            await self._send(self._routed(step))
 
-    async def _send(self, step: StepDeltas) -> None:
+    def _routed(self, step: StepDeltas) -> dict[str | None, list[RoutedDelta]]:
+        """``step``'s deltas numbered, encoded and kept for a resume, by where they go (None: each request's own
+        subject). Called with the send lock held: a take-over moves a route only between sends."""
+        by_route: dict[str | None, list[RoutedDelta]] = {}
+        for request, delta in step.items:
+            request_id = delta.request_id
+            delta.seq = self._next_seq.get(request_id, 0)
+            delta.worker_id = self.worker_id
+            if delta.is_last:  # the run's last: a later run of it (a copy JetStream delivers again) starts over
+                self._next_seq.pop(request_id, None)
+            else:
+                self._next_seq[request_id] = delta.seq + 1
+            data = encode(delta)
+            route = request.reply_subject
+            if self._replays is not None:
+                self._replays.record(request, delta, data)
+                route = self._replays.route(request)
+            by_route.setdefault(route, []).append(RoutedDelta(request_id, msgspec.Raw(data)))
+        step.items.clear()
+        return by_route
+
+    async def _send(self, by_route: dict[str | None, list[RoutedDelta]]) -> None:
         max_bytes = self._nc.max_payload - HEADER_ROOM
-        for subject, deltas in step.by_subject.items():
+        for route, deltas in by_route.items():
+            if route is None:  # wire clients, each subscribed to its request's own subject: one delta a message
+                for routed in deltas:
+                    await self._nc.publish(subjects.token_subject(routed.request_id), bytes(routed.delta))
+                continue
             for data in messages_of(deltas, max_bytes):
-                await self._nc.publish(subject, data)
-        step.by_subject.clear()
+                await self._nc.publish(route, data)
 
     def drop_stream(self, request: GenerateRequest) -> None:
         """This run of ``request`` no longer answers for its stream (superseded, or handed over): another does."""
@@ -143,16 +157,13 @@ class Publisher:
                 return  # not ours, or not the asker's: no answer, as for an unknown request
             answer, deltas = taken
             await respond(encode(answer))
-            again = StepDeltas()
             if answer.request is not None and before is not None and before != ask.reply_subject:
                 # The gateway that relayed it so far may live (its client's connection hung, and the client came
                 # back elsewhere): it is told, out of the run's numbering, so that it ends its part quietly.
                 notice = TokenDelta(ask.request_id, error=TAKEN_OVER, is_last=True, attempt=answer.request.attempt,
                                     worker_id=self.worker_id, seq=answer.next_seq)
-                again.add(before, ask.request_id, encode(notice))
-            for data in deltas:
-                again.add(ask.reply_subject, ask.request_id, data)
-            await self._send(again)
+                await self._send({before: [RoutedDelta(ask.request_id, msgspec.Raw(encode(notice)))]})
+            await self._send({ask.reply_subject: [RoutedDelta(ask.request_id, msgspec.Raw(data)) for data in deltas]})
 
     async def started(self, tracked: Tracked, step: StepDeltas | None = None) -> None:
         """``tracked`` is in the engine: its first delta, and a batch line's hint for the batch runner."""
@@ -173,7 +184,6 @@ class Publisher:
         """Answer ``request`` with ``error`` instead of running (or finishing) it."""
         await self.delta(request, TokenDelta(request.request_id, error=error, attempt=request.attempt,
                                              is_last=True), step)
-        self._next_seq.pop(request.request_id, None)
         if self._replays is not None:
             self._replays.finished(request.request_id, time.monotonic())
         if request.result_subject:
@@ -197,7 +207,6 @@ class Publisher:
         A superseded request gets neither, nor does a prefill worker's part of one (``HANDOVER``): the worker that
         continued it bills every token and answers."""
         req = tracked.request
-        self._next_seq.pop(req.request_id, None)  # its last delta is out
         if tracked.superseded or finish_reason == HANDOVER:
             self.drop_stream(req)
             return

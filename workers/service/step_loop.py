@@ -234,8 +234,6 @@ class StepLoop:
         if self._kv_events is not None:
             # Before the deltas: a client that reads a request's end and sends its next turn at once must find the
             # gateways' KV index knowing the seat it freed and the blocks it cached (a core NATS publish: no wait).
-            # And before they are numbered: from a delta's number to its send nothing may wait, or a delta sent
-            # alone meanwhile (an intake's answer for the same request) would go out ahead of it.
             await self._kv_events.publish(result.kv_changes, result.capacity)
         step = StepDeltas()
         now = time.time()
