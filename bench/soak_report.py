@@ -78,14 +78,31 @@ def window_rows(result) -> list[list[str]]:
     return rows
 
 
+def life_start(result, name: str) -> float:
+    """When the last run of process ``name`` started, as the sample that first saw its pid (a restarted process is
+    judged from its own start, not the soak's: its first minutes fill caches and pools as everyone's did)."""
+    owner = name.split(",")[0]  # "postgres, shared memory ...": the postgres process's
+    seen = [(s.at, s.pids.get(owner)) for s in result.samples if owner in s.pids]
+    if not seen:
+        return 0.0
+    last_pid, start = seen[-1][1], seen[-1][0]
+    for at, pid in reversed(seen):
+        if pid != last_pid:
+            break
+        start = at
+    return 0.0 if start == seen[0][0] else start
+
+
 def process_rows(result) -> list[list[str]]:
     names = sorted({n for s in result.samples for n in s.processes})
     rows = []
     for name in names:
         series = [(s.at, s.processes[name]) for s in result.samples if name in s.processes]
-        growth = growth_per_hour([(t, rss) for t, (rss, _) in series])
+        started = life_start(result, name)
+        growth = growth_per_hour([(t, rss) for t, (rss, _) in series if t >= started], started + SETTLE_S)
         rows.append([name, f"{series[0][1][0] / 2**20:.0f}", f"{series[-1][1][0] / 2**20:.0f}",
-                     "-" if growth is None else f"{growth * 100:+.1f}%", str(series[0][1][1]), str(series[-1][1][1])])
+                     "-" if growth is None else f"{growth * 100:+.1f}%", f"{(started + SETTLE_S) / 60:.0f}",
+                     str(series[0][1][1]), str(series[-1][1][1])])
     return rows
 
 
@@ -132,8 +149,9 @@ def report(result, args) -> str:
                              *(f"{a}-{b}" for a, b in zip(AFTER_FAULT_BUCKETS_S, AFTER_FAULT_BUCKETS_S[1:],
                                                           strict=False))],
                             after_fault_rows(result)), "",
-             "### Processes (memory as PSS MiB, open fds; growth after the first 20 min, per hour)", "",
-             markdown_table(["process", "MiB first", "MiB last", "growth/h", "fds first", "fds last"],
+             "### Processes (memory as PSS MiB, open fds; growth per hour from 20 min after the process's own start)",
+             "",
+             markdown_table(["process", "MiB first", "MiB last", "growth/h", "from min", "fds first", "fds last"],
                             process_rows(result)), "",
              "### Storage (first sample, last sample)", "",
              markdown_table(["what", "rows first", "rows last", "MiB first", "MiB last", "consumers"],

@@ -24,6 +24,7 @@ class Sample:
     data_dir_bytes: int = 0
     # process -> structure -> entries held per tenant, key, address or conversation (switchyard:tenant_state_entries)
     tenant_state: dict[str, dict[str, int]] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)  # name -> pid: a process restarted by a fault gets a new one
 
 
 def process_usage(pid: int) -> tuple[int, int]:
@@ -141,7 +142,8 @@ async def tenant_state(gateways: dict[str, str], nats_url: str) -> dict[str, dic
 async def sample(at: float, pids: dict[str, int], nats_url: str, database_url: str, data_dir: Path,
                  gateways: dict[str, str]) -> Sample:
     """One window's figures; a server that cannot be read right now (a fault) leaves its part empty."""
-    out = Sample(at, {name: process_usage(pid) for name, pid in pids.items()}, data_dir_bytes=dir_bytes(data_dir))
+    out = Sample(at, {name: process_usage(pid) for name, pid in pids.items()}, data_dir_bytes=dir_bytes(data_dir),
+                 pids=dict(pids))
     if "postgres" in pids:
         private, shared = split_shared_memory(pids["postgres"])
         out.processes["postgres, outside shared memory"] = (private, out.processes["postgres"][1])

@@ -1,0 +1,39 @@
+"""The soak report's judgements on made-up samples (bench/soak_report.py): a process restarted by a fault is
+judged from its own start, and the latency around a fault is read per bucket after the fault's end."""
+
+from __future__ import annotations
+
+from bench.soak import FaultRun, SoakResult
+from bench.soak_load import Outcome
+from bench.soak_report import after_fault_rows, life_start, process_rows
+from bench.soak_sample import Sample
+
+MIB = 2**20
+
+
+def _samples(gateway_mib: list[int], gateway_pids: list[int]) -> list[Sample]:
+    return [Sample(at=600.0 * i, processes={"gateway-0": (mib * MIB, 10), "nats": (50 * MIB, 8)},
+                   pids={"gateway-0": pid, "nats": 1})
+            for i, (mib, pid) in enumerate(zip(gateway_mib, gateway_pids, strict=True))]
+
+
+def test_a_restarted_process_is_judged_from_twenty_minutes_after_its_own_start():
+    # Grows at first, killed at 40 min, restarted (a new pid) and flat from 20 min after that.
+    mib = [100, 110, 120, 125, 60, 80, 90, 90, 90, 90, 90, 90, 90]
+    pids = [7, 7, 7, 7, 8, 8, 8, 8, 8, 8, 8, 8, 8]
+    result = SoakResult(cpu=[], seconds=7200, samples=_samples(mib, pids))
+    assert life_start(result, "gateway-0") == 2400.0
+    assert life_start(result, "nats") == 0.0  # never restarted: the soak's own settling applies
+    rows = {row[0]: row for row in process_rows(result)}
+    assert rows["gateway-0"][3] == "+0.0%" and rows["gateway-0"][4] == "60"
+    assert rows["nats"][3] == "+0.0%" and rows["nats"][4] == "20"
+
+
+def test_the_latency_after_a_fault_is_read_per_bucket_after_its_end():
+    fault = FaultRun("worker-stop", at=600.0, ended_at=630.0)
+    ledger = [Outcome("chat_stream", "pro", sent_at=1000.0 + at, status="completed", ttft_s=ttft)
+              for at, ttft in ((570, 0.1), (640, 9.0), (665, 5.0), (700, 0.2), (900, 0.1))]
+    result = SoakResult(cpu=[], seconds=1200, ledger=ledger, faults=[fault], started_wall=1000.0)
+    (row,) = after_fault_rows(result)
+    assert row[:3] == ["worker-stop", "10.0", "0.10"]  # the minute before it
+    assert row[3:] == ["9.00", "5.00", "0.20", "-", "-", "-", "0.10"]  # 0-30 s after its end, 30-60, ...
