@@ -88,7 +88,7 @@ class Relay:
         request = msgspec.structs.replace(request, reply_subject=self._router.subject)
         relayed = RelayedRequest(self._nc, request, inbox, self._stall_timeout_s, self._retry_after_s,
                                  self._liveness, self._failover)
-        relayed.state.taken_over(answer.worker_id, answer.first_seq)
+        relayed.state.taken_over(answer.worker_id, answer.first_seq, answer.next_seq)
         relayed.had_before(answer.token_ids, answer.text_len)
         return relayed
 

@@ -41,6 +41,10 @@ class Run:
     next_seq: int = 0  # the sequence number its next delta must carry (a lower or higher one: a hole)
     taken: bool = True  # it has sent a message (a hedge offered but not taken yet has not)
     offer_until: float = float("inf")  # unix time: an untaken offer is dropped by its worker after this
+    # Taken over on the gateway that relays it (its token subject the same): deltas numbered below this, and past
+    # ``next_seq``, that come before the resend's first are live ones sent before the worker moved the stream,
+    # routed to the new inbox already; the resend repeats them (0: nothing to wait for).
+    resent_until: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,11 @@ class RelayState:
             self._dismissed.add((key, self.attempt))
             return Verdict(dismiss=[key], why=f"it runs on {self.worker_id} (delivered twice)")
         if delta.seq != run.next_seq:
+            if run.next_seq < delta.seq < run.resent_until:
+                return DROP  # a live copy from before the take-over's answer: the resend brings it in its place
             return self._broken(key, run.next_seq)
         run.next_seq += 1
+        run.resent_until = 0  # the resend has begun: from here a hole is a hole
         run.taken = True
         produced = bool(delta.num_tokens or delta.text or delta.is_last or delta.error is not None)
         verdict = DELIVER
@@ -176,10 +183,15 @@ class RelayState:
         self.runs[worker] = Run(taken=False, offer_until=offer_until)
         self.hedge_worker, self.phase = worker, Phase.HEDGED
 
-    def taken_over(self, worker: str, next_seq: int) -> None:
-        """This gateway took over a stream another relayed (gateway/stream_resume.py): ``worker`` runs it and
-        resends its deltas from ``next_seq``. Its client has had the request's start: it is not hedged."""
-        self.runs = {worker: Run(next_seq=next_seq)}
+    def taken_over(self, worker: str, next_seq: int, resent_until: int = 0) -> None:
+        """This gateway took over a stream (gateway/stream_resume.py): ``worker`` runs it and resends its deltas
+        from ``next_seq`` up to ``resent_until``. Its client has had the request's start: it is not hedged.
+
+        When this gateway relayed it already, the new inbox had its deltas from the moment it opened, before the
+        worker answered: live ones it had sent meanwhile may come ahead of the resend, which repeats them. They
+        are dropped, not taken for a hole (the two-hour soak's "out of order" streams: a background response's
+        stream asked for on the gateway running it, the worker between two tokens)."""
+        self.runs = {worker: Run(next_seq=next_seq, resent_until=resent_until)}
         self.worker_id, self.phase, self.has_output = worker, Phase.RUNNING, True
 
     def lost(self) -> list[str]:

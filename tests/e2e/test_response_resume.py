@@ -242,3 +242,41 @@ async def test_a_take_over_its_stalled_worker_never_answers_leaves_the_run_on_it
             await conn.close()
     finally:
         worker.stop()
+
+
+async def test_a_background_responses_stream_asked_for_on_the_gateway_running_it_is_every_event_once(
+        e2e, system, auth):
+    """The two-hour soak's "out of order" streams: the gateway running a background response opens the asking
+    client's inbox before its worker answers, and a token the worker sends meanwhile came ahead of the resend. It
+    must be taken for what it is (a copy the resend repeats), not for a hole that sends the run elsewhere."""
+    name = f"sim-fast-{uuid.uuid4().hex[:6]}"
+    # Fast enough that a token goes out between the inbox opening and the worker's answer, on most asks.
+    metrics_port = free_port()
+    worker = e2e.start_worker(name, max_num_seqs=8, engine="simulated", simulated_tokens_per_s=500,
+                              metrics_port=metrics_port)
+    tokens = 400
+    try:
+        wait_until_ready(system, name, timeout_s=60, watch=[worker])
+        async with httpx.AsyncClient(timeout=60) as http:
+            for _ in range(6):
+                queued = (await http.post(f"{system}/v1/responses", headers=auth,
+                                          json=_body(name, tokens, stream=False, background=True))).json()
+
+                async def running(response_id: str = queued["id"]) -> bool:
+                    r = await http.get(f"{system}/v1/responses/{response_id}", headers=auth)
+                    return r.json()["status"] != "queued"
+
+                await poll(running, timeout_s=30, what="the background response running")
+                async with http.stream("GET", _resume_url(system, queued["id"]), headers=auth) as r:
+                    assert r.status_code == 200, await r.aread()
+                    events = await _events(r)
+                assert [e["sequence_number"] for e in events] == list(range(len(events)))
+                assert events[-1]["type"] == ENDED, events[-1]
+                assert events[-1]["response"]["output"][0]["content"][0]["text"] == _text(events)
+                assert events[-1]["response"]["usage"]["output_tokens"] == tokens
+            text = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        dismissed = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("switchyard:worker_dismissed_tokens_total{") and name in line)
+        assert dismissed == 0  # no run was taken for broken, dismissed and run again
+    finally:
+        worker.stop()

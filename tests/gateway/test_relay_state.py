@@ -3,7 +3,7 @@ to stop, and where the request goes on."""
 
 from __future__ import annotations
 
-from switchyard.gateway.relay_state import Phase, RelayState
+from switchyard.gateway.relay_state import Phase, RelayState, Verdict
 from switchyard.shared.messages import ErrorInfo, TokenDelta
 
 
@@ -168,3 +168,16 @@ def test_a_run_that_ends_in_an_error_or_its_last_delta_is_not_handed_off():
         state = RelayState()
         state.on_delta(delta("a", 0))
         assert state.on_delta(last).deliver and state.is_finished and not state.handed_off
+
+
+def test_a_stream_taken_over_on_its_own_gateway_drops_the_live_copies_that_come_ahead_of_the_resend():
+    # The new inbox opened before the worker answered: the worker's token 2 and 3, sent meanwhile, came first.
+    state = RelayState()
+    state.taken_over("a", 0, resent_until=4)
+    assert state.on_delta(delta("a", 2, tokens=1)) == Verdict()  # dropped, not a hole: the resend repeats it
+    assert state.on_delta(delta("a", 3, tokens=1)) == Verdict()
+    assert [state.on_delta(delta("a", seq, tokens=1)).deliver for seq in range(5)] == [True] * 5
+    assert state.on_delta(delta("a", 6, tokens=1)).broken  # once the resend began, a hole is a hole
+    elsewhere = RelayState()
+    elsewhere.taken_over("a", 0)  # taken over from another gateway: nothing came before the resend
+    assert elsewhere.on_delta(delta("a", 2, tokens=1)).broken
