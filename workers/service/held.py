@@ -68,6 +68,11 @@ class HeldRequests:
         """Whether ``request_id`` is running here or waiting for the next step."""
         return request_id in self.active or any(t.request.request_id == request_id for t, _ in self.pending)
 
+    def tracked(self, request_id: str) -> Tracked | None:
+        """``request_id``'s entry wherever it is here: being prepared, waiting for the next step, or running."""
+        found = self.preparing.get(request_id) or self.active.get(request_id)
+        return found or next((t for t, _ in self.pending if t.request.request_id == request_id), None)
+
     def has_taken(self, request_id: str) -> bool:
         """Whether ``request_id`` is here at all: held, or still being prepared."""
         return request_id in self.preparing or self.holds(request_id)

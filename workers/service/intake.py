@@ -261,10 +261,15 @@ class Intake:
             self._supersede(request.request_id, request.resume.attempt)
             await msg.nak(delay=0.2)
             return 0
-        if self._held.has_taken(request.request_id):
-            # JetStream redelivered a request this worker runs (its ack was lost): the copy is dropped, the
-            # original goes on; answering the copy would end the original's stream.
-            log.warning("dropping a redelivered copy of running request %s", request.request_id)
+        if (held := self._held.tracked(request.request_id)) is not None:
+            # JetStream redelivered a request this worker runs (its ack was lost), or the gateway gave an offer
+            # taken here to every worker (its first message was late): the copy is dropped, the original goes on;
+            # answering the copy would end the original's stream. An offer held here is no longer one: past its
+            # time it would be dropped before its step as given to others, and with this copy gone neither would run.
+            if held.request.affinity_until and not request.affinity_until:
+                held.request = msgspec.structs.replace(held.request, affinity_until=0.0)
+            else:
+                log.warning("dropping a redelivered copy of running request %s", request.request_id)
             await msg.ack()
             return 0
         if offer_expired(request):  # taken too late
