@@ -277,3 +277,29 @@ def test_int4_holds_five_eighths_of_a_byte_a_weight_and_refuses_what_it_cannot_r
     assert Linear(torch.randn(50, 40), quantize="int4").packed_bytes == 64 * 64 * 5 // 8  # padded panel and group
     with pytest.raises(ValueError, match="float32"):
         Linear(weight.bfloat16(), quantize="int4")
+
+
+@pytest.mark.parametrize("quantize", ["int8", "w8a8", "int4"])
+@pytest.mark.parametrize("rows", [1, 9, 20])  # quantized by the calling thread, and by the threads
+def test_a_norm_or_swiglu_done_inside_the_product_gives_what_the_separate_step_then_the_product_give(
+        kernel, w8a8_kernel, int4_kernel, quantize, rows):
+    from switchyard.workers.executor.fused_ops import CpuFusedOps, load_ops_kernel
+
+    ops = CpuFusedOps(load_ops_kernel())
+    gen = torch.Generator().manual_seed(rows + 7)
+    hidden, inter = 72, 40
+    h, norm = torch.randn(rows, hidden, generator=gen) * 3, torch.rand(hidden, generator=gen) + 0.5
+    gate_up, residual = torch.randn(rows, 2 * inter, generator=gen), torch.randn(rows, 24, generator=gen)
+    up_proj = Linear(torch.randn(24, hidden, generator=gen), quantize=quantize)
+    down = Linear(torch.randn(24, inter, generator=gen), quantize=quantize)
+
+    def close(fused: torch.Tensor, separate: torch.Tensor) -> None:
+        # The same arithmetic in C either way; a rounding to int8 that falls the other way moves a product by a
+        # 127th of its group's largest input at most.
+        torch.testing.assert_close(fused, separate, rtol=1e-3, atol=5e-2)
+        assert (fused - separate).norm() <= 1e-3 * separate.norm()
+
+    close(up_proj.after_rms_norm(h, norm, 1e-5, ops), up_proj(ops.rms_norm(h, norm, 1e-5)))
+    expected = residual + down(ops.silu_mul(gate_up))
+    out = down.after_silu_mul(gate_up, ops, residual=residual.clone())
+    close(out, expected)

@@ -45,7 +45,7 @@ def load_w8a8_kernel() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.pack_weight_w8a8.argtypes = [p, i64, i64, i64, p, p, p, i32]
         lib.pack_weight_w8a8.restype = None
-        lib.gemm_w8a8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i64, i32, i32]
+        lib.gemm_w8a8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i64, i32, i32, i32, p, ctypes.c_float]
         lib.gemm_w8a8.restype = None
         lib.w8a8_instructions.restype = i32
         lib.w8a8_group.restype = i32
@@ -57,7 +57,7 @@ def load_w4a8_kernel() -> ctypes.CDLL | None:
     lib = load_library("int4_gemm")
     if lib is not None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.gemm_w4a8.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32]
+        lib.gemm_w4a8.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32, i32, p, ctypes.c_float]
         lib.gemm_w4a8.restype = None
         lib.w4a8_instructions.restype = i32
         lib.w4a8_block_bytes.restype = i32
@@ -65,6 +65,8 @@ def load_w4a8_kernel() -> ctypes.CDLL | None:
 
 
 INT4_GROUP = 32  # GROUP in csrc/int8_rows.h: inputs per 4-bit group (GGUF's Q4_1 blocks are 32 too)
+# What csrc/int8_rows.h's kernels do to a row before quantizing it (PROLOGUE_* there).
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,7 +146,7 @@ class Linear:
     """
 
     __slots__ = ("weight", "bias", "packed", "scales", "offsets", "compensation", "_gemm", "_weight_ptrs",
-                 "_gpu_linear")
+                 "_gpu_linear", "_fuses")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
                  quantize: str | None = None):
@@ -156,6 +158,7 @@ class Linear:
         self.compensation: torch.Tensor | None = None  # w8a8: per feature and group of inputs (csrc/int8_gemm.c)
         self._gemm = None
         self._weight_ptrs: tuple[int, ...] = ()  # the C kernel's weight arguments (packed, scales, ...)
+        self._fuses = False  # the C kernel takes a prologue (csrc/int8_rows.h): a norm or SwiGLU done inside it
         # x -> x @ W.T + b, on a GPU (Triton: int8 or int4 weights)
         self._gpu_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
         if quantize is not None and quantize not in QUANTIZATIONS:
@@ -210,6 +213,7 @@ class Linear:
                              self.scales.data_ptr(), self.compensation.data_ptr(), torch.get_num_threads())
         self._gemm = lib.gemm_w8a8
         self._weight_ptrs = (self.packed.data_ptr(), self.scales.data_ptr(), self.compensation.data_ptr())
+        self._fuses = True
 
     def _pack_int4(self, weight: torch.Tensor) -> None:
         lib = load_w4a8_kernel()
@@ -218,6 +222,37 @@ class Linear:
         self.packed = pack_int4(*quantize_int4(weight))
         self._gemm = lib.gemm_w4a8
         self._weight_ptrs = (self.packed.data_ptr(),)
+        self._fuses = True
+
+    def after_rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float, ops) -> torch.Tensor:
+        """``self(ops.rms_norm(h, weight, eps))``: with a kernel that quantizes its rows, the norm is done inside
+        it, as it quantizes each row (a call and a pass over the activations fewer per projection)."""
+        if self._fuses and h.stride(1) == 1:
+            return self._kernel(h, h.shape[1], None, PROLOGUE_RMS_NORM, weight.data_ptr(), eps)
+        return self(ops.rms_norm(h, weight, eps))
+
+    def after_silu_mul(self, gate_up: torch.Tensor, ops, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``self(ops.silu_mul(gate_up), residual)``, SwiGLU done inside the kernel where it can be (see
+        ``after_rms_norm``): ``gate_up [rows, 2 * in_features]`` is the stacked gate/up projection's output."""
+        if self._fuses and gate_up.stride(1) == 1:
+            return self._kernel(gate_up, gate_up.shape[1] // 2, residual, PROLOGUE_SILU_MUL)
+        return self(ops.silu_mul(gate_up), residual=residual)
+
+    def _kernel(self, x: torch.Tensor, in_features: int, residual: torch.Tensor | None,
+                prologue: int = PROLOGUE_NONE, norm_weight: int | None = None, eps: float = 0.0) -> torch.Tensor:
+        """The C kernel's product of ``x``'s rows (``in_features`` of each, after ``prologue``), added into
+        ``residual`` in place where it is contiguous."""
+        rows = x.shape[0]
+        accumulate = residual is not None and residual.is_contiguous()
+        out = (residual if accumulate and residual is not None
+               else torch.empty(rows, self.out_features, dtype=torch.float32))
+        tail = (prologue, norm_weight, eps) if self._fuses else ()
+        assert self._gemm is not None
+        self._gemm(x.data_ptr(), x.stride(0), rows, in_features, *self._weight_ptrs, self.out_features,
+                   out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads(), *tail)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out if accumulate or residual is None else residual + out
 
     @property
     def packed_bytes(self) -> int:
@@ -243,15 +278,7 @@ class Linear:
         if self._gemm is not None:
             if x.stride(1) != 1:
                 x = x.contiguous()
-            rows, in_features = x.shape
-            accumulate = residual is not None and residual.is_contiguous()
-            out = (residual if accumulate and residual is not None
-                   else torch.empty(rows, self.out_features, dtype=torch.float32))
-            self._gemm(x.data_ptr(), x.stride(0), rows, in_features, *self._weight_ptrs, self.out_features,
-                       out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads())
-            if self.bias is not None:
-                out.add_(self.bias)
-            return out if accumulate or residual is None else residual + out
+            return self._kernel(x, x.shape[1], residual)
         if x.device.type != "cpu" or not _transposed_product_is_faster(x.shape[0], self.out_features):
             out = F.linear(x, self.weight, self.bias)
         else:

@@ -388,7 +388,7 @@ class ModelRunner:
         return self._logits(fwd.hidden.index_select(0, rows))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ops.rms_norm(hidden, self.final_norm, self.eps)).float().contiguous()
+        return self.lm_head.after_rms_norm(hidden, self.final_norm, self.eps, self.ops).float().contiguous()
 
     def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer over ``input_ids`` and logits of every row: the body a CUDA graph records."""
@@ -414,8 +414,7 @@ class ModelRunner:
         layer, ops = self.layers[index], self.ops
         num_tokens = h.shape[0]
         heads, kv_heads, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
-        x = ops.rms_norm(h, layer.input_norm, eps)
-        qkv = layer.qkv(x).contiguous()
+        qkv = layer.qkv.after_rms_norm(h, layer.input_norm, eps, ops).contiguous()
         # q and k rotate together: one rotary pass over [T, heads + kv_heads, d].
         qk = ops.rotary(qkv, heads + kv_heads, d, cos, sin)
         q, k = qk.split((heads, kv_heads), dim=1)
@@ -423,8 +422,7 @@ class ModelRunner:
         o = self.attention.forward(q, k, v, self.k_cache[index], self.v_cache[index], meta)
         h = layer.o(o, residual=h)
 
-        x = ops.rms_norm(h, layer.post_norm, eps)
-        return layer.down(ops.silu_mul(layer.gate_up(x)), residual=h)
+        return layer.down.after_silu_mul(layer.gate_up.after_rms_norm(h, layer.post_norm, eps, ops), ops, residual=h)
 
     def warmup(self) -> None:
         """Run a tiny prefill and a decode so first-request latency excludes lazy init (kernels, allocator).

@@ -183,17 +183,27 @@ static inline __attribute__((always_inline)) void int4_tile(const int mr, int64_
 /* y [m][n] (=, or += with `accumulate`) x [m][k] @ W.T, W packed as above. The rows are quantized once, then
  * threads take whole panels, each in tiles of up to TILE_ROWS rows (the panel stays in cache). */
 void gemm_w4a8(const float *restrict x, int64_t ldx, int64_t m, int64_t k, const uint8_t *restrict packed, int64_t n,
-               float *restrict y, int64_t ldy, int accumulate, int num_threads) {
+               float *restrict y, int64_t ldy, int accumulate, int num_threads, int prologue,
+               const float *restrict norm_weight, float eps) {
     const int64_t num_panels = (n + NR - 1) / NR, kg = padded_k(k), groups = kg / GROUP;
     uint8_t *xq = malloc((size_t)(m * kg));
     float *x_scale = malloc((size_t)(m * groups) * sizeof(float));
     float *x_sum = malloc((size_t)(m * groups) * sizeof(float));
-    if (xq == NULL || x_scale == NULL || x_sum == NULL) abort();
+    float *scratch = prologue != PROLOGUE_NONE ? malloc((size_t)(m * k) * sizeof(float)) : NULL;
+    if (xq == NULL || x_scale == NULL || x_sum == NULL || (prologue != PROLOGUE_NONE && scratch == NULL)) abort();
+    const int serial = m * k <= SERIAL_QUANTIZE_INPUTS;
+    if (serial)
+        for (int64_t i = 0; i < m; i++)
+            prepare_row(x, ldx, i, k, kg, 0, prologue, norm_weight, eps, scratch, xq, x_scale,
+                        x_sum);
 #pragma omp parallel num_threads(num_threads)
     {
+        if (!serial) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++)
-            quantize_row(x + i * ldx, k, kg, 0, xq + i * kg, x_scale + i * groups, x_sum + i * groups);
+            for (int64_t i = 0; i < m; i++)
+                prepare_row(x, ldx, i, k, kg, 0, prologue, norm_weight, eps, scratch, xq,
+                            x_scale, x_sum);
+        }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < num_panels; p++) {
             const int ncols = n - p * NR < NR ? (int)(n - p * NR) : NR;
@@ -227,4 +237,5 @@ void gemm_w4a8(const float *restrict x, int64_t ldx, int64_t m, int64_t k, const
     free(xq);
     free(x_scale);
     free(x_sum);
+    free(scratch);
 }
