@@ -213,13 +213,15 @@ class Soak:
     def run(self) -> SoakResult:
         args = self.args
         result = SoakResult(cpu_lines(), args.minutes * 60)
+        loop, load, thread = None, None, None
         try:
             self.start()
             tenants, probe = asyncio.run(self.make_tenants())
             load = Load(self.urls(), self.model, tenants, args.rate, args.active, args.churn,
                         embedding_model=EMBED_MODEL if args.embeddings else None)
             loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_until_complete, args=(load.run(),))
+            # A daemon: a soak stopped early (Ctrl-C) stops its load below, and never waits on it to exit.
+            thread = threading.Thread(target=loop.run_until_complete, args=(load.run(),), daemon=True)
             start = time.monotonic()
             result.started_wall = time.time()
             thread.start()
@@ -256,6 +258,9 @@ class Soak:
                                                     also_named=[rid for p in self.probes for rid in p.request_ids]))
             return result
         finally:
+            if thread is not None and thread.is_alive() and loop is not None and load is not None:
+                loop.call_soon_threadsafe(load.stop)  # stopped early: the load first, then the system
+                thread.join(timeout=30)
             self.stop()
 
     def _sample(self, at: float) -> Sample:
@@ -301,6 +306,10 @@ def parse_args(argv: list[str] | None = None):
     return parser.parse_args(argv)
 
 
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     from bench.soak_report import report
 
@@ -311,6 +320,7 @@ def main() -> None:
         raise SystemExit("bench/soak.py: a run appended to bench/RESULTS.md draws its plot with matplotlib, which is "
                          "not installed: pip install -e '.[bench]' (or --results - for a run not recorded)")
     print("\n".join(cpu_lines()), flush=True)
+    signal.signal(signal.SIGTERM, _interrupted)  # a soak killed stops what it started, as one interrupted does
     result = Soak(args).run()
     report(result, args)
 
