@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -160,8 +161,10 @@ def test_a_prefill_and_a_decode_workers_connector_pass_vllms_validation_up_to_ni
     needs NIXL (the ``nixl`` package) to start. Without it, ours refuses before loading the model, saying how to
     install it, and vLLM past that refusal fails at its connector's start; with it (nixl-cu12 runs over UCX on a CPU)
     the engine starts and serves as a prefill worker."""
-    done = subprocess.run([vllm_env_python, "-c", _CONNECTOR_LINE, str(smollm2_path)], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **process_env(WorkerConfig())})
+    # A TMPDIR of its own: the engines it builds and fails stop before they remove their vllm_dist_* files.
+    with tempfile.TemporaryDirectory(prefix="switchyard-vllm-settings-") as tmp:
+        done = subprocess.run([vllm_env_python, "-c", _CONNECTOR_LINE, str(smollm2_path)], capture_output=True,
+                              text=True, timeout=600, env={**os.environ, **process_env(WorkerConfig()), "TMPDIR": tmp})
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["prefill"] == ["NixlConnector", "kv_producer", True, False, "cpu", "recompute"]
