@@ -75,7 +75,7 @@ class HeldRequests:
 
     def has_taken(self, request_id: str) -> bool:
         """Whether ``request_id`` is here at all: held, or still being prepared."""
-        return request_id in self.preparing or self.holds(request_id)
+        return self.tracked(request_id) is not None
 
     def has_work(self) -> bool:
         """Whether the next step has adds or aborts to hand to the engine."""
