@@ -30,11 +30,16 @@ TURNS_PER_CONVERSATION = 12
 CUT_AFTER_CHUNKS = 2  # a cut stream: the client leaves after this many chunks
 ENDED = ("response.completed", "response.incomplete", "response.failed")
 OVER_LIMIT_RPM = 6  # the tenants sent over their limit
+# The codes of an error answer to a request that ran (docs/api/errors.md): it was accepted, and what ran is billed
+# once. Any other error answer refuses the request, which must not be billed.
+RAN_CODES = frozenset({"worker_lost", "worker_timeout", "worker_shutdown", "stream_gap", "internal_error",
+                       "out_of_memory"})
 
 
 @dataclass
 class Outcome:
-    """One request as its client saw it. ``status``: completed, failed (accepted, then an explicit error: ``code``),
+    """One request as its client saw it. ``status``: completed, failed (accepted, then an explicit error, in its
+    stream or as the answer of one that ran: ``code``),
     cut (the client left on purpose), lost (accepted, then neither an end nor an error), or refused (an HTTP error
     instead of a response, or no answer at all: ``code``)."""
 
@@ -135,15 +140,16 @@ class Load:
 
     @staticmethod
     def _refused(out: Outcome, r: httpx.Response) -> bool:
+        """Whether ``r`` is an error answer: a refusal (never accepted), or a failure of a request that ran."""
         if r.status_code == 200:
             return False
-        out.status = "refused"  # an error answer instead of the response: never accepted
-        if request_id := r.headers.get("X-Request-Id"):  # a refused request must not be billed: the ledger checks
+        if request_id := r.headers.get("X-Request-Id"):  # the ledger checks what was billed under it
             out.request_ids.append(request_id)
         try:
-            out.code = f"{r.status_code} {r.json()['error']['code']}"
+            code = r.json()["error"]["code"]
         except Exception:  # noqa: BLE001
-            out.code = f"{r.status_code} (no OpenAI error body)"
+            code = "(no OpenAI error body)"
+        out.status, out.code = "failed" if code in RAN_CODES else "refused", f"{r.status_code} {code}"
         return True
 
     async def _chat_stream(self, http, headers, tenant, out: Outcome) -> None:

@@ -165,9 +165,9 @@ def report(result, args) -> str:
         lines += ["### Ledger", "",
                   f"{check.completed} completed; {check.billed_ok} billed once with the tokens their client was told; "
                   f"unbilled {len(check.unbilled)}, misbilled {len(check.misbilled)}, refused yet billed "
-                  f"{len(check.billed_refused)}, usage recorded twice {check.twice}; rows no client can name "
-                  f"{len(check.unknown_rows)} (a gateway killed after publishing before its client heard, or a request "
-                  f"answered with an error after it ran, whose client got no request id); seats "
+                  f"{len(check.billed_refused)}, usage recorded twice {check.twice}; failed after they ran, billed "
+                  f"once for what ran {check.failed_billed}; rows no client can name {len(check.unknown_rows)} (a "
+                  f"gateway killed after publishing, before its client heard); seats "
                   f"still held (open_requests rows) at the end {len(check.seats_held)}.",
                   "", *(f"- {line}" for line in (check.unbilled + check.misbilled + check.billed_refused)[:10]),
                   *(f"- no client names {line}" for line in check.unknown_rows[:10]),

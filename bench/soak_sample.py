@@ -169,6 +169,7 @@ class LedgerCheck:
     unbilled: list[str] = field(default_factory=list)  # completed, no row
     misbilled: list[str] = field(default_factory=list)  # completed, its row's completion tokens differ
     billed_refused: list[str] = field(default_factory=list)  # refused (never accepted), yet a row
+    failed_billed: int = 0  # ran, then answered with an error, billed once for what ran (no row: it ran no token)
     unknown_rows: list[str] = field(default_factory=list)  # rows no client request names
     twice: int = 0  # request ids with more than one usage record on the USAGE stream
     seats_held: list[str] = field(default_factory=list)  # "kind request-id" of open_requests rows left at the end
@@ -210,6 +211,8 @@ async def check_ledger(ledger: list[Outcome], database_url: str, nats_url: str, 
                 check.billed_ok += 1
         elif out.status == "refused":
             check.billed_refused += [rid for rid in out.request_ids if rid in rows]
+        elif out.status == "failed":
+            check.failed_billed += sum(rid in rows for rid in out.request_ids)
     kinds = {rid: out.kind for out in ledger for rid in out.request_ids}
     check.seats_held = [f"{kinds.get(rid, '?')} {rid}" for rid in open_ids]
     unknown = set(rows) - named

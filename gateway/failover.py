@@ -1,17 +1,19 @@
 """What a gateway does when the worker running one of its requests dies mid-stream.
 
-    worker A dies ──(no liveness ping for 3 s)──▶ relay: cancel addressed to A (if it only stalled, it stops and
-                                                 bills nothing) ──▶ Failover.continue_elsewhere
-        another live worker of the model?  yes: publish the request again with ``resume`` =
-                                                the tokens streamed so far; worker B prefills prompt + those
-                                                tokens and streams on from the next one, and bills them all
-                                           no:  Failover.bill_lost: a usage record for what A streamed, then
-                                                an explicit ``worker_lost`` error to the client
+    worker A dies ──(no liveness ping for 3 s)──▶ relay: a cancel addressed to A's run of this attempt (if A only
+                  stalled, it stops that run and bills nothing) ──▶ Failover.continue_elsewhere:
+        the request is published again with ``resume`` = the tokens streamed so far and a fresh queue deadline (its
+        tier's wait). The next worker of the model to pull it (another live one, A's replacement, or A back from a
+        stall) prefills prompt + those tokens, streams on from the next token and bills the whole request.
+        None by that deadline: Failover.bill_lost writes a usage record for what A streamed, and the client gets
+        an explicit ``worker_lost`` error.
 
-Only a request with ``n == 1`` is continued: its deltas carry every generated token id, in order. A request with
-several choices ends with ``worker_lost`` (and its streamed tokens billed), as do continuations beyond
-``max_attempts``. Usage records are deduplicated by request id (the message id, then the table's key), so a
-request is billed once whoever writes its record.
+A model served by one worker thus loses no request to that worker's crash or stall when it is back (restarted by
+its supervisor) within the tier's wait, as a queued request waits for it. Only a request with ``n == 1`` is
+continued: its deltas carry every generated token id, in order. A request with several choices or tools ends with
+``worker_lost`` at once (and its streamed tokens billed), as do continuations beyond ``max_attempts``. Usage records
+are deduplicated by request id (the message id, then the table's key), so a request is billed once whoever writes
+its record.
 """
 
 from __future__ import annotations
@@ -24,9 +26,7 @@ import msgspec
 from nats.js import JetStreamContext
 
 from switchyard.domain.publish import RequestPublisher
-from switchyard.domain.registry import ModelRegistry
 from switchyard.gateway.kv_index import KVIndex
-from switchyard.gateway.liveness import WorkerLiveness
 from switchyard.shared import subjects
 from switchyard.shared.jetstream import publish_once
 from switchyard.shared.messages import GenerateRequest, KVSource, Resume, UsageRecord, encode
@@ -37,32 +37,31 @@ log = logging.getLogger("switchyard.gateway")
 class Failover:
     """Continues requests of dead workers on live ones; one per gateway, shared by every relayed request."""
 
-    def __init__(self, js: JetStreamContext, publisher: RequestPublisher, registry: ModelRegistry,
-                 liveness: WorkerLiveness, max_attempts: int = 2, kv_index: KVIndex | None = None) -> None:
+    def __init__(self, js: JetStreamContext, publisher: RequestPublisher, max_attempts: int = 2,
+                 kv_index: KVIndex | None = None) -> None:
         """``js`` bills what a dead worker streamed (the USAGE stream); ``publisher`` queues continuations;
         ``kv_index``: the fleet's KV index, when placement uses it (a hand-over names the node holding the
         prefill's blocks)."""
         self._js = js
         self._publisher = publisher
-        self._registry = registry
-        self._liveness = liveness
         self._max_attempts = max_attempts
         self._kv_index = kv_index
 
     async def continue_elsewhere(self, request: GenerateRequest, dead_worker: str | None, token_ids: list[int],
                                  text_len: int) -> GenerateRequest | None:
         """Publish ``request`` again to go on after ``token_ids`` (whose text the client has ``text_len``
-        characters of) on a live worker other than ``dead_worker`` (None: any); returns the continuation, or None
-        when it cannot be continued."""
+        characters of) on the next worker of its model to pull it (``dead_worker``, taken for dead, is named in the
+        log; None: a broken stream's); returns the continuation, or None when it cannot be continued."""
         resume = request.resume
         failures = (resume.attempt - resume.handovers if resume is not None else 0) + 1
-        # An embeddings request's vectors do not continue from where a client is: it ends with worker_lost.
-        if request.sampling.n != 1 or request.embed is not None or failures > self._max_attempts:
+        # An embeddings request's vectors do not continue from where a client is, nor do a request's tool calls (a
+        # worker refuses such a continuation, workers/serving/choice.py): they end with worker_lost.
+        if (request.sampling.n != 1 or request.embed is not None or request.tool_use is not None
+                or failures > self._max_attempts):
             return None
-        # Only a dead worker's request needs another worker now; a broken stream's may go to any, and right after a
-        # NATS restart the registry may not list any yet (the continuation waits in the queue until its deadline).
-        if dead_worker is not None and not await self._has_other_worker(request.model, dead_worker):
-            return None
+        # Published whether or not another worker is live now: the continuation waits in the queue until its
+        # deadline, as any request does, for a replacement (a supervisor restarts a crashed worker in seconds), the
+        # dead worker back from a stall, or a registry that lists none yet right after a NATS restart.
         continuation = await self._publish_continuation(request, token_ids, text_len, handover=False)
         if continuation is not None:
             log.warning("continuing request %s after %d tokens (failure %d; worker %s dead or its stream broken)",
@@ -103,15 +102,6 @@ class Failover:
             log.warning("could not continue request %s elsewhere: %r", request.request_id, exc)
             return None
         return continuation
-
-    async def _has_other_worker(self, model: str, dead_worker: str | None) -> bool:
-        try:
-            workers = (await self._registry.models(fresh=True)).get(model, [])
-        except Exception:  # NATS unreadable: nowhere to send it
-            return False
-        # A prefill worker takes only its pool's queue: a continuation needs a whole-request (decode) worker.
-        return any(w.worker_id != dead_worker and w.takes_whole_requests and not self._liveness.is_dead(w.worker_id)
-                   for w in workers)
 
     async def bill_lost(self, request: GenerateRequest, worker_id: str | None, prompt_tokens: int,
                         completion_tokens: int, taken_at: float | None, first_token_at: float | None) -> None:

@@ -231,8 +231,8 @@ class RelayedRequest:
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:
         """Deltas after the first, ending with the final one(s). A request with no token by its hedge time is
-        offered to a second worker too (gateway/hedging.py); a dead worker's request goes on on another worker when
-        it can (gateway/failover.py), else ends with an error delta within seconds; a silent one ends with an error
+        offered to a second worker too (gateway/hedging.py); a dead worker's request goes on on the next worker to take
+        it (gateway/failover.py), else ends with an error delta at its queue deadline; a silent one ends with an error
         after ``stall_timeout_s``."""
         heard_at = time.monotonic()
         while not self.is_finished:
@@ -302,10 +302,13 @@ class RelayedRequest:
 
     async def _continue_elsewhere(self, dead_worker: str | None) -> bool:
         """Dismiss every run (taken for dead, or a stream with a hole: none may run on) and have the request go on
-        from what the client has on a worker other than ``dead_worker`` (None: any, the broken stream's too);
-        whether a continuation was published."""
+        from what the client has on the next worker to pull it (``dead_worker``: the one taken for dead, None: a
+        broken stream's); whether a continuation was published."""
+        # With the attempt: the continuation shares the request id, and a worker back from a stall may take it
+        # before it reads this cancel; only the run dismissed here stops.
+        attempt = self.state.attempt
         for worker in self.state.lost():
-            await self._cancel_on(worker)
+            await self._cancel_on(worker, attempt)
         if self._failover is None:
             return False
         continuation = await self._failover.continue_elsewhere(self.request, dead_worker, self._token_ids,

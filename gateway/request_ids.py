@@ -1,9 +1,9 @@
 """Each API request's id, minted where the request enters the gateway.
 
-The id names the request everywhere: the ``X-Request-Id`` header, the wire request and its NATS subjects, usage
-rows, and every log line written while it is served (JSON logs carry ``request_id``, shared/logs.py). Setting it
-in the outermost middleware puts it in the context of everything below, uvicorn's access line included, and of
-any task started for the request.
+The id names the request everywhere: the ``X-Request-Id`` header of its answer (an error's too), the wire request
+and its NATS subjects, usage rows, and every log line written while it is served (JSON logs carry ``request_id``,
+shared/logs.py). Setting it in the outermost middleware puts it in the context of everything below, uvicorn's
+access line included, and of any task started for the request.
 """
 
 from __future__ import annotations
@@ -28,8 +28,20 @@ class RequestIds:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        token = request_id_var.set(uuid.uuid4().hex)
+        request_id = uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        named = (b"x-request-id", request_id.encode())
+
+        async def send_named(message) -> None:
+            # Every answer names its request, an error too (as OpenAI's do): a client reports it, and finds what
+            # was billed for a request that failed after it ran.
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    message = {**message, "headers": [*headers, named]}
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_named)
         finally:
             request_id_var.reset(token)

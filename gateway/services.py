@@ -125,7 +125,7 @@ class GatewayServices:
         elif gateway.affinity:
             affinity = AffinityIndex(self.js, config.nats_replicas)
         relay = Relay(self.nc, self._tokens, publisher, gateway.stall_timeout_s, gateway.retry_after_s, liveness,
-                      Failover(self.js, publisher, self.registry, liveness, kv_index=self.kv_index),
+                      Failover(self.js, publisher, kv_index=self.kv_index),
                       Hedging(self.tier_policies, self.registry, liveness, publisher, self.metrics))
         resumer = StreamResumer(self.nc, relay) if gateway.stream_resume_window_s else None
         self.completions = CompletionService(relay, self.registry, self.tier_policies, self.admission, gateway,

@@ -20,7 +20,7 @@ class RecordingPublisher:
 
 async def test_a_hand_over_names_the_prefill_worker_and_a_later_failover_keeps_the_name_but_not_the_blocks():
     publisher = RecordingPublisher()
-    failover = Failover(js=None, publisher=publisher, registry=None, liveness=None)  # type: ignore[arg-type]
+    failover = Failover(js=None, publisher=publisher)  # type: ignore[arg-type]
     now = time.time()
     request = GenerateRequest("r1", "m", "standard", SamplingParams(max_tokens=9), created_at=now,
                               deadline_at=now + 30, prompt="x", handover=True)

@@ -136,7 +136,7 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
         got = [d async for d in relayed.deltas()]
         assert "".join(d.text for d in got) == "abcd" and got[-1].finish_reason == "length"
         assert failover.asked == [(None, [7, 8], 2)]  # any worker (w1 too), from the ids and text the client has
-        assert (await cancels.next_msg(timeout=5)).data == b"w1"  # the broken run is told, by name, to stop
+        assert (await cancels.next_msg(timeout=5)).data == b"w1:0"  # the broken run (attempt 0) is told to stop
         assert failover.billed == []  # the continuation bills everything
         await relayed.close()
     finally:

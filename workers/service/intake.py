@@ -161,14 +161,14 @@ class Intake:
             target, _, attempt = msg.data.decode(errors="replace").partition(":")
             if target != self._worker_id:
                 return
-            tracked = self._held.active.get(request_id)
-            if attempt and tracked is not None and str(tracked.request.attempt) != attempt:
-                return
-            if tracked is not None:
+            tracked = self._held.tracked(request_id)
+            if tracked is None:
+                return  # the run it addresses ended here already: a continuation of it arriving later must run
+            if attempt and str(tracked.request.attempt) != attempt:
+                return  # a later attempt taken here (back from a stall, it pulled the continuation): it goes on
+            if self._held.active.get(request_id) is tracked:
                 tracked.superseded = True
                 self._out.drop_stream(tracked.request)
-            elif not self._held.has_taken(request_id):
-                return  # the run it addresses ended here already: a continuation of it arriving later must run
         if self._held.holds(request_id):
             self._held.abort(request_id)
             return
