@@ -144,7 +144,14 @@ class RelayedRequest:
             return await self._hand_over(delta)
         if (self.is_finished and delta.error is not None and self._failed_over
                 and not self.handed_off):  # taken over, it goes on and its worker bills it
-            await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
+            billed = await self._bill_lost()  # the continuation failed: what was streamed is billed all the same
+            error = delta.error
+            if error.status < 500 or error.code == "queue_timeout":
+                # The continuation was refused, not the client's request (a worker that cannot resume this kind of
+                # request, or one that took it past its deadline): the client hears that its worker was lost.
+                error = ErrorInfo(f"The worker running the request stopped, and the request could not go on on "
+                                  f"another: {error.message}", code="worker_lost", type="server_error", status=503)
+            return msgspec.structs.replace(delta, error=error, usage=billed)
         return delta
 
     async def _hand_over(self, delta: TokenDelta) -> TokenDelta:

@@ -32,6 +32,24 @@ async def _usage_rows(database_url: str, request_id: str, timeout_s: float = 20.
         await conn.close()
 
 
+async def _streamed_whole_and_billed_once(system: str, auth: dict, database_url: str, body: dict, events: list[dict],
+                                          request_id: str):
+    """The stream ``events`` of ``body`` (1,500 tokens, greedy) ended whole, its text that of the same request run
+    uninterrupted, and it is billed once, in full: its usage row."""
+    assert "error" not in events[-1], events[-1]
+    streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 1500
+    async with httpx.AsyncClient(timeout=120) as http:
+        r = await http.post(f"{system}/v1/completions", headers=auth,
+                            json={**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False})
+    assert r.status_code == 200, r.text
+    assert streamed == r.json()["choices"][0]["text"]
+    (row,) = await _usage_rows(database_url, request_id)
+    assert (row["completion_tokens"], row["finish_reason"]) == (1500, "length")
+    return row
+
+
 async def test_a_stream_whose_only_worker_is_killed_and_not_replaced_ends_with_worker_lost_and_its_tokens_are_billed(
         e2e, system, auth, database_url):
     """Its continuation waits in the queue for a worker until its deadline (the tier's wait), then the client is
@@ -83,18 +101,7 @@ async def test_a_stream_whose_only_worker_dies_goes_on_when_a_worker_is_back_exa
     try:
         wait_until_ready(system, name, timeout_s=120, watch=workers)
         events, request_id = await stream_completion(system, auth, body, fail_its_worker)
-        assert "error" not in events[-1], events[-1]
-        streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
-        assert events[-1]["usage"]["completion_tokens"] == 1500
-
-        async with httpx.AsyncClient(timeout=120) as http:  # the same request, uninterrupted
-            r = await http.post(f"{system}/v1/completions", headers=auth,
-                                json={**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False})
-        assert r.status_code == 200, r.text
-        assert streamed == r.json()["choices"][0]["text"]
-        (row,) = await _usage_rows(database_url, request_id)
-        assert (row["completion_tokens"], row["finish_reason"]) == (1500, "length")
+        await _streamed_whole_and_billed_once(system, auth, database_url, body, events, request_id)
         assert workers[-1].is_running()
     finally:
         for worker in workers:
@@ -131,19 +138,8 @@ async def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker_exactly
                 asyncio.get_running_loop().call_later(4.0, os.kill, info.pid, signal.SIGCONT)
 
         events, request_id = await stream_completion(system, auth, body, kill_its_worker)
-        assert killed and "error" not in events[-1], events[-1]
-        streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
-        assert events[-1]["usage"]["completion_tokens"] == 1500
-
-        # The same request on the surviving worker, uninterrupted: the continued stream is identical to it.
-        async with httpx.AsyncClient(timeout=120) as http:
-            r = await http.post(f"{system}/v1/completions", headers=auth,
-                                json={**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False})
-        assert r.status_code == 200, r.text
-        assert streamed == r.json()["choices"][0]["text"]
-        (row,) = await _usage_rows(database_url, request_id)
-        assert (row["completion_tokens"], row["finish_reason"]) == (1500, "length")
+        assert killed
+        row = await _streamed_whole_and_billed_once(system, auth, database_url, body, events, request_id)
         assert row["worker_id"] != killed[0]  # billed by the worker that finished it
         if how == "stalled":
             assert all(w.is_running() for w in workers)  # it resumed and serves on

@@ -143,12 +143,17 @@ async def test_a_stream_with_a_hole_goes_on_from_what_the_client_has_and_the_old
         await nc.close()
 
 
-@pytest.mark.parametrize("code, billed", [("stream_taken_over", []), ("worker_lost", [3])],
-                         ids=["handed-off", "failed"])
-async def test_a_continuation_handed_off_to_another_gateway_is_not_billed_here_one_that_failed_is(nats_url, code,
-                                                                                                 billed):
-    """After a failover, an error ending the continuation bills what streamed here; the worker's notice that
-    another gateway took the stream over does not (it goes on there, and its worker bills it)."""
+@pytest.mark.parametrize("code, status, billed, told", [
+    ("stream_taken_over", 409, [], "stream_taken_over"),
+    ("internal_error", 500, [3], "internal_error"),
+    ("unsupported_parameter", 400, [3], "worker_lost"),  # a worker that cannot resume this kind of request
+    ("queue_timeout", 503, [3], "worker_lost"),  # taken past its deadline
+], ids=["handed-off", "failed", "refused", "expired"])
+async def test_a_continuation_handed_off_to_another_gateway_is_not_billed_here_one_that_failed_is(
+        nats_url, code, status, billed, told):
+    """After a failover, an error ending the continuation bills what streamed here, and the client is told that
+    usage; the worker's notice that another gateway took the stream over does not (it goes on there, and its worker
+    bills it). A continuation refused is the worker's loss to the client, not a fault of its request."""
     nc = await nats.connect(nats_url)
     try:
         failover = RecordingFailover()
@@ -158,7 +163,7 @@ async def test_a_continuation_handed_off_to_another_gateway_is_not_billed_here_o
             return encode(TokenDelta(rid, text=text, num_tokens=len(ids), seq=seq, token_ids=list(ids) or None,
                                      attempt=attempt, worker_id="w1", **kw))
 
-        end = ErrorInfo("ended", code=code, status=409)
+        end = ErrorInfo("ended", code=code, status=status)
         for data in [delta(0), delta(1, "ab", [7, 8]), delta(3, "lost-before", [9]),  # seq 2 never came
                      delta(0, attempt=1), delta(1, "c", [11], attempt=1),
                      delta(2, attempt=1, error=end, is_last=True)]:
@@ -167,9 +172,11 @@ async def test_a_continuation_handed_off_to_another_gateway_is_not_billed_here_o
         await relayed.first()
         got = [d async for d in relayed.deltas()]
         assert "".join(d.text for d in got) == "abc" and got[-1].error is not None
-        assert got[-1].error.code == code
+        assert got[-1].error.code == told
         assert relayed.handed_off is (code == "stream_taken_over") and relayed.is_finished
         assert failover.billed == billed
+        if billed:
+            assert got[-1].usage is not None and got[-1].usage.completion_tokens == billed[0]
         await relayed.close()
     finally:
         await nc.close()
