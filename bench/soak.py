@@ -54,6 +54,8 @@ from bench.soak_load import Load, Outcome, Tenant  # noqa: E402
 from bench.soak_sample import LedgerCheck, Sample, check_ledger, sample  # noqa: E402
 
 FAULTS = ["worker-kill", "gateway-kill", "nats-restart", "pg-stop", "worker-stop"]
+QUEUE_TIMEOUT_S = 60.0  # the gateways' cap on a request's wait (an enterprise request waits this long)
+PROBE_TIMEOUT_S = QUEUE_TIMEOUT_S + 15.0
 ADMIN_KEY = "soak-admin"
 SIM_MODEL = "sim"
 EMBED_MODEL = "minilm"
@@ -108,7 +110,8 @@ class Soak:
             worker = WorkerConfig(model=str(pull("smollm2", model_cache_dir())), served_model_name="smollm2",
                                   max_num_seqs=16)
         config = SwitchyardConfig(data_dir=self.work, worker=worker,
-                                  gateway=GatewayConfig(port=ports[0], admin_key=ADMIN_KEY, queue_timeout_s=60))
+                                  gateway=GatewayConfig(port=ports[0], admin_key=ADMIN_KEY,
+                                                        queue_timeout_s=QUEUE_TIMEOUT_S))
         self.system = LocalSystem(config, log_dir=self.work, log_level="WARNING", ephemeral=True)
         self.system.start_servers()
         for i in range(2 if self.args.engine == "sim" else 1):
@@ -196,7 +199,9 @@ class Soak:
         for url in self.urls():
             while True:
                 try:
-                    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10,
+                    # As long as an enterprise request may wait: a probe sent while the worker restarts waits for it
+                    # and is answered, not left behind as a billed row no client names.
+                    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=PROBE_TIMEOUT_S,
                                    headers={"Authorization": f"Bearer {probe_key}"})
                     self.probes.append(Outcome("probe", "enterprise", time.time(), "refused", str(r.status_code),
                                                [r.headers.get("X-Request-Id", "")]))
