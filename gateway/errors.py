@@ -19,6 +19,7 @@ from switchyard.domain.api.text import field_path
 from switchyard.domain.database import OUTAGE_ERRORS, DatabaseUnavailable, database_unavailable
 from switchyard.domain.errors import OpenAIError
 from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.gateway.request_ids import served_request_id
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -57,7 +58,12 @@ def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
     def answer(request: Request, error: OpenAIError) -> JSONResponse:
         metrics.error(getattr(request.state, "model", None), getattr(request.state, "tier", None), error.status,
                       error.code)
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        headers = dict(error.headers)
+        # An error names its request, as a success does (and OpenAI's errors do): a client reports it, and finds
+        # what was billed for a request that failed after it ran.
+        if (request_id := served_request_id()) is not None:
+            headers.setdefault("X-Request-Id", request_id)
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:

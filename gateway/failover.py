@@ -54,10 +54,9 @@ class Failover:
         log; None: a broken stream's); returns the continuation, or None when it cannot be continued."""
         resume = request.resume
         failures = (resume.attempt - resume.handovers if resume is not None else 0) + 1
-        # An embeddings request's vectors do not continue from where a client is, nor do a request's tool calls (a
-        # worker refuses such a continuation, workers/serving/choice.py): they end with worker_lost.
-        if (request.sampling.n != 1 or request.embed is not None or request.tool_use is not None
-                or failures > self._max_attempts):
+        # An embeddings request's vectors do not continue from where a client is, nor does a request a worker would
+        # refuse to resume (GenerateRequest.resumable): they end with worker_lost.
+        if not request.resumable or request.embed is not None or failures > self._max_attempts:
             return None
         # Published whether or not another worker is live now: the continuation waits in the queue until its
         # deadline, as any request does, for a replacement (a supervisor restarts a crashed worker in seconds), the

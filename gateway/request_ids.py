@@ -1,9 +1,9 @@
 """Each API request's id, minted where the request enters the gateway.
 
-The id names the request everywhere: the ``X-Request-Id`` header of its answer (an error's too), the wire request
-and its NATS subjects, usage rows, and every log line written while it is served (JSON logs carry ``request_id``,
-shared/logs.py). Setting it in the outermost middleware puts it in the context of everything below, uvicorn's
-access line included, and of any task started for the request.
+The id names the request everywhere: the ``X-Request-Id`` header of its answer (an error's too:
+gateway/errors.py), the wire request and its NATS subjects, usage rows, and every log line written while it is
+served (JSON logs carry ``request_id``, shared/logs.py). Setting it in the outermost middleware puts it in the
+context of everything below, uvicorn's access line included, and of any task started for the request.
 """
 
 from __future__ import annotations
@@ -13,9 +13,14 @@ import uuid
 from switchyard.shared.logs import request_id_var
 
 
+def served_request_id() -> str | None:
+    """The id of the ``/v1`` request being served; None outside one."""
+    return request_id_var.get()
+
+
 def current_request_id() -> str:
     """The id of the request being served (a fresh one outside a request: a batch line, a test)."""
-    return request_id_var.get() or uuid.uuid4().hex
+    return served_request_id() or uuid.uuid4().hex
 
 
 class RequestIds:
@@ -28,20 +33,8 @@ class RequestIds:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        request_id = uuid.uuid4().hex
-        token = request_id_var.set(request_id)
-        named = (b"x-request-id", request_id.encode())
-
-        async def send_named(message) -> None:
-            # Every answer names its request, an error too (as OpenAI's do): a client reports it, and finds what
-            # was billed for a request that failed after it ran.
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", ()))
-                if not any(name.lower() == b"x-request-id" for name, _ in headers):
-                    message = {**message, "headers": [*headers, named]}
-            await send(message)
-
+        token = request_id_var.set(uuid.uuid4().hex)
         try:
-            await self.app(scope, receive, send_named)
+            await self.app(scope, receive, send)
         finally:
             request_id_var.reset(token)

@@ -179,6 +179,12 @@ class GenerateRequest(msgspec.Struct):
     resumable_s: float = 0.0
 
     @property
+    def resumable(self) -> bool:
+        """Whether a run of it can be continued from the tokens it streamed (gateway/failover.py): one choice and no
+        tools, as its deltas say where in the output they are for one choice, not for each choice or call."""
+        return self.sampling.n == 1 and self.tool_use is None
+
+    @property
     def attempt(self) -> int:
         """Which run of the request this is: 0 the first, a continuation its ``resume.attempt`` (every delta says
         it, so a gateway tells a superseded run's apart)."""

@@ -161,7 +161,7 @@ def make_choice(req: GenerateRequest, state: RequestState, index: int, prompt_id
 
 def check_resumable(req: GenerateRequest) -> None:
     """A continuation has one choice and no tools (its deltas would not say where each choice was)."""
-    if req.resume is not None and (req.sampling.n != 1 or req.tool_use is not None):
+    if req.resume is not None and not req.resumable:
         param = "n" if req.sampling.n != 1 else "tools"
         raise RequestRejected(ErrorInfo(f"A request with {param} set cannot be resumed.",
                                         code="invalid_value", param=param))
