@@ -50,7 +50,12 @@ LOAD_BLOCKS = 1.0  # load (0: idle, 1: every seat taken) costs this many blocks'
 SILENT_AFTER_S = 5.0  # a worker not heard for this long (it beats every second) is left out of routing
 FORGET_AFTER_S = 60.0
 _SNAPSHOT_EVERY_S = 2.0  # at most one snapshot request per model this often
-_MAX_PREFIX_HASHES = 2_000_000  # prefix segments kept (32 MB of hashes), least recently used dropped first
+# A message prefix neither announced by a worker nor asked for by a request this long is forgotten: a worker
+# announces each key its requests use at least every ``REANNOUNCE_S`` (workers/serving/kv_changes.py), so only a
+# conversation idle this long is, and a follow-up after that finds it again once a worker announces it anew.
+PREFIX_IDLE_S = 900.0
+_SEGMENT_BYTES = 288  # what one segment holds here beside its hashes (key, parent, entry): ~230 measured, by a test
+_MAX_PREFIX_BYTES = 32 << 20  # per model, however fast prefixes come: least recently used dropped first
 
 
 @dataclass(slots=True)
@@ -67,12 +72,19 @@ class _Worker:
 
 
 @dataclass(slots=True)
+class _Segment:
+    parent: bytes | None
+    hashes: bytes
+    used: float  # last announced or asked for
+
+
+@dataclass(slots=True)
 class _Model:
     workers: dict[str, _Worker] = field(default_factory=dict)
     pool: dict[bytes, set[str]] = field(default_factory=dict)  # block -> workers whose pool holds it
     nodes: dict[bytes, dict[str, str]] = field(default_factory=dict)  # block -> node -> best tier holding it there
-    prefixes: OrderedDict[bytes, tuple[bytes | None, bytes]] = field(default_factory=OrderedDict)
-    prefix_bytes: int = 0
+    prefixes: OrderedDict[bytes, _Segment] = field(default_factory=OrderedDict)  # least recently used first
+    prefix_bytes: int = 0  # what ``prefixes`` holds, as _SEGMENT_BYTES each plus their hashes
     snapshot_asked: float = 0.0
 
 
@@ -89,9 +101,11 @@ class Placement:
 class KVIndex:
     """See the module docstring. ``is_dead(worker_id)``: the gateway's liveness view (gateway/liveness.py)."""
 
-    def __init__(self, is_dead: Callable[[str], bool] = lambda _: False) -> None:
+    def __init__(self, is_dead: Callable[[str], bool] = lambda _: False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._models: dict[str, _Model] = {}
         self._is_dead = is_dead
+        self._clock = clock
         self._nc = None
         self._sub = None
         self.num_batches = 0
@@ -125,7 +139,7 @@ class KVIndex:
 
     async def _ask_snapshot(self, model_token: str) -> None:
         model = self._models[model_token]
-        now = time.monotonic()
+        now = self._clock()
         if now - model.snapshot_asked < _SNAPSHOT_EVERY_S:
             return
         model.snapshot_asked = now
@@ -140,6 +154,7 @@ class KVIndex:
         """Take one batch in; returns True when the index lacks something of this worker (a new worker, or
         batches lost in between) and a snapshot should be asked for."""
         self.num_batches += 1
+        now = self._clock()
         model = self._models.setdefault(model_token, _Model())
         worker = model.workers.get(batch.worker_id)
         fresh = worker is None or worker.epoch != batch.epoch
@@ -148,7 +163,7 @@ class KVIndex:
             return False  # a duplicate or reordered batch: older than what was applied
         if worker is None or fresh:
             worker = model.workers[batch.worker_id] = _Worker(batch.node, batch.epoch, batch.seq, batch.block_size)
-        worker.seq, worker.load, worker.heard, worker.role = batch.seq, batch.load, time.monotonic(), batch.role
+        worker.seq, worker.load, worker.heard, worker.role = batch.seq, batch.load, now, batch.role
         worker.backlog_blocks, worker.placed_blocks = batch.backlog_tokens / max(1, batch.block_size), 0.0
         if batch.snapshot:
             self._forget_pool(model, batch.worker_id)
@@ -177,12 +192,14 @@ class KVIndex:
                     if TIER_WEIGHTS[tier] > TIER_WEIGHTS.get(at.get(batch.node, ""), 0.0):
                         at[batch.node] = tier
         for segment in batch.prefixes:
-            if segment.key not in model.prefixes:
-                model.prefixes[segment.key] = (segment.parent, segment.hashes)
-                model.prefix_bytes += len(segment.hashes)
-        while model.prefix_bytes > _MAX_PREFIX_HASHES * 16 and model.prefixes:
-            _, (_, dropped) = model.prefixes.popitem(last=False)
-            model.prefix_bytes -= len(dropped)
+            known = model.prefixes.get(segment.key)
+            if known is not None:
+                known.used = now
+                model.prefixes.move_to_end(segment.key)
+            else:
+                model.prefixes[segment.key] = _Segment(segment.parent, segment.hashes, now)
+                model.prefix_bytes += _SEGMENT_BYTES + len(segment.hashes)
+        self._forget_prefixes(model, now)
         if gap:
             self.num_gaps += 1
         return (fresh and not batch.snapshot) or gap
@@ -219,7 +236,7 @@ class KVIndex:
         chain = self._longest_prefix(model, request_prefix_keys(request))
         if not chain:
             return None
-        now = time.monotonic()
+        now = self._clock()
         best: tuple[float, str, float] | None = None  # cost, worker, saved
         live_nodes: set[str] = set()
         for worker_id, worker in list(model.workers.items()):
@@ -268,14 +285,27 @@ class KVIndex:
     def _longest_prefix(self, model: _Model, keys: list[bytes]) -> list[bytes]:
         chain: list[bytes] = []
         parent: bytes | None = None
+        now = self._clock()
         for key in keys:
             known = model.prefixes.get(key)
-            if known is None or known[0] != parent:
+            if known is None or known.parent != parent:
                 break
+            known.used = now
             model.prefixes.move_to_end(key)
-            chain.extend(split_hashes(known[1]))
+            chain.extend(split_hashes(known.hashes))
             parent = key
         return chain
+
+    @staticmethod
+    def _forget_prefixes(model: _Model, now: float) -> None:
+        """Drop the least recently used segments while they are idle past PREFIX_IDLE_S or too many are held."""
+        prefixes = model.prefixes
+        while prefixes:
+            oldest = next(iter(prefixes.values()))
+            if now - oldest.used <= PREFIX_IDLE_S and model.prefix_bytes <= _MAX_PREFIX_BYTES:
+                break
+            prefixes.popitem(last=False)
+            model.prefix_bytes -= _SEGMENT_BYTES + len(oldest.hashes)
 
     def _forget_pool(self, model: _Model, worker_id: str) -> None:
         for h in [h for h, holders in model.pool.items() if worker_id in holders]:

@@ -4,9 +4,12 @@ lost, duplicated or reordered batches only ask for a snapshot or are ignored."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 import msgspec
 
-from switchyard.gateway.kv_index import KVIndex
+from switchyard.gateway.kv_index import PREFIX_IDLE_S, KVIndex
 from switchyard.shared.kv_events import DISK, HOST, POOL, KVEventBatch, PrefixSegment, request_prefix_keys
 from switchyard.shared.messages import ChatMessage, GenerateRequest, KVSource, SamplingParams
 
@@ -157,3 +160,56 @@ def test_lost_batches_ask_for_a_snapshot_and_old_ones_are_ignored():
     assert index.place(first).saved_blocks == 2
     stranger = KVIndex()
     assert stranger.apply(MODEL, a.batch(load=0.3)) is True, "a worker first heard mid-stream is asked for all"
+
+
+def test_a_conversation_idle_past_the_prefix_idle_time_is_forgotten_and_learnt_again_when_announced():
+    now = [0.0]
+    index = KVIndex(clock=lambda: now[0])
+    a = Worker(index, "a")
+    first, held = conversation()
+    other = request("A second conversation, kept in use.")
+    kept = segments(other, [blocks("k", 1)])
+    a.send(stored={POOL: held + blocks("k", 1)}, prefixes=segments(first, [held[:5], held[5:]]) + kept)
+    now[0] = PREFIX_IDLE_S - 1
+    a.send(load=0.1)  # a worker beats every second: any batch lets the index forget what has been idle too long
+    assert index.place(other).worker_id == "a"  # asked for: kept another idle time
+    now[0] = PREFIX_IDLE_S + 1
+    a.send(load=0.1)
+    assert index.place(first) is None, "idle past PREFIX_IDLE_S: forgotten, though a's pool still holds it"
+    assert index.place(other).worker_id == "a"
+    assert index.tenant_state()["kv_index_prefixes"] == 1
+    a.send(prefixes=segments(first, [held[:5], held[5:]]))  # a worker announces it again at its next use
+    assert index.place(first).worker_id == "a"
+
+
+def test_prefixes_of_short_messages_that_fill_no_block_are_bounded_too(monkeypatch):
+    import switchyard.gateway.kv_index as kv_index
+
+    monkeypatch.setattr(kv_index, "_MAX_PREFIX_BYTES", 1000 * kv_index._SEGMENT_BYTES)
+    index = KVIndex()
+    a = Worker(index, "a")
+    for i in range(30):  # 3,000 conversations of one short message each: no whole block, yet each costs memory
+        a.send(prefixes=[p for j in range(100) for p in segments(request(f"hi {i}.{j}"), [[]])])
+    assert index.tenant_state()["kv_index_prefixes"] == 1000, "the least recently used go past the bound"
+
+
+def test_a_segment_costs_no_more_memory_than_the_bound_counts_for_it():
+    """_SEGMENT_BYTES must not under-count: the bound is only as honest as it. Measured as the gateway receives
+    segments, decoded from the wire."""
+    index = KVIndex()
+    a = Worker(index, "a")
+    n = 2000
+    wire = msgspec.msgpack.encode(a.batch(prefixes=[p for i in range(n) for p in segments(
+        request(f"system {i}", f"user {i}"), [[], blocks(f"b{i}", 1)])]))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index.apply(MODEL, msgspec.msgpack.decode(wire, type=KVEventBatch))
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.tenant_state()["kv_index_prefixes"] == 2 * n
+    counted = index._models[MODEL].prefix_bytes
+    assert held <= counted, f"{held / (2 * n):.0f} bytes a segment held, {counted / (2 * n):.0f} counted"

@@ -7,11 +7,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from switchyard.gateway.kv_index import PREFIX_IDLE_S
 from switchyard.scheduler import Sequence
 from switchyard.scheduler.kv_cache_manager import KVCacheManager
-from switchyard.shared.kv_events import cache_salt, request_prefix_keys, split_hashes
+from switchyard.shared.kv_events import PrefixSegment, cache_salt, request_prefix_keys, split_hashes
 from switchyard.shared.messages import ChatMessage, GenerateRequest, SamplingParams, ToolSpec, ToolUse
 from switchyard.workers.model_store import load
+from switchyard.workers.serving.kv_changes import REANNOUNCE_S, PrefixSegmentLog
 from switchyard.workers.serving.prompts import prepare_prompt
 
 BLOCK = 16
@@ -79,3 +81,18 @@ def test_another_tenant_or_other_tools_name_other_prefixes():
     assert not set(request_prefix_keys(req)) & set(request_prefix_keys(msgspec.structs.replace(req, tenant_id="b")))
     tools = ToolUse(tools=[ToolSpec(name="lookup", description="", parameters={"type": "object"})], choice="auto")
     assert not set(request_prefix_keys(req)) & set(request_prefix_keys(msgspec.structs.replace(req, tool_use=tools)))
+
+
+def test_a_key_is_handed_out_once_until_it_is_due_to_be_announced_again():
+    now = [0.0]
+    log = PrefixSegmentLog(clock=lambda: now[0])
+    history = [PrefixSegment(b"k0", None, b""), PrefixSegment(b"k1", b"k0", b"x" * 16)]
+    log.add(history)
+    assert log.take() == history
+    now[0] = REANNOUNCE_S - 1
+    log.add(history + [PrefixSegment(b"k2", b"k1", b"")])  # the next turn sends its history again
+    assert [s.key for s in log.take()] == [b"k2"], "only what a router has not been told"
+    now[0] = REANNOUNCE_S + 1
+    log.add(history + [PrefixSegment(b"k2", b"k1", b"")])
+    assert [s.key for s in log.take()] == [b"k0", b"k1"], "announced again before a router forgets them as idle"
+    assert REANNOUNCE_S < PREFIX_IDLE_S

@@ -1,20 +1,26 @@
 """What an engine's KV cache gained and lost since the worker last asked: the content of its KV events
 (``KVChanges``, published by the worker: shared/kv_events.py), and the message-prefix segments of the chat requests
-it took, each key handed out once (``PrefixSegmentLog``: a conversation sends its history every turn, so a bounded
-set remembers the keys already handed out, and a router that missed one learns it from the next request that
-carries it). Ours collects them from its pool and tiers (workers/engine/kv_change_log.py), the vLLM engine from
-vLLM's own KV events (workers/vllm_engine/kv_events.py).
+it took, each key handed out once per ``REANNOUNCE_S`` (``PrefixSegmentLog``: a conversation sends its history
+every turn, so a bounded set remembers the keys already handed out; a router that missed one, or forgot it as idle,
+learns it from the next request that carries it once that much time has passed). Ours collects them from its pool
+and tiers (workers/engine/kv_change_log.py), the vLLM engine from vLLM's own KV events
+(workers/vllm_engine/kv_events.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 
 from switchyard.shared.kv_events import PrefixSegment
 
 _KEYS_REMEMBERED = 65_536
+# Under the routers' idle time (gateway/kv_index.py, PREFIX_IDLE_S: 900 s): a key in use is announced again before
+# any router forgets it, and one a router forgot is announced at its next use.
+REANNOUNCE_S = 600.0
 
 
 class KVChanges(msgspec.Struct):
@@ -32,19 +38,23 @@ class KVChanges(msgspec.Struct):
 
 
 class PrefixSegmentLog:
-    """The message-prefix segments of requests added since the last ``take``, each key handed out once (see the
+    """The message-prefix segments of requests added since the last ``take``, each key once per REANNOUNCE_S (see the
     module docstring); both engines' KV changes carry them."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._segments: list[PrefixSegment] = []
-        self._handed_out: OrderedDict[bytes, None] = OrderedDict()
+        self._handed_out: OrderedDict[bytes, float] = OrderedDict()  # key -> when last handed out; LRU first
+        self._clock = clock
 
     def add(self, segments: list[PrefixSegment]) -> None:
+        now = self._clock()
         for segment in segments:
-            if segment.key in self._handed_out:
+            handed_out = self._handed_out.get(segment.key)
+            if handed_out is not None:
                 self._handed_out.move_to_end(segment.key)
-                continue
-            self._handed_out[segment.key] = None
+                if now - handed_out < REANNOUNCE_S:
+                    continue
+            self._handed_out[segment.key] = now
             self._segments.append(segment)
         while len(self._handed_out) > _KEYS_REMEMBERED:
             self._handed_out.popitem(last=False)
