@@ -55,8 +55,8 @@ class Failover:
         resume = request.resume
         failures = (resume.attempt - resume.handovers if resume is not None else 0) + 1
         # An embeddings request's vectors do not continue from where a client is, nor does a request a worker would
-        # refuse to resume (GenerateRequest.resumable): they end with worker_lost.
-        if not request.resumable or request.embed is not None or failures > self._max_attempts:
+        # refuse to resume (GenerateRequest.continuable): they end with worker_lost.
+        if not request.continuable or request.embed is not None or failures > self._max_attempts:
             return None
         # Published whether or not another worker is live now: the continuation waits in the queue until its
         # deadline, as any request does, for a replacement (a supervisor restarts a crashed worker in seconds), the

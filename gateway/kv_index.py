@@ -194,8 +194,7 @@ class KVIndex:
         for segment in batch.prefixes:
             known = model.prefixes.get(segment.key)
             if known is not None:
-                known.used = now
-                model.prefixes.move_to_end(segment.key)
+                self._touch(model, segment.key, known, now)
             else:
                 model.prefixes[segment.key] = _Segment(segment.parent, segment.hashes, now)
                 model.prefix_bytes += _SEGMENT_BYTES + len(segment.hashes)
@@ -290,11 +289,16 @@ class KVIndex:
             known = model.prefixes.get(key)
             if known is None or known.parent != parent:
                 break
-            known.used = now
-            model.prefixes.move_to_end(key)
+            self._touch(model, key, known, now)
             chain.extend(split_hashes(known.hashes))
             parent = key
         return chain
+
+    @staticmethod
+    def _touch(model: _Model, key: bytes, segment: _Segment, now: float) -> None:
+        """``key`` was used now: last out of the least-recently-used order, and idle from now."""
+        segment.used = now
+        model.prefixes.move_to_end(key)
 
     @staticmethod
     def _forget_prefixes(model: _Model, now: float) -> None:

@@ -179,9 +179,10 @@ class GenerateRequest(msgspec.Struct):
     resumable_s: float = 0.0
 
     @property
-    def resumable(self) -> bool:
-        """Whether a run of it can be continued from the tokens it streamed (gateway/failover.py): one choice and no
-        tools, as its deltas say where in the output they are for one choice, not for each choice or call."""
+    def continuable(self) -> bool:
+        """Whether a run of it can be continued from the tokens it streamed (gateway/failover.py; not the stream
+        resume of ``resumable_s``): one choice and no tools, as its deltas say where in the output they are for one
+        choice, not for each choice or call."""
         return self.sampling.n == 1 and self.tool_use is None
 
     @property

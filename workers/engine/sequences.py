@@ -11,7 +11,7 @@ from switchyard.scheduler import Sequence
 from switchyard.shared.kv_events import cache_salt
 from switchyard.shared.messages import ErrorInfo, GenerateRequest
 from switchyard.workers.engine.sampling import GREEDY_TEMPERATURE
-from switchyard.workers.serving.choice import Choice, RequestState, check_resumable, make_choice
+from switchyard.workers.serving.choice import Choice, RequestState, check_continuable, make_choice
 from switchyard.workers.serving.output_filter import OutputSafety
 from switchyard.workers.serving.prompts import PreparedPrompt, RequestRejected
 
@@ -48,7 +48,7 @@ def new_request(req: GenerateRequest, prepared: MatcherPrompt, tokenizer, safety
     """``req``'s state and a sequence per choice, all built before the scheduler sees any of it: a request that
     fails here (``RequestRejected``) leaves nothing behind. A continuation's one choice goes on from its tokens."""
     params, prompt_ids, max_tokens = req.sampling, prepared.token_ids, prepared.max_tokens
-    check_resumable(req)
+    check_continuable(req)
     state = RequestState(req.request_id, params, len(prompt_ids), seq_ids=[], handover=req.handover)
     arrival = time.monotonic()
     salt = cache_salt(req)

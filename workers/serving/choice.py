@@ -159,9 +159,9 @@ def make_choice(req: GenerateRequest, state: RequestState, index: int, prompt_id
     return choice
 
 
-def check_resumable(req: GenerateRequest) -> None:
+def check_continuable(req: GenerateRequest) -> None:
     """A continuation has one choice and no tools (its deltas would not say where each choice was)."""
-    if req.resume is not None and not req.resumable:
+    if req.resume is not None and not req.continuable:
         param = "n" if req.sampling.n != 1 else "tools"
         raise RequestRejected(ErrorInfo(f"A request with {param} set cannot be resumed.",
                                         code="invalid_value", param=param))

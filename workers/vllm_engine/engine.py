@@ -41,7 +41,7 @@ from switchyard.shared.config import WorkerConfig
 from switchyard.shared.kv_events import cache_salt
 from switchyard.shared.messages import HANDOVER, ErrorInfo, GenerateRequest, TokenDelta, Usage
 from switchyard.shared.tiers import TIER_NAMES, get_tier
-from switchyard.workers.serving.choice import RequestState, check_resumable, make_choice
+from switchyard.workers.serving.choice import RequestState, check_continuable, make_choice
 from switchyard.workers.serving.guided import Grammars
 from switchyard.workers.serving.interface import EngineCapabilities, RequestRejected
 from switchyard.workers.serving.kv_changes import KVChanges
@@ -203,7 +203,7 @@ class VllmEngine:
             raise ValueError(f"request {req.request_id!r} is already running")
         if prepared is None:
             prepared = self.prepare(req)
-        check_resumable(req)
+        check_continuable(req)
         prompt_ids, grammar = prepared.token_ids, prepared.matcher
         resumed = list(req.resume.token_ids) if req.resume is not None else []
         max_tokens = prepared.max_tokens - len(resumed)
