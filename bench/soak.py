@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -51,7 +53,7 @@ import httpx  # noqa: E402
 from bench.chaos import signal_tree  # noqa: E402
 from bench.chaos_report import cpu_lines, usage_duplicates  # noqa: E402
 from bench.soak_load import Load, Outcome, Tenant  # noqa: E402
-from bench.soak_sample import LedgerCheck, Sample, check_ledger, sample  # noqa: E402
+from bench.soak_sample import LedgerCheck, Sample, check_ledger, prompt_tokens_by_time, sample  # noqa: E402
 
 FAULTS = ["worker-kill", "gateway-kill", "nats-restart", "pg-stop", "worker-stop"]
 QUEUE_TIMEOUT_S = 60.0  # the gateways' cap on a request's wait (an enterprise request waits this long)
@@ -80,6 +82,7 @@ class SoakResult:
     tenants_left: int = 0
     usage_duplicates: list = field(default_factory=list)  # (request id, each record's completion tokens)
     started_wall: float = 0.0
+    prompts: list[tuple[float, int, int]] = field(default_factory=list)  # (accepted at, prompt tokens, cached)
 
 
 class Soak:
@@ -108,7 +111,7 @@ class Soak:
             worker = WorkerConfig(engine="simulated", heartbeat_s=1.0, max_num_seqs=64, simulated_tokens_per_s=40.0)
         else:  # pulled where the tests keep their models, as the embedding model is (a fresh clone has neither)
             worker = WorkerConfig(model=str(pull("smollm2", model_cache_dir())), served_model_name="smollm2",
-                                  max_num_seqs=16)
+                                  max_num_seqs=16, kv_offload_gib=self.args.kv_offload_gib)
         config = SwitchyardConfig(data_dir=self.work, worker=worker,
                                   gateway=GatewayConfig(port=ports[0], admin_key=ADMIN_KEY,
                                                         queue_timeout_s=QUEUE_TIMEOUT_S))
@@ -261,6 +264,10 @@ class Soak:
             result.usage_duplicates = dups[:10]
             result.check = asyncio.run(check_ledger(load.ledger, database_url, nats_url, len(dups),
                                                     also_named=[rid for p in self.probes for rid in p.request_ids]))
+            result.prompts = asyncio.run(prompt_tokens_by_time(database_url, self.model))
+            if args.keep:  # each request as its client saw it, beside the logs and the data
+                with open(self.work / "ledger.jsonl", "w") as f:
+                    f.writelines(json.dumps(dataclasses.asdict(out)) + "\n" for out in load.ledger)
             return result
         finally:
             if thread is not None and thread.is_alive() and loop is not None and load is not None:
@@ -306,7 +313,11 @@ def parse_args(argv: list[str] | None = None):
                              "a minute must be gone by then (swept every minute)")
     parser.add_argument("--no-embeddings", dest="embeddings", action="store_false",
                         help="no embedding worker (all-MiniLM-L6-v2, pulled into the tests' model cache)")
-    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs) after the run")
+    parser.add_argument("--kv-offload-gib", type=float, default=None,
+                        help="the SmolLM2 worker's host KV tier, GiB of tmpfs (off by default on a CPU worker): what "
+                             "a killed worker computed is found there by its replacement")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work dir (logs, the data, ledger.jsonl: each request as its client saw it)")
     parser.add_argument("--results", default=None, help="markdown file to append to; '-' for none")
     return parser.parse_args(argv)
 

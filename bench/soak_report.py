@@ -59,6 +59,22 @@ def after_fault_rows(result) -> list[list[str]]:
     return rows
 
 
+def prefill_after_fault_rows(result) -> list[list[str]]:
+    """Per fault, over the same buckets: prompt tokens computed per second (not found in a prefix cache) by the
+    requests accepted in each, and the share of prompt tokens found cached. A worker's death takes its prefix
+    cache with it (unless a host KV tier outlives it): what its conversations come back with is computed again."""
+    rows = []
+    for fault in result.faults:
+        def cell(begin: float, end: float) -> str:
+            mine = [(p, c) for at, p, c in result.prompts if begin <= at - result.started_wall < end]
+            prompt, cached = sum(p for p, _ in mine), sum(c for _, c in mine)
+            return f"{(prompt - cached) / (end - begin):.0f} ({100 * cached / prompt:.0f}%)" if prompt else "-"
+        edges = AFTER_FAULT_BUCKETS_S
+        rows.append([fault.name, f"{fault.at / 60:.1f}", cell(fault.at - 60, fault.at),
+                     *(cell(fault.ended_at + a, fault.ended_at + b) for a, b in zip(edges, edges[1:], strict=False))])
+    return rows
+
+
 def window_rows(result) -> list[list[str]]:
     """Per window: requests by outcome, and streamed TTFT p50/p99 per tier outside the minute after a fault."""
     rows = []
@@ -149,6 +165,12 @@ def report(result, args) -> str:
                              *(f"{a}-{b}" for a, b in zip(AFTER_FAULT_BUCKETS_S, AFTER_FAULT_BUCKETS_S[1:],
                                                           strict=False))],
                             after_fault_rows(result)), "",
+             "### Prompt tokens computed per second around each fault (every tier; in brackets, the share found "
+             "cached)", "",
+             markdown_table(["fault", "at min", "before",
+                             *(f"{a}-{b}" for a, b in zip(AFTER_FAULT_BUCKETS_S, AFTER_FAULT_BUCKETS_S[1:],
+                                                          strict=False))],
+                            prefill_after_fault_rows(result)), "",
              "### Processes (memory as PSS MiB, open fds; growth per hour from 20 min after the process's own start)",
              "",
              markdown_table(["process", "MiB first", "MiB last", "growth/h", "from min", "fds first", "fds last"],

@@ -179,6 +179,20 @@ class LedgerCheck:
         return not (self.unbilled or self.misbilled or self.billed_refused or self.twice)
 
 
+async def prompt_tokens_by_time(database_url: str, model: str) -> list[tuple[float, int, int]]:
+    """Every request of ``model`` that ran: (accepted at, epoch s; prompt tokens; of them found cached), so that a
+    report can show what a fault cost in prefill recomputed (a worker's death takes its prefix cache with it)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch("SELECT extract(epoch FROM created_at) AS at, prompt_tokens, cached_tokens "
+                                "FROM requests WHERE model = $1", model)
+    finally:
+        await conn.close()
+    return [(float(r["at"]), r["prompt_tokens"], r["cached_tokens"]) for r in rows]
+
+
 async def check_ledger(ledger: list[Outcome], database_url: str, nats_url: str, usage_duplicates: int,
                        also_named: Iterable[str] = ()) -> LedgerCheck:
     """Once the billing writer has written every usage record: compare. ``unknown_rows`` are reported, not failed:

@@ -1,11 +1,12 @@
 """The soak report's judgements on made-up samples (bench/soak_report.py): a process restarted by a fault is
-judged from its own start, and the latency around a fault is read per bucket after the fault's end."""
+judged from its own start, and the latency and the prefill recomputed around a fault are read per bucket after the
+fault's end."""
 
 from __future__ import annotations
 
 from bench.soak import FaultRun, SoakResult
 from bench.soak_load import Outcome
-from bench.soak_report import after_fault_rows, life_start, process_rows
+from bench.soak_report import after_fault_rows, life_start, prefill_after_fault_rows, process_rows
 from bench.soak_sample import Sample
 
 MIB = 2**20
@@ -37,3 +38,14 @@ def test_the_latency_after_a_fault_is_read_per_bucket_after_its_end():
     (row,) = after_fault_rows(result)
     assert row[:3] == ["worker-stop", "10.0", "0.10"]  # the minute before it
     assert row[3:] == ["9.00", "5.00", "0.20", "-", "-", "-", "0.10"]  # 0-30 s after its end, 30-60, ...
+
+
+def test_the_prefill_recomputed_after_a_fault_is_read_per_bucket_after_its_end():
+    fault = FaultRun("worker-kill", at=600.0, ended_at=610.0)
+    # (accepted at, prompt tokens, cached): before the kill most of each prompt is cached; just after it none is.
+    prompts = [(1000.0 + at, prompt, cached) for at, prompt, cached in
+               ((560, 400, 300), (590, 200, 100), (615, 600, 0), (630, 300, 0), (660, 100, 50))]
+    result = SoakResult(cpu=[], seconds=1200, faults=[fault], started_wall=1000.0, prompts=prompts)
+    (row,) = prefill_after_fault_rows(result)
+    assert row[:3] == ["worker-kill", "10.0", "3 (67%)"]  # 200 computed over the minute before, 400 of 600 cached
+    assert row[3:6] == ["30 (0%)", "2 (50%)", "-"]  # 900 computed in the 30 s after its end; then 50
