@@ -404,14 +404,16 @@ class _ChatStream:
                 self.done = True
                 return
             self.chunks += 1
-            if out.ttft_s is None:
-                out.ttft_s = time.monotonic() - self.start
             event = json.loads(line[6:])
             if "error" in event:
                 out.status, out.code = "failed", f"event {event['error'].get('code')}"
                 continue
             for choice in event.get("choices") or []:
                 self.finish = choice.get("finish_reason") or self.finish
+                # The first token, not the first chunk: a chat's opening chunk (its role, no content) goes out when
+                # a worker starts the request, before its prefill.
+                if out.ttft_s is None and (choice.get("delta") or {}).get("content"):
+                    out.ttft_s = time.monotonic() - self.start
             if event.get("usage"):
                 out.completion_tokens = event["usage"]["completion_tokens"]
             if self.cut and self.chunks >= CUT_AFTER_CHUNKS:
