@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from bench.soak import FaultRun, SoakResult
 from bench.soak_load import Outcome
-from bench.soak_report import after_fault_rows, life_start, prefill_after_fault_rows, process_rows
+from bench.soak_report import after_fault_rows, life_start, prefill_after_fault_rows, process_rows, settled_rows
 from bench.soak_sample import Sample
 
 MIB = 2**20
@@ -49,3 +49,15 @@ def test_the_prefill_recomputed_after_a_fault_is_read_per_bucket_after_its_end()
     (row,) = prefill_after_fault_rows(result)
     assert row[:3] == ["worker-kill", "10.0", "3 (67%)"]  # 200 computed over the minute before, 400 of 600 cached
     assert row[3:6] == ["30 (0%)", "2 (50%)", "-"]  # 900 computed in the 30 s after its end; then 50
+
+
+def test_the_latency_settled_after_a_kind_of_fault_is_pooled_over_its_faults_against_the_first_window():
+    faults = [FaultRun("worker-kill", at=600.0, ended_at=610.0), FaultRun("worker-kill", at=1200.0, ended_at=1210.0)]
+    sent = [(100, 0.1), (200, 0.3), (615, 9.0), (700, 0.2), (950, 0.9), (1300, 0.4), (1600, 5.0)]
+    ledger = [Outcome("chat_stream", "pro", sent_at=1000.0 + at, status="completed", ttft_s=ttft) for at, ttft in sent]
+    result = SoakResult(cpu=[], seconds=1800, ledger=ledger, faults=faults, started_wall=1000.0,
+                        samples=[Sample(at=300.0, processes={}, pids={})])
+    first, kills = settled_rows(result)
+    assert first == ["first window (none)", "0", "2", "0.30", "0.30", "0.30"]  # 100 and 200 s: before any fault
+    # 60-300 s after either end: 700 and 1300 (615 is in the minute after, 950 and 1600 past 300 s)
+    assert kills == ["worker-kill", "2", "2", "0.40", "0.40", "0.40"]
