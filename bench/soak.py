@@ -319,7 +319,10 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--keep", action="store_true",
                         help="keep the work dir (logs, the data, ledger.jsonl: each request as its client saw it)")
     parser.add_argument("--results", default=None, help="markdown file to append to; '-' for none")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.kv_offload_gib is not None and args.engine != "smollm2":
+        parser.error("--kv-offload-gib is the SmolLM2 worker's (the simulated engine keeps no KV)")
+    return args
 
 
 def _interrupted(signum, frame) -> None:

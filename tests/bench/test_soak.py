@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 
+import pytest
+
 from bench.soak import Soak, parse_args
 
 FD_MARGIN = 16  # sockets and files open now and then (a pool's connection, a log rotation): not a trend
@@ -44,3 +46,9 @@ def test_five_minutes_of_mixed_traffic_through_two_faults_lose_and_leak_nothing(
     left = {(process, structure): held[structure] for process, held in last.tenant_state.items()
             for structure in FORGOTTEN_WITHIN_MINUTES if held.get(structure)}
     assert left == {}, left
+
+
+def test_a_host_kv_tier_is_refused_for_the_simulated_engine_which_keeps_no_kv():
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-offload-gib", "1"])
+    assert parse_args(["--engine", "smollm2", "--kv-offload-gib", "1"]).kv_offload_gib == 1.0
