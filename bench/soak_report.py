@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.results import RESULTS, append_section, command_line, markdown_table
@@ -44,19 +45,27 @@ def near_fault(result, out: Outcome) -> bool:
 AFTER_FAULT_BUCKETS_S = (0, 30, 60, 90, 120, 180, 240, 300)  # the edges of the buckets after a fault's end
 
 
+AFTER_FAULT_HEADER = ["fault", "at min", "before", *(f"{a}-{b}" for a, b in zip(
+    AFTER_FAULT_BUCKETS_S, AFTER_FAULT_BUCKETS_S[1:], strict=False))]
+
+
+def _around_faults(result, cell: Callable[[float, float], str]) -> list[list[str]]:
+    """Per fault: ``cell(begin, end)`` (s into the soak) for the minute before it, then for each bucket after its
+    last step (AFTER_FAULT_BUCKETS_S)."""
+    edges = AFTER_FAULT_BUCKETS_S
+    return [[fault.name, f"{fault.at / 60:.1f}", cell(fault.at - 60, fault.at),
+             *(cell(fault.ended_at + a, fault.ended_at + b) for a, b in zip(edges, edges[1:], strict=False))]
+            for fault in result.faults]
+
+
 def after_fault_rows(result) -> list[list[str]]:
     """Per fault: streamed TTFT p99 (every tier) of the requests sent in each bucket after its last step, and in
     the minute before it, so the time latency takes to settle after each fault is read, not guessed."""
-    rows = []
     streamed = [o for o in result.ledger if o.kind == "chat_stream" and o.ttft_s is not None]
-    for fault in result.faults:
-        def p99(begin: float, end: float) -> str:
-            ttft = [o.ttft_s for o in streamed if begin <= o.sent_at - result.started_wall < end]
-            return _s(_pct(ttft, 99))
-        edges = AFTER_FAULT_BUCKETS_S
-        rows.append([fault.name, f"{fault.at / 60:.1f}", p99(fault.at - 60, fault.at),
-                     *(p99(fault.ended_at + a, fault.ended_at + b) for a, b in zip(edges, edges[1:], strict=False))])
-    return rows
+
+    def p99(begin: float, end: float) -> str:
+        return _s(_pct([o.ttft_s for o in streamed if begin <= o.sent_at - result.started_wall < end], 99))
+    return _around_faults(result, p99)
 
 
 SETTLED_S = (AFTER_FAULT_S, 300)  # after a fault's end: where the target holds latency to the first window's
@@ -87,16 +96,11 @@ def prefill_after_fault_rows(result) -> list[list[str]]:
     """Per fault, over the same buckets: prompt tokens computed per second (not found in a prefix cache) by the
     requests accepted in each, and the share of prompt tokens found cached. A worker's death takes its prefix
     cache with it (unless a host KV tier outlives it): what its conversations come back with is computed again."""
-    rows = []
-    for fault in result.faults:
-        def cell(begin: float, end: float) -> str:
-            mine = [(p, c) for at, p, c in result.prompts if begin <= at - result.started_wall < end]
-            prompt, cached = sum(p for p, _ in mine), sum(c for _, c in mine)
-            return f"{(prompt - cached) / (end - begin):.0f} ({100 * cached / prompt:.0f}%)" if prompt else "-"
-        edges = AFTER_FAULT_BUCKETS_S
-        rows.append([fault.name, f"{fault.at / 60:.1f}", cell(fault.at - 60, fault.at),
-                     *(cell(fault.ended_at + a, fault.ended_at + b) for a, b in zip(edges, edges[1:], strict=False))])
-    return rows
+    def cell(begin: float, end: float) -> str:
+        mine = [(p, c) for at, p, c in result.prompts if begin <= at - result.started_wall < end]
+        prompt, cached = sum(p for p, _ in mine), sum(c for _, c in mine)
+        return f"{(prompt - cached) / (end - begin):.0f} ({100 * cached / prompt:.0f}%)" if prompt else "-"
+    return _around_faults(result, cell)
 
 
 def window_rows(result) -> list[list[str]]:
@@ -185,19 +189,13 @@ def report(result, args) -> str:
              markdown_table(["fault", "at min", "recovered in s"],
                             [[f.name, f"{f.at / 60:.1f}", _s(f.recovered_s)] for f in result.faults]), "",
              "### Streamed TTFT p99 (s) around each fault: the minute before it, then by seconds after its end", "",
-             markdown_table(["fault", "at min", "before",
-                             *(f"{a}-{b}" for a, b in zip(AFTER_FAULT_BUCKETS_S, AFTER_FAULT_BUCKETS_S[1:],
-                                                          strict=False))],
-                            after_fault_rows(result)), "",
+             markdown_table(AFTER_FAULT_HEADER, after_fault_rows(result)), "",
              f"### Streamed TTFT (s) {SETTLED_S[0]}-{SETTLED_S[1]} s after each kind of fault's end, pooled, against "
              "the first window", "",
              markdown_table(["fault", "faults", "streams", "p50", "p90", "p99"], settled_rows(result)), "",
              "### Prompt tokens computed per second around each fault (every tier; in brackets, the share found "
              "cached)", "",
-             markdown_table(["fault", "at min", "before",
-                             *(f"{a}-{b}" for a, b in zip(AFTER_FAULT_BUCKETS_S, AFTER_FAULT_BUCKETS_S[1:],
-                                                          strict=False))],
-                            prefill_after_fault_rows(result)), "",
+             markdown_table(AFTER_FAULT_HEADER, prefill_after_fault_rows(result)), "",
              "### Processes (memory as PSS MiB, open fds; growth per hour from 20 min after the process's own start)",
              "",
              markdown_table(["process", "MiB first", "MiB last", "growth/h", "from min", "fds first", "fds last"],
