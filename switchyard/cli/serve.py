@@ -19,12 +19,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from switchyard.gateway.services import GatewayServices
     from switchyard.jobs.runner import running_jobs
     from switchyard.shared.gc_pauses import startup_frozen
+    from switchyard.shared.heap_trim import trimming_heap
     from switchyard.shared.tracing import setup_tracing
 
     config = load_config(args)
     setup_tracing("switchyard-gateway", config.traces_exporter, config.traces_file)
     services = GatewayServices(config)
     companions: list[Companion] = [lambda: running_jobs(config)] if config.gateway.run_jobs else []
+    companions.append(trimming_heap)
     companions.append(startup_frozen)  # last: what the services and jobs made at start is there to freeze
     app = create_app(config, services, companions)
     # After the drain nothing is open: uvicorn's own grace period only closes idle keep-alive connections.
@@ -74,6 +76,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     """The durable consumers alone (billing writer, batch runner, housekeeping), until SIGTERM or Ctrl-C."""
     from switchyard.jobs.runner import running_jobs
+    from switchyard.shared.heap_trim import trimming_heap
 
     config = load_config(args)
     if not config.nats_url or not config.database_url:
@@ -82,7 +85,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 2
 
     async def run() -> None:
-        async with running_jobs(config) as jobs:
+        async with running_jobs(config) as jobs, trimming_heap():
             await jobs.wait()
 
     asyncio.run(run())
