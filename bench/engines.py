@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,11 +60,17 @@ WORKER_SETTINGS = {"switchyard": {}, "switchyard int8": {"quantization": "int8"}
                    "switchyard int4 kv-int8": {"quantization": "int4", "kv_cache_dtype": "int8"},
                    "vllm engine": {"engine": "vllm"}}
 DEFAULT_REQUESTS = {1: 2, 8: 12, 32: 48}  # the whole run under 10 minutes on a shared 2-core machine
+# A level fails when a side's process has died or nothing has finished for this long (the slowest request of a
+# closed loop of 64 on 2 cores takes a few minutes), checked this often.
+STALL_S = 900.0
+WATCH_EVERY_S = 5.0
 
 
 async def level(base_url: str, api_key: str, model: str, reqs: list[dict], concurrency: int, num: int,
-                side: str) -> dict:
-    """``num`` requests in a closed loop of ``concurrency`` against one side."""
+                side: str, watch: Callable[[], str | None] = lambda: None) -> dict:
+    """``num`` requests in a closed loop of ``concurrency`` against one side. ``watch``: what went wrong with the
+    side's processes, if anything (a worker that died); the level fails with it, or when no request has finished
+    for ``STALL_S``, instead of waiting out the timeouts the benchmark raised."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=3600)
@@ -73,13 +81,45 @@ async def level(base_url: str, api_key: str, model: str, reqs: list[dict], concu
         while todo:
             await one(client, reqs[todo.pop(0)], recs, model)
 
+    def problem() -> str | None:
+        if (said := watch()) is not None:
+            return said
+        if len(recs) != progress[0]:
+            progress[:] = [len(recs), time.monotonic()]
+        elif time.monotonic() - progress[1] > STALL_S:
+            return f"{side}: no request finished in {STALL_S:.0f} s ({len(recs)} of {num} done)"
+        return None
+
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    progress = [0, time.monotonic()]
+    loops = asyncio.gather(*(loop() for _ in range(concurrency)))
+    try:
+        while not loops.done():
+            await asyncio.wait({loops}, timeout=WATCH_EVERY_S)
+            if not loops.done() and (said := problem()) is not None:
+                loops.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loops
+                raise SideFailed(said)
+        await loops
+    finally:
+        await client.close()
     row = summarize(side, concurrency, recs, time.perf_counter() - t0, load=(load0 + os.getloadavg()[0]) / 2)
-    await client.close()
     print(f"{side} c={concurrency}: {row['tok_s']:.1f} tok/s ({row['failed']} failed, load {row['load']:.1f})",
           flush=True)
     return row
+
+
+class SideFailed(RuntimeError):
+    """A side stopped serving during a level: a process of it died, or nothing finished for ``STALL_S``."""
+
+
+def dead_services(services) -> str | None:
+    """The first of ``services`` (deploy/services.ServiceProcess) that is no longer running, with its log's end."""
+    for service in services:
+        if not service.is_running():
+            return f"{service.name} exited (status {service.returncode}); its log ends:\n{service.log_tail()}"
+    return None
 
 
 def vllm_kwargs(worker, model_dir: str) -> dict:
@@ -139,6 +179,14 @@ class VllmServe:
             if time.monotonic() > deadline:
                 raise TimeoutError("vllm serve did not start in time")
             time.sleep(1)
+
+    def exited(self) -> str | None:
+        """What its end was, with its log's end, once it has exited; None while it runs."""
+        if self._proc.poll() is None:
+            return None
+        from switchyard.deploy.processes import tail_of
+
+        return f"vllm serve exited (status {self._proc.returncode}); its log ends:\n{tail_of(self._log_path, 40)}"
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -252,11 +300,17 @@ def main() -> int:
                     system.wait_until_ready(SERVED[side], timeout_s=900)
             httpx.put(f"{system.url()}/admin/tiers/pro", json={"max_wait_s": 3600},
                       headers={"Authorization": f"Bearer {ADMIN_KEY}"}).raise_for_status()
+            # Every side's worker and the gateway (and vllm serve) must stay up: a dead one fails the run with its log.
+            def watch() -> str | None:
+                if bare is not None and (said := bare.exited()) is not None:
+                    return said
+                return dead_services(system.services)
+
             for side, (url, key) in urls.items():  # warm-up, not reported
-                asyncio.run(level(url, key, SERVED[side], reqs, 2, 2, side))
+                asyncio.run(level(url, key, SERVED[side], reqs, 2, 2, side, watch))
             for concurrency, num in plan:
                 for side, (url, key) in urls.items():
-                    rows.append(asyncio.run(level(url, key, SERVED[side], reqs, concurrency, num, side)))
+                    rows.append(asyncio.run(level(url, key, SERVED[side], reqs, concurrency, num, side, watch)))
     finally:
         if bare is not None:
             bare.stop()
